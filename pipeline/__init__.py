@@ -1,0 +1,1 @@
+"""pipeserve framework: config, engine, scheduler, request state, metrics, HTTP adapters."""

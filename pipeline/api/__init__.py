@@ -1,0 +1,1 @@
+"""Protocol adapters: HTTP bodies ⇄ the protocol-neutral Request and its events."""

@@ -1,0 +1,279 @@
+"""OpenAI adapter: /v1/chat/completions and /v1/completions bodies → Request fields, and
+pieces of output → response bodies and stream chunks shaped as OpenAI's API reference.
+Event loop; pure Python."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pipeline.api import fields as F
+from pipeline.errors import InvalidRequest
+from pipeline.request import PromptInput, TokenLogprob
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Parsed:
+    inputs: PromptInput
+    requested: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """Sampling fields shared by both endpoints (OpenAI's plus mlx-lm/vLLM extensions)."""
+    out = {
+        "temperature": F.get(body, "temperature", float),
+        "top_p": F.get(body, "top_p", float),
+        "top_k": F.get(body, "top_k", int),
+        "min_p": F.get(body, "min_p", float),
+        "repetition_penalty": F.get(body, "repetition_penalty", float),
+        "penalty_context_size": F.get(body, "repetition_context_size", int),
+        "presence_penalty": F.get(body, "presence_penalty", float),
+        "frequency_penalty": F.get(body, "frequency_penalty", float),
+        "xtc_probability": F.get(body, "xtc_probability", float),
+        "xtc_threshold": F.get(body, "xtc_threshold", float),
+        "seed": F.get(body, "seed", int),
+        "logit_bias": F.logit_bias(body),
+        "stop": F.stop_list(body),
+    }
+    n = F.get(body, "n", int, 1)
+    if n != 1:
+        raise InvalidRequest(f"n is {n}; this server returns one choice per request (n=1)",
+                             param="n")
+    return out
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = F.get(body, "stream", bool, False)
+    opts = F.get(body, "stream_options", dict) or {}
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise InvalidRequest("stream_options.include_usage must be a boolean",
+                             param="stream_options")
+    return stream, include
+
+
+def parse_chat(body: dict[str, Any]) -> Parsed:
+    messages = F.get(body, "messages", list)
+    if not messages:
+        raise InvalidRequest("messages must be a non-empty array of chat messages",
+                             param="messages")
+    requested = _sampling(body)
+    max_tokens = F.get(body, "max_completion_tokens", int)
+    requested["max_tokens"] = max_tokens if max_tokens is not None else F.get(body, "max_tokens", int)
+    logprobs = F.get(body, "logprobs", bool, False)
+    top = F.get(body, "top_logprobs", int)
+    if top is not None and not logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    requested["logprobs"] = logprobs
+    requested["top_logprobs"] = top or 0
+    fmt = F.get(body, "response_format", dict)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise InvalidRequest(
+            f"response_format type '{fmt.get('type')}' is not supported yet; only 'text' is",
+            param="response_format")
+    tools = F.get(body, "tools", list)
+    kwargs = F.get(body, "chat_template_kwargs", dict) or {}
+    stream, include = _stream_flags(body)
+    return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
+                              tools=tools or None, template_kwargs=kwargs),
+                  requested, stream, include)
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"{where} must be an object with role and content", param="messages")
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}",
+                             param="messages")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": _content(m.get("content"), where)}
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or an array of parts",
+                             param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}.content[{j}] has type {kind!r}; this model takes "
+                                 "text parts only", param="messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"{where} needs function.name", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {e}",
+                                 param="messages") from e
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
+
+
+def parse_completion(body: dict[str, Any]) -> Parsed:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        inputs = PromptInput(text=prompt)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        inputs = PromptInput(token_ids=list(prompt))
+    elif prompt is None:
+        raise InvalidRequest("prompt is required", param="prompt")
+    else:
+        raise InvalidRequest("prompt must be a string or an array of token ids (one prompt per "
+                             "request)", param="prompt")
+    for name in ("suffix",):
+        if body.get(name) is not None:
+            raise InvalidRequest(f"{name} is not supported", param=name)
+    best_of = F.get(body, "best_of", int, 1)
+    if best_of != 1:
+        raise InvalidRequest(f"best_of is {best_of}; only 1 is supported", param="best_of")
+    requested = _sampling(body)
+    requested["max_tokens"] = F.get(body, "max_tokens", int, 16)  # OpenAI's default here
+    logprobs = F.get(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise InvalidRequest(f"logprobs is {logprobs}; allowed range is [0, 5]", param="logprobs")
+    requested["logprobs"] = logprobs is not None
+    requested["top_logprobs"] = logprobs or 0
+    stream, include = _stream_flags(body)
+    return Parsed(inputs, requested, stream, include, echo=F.get(body, "echo", bool, False))
+
+
+# -- responses -------------------------------------------------------------------------
+TokenInfo = Callable[[int], tuple[str, bytes]]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class ChatShape:
+    """Builds chat.completion bodies and chat.completion.chunk events for one request."""
+
+    response_id: str
+    model: str
+    token_info: TokenInfo
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, lp: float) -> dict[str, Any]:
+            text, raw = self.token_info(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(raw)}
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps],
+                "refusal": None}
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None,
+              lps: list[TokenLogprob] | None = None, usage: Usage | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "system_fingerprint": self.fingerprint,
+            "choices": [{"index": 0, "delta": delta,
+                         "logprobs": self.logprobs(lps) if lps else None,
+                         "finish_reason": finish}]}
+        if usage is not None:
+            out["usage"] = usage.to_dict()
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion.chunk",
+                "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": [], "usage": usage.to_dict()}
+
+    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None,
+             usage: Usage) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": self.fingerprint,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": self.logprobs(lps) if lps is not None else None,
+                             "finish_reason": finish}],
+                "usage": usage.to_dict()}
+
+
+@dataclass
+class CompletionShape:
+    """Builds text_completion bodies and stream events (legacy logprobs shape)."""
+
+    response_id: str
+    model: str
+    token_info: TokenInfo
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    offset: int = 0   # characters emitted so far, for text_offset
+
+    def logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for t in lps:
+            text, _ = self.token_info(t.token_id)
+            tokens.append(text)
+            values.append(t.logprob)
+            tops.append({self.token_info(i)[0]: v for i, v in t.top})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def chunk(self, text: str, finish: str | None = None, lps: list[TokenLogprob] | None = None,
+              usage: Usage | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.response_id, "object": "text_completion", "created": self.created,
+            "model": self.model, "system_fingerprint": self.fingerprint,
+            "choices": [{"index": 0, "text": text,
+                         "logprobs": self.logprobs(lps) if lps else None,
+                         "finish_reason": finish}]}
+        if usage is not None:
+            out["usage"] = usage.to_dict()
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": self.fingerprint, "choices": [],
+                "usage": usage.to_dict()}
+
+    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None,
+             usage: Usage) -> dict[str, Any]:
+        out = self.chunk(text, finish, lps, usage)
+        if lps is not None and not lps:
+            out["choices"][0]["logprobs"] = self.logprobs([])
+        return out
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

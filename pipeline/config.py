@@ -1,0 +1,277 @@
+"""Typed configuration: one dataclass schema per config group option, registered in Hydra's
+ConfigStore, and load_config() which turns a composed DictConfig into checked objects.
+Runs at launch on the main thread, before any model load."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from pipeline.errors import ConfigError
+
+
+class Arch(Enum):
+    qwen3 = "qwen3"
+    llama = "llama"
+    gemma3 = "gemma3"
+    qwen3_next = "qwen3_next"
+
+
+class ModelSize(Enum):
+    tiny = "tiny"    # 2 layers, hidden 64: tests
+    small = "small"  # ~35M parameters
+    base = "base"    # >100M parameters: benchmarks
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class LogFormat(Enum):
+    text = "text"
+    json = "json"
+
+
+def _positive(name: str, value: float | int | None, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"                 # model id served in /v1/models and responses
+    path: Optional[str] = None         # local dir or Hugging Face id (local cache only); unset = generated
+    arch: Arch = Arch.qwen3            # architecture of the generated model when path is unset
+    size: ModelSize = ModelSize.tiny   # size of the generated model when path is unset
+    dtype: DType = DType.float32       # dtype of the generated model when path is unset
+    revision: Optional[str] = None     # revision of a Hugging Face id in the local cache
+    trust_remote_code: bool = False
+    chat_template: Optional[str] = None  # Jinja text, or a path to a .jinja file; overrides the model's
+    max_context: Optional[int] = None    # tokens; default: the model's max_position_embeddings
+    use_generation_config: bool = True   # let generation_config.json fill omitted sampling fields
+    cache_dir: Optional[str] = None      # where generated models go; default ~/.cache/pipeserve/models
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("model.name must be a non-empty string")
+        _positive("model.max_context", self.max_context)
+
+
+@dataclass
+class SchedulerConfig:
+    _target_: str = MISSING
+    max_batch: int = 1          # rows decoded together; a cap, not a minimum
+    prefill_chunk: int = 2048   # prompt tokens per prefill chunk; each chunk is evaluated before the next
+    prefill_budget: Optional[int] = None  # prompt tokens of prefill per step (unset = one chunk)
+
+    def __post_init__(self) -> None:
+        _positive("scheduler.max_batch", self.max_batch, allow_none=False)
+        _positive("scheduler.prefill_chunk", self.prefill_chunk, allow_none=False)
+        _positive("scheduler.prefill_budget", self.prefill_budget)
+
+
+@dataclass
+class SerialSchedulerConfig(SchedulerConfig):
+    _target_: str = "pipeline.scheduler.SerialScheduler"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_batch != 1:
+            raise ConfigError(
+                f"scheduler.max_batch must be 1 with scheduler=serial, got {self.max_batch}")
+
+
+@dataclass
+class SamplingConfig:
+    """Server-wide sampling defaults; unset fields fall back to generation_config.json."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    penalty_context_size: int = 20   # tokens of history the penalties look at
+
+    def __post_init__(self) -> None:
+        t, p, m = self.temperature, self.top_p, self.min_p
+        if t is not None and not 0 <= t <= 2:
+            raise ConfigError(f"sampling.temperature must be in [0, 2], got {t}")
+        if p is not None and not 0 < p <= 1:
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {p}")
+        if m is not None and not 0 <= m <= 1:
+            raise ConfigError(f"sampling.min_p must be in [0, 1], got {m}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        _positive("sampling.repetition_penalty", self.repetition_penalty)
+        _positive("sampling.penalty_context_size", self.penalty_context_size, allow_none=False)
+
+
+@dataclass
+class AdmissionConfig:
+    _target_: str = MISSING
+    max_queue: int = 64                     # waiting requests; beyond it 429 with Retry-After
+    max_context: Optional[int] = None       # tokens (prompt + output); default: the model's
+    max_tokens_default: Optional[int] = None  # output cap when a request omits max_tokens
+    max_stop: int = 16                      # stop strings per request
+    max_top_logprobs: int = 20              # OpenAI's limit
+    memory_budget_gb: Optional[float] = None  # decimal GB; opt-in enforced budget
+    kv_budget_gb: Optional[float] = None      # decimal GB of KV across rows
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ConfigError(f"admission.max_queue must be >= 0, got {self.max_queue}")
+        _positive("admission.max_context", self.max_context)
+        _positive("admission.max_tokens_default", self.max_tokens_default)
+        _positive("admission.memory_budget_gb", self.memory_budget_gb)
+        _positive("admission.kv_budget_gb", self.kv_budget_gb)
+
+
+@dataclass
+class AdvisoryAdmissionConfig(AdmissionConfig):
+    _target_: str = "stages.admission.Admission"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_budget_gb is not None or self.kv_budget_gb is not None:
+            raise ConfigError(
+                "admission=advisory never enforces a budget; use admission=budget "
+                "to set admission.memory_budget_gb or admission.kv_budget_gb")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: Optional[str] = None     # when set, requests need `Authorization: Bearer <key>`
+    admin_key: Optional[str] = None   # guards /admin/* when set
+    max_body_mb: float = 16.0         # request bodies above this get 413
+    shutdown_timeout_s: float = 120.0  # how long SIGTERM waits for active requests
+    cors_origins: list[str] = field(default_factory=list)  # Access-Control-Allow-Origin values
+    log_format: LogFormat = LogFormat.text
+    keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
+        _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
+        _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
+
+
+@dataclass
+class StageConfig:
+    """One slot of the pipeline: which class fills it. Tunables live in their groups."""
+
+    _target_: str = MISSING
+
+
+def _slot(target: str) -> Any:
+    return field(default_factory=lambda: StageConfig(_target_=target))
+
+
+@dataclass
+class PipelineConfig:
+    """The fixed slots, in order: request stages (event loop), then step stages (engine)."""
+
+    tokenize: StageConfig = _slot("stages.tokenize.Tokenize")
+    prefill: StageConfig = _slot("stages.prefill.Prefill")
+    sample: StageConfig = _slot("stages.sample.Sample")
+    detokenize: StageConfig = _slot("stages.detokenize.Detokenize")
+
+    @property
+    def step_slots(self) -> list[StageConfig]:
+        return [self.prefill, self.sample]
+
+
+@dataclass
+class ServeConfig:
+    model: ModelConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    sampling: SamplingConfig = MISSING
+    admission: AdmissionConfig = MISSING
+    server: ServerConfig = MISSING
+    pipeline: PipelineConfig = MISSING
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"model": ModelConfig},
+    "scheduler": {"serial": SerialSchedulerConfig},
+    "sampling": {"sampling": SamplingConfig},
+    "admission": {"advisory": AdvisoryAdmissionConfig},
+    "server": {"server": ServerConfig},
+    "pipeline": {"pipeline": PipelineConfig},
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="serve_schema", node=ServeConfig)
+    for group, options in SCHEMAS.items():
+        for name, node in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+def _check_keys(node: Any, path: str) -> None:
+    """Reject keys that are not fields of their dataclass (`+x.y=...` gets past Hydra)."""
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        allowed = {f.name for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            if key not in allowed:
+                where = f"{path}.{key}" if path else str(key)
+                raise ConfigError(
+                    f"unknown config key '{where}'; {schema.__name__} has: {', '.join(sorted(allowed))}")
+    for key in node.keys():
+        _check_keys(node._get_node(key), f"{path}.{key}" if path else str(key))
+
+
+def _import_target(target: str, where: str) -> None:
+    module, _, name = target.rpartition(".")
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{where}._target_ '{target}' cannot be imported: {e}") from e
+
+
+def load_config(cfg: DictConfig) -> ServeConfig:
+    """Composed DictConfig → checked ServeConfig. Raises ConfigError naming key and value."""
+    _check_keys(cfg, "")
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # OmegaConf's validation errors carry the key and value
+        raise ConfigError(str(e)) from e
+    assert isinstance(typed, ServeConfig)
+    _import_target(typed.scheduler._target_, "scheduler")
+    _import_target(typed.admission._target_, "admission")
+    for name in ("tokenize", "prefill", "sample", "detokenize"):
+        _import_target(getattr(typed.pipeline, name)._target_, f"pipeline.{name}")
+    return typed
+
+
+def config_hash(cfg: DictConfig | ServeConfig) -> str:
+    """Short stable hash of the resolved config, for build info and reproducibility."""
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    text = OmegaConf.to_yaml(node, resolve=True, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def build(target: str, *args: Any) -> Any:
+    """Instantiate the class named by a `_target_` string with *args."""
+    module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)(*args)

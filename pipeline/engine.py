@@ -1,0 +1,231 @@
+"""Engine: the one thread that owns MLX — it loads the model, builds the step stages, and runs
+the step loop. Public methods may be called from any thread; everything else is engine-only."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from enum import Enum
+from typing import Any
+
+from pipeline.config import ServeConfig, build
+from pipeline.errors import EngineUnavailable, ServeError, StageError
+from pipeline.events import Abort, Failed, Finished, Submit, TokenDelta
+from pipeline.loader import LoadedModel, load
+from pipeline.metrics import Metrics
+from pipeline.request import Request
+from pipeline.scheduler import StepResult
+from pipeline.stage import Batch, EngineContext, StepStage
+from pipeline.stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class Engine:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.state = EngineState.LOADING
+        self.loaded: LoadedModel | None = None
+        self.startup_error: BaseException | None = None
+        self.scheduler: Any = build(cfg.scheduler._target_, cfg)
+        self._inbox: queue.SimpleQueue[Submit | Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._ready = threading.Event()
+        self._stopping = False
+        self._num_submitted = 0   # written by submitters only
+        self._num_left_queue = 0  # written by the engine only: left the queue (ran or aborted)
+        self._num_done = 0        # written by the engine only: finished or failed
+        self._num_added = 0
+        self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
+
+    # -- any thread -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start loading in the engine thread; returns at once (see wait_ready)."""
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded or failed; True when ready."""
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet scheduled (inbox + scheduler queue)."""
+        return self._num_submitted - self._num_left_queue
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_submitted - self._num_done
+
+    def submit(self, request: Request, stream: RequestStream) -> None:
+        if self.state is not EngineState.READY:
+            raise EngineUnavailable(f"engine is {self.state.value}")
+        self._num_submitted += 1
+        self._inbox.put(Submit(request, stream))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(Abort(request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            stages = self._load()
+        except BaseException as e:  # the startup boundary: keep the error for start()'s caller
+            log.exception("model load failed")
+            self.startup_error = e
+            self.state = EngineState.DEAD
+            self._ready.set()
+            return
+        self.state = EngineState.READY
+        self.metrics.engine_up.set(1)
+        self._ready.set()
+        try:
+            self._loop(stages)
+        except Exception as e:  # the engine cannot go on: fail everything in flight
+            log.exception("engine loop died")
+            self._die(e)
+        finally:
+            self.metrics.engine_up.set(0)
+            if self.state is EngineState.READY:
+                self.state = EngineState.STOPPED
+
+    def _load(self) -> list[StepStage]:
+        import mlx.core as mx
+        self.loaded = load(self.cfg.model)
+        ctx = EngineContext(self.cfg, self.loaded, self.metrics)
+        self.device = str(mx.default_device())
+        return [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+
+    def _loop(self, stages: list[StepStage]) -> None:
+        import mlx.core as mx
+        sched = self.scheduler
+        pending: Batch | None = None   # last step, queued on the device, not yet read back
+        steps = 0
+        while not self._stopping:
+            self._drain_inbox(block=pending is None and not sched.has_work())
+            if self._stopping:
+                break
+            batch = sched.schedule()
+            self._count_waiting()
+            if batch is not None:
+                try:
+                    self._run_stages(stages, batch)
+                    mx.async_eval(batch.outputs())
+                except Exception as e:  # a step failure fails that batch only
+                    self._fail_batch(batch, e)
+                    batch = None
+            if pending is not None:
+                self._update(pending)
+            pending = batch if batch is not None and batch.sample_rows else None
+            steps += 1
+            if steps % 256 == 0:
+                mx.clear_cache()
+                self._sample_memory()
+        self._sample_memory()
+
+    def _run_stages(self, stages: list[StepStage], batch: Batch) -> None:
+        self.metrics.batch_size.observe(batch.size)
+        for stage in stages:
+            t0 = time.perf_counter()
+            stage(batch)
+            self.metrics.stage_seconds.labels(stage.name).observe(time.perf_counter() - t0)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            phase = "decode" if req.num_computed_tokens > req.num_prompt_tokens - 1 else "prefill"
+            self.metrics.step_tokens.labels(phase).inc(n)
+
+    def _update(self, batch: Batch) -> None:
+        try:
+            result = StepResult(
+                token_ids=batch.sampled_ids.tolist(),
+                logprobs=batch.logprobs.tolist() if batch.logprobs is not None else None,
+                top=[list(zip(i, v)) for i, v in zip(batch.top_ids.tolist(),
+                                                     batch.top_logprobs.tolist())]
+                if batch.top_ids is not None else None)
+        except Exception as e:
+            self._fail_batch(batch, e)
+            return
+        now = time.perf_counter()
+        for req, event in self.scheduler.update(batch, result):
+            if isinstance(event, TokenDelta):
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                    self.metrics.ttft.observe(now - req.arrival_s)
+                else:
+                    self.metrics.itl.observe(now - req.last_token_s)
+                req.last_token_s = now
+            self._post(req.request_id, event)
+        self.metrics.active_rows.set(len(self.scheduler.running))
+
+    def _post(self, request_id: str, event: TokenDelta | Finished | Failed) -> None:
+        stream = self._streams.get(request_id)
+        if isinstance(event, (Finished, Failed)):
+            self._streams.pop(request_id, None)
+            self._num_done += 1
+            if isinstance(event, Finished):
+                self.metrics.generation_tokens.inc(event.num_output_tokens)
+                self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
+        if stream is not None:
+            stream.post(event)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            block = False
+            if cmd is None:
+                return
+            if isinstance(cmd, Submit):
+                self._streams[cmd.request.request_id] = cmd.stream
+                self.scheduler.add(cmd.request)
+                self._num_added += 1
+            else:
+                req = self.scheduler.abort(cmd.request_id)
+                if req is not None:
+                    self._post(req.request_id, Finished(req.request_id, cmd.reason,
+                                                        req.num_prompt_tokens, len(req.output_ids)))
+            self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        waiting = len(self.scheduler.waiting)
+        self._num_left_queue = self._num_added - waiting
+        self.metrics.queue_depth.set(waiting)
+
+    def _fail_batch(self, batch: Batch, cause: Exception) -> None:
+        ids = [r.request_id for r in batch.requests]
+        log.exception("step failed for %d request(s): %s", len(ids), ", ".join(ids))
+        err = StageError("step", ids, cause)
+        for req in batch.requests:
+            if self.scheduler.abort(req.request_id) is not None:
+                self._post(req.request_id, Failed(req.request_id, err))
+
+    def _die(self, cause: Exception) -> None:
+        self.state = EngineState.DEAD
+        err = EngineUnavailable(f"engine died: {cause!r}")
+        for req in self.scheduler.fail_all():
+            self._post(req.request_id, Failed(req.request_id, err))
+
+    def _sample_memory(self) -> None:
+        import mlx.core as mx
+        self.metrics.mlx_memory.labels("active").set(mx.get_active_memory())
+        self.metrics.mlx_memory.labels("cache").set(mx.get_cache_memory())
+        self.metrics.mlx_memory.labels("peak").set(mx.get_peak_memory())
+
+
+__all__ = ["Engine", "EngineState", "ServeError"]

@@ -1,0 +1,71 @@
+"""Error types of the framework and the HTTP status each maps to. Any thread."""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; raised at launch, before any model load."""
+
+
+class ServeError(Exception):
+    """Base of the errors a request can end with; carries its HTTP status and type."""
+
+    status: int = 500
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(ServeError):
+    """Bad input: a field of the wrong type, out of range, or too large (400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(ServeError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(ServeError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(ServeError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class AdmissionRejected(ServeError):
+    """The server cannot take the request now (429); `retry_after_s` tells when to retry."""
+
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(ServeError):
+    """The engine is loading, draining or dead (503)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+
+class StageError(ServeError):
+    """A fault inside a step stage; fails that step's requests (500)."""
+
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, stage: str, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"stage {stage} failed for {len(request_ids)} request(s): {cause!r}")
+        self.stage = stage
+        self.request_ids = request_ids

@@ -1,0 +1,50 @@
+"""Commands into the engine and events out of it. Commands: any thread → engine inbox;
+events: engine thread → RequestStream on the event loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeline.errors import ServeError
+from pipeline.request import FinishReason, Request, TokenLogprob
+
+if TYPE_CHECKING:
+    from pipeline.stream import RequestStream
+
+
+@dataclass(slots=True)
+class Submit:
+    request: Request
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class Finished:
+    request_id: str
+    reason: FinishReason
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    extras: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Failed:
+    request_id: str
+    error: ServeError
+
+
+Event = TokenDelta | Finished | Failed

@@ -1,0 +1,99 @@
+"""Model loading: resolve model.path (a local dir, or a Hugging Face id found in the local cache
+only) or generate the embedded model, then load weights and tokenizer through mlx-lm.
+Runs on the engine thread (weights become MLX arrays there)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ModelConfig
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# generation_config.json keys a server honours, mapped to SamplingParams fields.
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any                 # mlx_lm TokenizerWrapper
+    path: Path
+    config: dict[str, Any]
+    fingerprint: str               # hash of config + weight file names and sizes
+    max_context: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    num_params: int = 0
+    weight_bytes: int = 0
+
+
+def resolve_path(cfg: ModelConfig) -> Path:
+    """model.path → a local directory; never touches the network."""
+    if cfg.path is None:
+        from pipeline.tiny import ensure_model
+        return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)
+    local = Path(cfg.path).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise ConfigError(f"model.path '{cfg.path}' has no config.json; point it at a model directory")
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError) as e:
+        raise ConfigError(
+            f"model.path '{cfg.path}' is neither a local directory nor in the local Hugging Face "
+            "cache (pipeserve never downloads); download it first, e.g. "
+            f"`huggingface-cli download {cfg.path}`") from e
+
+
+def _fingerprint(path: Path) -> str:
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _generation_defaults(path: Path) -> dict[str, Any]:
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return {}
+    raw = json.loads(gen.read_text())
+    return {ours: raw[theirs] for theirs, ours in GENERATION_KEYS.items() if raw.get(theirs) is not None}
+
+
+def _chat_template(value: str) -> str:
+    p = Path(value).expanduser()
+    return p.read_text() if len(value) < 4096 and p.is_file() else value
+
+
+def load(cfg: ModelConfig) -> LoadedModel:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = resolve_path(cfg)
+    log.info("loading model %s from %s", cfg.name, path)
+    model, config = load_model(path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    if cfg.chat_template is not None:
+        tokenizer._tokenizer.chat_template = _chat_template(cfg.chat_template)
+    text_cfg = config.get("text_config", config)
+    native = int(text_cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
+    params = tree_flatten(model.parameters())
+    mx.eval(model.parameters())
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, path=path, config=config,
+        fingerprint=_fingerprint(path),
+        max_context=cfg.max_context or native,
+        generation_defaults=_generation_defaults(path) if cfg.use_generation_config else {},
+        num_params=sum(v.size for _, v in params),
+        weight_bytes=sum(v.nbytes for _, v in params),
+    )

@@ -1,0 +1,104 @@
+"""Per-request state: what the client asked for and how far the engine got.
+Built on the event loop; after Submit only the engine thread touches it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"        # a stop token or stop string
+    LENGTH = "length"    # max_tokens or the context limit
+    ABORT = "abort"      # the client went away
+    ERROR = "error"      # a fault; the stream got a Failed event
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Resolved sampling settings of one request (request > server config > generation_config)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repetition_penalty: float = 1.0  # multiplicative, 1.0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context_size: int = 20   # tokens of history the penalties look at
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class PromptInput:
+    """What the client sent, protocol-neutral; the tokenize stage turns it into ids."""
+
+    messages: list[dict[str, Any]] | None = None   # chat turns, already normalised
+    text: str | None = None                         # a raw completion prompt
+    token_ids: list[int] | None = None              # a pre-tokenised completion prompt
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation. Fields below `engine state` belong to the engine thread after Submit."""
+
+    request_id: str
+    endpoint: str
+    inputs: PromptInput
+    requested: dict[str, Any] = field(default_factory=dict)  # sampling fields the client set
+    prompt_ids: list[int] = field(default_factory=list)       # set by tokenize
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # set by admission
+    stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
+    arrival_s: float = field(default_factory=time.perf_counter)
+    # engine state
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0      # tokens whose KV is in `cache`
+    num_scheduled_outputs: int = 0    # decode steps queued (may run one ahead of output_ids)
+    finish_reason: FinishReason | None = None
+    cache: Any = None                 # per-layer KV list of this row; owned by the engine
+    row_state: Any = None             # per-row sampling state (rng key, history), set by sample
+    next_input: Any = None            # mx.array of the token to feed next; set by sample
+    first_token_s: float | None = None
+    last_token_s: float = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until every prompt token but the last is in the cache."""
+        return self.num_computed_tokens < self.num_prompt_tokens - 1

@@ -1,0 +1,127 @@
+"""Who runs in the next engine step, with how many tokens; and what the results mean.
+Engine thread only; imports no mlx (results arrive as host lists)."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pipeline.config import ServeConfig
+from pipeline.events import Event, Finished, TokenDelta
+from pipeline.request import FinishReason, Request, RequestStatus, TokenLogprob
+from pipeline.stage import Batch
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Host copies of one step's sampled outputs, one entry per sample row."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+
+
+class SerialScheduler:
+    """FIFO, one request at a time. A request's prompt (all but the last token) is prefilled
+    in chunks of `prefill_chunk`; then each step feeds one token and samples one.
+    Decode steps may be queued one ahead of the results (`num_scheduled_outputs`)."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.chunk = cfg.scheduler.prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is; returns it (status FINISHED) or None if unknown."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.ABORT)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self._finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def fail_all(self) -> list[Request]:
+        reqs = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        for req in reqs:
+            self._finish(req, FinishReason.ERROR)
+        return reqs
+
+    # -- stepping ---------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        if not self.running and self.waiting:
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        rows: list[Request] = []
+        counts: list[int] = []
+        for req in self.running:
+            n = self._tokens_for(req)
+            if n:
+                rows.append(req)
+                counts.append(n)
+        if not rows:
+            return None
+        for req, n in zip(rows, counts):
+            if req.in_prefill:
+                req.num_computed_tokens += n
+            else:
+                req.num_computed_tokens += 1
+                req.num_scheduled_outputs += 1
+        return Batch(requests=rows, num_new_tokens=counts)
+
+    def _tokens_for(self, req: Request) -> int:
+        if req.in_prefill:
+            return min(self.chunk, req.num_prompt_tokens - 1 - req.num_computed_tokens)
+        return 1 if req.num_scheduled_outputs < req.sampling.max_tokens else 0
+
+    def update(self, batch: Batch, result: StepResult) -> Iterable[tuple[Request, Event]]:
+        """Apply a step's sampled tokens; yield (request, event) pairs to post."""
+        for i, row in enumerate(batch.sample_rows):
+            req = batch.requests[row]
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished while this step was in flight; its token is discarded
+            token = result.token_ids[i]
+            if token in req.stop_token_ids:
+                self.running.remove(req)
+                self._finish(req, FinishReason.STOP)
+                yield req, self._finished(req)
+                continue
+            req.output_ids.append(token)
+            lp = None
+            if req.sampling.logprobs and result.logprobs is not None:
+                top = result.top[i][: req.sampling.top_logprobs] if result.top else []
+                lp = [TokenLogprob(token, result.logprobs[i], top)]
+            yield req, TokenDelta(req.request_id, [token], lp)
+            if len(req.output_ids) >= req.sampling.max_tokens:
+                self.running.remove(req)
+                self._finish(req, FinishReason.LENGTH)
+                yield req, self._finished(req)
+
+    @staticmethod
+    def _finish(req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.cache = None
+        req.row_state = None
+        req.next_input = None
+
+    @staticmethod
+    def _finished(req: Request) -> Finished:
+        assert req.finish_reason is not None
+        return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
+                        len(req.output_ids))

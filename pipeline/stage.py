@@ -1,0 +1,66 @@
+"""Stage protocols, the per-step Batch and the EngineContext step stages are built with.
+Request stages run on the event loop; step stages run on the engine thread."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from pipeline.request import Request
+
+if TYPE_CHECKING:
+    from pipeline.config import ServeConfig
+    from pipeline.loader import LoadedModel
+    from pipeline.metrics import Metrics
+
+
+class RequestStage(Protocol):
+    """Event loop, once per request; never imports mlx.
+    Returns the request, enriched, or raises InvalidRequest / AdmissionRejected."""
+
+    async def __call__(self, request: Request) -> Request: ...
+
+
+class StepStage(Protocol):
+    """Engine thread, once per step; reads and writes named fields of `batch`.
+    Must not block on results: leave arrays lazy, the engine evaluates them."""
+
+    name: ClassVar[str]
+
+    def __call__(self, batch: Batch) -> None: ...
+
+
+@dataclass
+class EngineContext:
+    """What step stages are built with, on the engine thread after the model loads."""
+
+    cfg: ServeConfig
+    loaded: LoadedModel
+    metrics: Metrics
+
+    @property
+    def model(self) -> Any:
+        return self.loaded.model
+
+
+@dataclass(slots=True)
+class Batch:
+    """One engine step. The scheduler fills the first two fields; each later field names
+    the stage that sets it. Arrays stay lazy until the engine evaluates the step."""
+
+    requests: list[Request]              # set by scheduler: rows of this step
+    num_new_tokens: list[int]            # set by scheduler: tokens each row computes now
+    sample_rows: list[int] = field(default_factory=list)  # set by prefill: rows that sample
+    logits: Any = None                   # set by prefill: (len(sample_rows), vocab) last logits
+    sampled_ids: Any = None              # set by sample: (len(sample_rows),) int32
+    logprobs: Any = None                 # set by sample: chosen-token logprob per sample row
+    top_ids: Any = None                  # set by sample: (rows, k) ids, when any row asks
+    top_logprobs: Any = None             # set by sample: (rows, k) logprobs, when any row asks
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+    def outputs(self) -> list[Any]:
+        """Arrays the engine evaluates at the end of the step."""
+        return [a for a in (self.sampled_ids, self.logprobs, self.top_ids, self.top_logprobs)
+                if a is not None]

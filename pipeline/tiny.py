@@ -1,0 +1,274 @@
+"""Owns the generated test/benchmark models: deterministic random-weight mlx_lm directories + a byte-level BPE.
+Called on the engine thread; weights are numpy (mlx only builds shapes and writes safetensors), so any thread works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next")
+SIZES = ("tiny", "small", "base")
+DTYPES = ("float32", "bfloat16", "float16")
+FORMAT_VERSION = 1
+SEED = 20240611
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+CORPUS = """\
+The morning train left the station at seven, and the passengers settled into their seats with coffee and newspapers. \
+Outside the window, fields of wheat rolled past under a pale sky, and a farmer waved from a red tractor near the river.
+A good server answers every request quickly, streams tokens as soon as they are ready, and never blocks the event loop. \
+When the queue is full it says so politely instead of failing silently; when a client disconnects it frees the cache.
+She opened the old notebook and read the first line again: "Write what you see, not what you expect to see." \
+The handwriting was her grandmother's, small and careful, and the ink had faded to the colour of weak tea.
+In the quiet library, students whispered about exams, recipes, football scores and the weather in distant cities. \
+Somebody asked whether the museum would open on Sunday; nobody knew, so they checked the website together.
+Numbers appear everywhere: 3.14159, 2.71828, 1024, 4096, 65536, the year 1999, room 42 and the price $19.99.
+Questions, answers, lists and short notes: What time is it? It is half past three. Where are my keys? On the table.
+Unicode matters too: a café in Zürich served crème brûlée to a naïve tourist; the façade was painted jaune.
+日本語のテキストも少し含めます。東京は大きな都市です。中文也可以：你好，世界。Привет, мир! Γειά σου κόσμε.
+Emoji show up in chat messages 🙂 🚀 🎉 👍 ❤️ and the tokenizer must keep every byte of them intact. ✨ ✅ 🌍
+def fibonacci(n: int) -> list[int]:
+    \"\"\"Return the first n Fibonacci numbers.\"\"\"
+    result = [0, 1]
+    while len(result) < n:
+        result.append(result[-1] + result[-2])
+    return result[:n]
+
+for index, value in enumerate(fibonacci(10)):
+    print(f"{index}: {value}")
+
+class Request:
+    def __init__(self, prompt: str, max_tokens: int = 16) -> None:
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+
+    def is_done(self) -> bool:
+        return len(self.tokens) >= self.max_tokens
+
+function add(a, b) { return a + b; }
+const items = [1, 2, 3].map((x) => x * 2).filter((x) => x > 2);
+if (items.length > 0 && items[0] !== null) { console.log("ok", items); } else { throw new Error("empty"); }
+SELECT name, count(*) FROM users WHERE created_at > '2024-01-01' GROUP BY name ORDER BY count(*) DESC;
+{"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "temperature": 0.7, "stream": true}
+{"id": "chatcmpl-123", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop"}]}
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}, "required": ["city"]}
+{"usage": {"prompt_tokens": 12, "completion_tokens": 34, "total_tokens": 46}, "error": null, "ok": false}
+The assistant thought for a moment and then replied: "I can help with that. First, let us read the file; \
+then we will count the words, sort them by frequency, and print the ten most common ones with their counts."
+Rain fell on the roof all night. By dawn the streets were clean, the air smelled of wet stone and bread, \
+and the bakery on the corner had already sold most of its croissants to people hurrying to work.
+The user said hello. The model said hello back. They talked about books, music, travel, history and science, \
+and the conversation went on until the battery of the small laptop finally died with a short beep.
+"""
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer() -> Any:
+    """Train the shared byte-level BPE (deterministic) and return a `tokenizers.Tokenizer`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(ADDED_TOKENS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    return tok
+
+
+def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
+    dims = {  # layers, hidden, heads, kv heads, head_dim, intermediate
+        "tiny": (2, 64, 4, 2, 16, 128),
+        "small": (8, 512, 8, 4, 64, 2048),
+        "base": (12, 768, 12, 4, 64, 3072),
+    }[size]
+    layers, hidden, heads, kv_heads, head_dim, inter = dims
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False,
+        "hidden_act": "silu", "bos_token_id": None, "pad_token_id": eos[1], "eos_token_id": eos,
+    }
+    if arch == "qwen3":
+        cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    elif arch == "llama":
+        cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=500000.0,
+                   mlp_bias=False)
+    elif arch == "gemma3":
+        cfg.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                   hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                   sliding_window=32, sliding_window_pattern=2, rope_local_base_freq=10000.0)
+        del cfg["hidden_act"]
+    elif arch == "qwen3_next":
+        cfg.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
+                   num_hidden_layers=4, full_attention_interval=4, partial_rotary_factor=0.25,
+                   linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
+                   num_experts_per_tok=1, decoder_sparse_step=1, mlp_only_layers=[],
+                   shared_expert_intermediate_size=inter, moe_intermediate_size=inter)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    return cfg
+
+
+EMBED_SCALE = 4.0  # tied logits are norm(h) @ E.T: std EMBED_SCALE/sqrt(hidden) -> logit std ~4
+# Residual branches outweigh the token embedding, so greedy text does not just repeat the last token.
+BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0}
+_BRANCH_OUT = ("o_proj", "down_proj", "out_proj")
+GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+def _fill(name: str, shape: tuple[int, ...], arch: str, hidden: int) -> np.ndarray:
+    """Deterministic numpy value of one parameter, seeded by (SEED, crc32(name))."""
+    rng = np.random.default_rng([SEED, zlib.crc32(name.encode())])
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and len(shape) == 1:
+        if arch != "gemma3":
+            return np.ones(shape, np.float32)
+        # gemma3 RMSNorm computes x * (1 + w); its post-branch norms carry the branch gain.
+        gain = BRANCH_GAIN[arch] if any(k in name for k in GEMMA_POST_NORMS) else 1.0
+        return np.full(shape, gain - 1.0, np.float32)
+    if leaf == "A_log":  # GatedDeltaNet decay, as in the reference init
+        return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
+    if leaf == "dt_bias":
+        return np.ones(shape, np.float32)
+    if leaf == "bias":
+        return np.zeros(shape, np.float32)
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        std = EMBED_SCALE / np.sqrt(hidden)
+    else:  # fan-in scaled: keeps activations O(1); branch outputs get BRANCH_GAIN (not gemma: see norms)
+        std = 1.0 / np.sqrt(int(np.prod(shape[1:])))
+        if arch != "gemma3" and any(k in name for k in _BRANCH_OUT):
+            std *= BRANCH_GAIN[arch]
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    tok = build_tokenizer()
+    vocab = tok.get_vocab()
+    eos = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    config = _model_config(arch, size, eos)
+    config["torch_dtype"] = dtype
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))  # lazy init: only shapes/names are used
+    mx_dtype = getattr(mx, dtype)
+    weights: dict[str, Any] = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        if name.startswith("lm_head") and config["tie_word_embeddings"]:
+            continue  # gemma3_text drops lm_head when the checkpoint lacks it
+        arr = _fill(name, tuple(param.shape), arch, config["hidden_size"])
+        weights[name] = mx.array(arr).astype(mx_dtype)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    del weights, model
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                             "single_word": False, "special": t in SPECIAL_TOKENS}
+             for t in SPECIAL_TOKENS + ADDED_TOKENS}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": added, "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 4096,
+        "split_special_tokens": False, "chat_template": CHAT_TEMPLATE,
+    }
+    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    gen_cfg = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+               "eos_token_id": eos, "pad_token_id": eos[1]}
+    for fname, obj in (("config.json", config), ("tokenizer_config.json", tok_cfg),
+                       ("special_tokens_map.json", special_map), ("generation_config.json", gen_cfg)):
+        (out / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def model_dir_name(arch: str, size: str, dtype: str) -> str:
+    return f"{arch}-{size}-{dtype}-v{FORMAT_VERSION}"
+
+
+def ensure_model(arch: str = "qwen3", size: str = "tiny", dtype: str = "float32",
+                 cache_dir: str | Path | None = None) -> Path:
+    """Return a directory loadable by mlx_lm.load(path) (config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json).
+    Generated on first use into cache_dir (default: $PIPESERVE_CACHE or ~/.cache/pipeserve/models)
+    under a name derived from arch/size/dtype and FORMAT_VERSION; later calls reuse it.
+    Written atomically (temp dir + rename) so two processes racing do not corrupt it."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    if size != "tiny" and arch != "qwen3":
+        raise ValueError(f"size {size!r} exists only for arch 'qwen3', not {arch!r}")
+    if cache_dir is None:
+        cache_dir = os.environ.get("PIPESERVE_CACHE") or Path.home() / ".cache" / "pipeserve" / "models"
+    root = Path(cache_dir).expanduser()
+    final = root / model_dir_name(arch, size, dtype)
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        _write_model(tmp, arch, size, dtype)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process already published it
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

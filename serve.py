@@ -1,0 +1,38 @@
+"""pipeserve entry point: compose the config with Hydra, build the app, serve it.
+
+    python serve.py                          # embedded tiny model on 127.0.0.1:8080
+    python serve.py model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.config import register_configs, load_config
+from pipeline.errors import ConfigError
+
+log = logging.getLogger("pipeserve")
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    try:
+        cfg = load_config(raw)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from pipeline.server import build_app
+    app = build_app(cfg)
+    app.ctx.exit_code = 0
+    app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
+            motd=False)
+    sys.exit(app.ctx.exit_code)
+
+
+if __name__ == "__main__":
+    main()

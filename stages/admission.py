@@ -1,0 +1,99 @@
+"""Admission: resolve each request's sampling settings (request > server config >
+generation_config > OpenAI defaults), check every value against its limit, and cap the
+queue. Event loop, once per request; never touches MLX."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import ServeConfig
+from pipeline.errors import AdmissionRejected, InvalidRequest
+from pipeline.loader import LoadedModel
+from pipeline.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
+
+# field → (lowest, highest) inclusive; None = unbounded on that side.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None), "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 10.0), "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0), "xtc_probability": (0.0, 1.0),
+    "xtc_threshold": (0.0, 0.5), "penalty_context_size": (1, 1 << 16), "max_tokens": (1, None),
+    "top_logprobs": (0, None), "seed": (-(1 << 63), (1 << 64) - 1),
+}
+PROTOCOL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
+
+class Admission:
+    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
+        self.cfg = cfg.admission
+        self.server_defaults = {k: v for k, v in vars(cfg.sampling).items() if v is not None}
+        self.model_defaults = loaded.generation_defaults
+        self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
+        self.vocab_size = int(loaded.config.get("vocab_size")
+                              or loaded.config.get("text_config", {}).get("vocab_size") or 0)
+        self.engine = engine
+        self.metrics = engine.metrics
+
+    async def __call__(self, request: Request) -> Request:
+        try:
+            request.sampling = self.resolve(request)
+        except InvalidRequest as e:
+            self.metrics.admission.labels("rejected", "invalid").inc()
+            raise e
+        if self.engine.num_waiting >= self.cfg.max_queue:
+            self.metrics.admission.labels("rejected", "queue_full").inc()
+            raise AdmissionRejected(
+                f"the queue is full ({self.engine.num_waiting} waiting, admission.max_queue is "
+                f"{self.cfg.max_queue}); retry shortly", retry_after_s=1, code="queue_full")
+        self.metrics.admission.labels("admitted", "ok").inc()
+        return request
+
+    def resolve(self, request: Request) -> SamplingParams:
+        given = request.requested
+        merged: dict[str, Any] = {**PROTOCOL_DEFAULTS, **self.model_defaults,
+                                  **self.server_defaults}
+        merged.update({k: v for k, v in given.items() if v is not None})
+        for name, value in merged.items():
+            self._check_range(name, value, given.get(name) is not None)
+        room = self.max_context - len(request.prompt_ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
+                f"{self.max_context} — shorten the prompt", param="messages", code="context_length_exceeded")
+        max_tokens = merged.get("max_tokens") or self.cfg.max_tokens_default or room
+        if given.get("max_tokens") is not None and max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} tokens) "
+                f"leaves {room} of the {self.max_context}-token context; lower max_tokens",
+                param="max_tokens", code="context_length_exceeded")
+        merged["max_tokens"] = min(max_tokens, room)
+        stop = merged.get("stop") or []
+        if len(stop) > self.cfg.max_stop:
+            raise InvalidRequest(f"stop has {len(stop)} strings; the limit is {self.cfg.max_stop}",
+                                 param="stop")
+        if merged.get("top_logprobs", 0) > self.cfg.max_top_logprobs:
+            raise InvalidRequest(
+                f"top_logprobs is {merged['top_logprobs']}; the limit is "
+                f"{self.cfg.max_top_logprobs}", param="top_logprobs")
+        for token_id in (merged.get("logit_bias") or {}):
+            if self.vocab_size and not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token {token_id}, outside the vocabulary "
+                    f"[0, {self.vocab_size})", param="logit_bias")
+        known = SamplingParams.__dataclass_fields__
+        return SamplingParams(**{k: v for k, v in merged.items() if k in known})
+
+    @staticmethod
+    def _check_range(name: str, value: Any, from_request: bool) -> None:
+        bounds = RANGES.get(name)
+        if bounds is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+            return
+        low, high = bounds
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value}", param=name)
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            where = "" if from_request else " (server/model default)"
+            raise InvalidRequest(f"{name} is {value}{where}; allowed range is {span}", param=name)
