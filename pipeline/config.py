@@ -146,7 +146,9 @@ class AdvisoryAdmissionConfig(AdmissionConfig):
         super().__post_init__()
         if self.memory_budget_gb is not None or self.kv_budget_gb is not None:
             raise ConfigError(
-                "admission=advisory never enforces a budget; use admission=budget "
+                "admission=advisory never enforces a budget, got "
+                f"admission.memory_budget_gb={self.memory_budget_gb}, "
+                f"admission.kv_budget_gb={self.kv_budget_gb}; use admission=budget "
                 "to set admission.memory_budget_gb or admission.kv_budget_gb")
 
 
@@ -234,7 +236,8 @@ def _check_keys(node: Any, path: str) -> None:
             if key not in allowed:
                 where = f"{path}.{key}" if path else str(key)
                 raise ConfigError(
-                    f"unknown config key '{where}'; {schema.__name__} has: {', '.join(sorted(allowed))}")
+                    f"unknown config key '{where}' (value {node._get_node(key)}); "
+                    f"{schema.__name__} has: {', '.join(sorted(allowed))}")
     for key in node.keys():
         _check_keys(node._get_node(key), f"{path}.{key}" if path else str(key))
 

@@ -244,7 +244,10 @@ class CompletionShape:
             text, _ = self.token_info(t.token_id)
             tokens.append(text)
             values.append(t.logprob)
-            tops.append({self.token_info(i)[0]: v for i, v in t.top})
+            top: dict[str, float] = {}
+            for i, v in t.top:   # tokens sharing a text (byte pieces): keep the likeliest
+                top.setdefault(self.token_info(i)[0], v)
+            tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

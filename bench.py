@@ -1,0 +1,300 @@
+"""bench.py: fixed client workloads against pipeserve started with the given config, optionally
+side by side with mlx_lm.server and the bare mlx-lm decode loop on the same model directory.
+Writes a Markdown and CSV table (one row per target; a -m sweep appends to one table).
+
+    python bench.py                                     # single stream, small bf16 model
+    python bench.py bench.streams=16 bench.mlx_lm=true bench.bare_loop=false
+"""
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import ServeConfig, load_config, register_configs
+
+ROOT = Path(__file__).resolve().parent
+# The generated models' EOS ids; suppressed so every stream runs to max_tokens.
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box "
+         "jumbled figures near the old river bank and count every small stone").split()
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "single"        # single | concurrent (mixed prompt lengths)
+    streams: int = 1                # concurrent client streams
+    requests_per_stream: int = 1    # requests each stream sends back to back
+    prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
+    max_tokens: int = 128           # output tokens per request (EOS suppressed)
+    mlx_lm: bool = False            # also run mlx_lm.server on the same model and load
+    bare_loop: bool = True          # also time the bare mlx-lm decode loop (single stream ceiling)
+    warmup: bool = True             # one short request per target before timing
+    out: str = "bench-out"          # directory for results.md / results.csv
+    timeout_s: float = 1800         # per target
+
+
+@dataclass
+class Row:
+    target: str
+    workload: str
+    streams: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    agg_tok_s: float
+    stream_tok_s_p50: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    itl_p50_ms: float
+    itl_p95_ms: float
+    peak_rss_mb: float
+    overrides: str = ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def _prompts(b: BenchConfig) -> list[str]:
+    out = []
+    for i in range(b.streams * b.requests_per_stream):
+        n = b.prompt_words
+        if b.workload == "concurrent":
+            n = max(4, int(n * (0.5, 1.0, 2.0, 1.5)[i % 4]))
+        out.append(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+               eos_bias: dict[str, float]) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": eos_bias}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage_tokens = None
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            for ch in chunk.get("choices") or []:
+                if ch.get("text"):
+                    stamps.append(time.perf_counter())
+    n = usage_tokens if usage_tokens is not None else len(stamps)
+    return {"t0": t0, "stamps": stamps, "tokens": n, "end": time.perf_counter()}
+
+
+async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float]) -> dict[str, Any]:
+    prompts = _prompts(b)
+    url = f"{base_url}/v1/completions"
+    limits = httpx.Limits(max_connections=b.streams + 4)
+    async with httpx.AsyncClient(timeout=b.timeout_s, limits=limits) as client:
+        if b.warmup:
+            await _one(client, url, model, prompts[0], 8, eos_bias)
+
+        async def stream(k: int) -> list[dict[str, Any]]:
+            return [await _one(client, url, model, prompts[k * b.requests_per_stream + j],
+                               b.max_tokens, eos_bias) for j in range(b.requests_per_stream)]
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
+                   for r in rs]
+        wall = time.perf_counter() - t0
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    itl = [(y - x) * 1000 for r in results for x, y in zip(r["stamps"], r["stamps"][1:])]
+    per_stream = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0])
+                  for r in results if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+            "per_stream": per_stream}
+
+
+def _peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+class Process:
+    """A server we start and stop by its own PID."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_http(self, url: str, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: str) -> Row:
+    return Row(target, b.workload, b.streams, m["requests"], m["tokens"], round(m["wall"], 2),
+               round(m["tokens"] / m["wall"], 2),
+               round(statistics.median(m["per_stream"]), 2) if m["per_stream"] else float("nan"),
+               round(_pct(m["ttft"], 0.5), 3), round(_pct(m["ttft"], 0.95), 3),
+               round(_pct(m["itl"], 0.5), 1), round(_pct(m["itl"], 0.95), 1), round(rss, 1),
+               overrides)
+
+
+BARE_LOOP = r"""
+import sys, time, json
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model, tok = load(path)
+ids = mx.array(tok.encode(prompt))
+for _ in generate_step(ids, model, max_tokens=8):
+    pass
+stamps = []
+for token, _ in generate_step(ids, model, max_tokens=n):
+    stamps.append(time.perf_counter())
+print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
+"""
+
+
+def run_bench(raw: DictConfig) -> list[Row]:
+    cfg = load_config(raw)            # same checks as serve.py, before anything starts
+    b = cfg.bench
+    from pipeline.loader import resolve_path
+    model_dir = resolve_path(cfg.model)
+    out = Path(b.out) if Path(b.out).is_absolute() else ROOT / b.out
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("bench.")]
+    eos = _eos_ids(model_dir)
+    eos_bias = {str(i): -100.0 for i in eos}
+    rows: list[Row] = []
+
+    port = _free_port()
+    ours = Process([sys.executable, str(ROOT / "serve.py"), *overrides, f"model.path={model_dir}",
+                    f"server.port={port}",
+                    "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"],
+                   out / "pipeserve.log")
+    try:
+        ours.wait_http(f"http://127.0.0.1:{port}/health")
+        m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias))
+        rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides)))
+    finally:
+        ours.stop()
+
+    if b.mlx_lm:
+        port = _free_port()
+        peer = Process([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+                        "--host", "127.0.0.1", "--port", str(port), "--temp", "0",
+                        "--max-tokens", str(b.max_tokens)], out / "mlx_lm_server.log")
+        try:
+            peer.wait_http(f"http://127.0.0.1:{port}/v1/models")
+            m = asyncio.run(drive(f"http://127.0.0.1:{port}", str(model_dir), b, eos_bias))
+            rows.append(_row("mlx_lm.server", b, m, _peak_rss_mb(peer.proc.pid), ""))
+        finally:
+            peer.stop()
+
+    if b.bare_loop:
+        prompt = _prompts(b)[0]
+        res = subprocess.run([sys.executable, "-c", BARE_LOOP, str(model_dir), prompt,
+                              str(b.max_tokens)], capture_output=True, text=True, check=True,
+                             timeout=b.timeout_s)
+        tok_s = json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]
+        rows.append(Row("bare mlx-lm loop", "single", 1, 1, b.max_tokens, float("nan"),
+                        round(tok_s, 2), round(tok_s, 2), float("nan"), float("nan"),
+                        round(1000 / tok_s, 1), float("nan"), float("nan")))
+    _write(out, rows)
+    return rows
+
+
+def _eos_ids(model_dir: Path) -> list[int]:
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        p = model_dir / name
+        if p.exists():
+            v = json.loads(p.read_text()).get("eos_token_id")
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    return sorted(ids)
+
+
+def _write(out: Path, rows: list[Row]) -> None:
+    csv_path = out / "results.csv"
+    new = not csv_path.exists()
+    with open(csv_path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+    with open(csv_path) as f:
+        all_rows = list(csv.DictReader(f))
+    cols = list(all_rows[0].keys())
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(r[c] for c in cols) + " |" for r in all_rows]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+@dataclass
+class BenchRootConfig(ServeConfig):
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+register_configs()
+ConfigStore.instance().store(name="bench_schema", node=BenchRootConfig)
+
+
+@hydra.main(config_path="conf", config_name="bench", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run_bench(raw)
+
+
+if __name__ == "__main__":
+    main()
