@@ -8,7 +8,7 @@ import hashlib
 import importlib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -73,6 +73,7 @@ class SchedulerConfig:
     max_batch: int = 1          # rows decoded together; a cap, not a minimum
     prefill_chunk: int = 2048   # prompt tokens per prefill chunk; each chunk is evaluated before the next
     prefill_budget: Optional[int] = None  # prompt tokens of prefill per step (unset = one chunk)
+    shared_decode: ClassVar[bool] = True    # decode rows share one batched forward and KV
 
     def __post_init__(self) -> None:
         _positive("scheduler.max_batch", self.max_batch, allow_none=False)
@@ -83,12 +84,19 @@ class SchedulerConfig:
 @dataclass
 class SerialSchedulerConfig(SchedulerConfig):
     _target_: str = "pipeline.scheduler.SerialScheduler"
+    shared_decode: ClassVar[bool] = False  # each row decodes with its own cache, as mlx-lm does
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_batch != 1:
             raise ConfigError(
                 f"scheduler.max_batch must be 1 with scheduler=serial, got {self.max_batch}")
+
+
+@dataclass
+class ContinuousSchedulerConfig(SchedulerConfig):
+    _target_: str = "pipeline.scheduler.ContinuousScheduler"
+    max_batch: int = 8
 
 
 @dataclass
@@ -209,7 +217,7 @@ class ServeConfig:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model": ModelConfig},
-    "scheduler": {"serial": SerialSchedulerConfig},
+    "scheduler": {"serial": SerialSchedulerConfig, "continuous": ContinuousSchedulerConfig},
     "sampling": {"sampling": SamplingConfig},
     "admission": {"advisory": AdvisoryAdmissionConfig},
     "server": {"server": ServerConfig},

@@ -107,7 +107,7 @@ class Engine:
     def _load(self) -> list[StepStage]:
         import mlx.core as mx
         self.loaded = load(self.cfg.model)
-        ctx = EngineContext(self.cfg, self.loaded, self.metrics)
+        ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
         return [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
 
@@ -116,8 +116,12 @@ class Engine:
         sched = self.scheduler
         pending: Batch | None = None   # last step, queued on the device, not yet read back
         steps = 0
+        self._sample_memory()
         while not self._stopping:
-            self._drain_inbox(block=pending is None and not sched.has_work())
+            idle = pending is None and not sched.has_work()
+            if idle:
+                self._sample_memory()
+            self._drain_inbox(block=idle)
             if self._stopping:
                 break
             batch = sched.schedule()
@@ -211,6 +215,9 @@ class Engine:
         ids = [r.request_id for r in batch.requests]
         log.exception("step failed for %d request(s): %s", len(ids), ", ".join(ids))
         err = StageError("step", ids, cause)
+        if self.ctx.row_batch is not None:
+            # a half-applied step leaves the shared KV unusable: its rows are in this batch
+            self.ctx.row_batch.reset()
         for req in batch.requests:
             if self.scheduler.abort(req.request_id) is not None:
                 self._post(req.request_id, Failed(req.request_id, err))

@@ -21,14 +21,16 @@ class StepResult:
     top: list[list[tuple[int, float]]] | None = None
 
 
-class SerialScheduler:
-    """FIFO, one request at a time. A request's prompt (all but the last token) is prefilled
-    in chunks of `prefill_chunk`; then each step feeds one token and samples one.
-    Decode steps may be queued one ahead of the results (`num_scheduled_outputs`)."""
+class _Scheduler:
+    """Shared membership and result handling. Subclasses decide `schedule()`.
+    A request's prompt (all but its last token) is prefilled in chunks; after that each step
+    feeds one token and samples one. Decode steps may be queued one ahead of the results
+    (`num_scheduled_outputs`), so a result may arrive for a request that already finished."""
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.chunk = cfg.scheduler.prefill_chunk
+        self.max_batch = cfg.scheduler.max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -62,32 +64,35 @@ class SerialScheduler:
         return reqs
 
     # -- stepping ---------------------------------------------------------------------
-    def schedule(self) -> Batch | None:
-        if not self.running and self.waiting:
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def schedule(self) -> Batch | None:
+        """Admit waiting requests, then give each running request its tokens for this step:
+        prefill chunks first (FIFO, within the prefill budget), then one decode token each."""
+        self._admit()
+        budget = self.cfg.scheduler.prefill_budget or self.chunk
         rows: list[Request] = []
         counts: list[int] = []
         for req in self.running:
-            n = self._tokens_for(req)
-            if n:
-                rows.append(req)
-                counts.append(n)
-        if not rows:
-            return None
-        for req, n in zip(rows, counts):
             if req.in_prefill:
+                n = min(self.chunk, budget, req.num_prompt_tokens - 1 - req.num_computed_tokens)
+                if n <= 0:
+                    continue
+                budget -= n
                 req.num_computed_tokens += n
-            else:
+            elif req.num_scheduled_outputs < req.sampling.max_tokens:
+                n = 1
                 req.num_computed_tokens += 1
                 req.num_scheduled_outputs += 1
-        return Batch(requests=rows, num_new_tokens=counts)
-
-    def _tokens_for(self, req: Request) -> int:
-        if req.in_prefill:
-            return min(self.chunk, req.num_prompt_tokens - 1 - req.num_computed_tokens)
-        return 1 if req.num_scheduled_outputs < req.sampling.max_tokens else 0
+            else:
+                continue
+            rows.append(req)
+            counts.append(n)
+        return Batch(requests=rows, num_new_tokens=counts) if rows else None
 
     def update(self, batch: Batch, result: StepResult) -> Iterable[tuple[Request, Event]]:
         """Apply a step's sampled tokens; yield (request, event) pairs to post."""
@@ -125,3 +130,18 @@ class SerialScheduler:
         assert req.finish_reason is not None
         return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
                         len(req.output_ids))
+
+
+class SerialScheduler(_Scheduler):
+    """FIFO, one request at a time, each decoding with its own cache exactly as mlx-lm does:
+    arrival-independent numerics for golden tests."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        super().__init__(cfg)
+        self.max_batch = 1
+
+
+class ContinuousScheduler(_Scheduler):
+    """Requests join and leave between steps, up to `scheduler.max_batch` rows. A lone request
+    runs at batch size 1; prefill of a newcomer shares steps with the others' decode, bounded by
+    `scheduler.prefill_budget` prompt tokens per step."""

@@ -287,6 +287,8 @@ async def _generate(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPRespo
         raise
     except asyncio.CancelledError:
         outcome = "cancelled"
+        if gen is not None:
+            gen.finish_reason = "abort"
         raise
     finally:
         if gen is not None and not gen.stream.finished and req is not None:

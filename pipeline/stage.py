@@ -36,6 +36,7 @@ class EngineContext:
     cfg: ServeConfig
     loaded: LoadedModel
     metrics: Metrics
+    row_batch: Any = None   # the shared decode batch (pipeline.kv.batch.RowBatch), set by prefill
 
     @property
     def model(self) -> Any:

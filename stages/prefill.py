@@ -1,5 +1,6 @@
-"""Prefill: the model forward of each scheduled row — a prompt chunk, or the one token a
-decode step feeds — leaving last-position logits for the rows that sample. Engine thread."""
+"""Prefill: the model forward of each scheduled row — prompt chunks at batch size 1, then
+the decode rows together (or one by one at scheduler=serial) — leaving last-position logits
+for the rows that sample. Engine thread."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -8,6 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from pipeline.config import ServeConfig
+from pipeline.kv.batch import RowBatch
 from pipeline.request import Request
 from pipeline.stage import Batch, EngineContext
 
@@ -15,38 +17,60 @@ from pipeline.stage import Batch, EngineContext
 class Prefill:
     """Rows whose scheduled tokens end inside the prompt (all but its last token) are prefill
     chunks: their cache state is evaluated before the step ends, so a long prompt never builds
-    one giant deferred graph. Rows reaching the last prompt token or beyond sample."""
+    one giant deferred graph. Rows at the last prompt token or beyond decode and sample."""
 
     name: ClassVar[str] = "prefill"
 
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.model = ctx.model
+        self.shared = cfg.scheduler.shared_decode
+        self.rows = RowBatch()
+        ctx.row_batch = self.rows
+        self._last: Batch | None = None   # the previous step: its sampled ids feed this one
 
     def __call__(self, batch: Batch) -> None:
-        logits: list[mx.array] = []
+        decode: list[int] = []
         for row, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                decode.append(row)
+                continue
             if req.cache is None:
                 req.cache = make_prompt_cache(self.model)
-            tokens = self._input_ids(req, n)
-            out = self.model(tokens[None], cache=req.cache)
-            if req.num_computed_tokens >= req.num_prompt_tokens:
-                batch.sample_rows.append(row)
-                logits.append(out[:, -1, :])
-            else:
-                mx.eval([c.state for c in req.cache])
-        if logits:
-            batch.logits = logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)
+            start = req.num_computed_tokens - n
+            tokens = mx.array(req.prompt_ids[start:req.num_computed_tokens], dtype=mx.uint32)
+            self.model(tokens[None], cache=req.cache)
+            mx.eval([c.state for c in req.cache])
+        if decode:
+            batch.sample_rows = decode
+            batch.logits = (self._decode_shared(batch, decode) if self.shared
+                            else self._decode_each(batch, decode))
+        self._last = batch
+
+    def _decode_each(self, batch: Batch, decode: list[int]) -> mx.array:
+        logits = []
+        for row in decode:
+            req = batch.requests[row]
+            if req.cache is None:
+                req.cache = make_prompt_cache(self.model)
+            logits.append(self.model(self._first_or_next(req)[None], cache=req.cache)[:, -1, :])
+        return logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=0)
+
+    def _decode_shared(self, batch: Batch, decode: list[int]) -> mx.array:
+        rows = self.rows
+        if self._last is not None and self._last.sampled_ids is not None and len(rows):
+            rows.tokens = self._last.sampled_ids   # aligned with rows as of the last step
+        reqs = [batch.requests[r] for r in decode]
+        firsts = {}
+        for req in reqs:
+            if req.num_computed_tokens == req.num_prompt_tokens:   # first decode step
+                if req.cache is None:
+                    req.cache = make_prompt_cache(self.model)
+                firsts[req.request_id] = mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
+        rows.sync(reqs, firsts)
+        return self.model(rows.tokens[:, None], cache=rows.caches)[:, -1, :]
 
     @staticmethod
-    def _input_ids(req: Request, n: int) -> mx.array:
-        """Token ids at positions [computed - n, computed): prompt ids, then the token the
-        previous step sampled (still lazy while that step is in flight)."""
-        end = req.num_computed_tokens
-        start = end - n
-        p = req.num_prompt_tokens
-        if end <= p:
-            return mx.array(req.prompt_ids[start:end], dtype=mx.uint32)
-        assert n == 1 and start == end - 1, "decode feeds exactly one token"
-        if start == p - 1:
+    def _first_or_next(req: Request) -> mx.array:
+        if req.num_computed_tokens == req.num_prompt_tokens:
             return mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
         return req.next_input

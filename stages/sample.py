@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Callable, ClassVar
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, apply_xtc,
@@ -23,61 +23,66 @@ class RowSampling:
 
     key: mx.array                 # request-local PRNG key, split every step
     processors: list[Processor]
-    history: mx.array | None      # prompt + output ids, when a penalty needs them
+    history: mx.array | None      # prompt + output ids, when a processor needs them
 
 
 class Sample:
+    """Rows that only need argmax share one op; rows with processors or temperature > 0 get
+    their own (their PRNG streams are request-local, so a row's samples do not depend on
+    which other rows share its batch)."""
+
     name: ClassVar[str] = "sample"
 
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.eos_ids = sorted(ctx.loaded.tokenizer.eos_token_ids)
+        self.shared = cfg.scheduler.shared_decode
 
     def __call__(self, batch: Batch) -> None:
         if not batch.sample_rows:
             return
-        tokens: list[mx.array] = []
-        chosen: list[mx.array] = []
-        tops: list[tuple[mx.array, mx.array]] = []
-        want_logprobs = any(batch.requests[r].sampling.logprobs for r in batch.sample_rows)
-        k = max(batch.requests[r].sampling.top_logprobs for r in batch.sample_rows)
-        for i, row in enumerate(batch.sample_rows):
-            req = batch.requests[row]
-            token, logprobs = self._sample_row(req, batch.logits[i: i + 1])
-            req.next_input = token
-            tokens.append(token)
-            if want_logprobs:
-                chosen.append(logprobs[0, token[0]][None])
-                if k:
-                    top = mx.argpartition(-logprobs[0], k - 1)[:k]
-                    vals = logprobs[0, top]
-                    order = mx.argsort(-vals)
-                    tops.append((top[order], vals[order]))
-        batch.sampled_ids = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)
-        if want_logprobs:
-            batch.logprobs = mx.concatenate(chosen)
-            if k:
-                batch.top_ids = mx.stack([t for t, _ in tops])
-                batch.top_logprobs = mx.stack([v for _, v in tops])
-
-    def _sample_row(self, req: Request, logits: mx.array) -> tuple[mx.array, mx.array]:
-        sp = req.sampling
-        state = req.row_state
-        if state is None:
-            state = req.row_state = self._init_state(req)
-        if state.processors:
-            for proc in state.processors:
-                logits = proc(state.history, logits)
+        reqs = [batch.requests[r] for r in batch.sample_rows]
+        states = [r.row_state if r.row_state is not None else self._init_state(r) for r in reqs]
+        logits = batch.logits
+        if any(s.processors for s in states):
+            logits = mx.concatenate([self._process(s, logits[i:i + 1])
+                                     for i, s in enumerate(states)], axis=0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if sp.greedy:
-            token = mx.argmax(logprobs, axis=-1)
+        if all(r.sampling.greedy for r in reqs):
+            tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         else:
-            state.key, sub = mx.random.split(state.key)
-            token = mx.random.categorical(_filter(logprobs, sp, self.eos_ids) * (1 / sp.temperature),
-                                          key=sub)
-        token = token.astype(mx.uint32)
-        if state.history is not None:
-            state.history = mx.concatenate([state.history, token])
-        return token, logprobs
+            tokens = mx.concatenate([self._draw(r, s, logprobs[i:i + 1])
+                                     for i, (r, s) in enumerate(zip(reqs, states))])
+        for i, (req, state) in enumerate(zip(reqs, states)):
+            if state.history is not None:
+                state.history = mx.concatenate([state.history, tokens[i:i + 1]])
+            if not self.shared:
+                req.next_input = tokens[i:i + 1]
+        batch.sampled_ids = tokens
+        if any(r.sampling.logprobs for r in reqs):
+            batch.logprobs = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32),
+                                                axis=-1)[:, 0]
+            k = max(r.sampling.top_logprobs for r in reqs)
+            if k:
+                top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+                vals = mx.take_along_axis(logprobs, top, axis=-1)
+                order = mx.argsort(-vals, axis=-1)
+                batch.top_ids = mx.take_along_axis(top, order, axis=-1)
+                batch.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
+
+    @staticmethod
+    def _process(state: RowSampling, logits: mx.array) -> mx.array:
+        for proc in state.processors:
+            logits = proc(state.history, logits)
+        return logits
+
+    def _draw(self, req: Request, state: RowSampling, logprobs: mx.array) -> mx.array:
+        sp = req.sampling
+        if sp.greedy:
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        state.key, sub = mx.random.split(state.key)
+        token = mx.random.categorical(_filter(logprobs, sp, self.eos_ids) * (1 / sp.temperature),
+                                      key=sub)
+        return token.astype(mx.uint32)
 
     @staticmethod
     def _init_state(req: Request) -> RowSampling:
@@ -91,13 +96,13 @@ class Sample:
             frequency_penalty=sp.frequency_penalty or None,
             frequency_context_size=sp.penalty_context_size)
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
-        history = mx.array(req.prompt_ids, dtype=mx.uint32) if sp.needs_history else None
-        if processors and history is None:
-            history = mx.array(req.prompt_ids, dtype=mx.uint32)
-        return RowSampling(key=mx.random.key(seed), processors=processors, history=history)
+        history = mx.array(req.prompt_ids, dtype=mx.uint32) if processors else None
+        req.row_state = RowSampling(key=mx.random.key(seed), processors=processors,
+                                    history=history)
+        return req.row_state
 
 
-def _filter(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) -> Any:
+def _filter(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) -> mx.array:
     """mlx-lm's truncation order: top_p, min_p, XTC, top_k."""
     if 0 < sp.top_p < 1.0:
         logprobs = apply_top_p(logprobs, sp.top_p)

@@ -1,0 +1,1 @@
+"""KV state: per-row caches and the shared decode batch. Engine thread only."""
