@@ -173,6 +173,7 @@ class Engine:
                     self.metrics.itl.observe(now - req.last_token_s)
                 req.last_token_s = now
             self._post(req.request_id, event)
+        self._free_row_kv()
         self.metrics.active_rows.set(len(self.scheduler.running))
 
     def _post(self, request_id: str, event: TokenDelta | Finished | Failed) -> None:
@@ -204,7 +205,12 @@ class Engine:
                 if req is not None:
                     self._post(req.request_id, Finished(req.request_id, cmd.reason,
                                                         req.num_prompt_tokens, len(req.output_ids)))
+                    self._free_row_kv()
             self._count_waiting()
+
+    def _free_row_kv(self) -> None:
+        if self.ctx.row_batch is not None:
+            self.ctx.row_batch.drop_finished()
 
     def _count_waiting(self) -> None:
         waiting = len(self.scheduler.waiting)
@@ -221,6 +227,7 @@ class Engine:
         for req in batch.requests:
             if self.scheduler.abort(req.request_id) is not None:
                 self._post(req.request_id, Failed(req.request_id, err))
+        self._free_row_kv()
 
     def _die(self, cause: Exception) -> None:
         self.state = EngineState.DEAD

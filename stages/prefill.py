@@ -26,7 +26,6 @@ class Prefill:
         self.shared = cfg.scheduler.shared_decode
         self.rows = RowBatch()
         ctx.row_batch = self.rows
-        self._last: Batch | None = None   # the previous step: its sampled ids feed this one
 
     def __call__(self, batch: Batch) -> None:
         decode: list[int] = []
@@ -43,8 +42,7 @@ class Prefill:
         if decode:
             batch.sample_rows = decode
             batch.logits = (self._decode_shared(batch, decode) if self.shared
-                            else self._decode_each(batch, decode))
-        self._last = batch
+                            else self._decode_each(batch, decode))   # may reorder sample_rows
 
     def _decode_each(self, batch: Batch, decode: list[int]) -> mx.array:
         logits = []
@@ -57,8 +55,6 @@ class Prefill:
 
     def _decode_shared(self, batch: Batch, decode: list[int]) -> mx.array:
         rows = self.rows
-        if self._last is not None and self._last.sampled_ids is not None and len(rows):
-            rows.tokens = self._last.sampled_ids   # aligned with rows as of the last step
         reqs = [batch.requests[r] for r in decode]
         firsts = {}
         for req in reqs:
@@ -67,6 +63,8 @@ class Prefill:
                     req.cache = make_prompt_cache(self.model)
                 firsts[req.request_id] = mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
         rows.sync(reqs, firsts)
+        where = {id(batch.requests[r]): r for r in decode}
+        batch.sample_rows = [where[id(r)] for r in rows.rows]   # logits follow the batch's order
         return self.model(rows.tokens[:, None], cache=rows.caches)[:, -1, :]
 
     @staticmethod

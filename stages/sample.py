@@ -36,6 +36,7 @@ class Sample:
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.eos_ids = sorted(ctx.loaded.tokenizer.eos_token_ids)
         self.shared = cfg.scheduler.shared_decode
+        self.ctx = ctx
 
     def __call__(self, batch: Batch) -> None:
         if not batch.sample_rows:
@@ -58,6 +59,8 @@ class Sample:
             if not self.shared:
                 req.next_input = tokens[i:i + 1]
         batch.sampled_ids = tokens
+        if self.shared:
+            self.ctx.row_batch.tokens = tokens   # sample rows follow the row batch's order
         if any(r.sampling.logprobs for r in reqs):
             batch.logprobs = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32),
                                                 axis=-1)[:, 0]

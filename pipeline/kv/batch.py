@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from pipeline.request import Request
+from pipeline.request import Request, RequestStatus
 
 
 class RowBatch:
@@ -24,16 +24,16 @@ class RowBatch:
         return len(self.rows)
 
     def sync(self, decode_rows: list[Request], first_inputs: dict[str, mx.array]) -> None:
-        """Make `rows` equal `decode_rows` in order: keep the continuing rows, drop the rest,
-        and append newcomers (whose own caches hold their prompt) at the end."""
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        keep = [index[id(r)] for r in decode_rows if id(r) in index]
-        joiners = [r for r in decode_rows if id(r) not in index]
+        """Make `rows` hold exactly `decode_rows`: continuing rows keep their relative order,
+        the rest are dropped, newcomers (whose own caches hold their prompt) go at the end."""
+        wanted = {id(r) for r in decode_rows}
+        keep = [i for i, r in enumerate(self.rows) if id(r) in wanted]
+        present = {id(r) for r in self.rows}
+        joiners = [r for r in decode_rows if id(r) not in present]
         if len(keep) != len(self.rows):
             self._filter(keep)
         if joiners:
             self._extend(joiners, first_inputs)
-        assert [id(r) for r in self.rows] == [id(r) for r in decode_rows], "row order drifted"
 
     def _filter(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
@@ -59,6 +59,12 @@ class RowBatch:
                 mine.extend(theirs)
             self.tokens = mx.concatenate([self.tokens, new_tokens])
         self.rows.extend(joiners)
+
+    def drop_finished(self) -> None:
+        """Free finished rows' KV now rather than at the next step (the engine may go idle)."""
+        keep = [i for i, r in enumerate(self.rows) if r.status is RequestStatus.RUNNING]
+        if len(keep) != len(self.rows):
+            self._filter(keep)
 
     def reset(self) -> None:
         self.rows, self.caches, self.tokens = [], None, None

@@ -117,7 +117,7 @@ def test_every_option_composes(group: str, option: str) -> None:
 
 def test_known_schema_classes_and_defaults() -> None:
     cfg = load()
-    assert type(cfg.scheduler) is pc.SerialSchedulerConfig
+    assert type(cfg.scheduler) is pc.ContinuousSchedulerConfig
     assert type(cfg.admission) is pc.AdvisoryAdmissionConfig
     assert type(cfg.model) is pc.ModelConfig
     assert type(cfg.sampling) is pc.SamplingConfig
@@ -126,7 +126,7 @@ def test_known_schema_classes_and_defaults() -> None:
     assert cfg.server.port == 8080 and isinstance(cfg.server.port, int)
     assert cfg.server.host == "127.0.0.1"
     assert cfg.scheduler.prefill_chunk == 2048
-    assert cfg.scheduler.max_batch == 1
+    assert cfg.scheduler.max_batch == 8
     assert cfg.admission.max_queue == 64
     assert cfg.model.name == "tiny"
     assert cfg.model.arch is pc.Arch.qwen3 and cfg.model.dtype is pc.DType.float32

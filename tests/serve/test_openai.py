@@ -33,7 +33,7 @@ def client(server: Any) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def limited(server_factory: Any) -> Any:
     """One server for the limits: a queue of one, an API key, and a 1 kB body cap."""
-    return server_factory("admission.max_queue=1", f"server.api_key={API_KEY}",
+    return server_factory("admission.max_queue=1", "scheduler.max_batch=1", f"server.api_key={API_KEY}",
                           "server.max_body_mb=0.001")
 
 
