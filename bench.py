@@ -189,11 +189,16 @@ def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: 
 
 BARE_LOOP = r"""
 import sys, time, json
+path, prompt, n, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if mode == "served":   # the compute pipeserve serves with: its BLAS and compute dtype
+    from pipeline.config import ModelConfig, ComputeDType
+    from pipeline.loader import _cast_weights
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model, tok = load(path)
+if mode == "served":
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[5])))
 ids = mx.array(tok.encode(prompt))
 for _ in generate_step(ids, model, max_tokens=8):
     pass
@@ -242,13 +247,16 @@ def run_bench(raw: DictConfig) -> list[Row]:
 
     if b.bare_loop:
         prompt = _prompts(b)[0]
-        res = subprocess.run([sys.executable, "-c", BARE_LOOP, str(model_dir), prompt,
-                              str(b.max_tokens)], capture_output=True, text=True, check=True,
-                             timeout=b.timeout_s)
-        tok_s = json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]
-        rows.append(Row("bare mlx-lm loop", "single", 1, 1, b.max_tokens, float("nan"),
-                        round(tok_s, 2), round(tok_s, 2), float("nan"), float("nan"),
-                        round(1000 / tok_s, 1), float("nan"), float("nan")))
+        for mode, label in (("plain", "bare mlx-lm loop"),
+                            ("served", "bare mlx-lm loop, pipeserve's compute")):
+            res = subprocess.run([sys.executable, "-c", BARE_LOOP, str(model_dir), prompt,
+                                  str(b.max_tokens), mode, cfg.model.compute_dtype.value],
+                                 capture_output=True, text=True, check=True, cwd=ROOT,
+                                 timeout=b.timeout_s)
+            tok_s = json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]
+            rows.append(Row(label, "single", 1, 1, b.max_tokens, float("nan"), round(tok_s, 2),
+                            round(tok_s, 2), float("nan"), float("nan"), round(1000 / tok_s, 1),
+                            float("nan"), float("nan")))
     _write(out, rows)
     return rows
 

@@ -35,9 +35,30 @@ class DType(Enum):
     float16 = "float16"
 
 
+class ComputeDType(Enum):
+    auto = "auto"            # CPU with a real BLAS: float32; otherwise the checkpoint's dtype
+    checkpoint = "checkpoint"  # compute in the dtype the weights are stored in (as mlx-lm does)
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class LogFormat(Enum):
     text = "text"
     json = "json"
+
+
+class ToolCallFormat(Enum):
+    """How the model writes tool calls; `auto` infers it from the chat template."""
+
+    auto = "auto"
+    none = "none"                  # never parse tool calls (markup stays text)
+    hermes = "hermes"              # <tool_call>{"name", "arguments"}</tool_call> (Qwen, Hermes)
+    qwen3_coder = "qwen3_coder"    # <tool_call><function=f><parameter=p>v</parameter>...
+    llama3 = "llama3"              # {"name", "parameters"} JSON, optionally after <|python_tag|>
+    gemma = "gemma"                # ```tool_code\nf(a=1)\n```
+    function_gemma = "function_gemma"  # <start_function_call>call:f{a:<escape>v<escape>}<end_function_call>
+    gemma4 = "gemma4"              # <|tool_call>call:f{a:<|"|>v<|"|>}<tool_call|>
 
 
 def _positive(name: str, value: float | int | None, *, allow_none: bool = True) -> None:
@@ -54,12 +75,15 @@ class ModelConfig:
     arch: Arch = Arch.qwen3            # architecture of the generated model when path is unset
     size: ModelSize = ModelSize.tiny   # size of the generated model when path is unset
     dtype: DType = DType.float32       # dtype of the generated model when path is unset
+    compute_dtype: ComputeDType = ComputeDType.auto  # dtype unquantized weights are cast to at load
     revision: Optional[str] = None     # revision of a Hugging Face id in the local cache
     trust_remote_code: bool = False
     chat_template: Optional[str] = None  # Jinja text, or a path to a .jinja file; overrides the model's
     max_context: Optional[int] = None    # tokens; default: the model's max_position_embeddings
     use_generation_config: bool = True   # let generation_config.json fill omitted sampling fields
     cache_dir: Optional[str] = None      # where generated models go; default ~/.cache/pipeserve/models
+    tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
+    enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -161,6 +185,19 @@ class AdvisoryAdmissionConfig(AdmissionConfig):
 
 
 @dataclass
+class BudgetAdmissionConfig(AdmissionConfig):
+    _target_: str = "stages.admission.BudgetAdmission"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_budget_gb is None and self.kv_budget_gb is None:
+            raise ConfigError(
+                "admission=budget needs admission.memory_budget_gb (decimal GB: sets MLX's "
+                "memory limit and enforces the fit estimate) and/or admission.kv_budget_gb "
+                "(aggregate KV across rows); got neither")
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -171,10 +208,16 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)  # Access-Control-Allow-Origin values
     log_format: LogFormat = LogFormat.text
     keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
+    responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
+    responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        _positive("server.responses_ttl_s", self.responses_ttl_s, allow_none=False)
+        if self.responses_store_mb < 0:
+            raise ConfigError(
+                f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
         _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
@@ -219,7 +262,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model": ModelConfig},
     "scheduler": {"serial": SerialSchedulerConfig, "continuous": ContinuousSchedulerConfig},
     "sampling": {"sampling": SamplingConfig},
-    "admission": {"advisory": AdvisoryAdmissionConfig},
+    "admission": {"advisory": AdvisoryAdmissionConfig, "budget": BudgetAdmissionConfig},
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
 }

@@ -13,6 +13,7 @@ from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, StageError
 from pipeline.events import Abort, Failed, Finished, Submit, TokenDelta
 from pipeline.loader import LoadedModel, load
+from pipeline.memory import MemoryModel, probe
 from pipeline.metrics import Metrics
 from pipeline.request import Request
 from pipeline.scheduler import StepResult
@@ -35,6 +36,7 @@ class Engine:
         self.metrics = metrics
         self.state = EngineState.LOADING
         self.loaded: LoadedModel | None = None
+        self.memory: MemoryModel | None = None
         self.startup_error: BaseException | None = None
         self.scheduler: Any = build(cfg.scheduler._target_, cfg)
         self._inbox: queue.SimpleQueue[Submit | Abort | None] = queue.SimpleQueue()
@@ -109,7 +111,27 @@ class Engine:
         self.loaded = load(self.cfg.model)
         ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
+        self._setup_memory()
         return [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+
+    def _setup_memory(self) -> None:
+        import mlx.core as mx
+        adm = self.cfg.admission
+        if adm.memory_budget_gb is not None:
+            mx.set_memory_limit(int(adm.memory_budget_gb * 1e9))
+        self.memory = probe(self.loaded, self.cfg.scheduler.prefill_chunk, adm.memory_budget_gb)
+        kv_budget = int(adm.kv_budget_gb * 1e9) if adm.kv_budget_gb is not None else None
+        self.scheduler.set_memory(self.memory, kv_budget)
+        m = self.metrics
+        m.weight_bytes.set(self.memory.weight_bytes)
+        m.kv_bytes_per_token.set(self.memory.kv_bytes_per_token)
+        m.max_safe_context.set(self.memory.max_safe_context)
+        m.context_cap.set(self.memory.max_safe_context if self.memory.enforced else float("nan"))
+        m.kv_budget.set(kv_budget if kv_budget is not None else float("nan"))
+        m.kv_reserved.set(0)
+        log.info("memory: weights %.1f MB, KV %d B/token, max safe context %d tokens (%s)",
+                 self.memory.weight_bytes / 1e6, self.memory.kv_bytes_per_token,
+                 self.memory.max_safe_context, "enforced" if self.memory.enforced else "advisory")
 
     def _loop(self, stages: list[StepStage]) -> None:
         import mlx.core as mx
@@ -175,6 +197,7 @@ class Engine:
             self._post(req.request_id, event)
         self._free_row_kv()
         self.metrics.active_rows.set(len(self.scheduler.running))
+        self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
     def _post(self, request_id: str, event: TokenDelta | Finished | Failed) -> None:
         stream = self._streams.get(request_id)
@@ -216,6 +239,7 @@ class Engine:
         waiting = len(self.scheduler.waiting)
         self._num_left_queue = self._num_added - waiting
         self.metrics.queue_depth.set(waiting)
+        self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
     def _fail_batch(self, batch: Batch, cause: Exception) -> None:
         ids = [r.request_id for r in batch.requests]

@@ -26,6 +26,12 @@ class InvalidRequest(ServeError):
     error_type = "invalid_request_error"
 
 
+class MemoryAdmissionError(InvalidRequest):
+    """The request cannot fit the enforced memory or KV budget (400)."""
+
+    error_type = "memory_admission"
+
+
 class Unauthorized(ServeError):
     status = 401
     error_type = "authentication_error"

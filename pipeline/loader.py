@@ -31,6 +31,7 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     num_params: int = 0
     weight_bytes: int = 0
+    compute_dtype: str = ""        # dtype of the unquantized weights as served
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
@@ -85,6 +86,7 @@ def load(cfg: ModelConfig) -> LoadedModel:
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if cfg.chat_template is not None:
         tokenizer._tokenizer.chat_template = _chat_template(cfg.chat_template)
+    compute = _cast_weights(model, cfg)
     text_cfg = config.get("text_config", config)
     native = int(text_cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
     params = tree_flatten(model.parameters())
@@ -96,4 +98,32 @@ def load(cfg: ModelConfig) -> LoadedModel:
         generation_defaults=_generation_defaults(path) if cfg.use_generation_config else {},
         num_params=sum(v.size for _, v in params),
         weight_bytes=sum(v.nbytes for _, v in params),
+        compute_dtype=compute,
     )
+
+
+def _cast_weights(model: Any, cfg: ModelConfig) -> str:
+    """Cast floating weights to model.compute_dtype. `auto` picks float32 on the CPU when a
+    real BLAS is interposed (pipeline/blas.py): MLX's own bf16/fp16 CPU kernels are far slower
+    than OpenBLAS's float32 GEMM. Returns the dtype served, by name."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    from pipeline import blas
+    from pipeline.config import ComputeDType
+
+    choice = cfg.compute_dtype
+    target = None
+    if choice is ComputeDType.auto:
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        target = mx.float32 if on_cpu and blas.loaded else None
+    elif choice is not ComputeDType.checkpoint:
+        target = getattr(mx, choice.value)
+    floats = [v.dtype for _, v in tree_flatten(model.parameters())
+              if mx.issubdtype(v.dtype, mx.floating)]
+    if target is None or all(d == target for d in floats):
+        return str(floats[0]).removeprefix("mlx.core.") if floats else "none"
+    model.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating)
+                          else a, model.parameters()))
+    log.info("computing in %s (model.compute_dtype=%s)", target, choice.value)
+    return str(target).removeprefix("mlx.core.")

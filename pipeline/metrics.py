@@ -55,6 +55,26 @@ class Metrics:
         self.admission = Counter(
             f"{PREFIX}_admission_decisions", "Admission decisions by decision and reason",
             ["decision", "reason"], registry=r)
+        self.max_safe_context = Gauge(
+            f"{PREFIX}_admission_max_safe_context_tokens",
+            "Estimated longest context one request can hold (weights + KV + prefill temporaries)",
+            registry=r)
+        self.context_cap = Gauge(
+            f"{PREFIX}_admission_context_cap_tokens",
+            "Context cap admission enforces (admission=budget with memory_budget_gb); NaN if none",
+            registry=r)
+        self.kv_bytes_per_token = Gauge(
+            f"{PREFIX}_kv_bytes_per_token", "KV bytes one token adds to one row, all layers",
+            registry=r)
+        self.kv_budget = Gauge(
+            f"{PREFIX}_kv_budget_bytes", "Aggregate KV budget across rows; NaN if none",
+            registry=r)
+        self.kv_reserved = Gauge(
+            f"{PREFIX}_kv_reserved_bytes",
+            "KV reserved by admitted rows (prompt + max_tokens each) under the KV budget",
+            registry=r)
+        self.weight_bytes = Gauge(
+            f"{PREFIX}_model_weight_bytes", "Bytes of the served model's weights", registry=r)
         self.mlx_memory = Gauge(
             f"{PREFIX}_mlx_memory_bytes", "MLX allocator memory by kind (active, cache, peak)",
             ["kind"], registry=r)

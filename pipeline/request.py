@@ -66,8 +66,10 @@ class PromptInput:
     messages: list[dict[str, Any]] | None = None   # chat turns, already normalised
     text: str | None = None                         # a raw completion prompt
     token_ids: list[int] | None = None              # a pre-tokenised completion prompt
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None      # OpenAI function-tool shape
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tool_choice: str = "auto"                       # auto | none | required | named
+    tool_name: str | None = None                    # the tool a `named` choice forces
 
 
 @dataclass(slots=True)
@@ -81,6 +83,8 @@ class Request:
     prompt_ids: list[int] = field(default_factory=list)       # set by tokenize
     sampling: SamplingParams = field(default_factory=SamplingParams)  # set by admission
     stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
+    output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
+                              # (an open <think>, a forced tool-call start); output follows it
     arrival_s: float = field(default_factory=time.perf_counter)
     # engine state
     status: RequestStatus = RequestStatus.WAITING
@@ -91,6 +95,7 @@ class Request:
     cache: Any = None                 # per-layer KV list of this row; owned by the engine
     row_state: Any = None             # per-row sampling state (rng key, history), set by sample
     next_input: Any = None            # mx.array of the token to feed next; set by sample
+    kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb
     first_token_s: float | None = None
     last_token_s: float = 0.0
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipeline.config import ServeConfig
 from pipeline.events import Event, Finished, TokenDelta
+from pipeline.memory import MemoryModel
 from pipeline.request import FinishReason, Request, RequestStatus, TokenLogprob
 from pipeline.stage import Batch
 
@@ -33,6 +34,12 @@ class _Scheduler:
         self.max_batch = cfg.scheduler.max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.memory: MemoryModel | None = None
+        self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
+        self.kv_reserved = 0
+
+    def set_memory(self, memory: MemoryModel, kv_budget: int | None) -> None:
+        self.memory, self.kv_budget = memory, kv_budget
 
     # -- membership -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -65,8 +72,17 @@ class _Scheduler:
 
     # -- stepping ---------------------------------------------------------------------
     def _admit(self) -> None:
+        """FIFO: the head waits until a row slot and, under a KV budget, its projected KV
+        (prompt + max_tokens) are free; later requests never overtake it."""
         while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            if self.kv_budget is not None and self.memory is not None:
+                need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
+                if self.running and self.kv_reserved + need > self.kv_budget:
+                    return
+                req.kv_reserved_bytes = need
+                self.kv_reserved += need
+            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
@@ -117,8 +133,9 @@ class _Scheduler:
                 self._finish(req, FinishReason.LENGTH)
                 yield req, self._finished(req)
 
-    @staticmethod
-    def _finish(req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.kv_reserved -= req.kv_reserved_bytes
+        req.kv_reserved_bytes = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.cache = None

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ServeConfig
-from pipeline.errors import AdmissionRejected, InvalidRequest
+from pipeline.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
 
@@ -39,6 +39,8 @@ class Admission:
     async def __call__(self, request: Request) -> Request:
         try:
             request.sampling = self.resolve(request)
+        except MemoryAdmissionError:
+            raise   # counted with its own reason
         except InvalidRequest as e:
             self.metrics.admission.labels("rejected", "invalid").inc()
             raise e
@@ -97,3 +99,39 @@ class Admission:
             span = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
             where = "" if from_request else " (server/model default)"
             raise InvalidRequest(f"{name} is {value}{where}; allowed range is {span}", param=name)
+
+
+class BudgetAdmission(Admission):
+    """admission=budget: the memory estimate is enforced. With memory_budget_gb a prompt that
+    leaves no room to generate is rejected and a larger max_tokens is reduced to what fits;
+    with kv_budget_gb a request whose projected KV cannot fit even alone is rejected (one that
+    fits alone but not beside the running rows waits in the scheduler)."""
+
+    def resolve(self, request: Request) -> SamplingParams:
+        sp = super().resolve(request)
+        memory = self.engine.memory
+        assert memory is not None
+        prompt = len(request.prompt_ids)
+        if memory.enforced:
+            cap = memory.max_safe_context
+            if prompt >= cap:
+                self.metrics.admission.labels("rejected", "context_over_budget").inc()
+                raise MemoryAdmissionError(
+                    f"prompt has {prompt} tokens but admission.memory_budget_gb="
+                    f"{self.cfg.memory_budget_gb} leaves room for {cap} tokens of context "
+                    "(weights + KV + prefill temporaries); shorten the prompt or raise the budget",
+                    param="messages", code="context_over_budget")
+            if prompt + sp.max_tokens > cap:
+                sp.max_tokens = cap - prompt
+                self.metrics.admission.labels("clamped", "context_over_budget").inc()
+        if self.cfg.kv_budget_gb is not None:
+            need = memory.kv_bytes(prompt + sp.max_tokens)
+            budget = int(self.cfg.kv_budget_gb * 1e9)
+            if need > budget:
+                self.metrics.admission.labels("rejected", "kv_over_budget").inc()
+                raise MemoryAdmissionError(
+                    f"prompt ({prompt} tokens) + max_tokens ({sp.max_tokens}) needs "
+                    f"{need / 1e9:.3f} GB of KV; admission.kv_budget_gb is "
+                    f"{self.cfg.kv_budget_gb} — lower max_tokens or shorten the prompt",
+                    param="max_tokens", code="kv_over_budget")
+        return sp

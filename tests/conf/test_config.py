@@ -98,9 +98,13 @@ def test_groups_match_schema() -> None:
         assert list((CONF / g).glob("*.yaml")), f"conf/{g}/ has no options"
 
 
+# Options that are errors on their own: what each needs to make sense.
+REQUIRED = {("admission", "budget"): ["admission.memory_budget_gb=8"]}
+
+
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes(group: str, option: str) -> None:
-    cfg = load(f"{group}={option}")
+    cfg = load(f"{group}={option}", *REQUIRED.get((group, option), []))
     assert isinstance(cfg, pc.ServeConfig)
     node = getattr(cfg, group)
     expected = schema_of(group, option)
@@ -168,6 +172,10 @@ BAD = [
      ["scheduler.max_batch", "got 4", "must be 1", "scheduler=serial"]),
     (["admission=advisory", "admission.memory_budget_gb=8"], ConfigError,
      ["admission.memory_budget_gb", "8", "admission=budget"]),
+    (["admission=budget"], ConfigError,
+     ["admission=budget", "admission.memory_budget_gb", "admission.kv_budget_gb", "neither"]),
+    (["admission=budget", "admission.kv_budget_gb=-1"], ConfigError,
+     ["admission.kv_budget_gb", "-1"]),
     (["pipeline.sample._target_=stages.nope.Sample"], ConfigError,
      ["pipeline.sample._target_", "stages.nope.Sample", "cannot be imported"]),
 ]

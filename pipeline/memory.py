@@ -1,0 +1,89 @@
+"""Memory model for admission: weights + KV bytes per token of the served layout + prefill
+temporaries, measured once on the engine thread at load (`probe`), then used as plain numbers
+by admission (event loop) and the scheduler (engine thread)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DEVICE_FRACTION = 0.75   # share of device memory the advisory estimate assumes is usable
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    weight_bytes: int
+    kv_bytes_per_token: int          # all layers that grow with context, one row
+    window_tokens: int | None        # sliding layers stop growing here (None = no sliding layers)
+    windowed_bytes_per_token: int    # the part of kv_bytes_per_token that is windowed
+    state_bytes_per_row: int         # recurrent state, independent of length
+    prefill_temp_bytes: int          # activations + logits of one prefill chunk
+    device_bytes: int                # what the estimate may use (budget, or device share)
+    max_context: int                 # the model's (or configured) context limit
+    enforced: bool                   # admission=budget with memory_budget_gb
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV of one row holding `tokens` tokens (sliding layers capped at their window)."""
+        full = self.kv_bytes_per_token - self.windowed_bytes_per_token
+        windowed = min(tokens, self.window_tokens or tokens) * self.windowed_bytes_per_token
+        return tokens * full + windowed + self.state_bytes_per_row
+
+    @property
+    def max_safe_context(self) -> int:
+        """Longest context one request can hold next to the weights and a prefill chunk."""
+        room = self.device_bytes - self.weight_bytes - self.prefill_temp_bytes
+        if room <= self.state_bytes_per_row:
+            return 0
+        if self.kv_bytes_per_token == 0:
+            return self.max_context
+        lo, hi = 0, self.max_context
+        while lo < hi:                       # kv_bytes is monotone in tokens
+            mid = (lo + hi + 1) // 2
+            if self.kv_bytes(mid) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def device_memory_bytes() -> int:
+    import mlx.core as mx
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    size = int(info.get("memory_size", 0) or 0)
+    if size:
+        return size
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None) -> MemoryModel:
+    """Run one token through a fresh cache and read each layer's bytes per token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    model = loaded.model
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    per_token = windowed = state = 0
+    window: int | None = None
+    for c in cache:
+        if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is not None:
+            b = c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
+            per_token += b
+            if isinstance(c, RotatingKVCache) and c.max_size:
+                windowed += b
+                window = c.max_size if window is None else max(window, c.max_size)
+        else:
+            state += c.nbytes
+    cfg = loaded.config.get("text_config", loaded.config)
+    hidden = int(cfg.get("hidden_size", 0) or 0)
+    inter = int(cfg.get("intermediate_size", 0) or 4 * hidden)
+    vocab = int(cfg.get("vocab_size", 0) or 0)
+    act = 4  # bytes; activations may be float32 on the CPU path
+    temp = prefill_chunk * (vocab * 4 + (6 * hidden + 3 * inter) * act)
+    device = int(budget_gb * 1e9) if budget_gb else int(device_memory_bytes() * DEVICE_FRACTION)
+    return MemoryModel(weight_bytes=loaded.weight_bytes, kv_bytes_per_token=per_token,
+                       window_tokens=window, windowed_bytes_per_token=windowed,
+                       state_bytes_per_row=state, prefill_temp_bytes=temp,
+                       device_bytes=device, max_context=loaded.max_context,
+                       enforced=budget_gb is not None)

@@ -1,0 +1,95 @@
+"""Memory admission end to end: advisory publishes estimates and never rejects; budget mode
+rejects a prompt with no room (400 memory_admission/context_over_budget) and clamps
+max_tokens; a KV budget queues a joiner until rows finish and rejects one that cannot fit."""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk, wait_health
+
+KV_PER_TOKEN = 512   # tiny float32 model: 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes
+
+
+def gauge(base_url: str, name: str) -> float:
+    return sample_value(metric_families(base_url), name, name)
+
+
+def test_advisory_publishes_estimates_and_never_shortens(server: Any) -> None:
+    assert gauge(server.base_url, "pipeserve_kv_bytes_per_token") == KV_PER_TOKEN
+    safe = gauge(server.base_url, "pipeserve_admission_max_safe_context_tokens")
+    assert safe > 1000
+    assert math.isnan(gauge(server.base_url, "pipeserve_admission_context_cap_tokens"))
+    out = sdk(server.base_url).completions.create(
+        model="tiny", prompt="hello " * 50, max_tokens=600, logit_bias=NO_EOS, temperature=0)
+    assert out.usage.completion_tokens == 600
+
+
+@pytest.fixture(scope="module")
+def budget(server_factory: Any) -> Any:
+    # weights 427,520 B + prefill temporaries of a 64-token chunk 327,680 B leave
+    # 244,800 B of the 1 MB budget: 478 tokens of KV at 512 B/token.
+    return server_factory("admission=budget", "admission.memory_budget_gb=0.001",
+                          "scheduler.prefill_chunk=64")
+
+
+def test_budget_rejects_a_prompt_with_no_room_and_clamps_max_tokens(budget: Any) -> None:
+    cap = gauge(budget.base_url, "pipeserve_admission_context_cap_tokens")
+    assert cap == gauge(budget.base_url, "pipeserve_admission_max_safe_context_tokens") == 478
+    client = sdk(budget.base_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=list(range(3, 3 + 500)), max_tokens=4)
+    err = e.value.response.json()["error"]
+    assert err["type"] == "memory_admission" and err["code"] == "context_over_budget"
+    assert "500" in err["message"] and "478" in err["message"]
+    out = client.completions.create(model="tiny", prompt=list(range(3, 3 + 400)),
+                                    max_tokens=1000, logit_bias=NO_EOS, temperature=0)
+    assert out.usage.completion_tokens == 78 and out.choices[0].finish_reason == "length"
+    fams = metric_families(budget.base_url)
+    assert sample_value(fams, "pipeserve_admission_decisions", "pipeserve_admission_decisions_total",
+                        decision="clamped", reason="context_over_budget") >= 1
+    assert sample_value(fams, "pipeserve_admission_decisions", "pipeserve_admission_decisions_total",
+                        decision="rejected", reason="context_over_budget") >= 1
+
+
+@pytest.fixture(scope="module")
+def kv_budget(server_factory: Any) -> Any:
+    # 200 kB of KV: one row of 20 + 300 tokens (164 kB) fits, two do not.
+    return server_factory("admission=budget", "admission.kv_budget_gb=0.0002")
+
+
+def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
+    base = kv_budget.base_url
+    body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 300,
+            "logit_bias": NO_EOS, "temperature": 0}
+    results: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        results[name] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    assert wait_health(base, 30, inflight=1)["inflight"] == 1
+    second = threading.Thread(target=run, args=("second",))
+    second.start()
+    seen = wait_health(base, 30, inflight=2, waiting=1)
+    first.join(120)
+    second.join(120)
+    assert seen["waiting"] == 1     # the joiner waited for the first row's KV
+    assert results["first"]["usage"]["completion_tokens"] == 300
+    assert results["second"]["usage"]["completion_tokens"] == 300
+    assert gauge(base, "pipeserve_kv_reserved_bytes") == 0
+    assert gauge(base, "pipeserve_kv_budget_bytes") == 200_000
+
+
+def test_kv_budget_rejects_what_cannot_fit_alone(kv_budget: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk(kv_budget.base_url).completions.create(model="tiny", prompt="hi", max_tokens=1000)
+    err = e.value.response.json()["error"]
+    assert err["type"] == "memory_admission" and err["code"] == "kv_over_budget"
+    assert err["param"] == "max_tokens"
