@@ -98,19 +98,23 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     t0 = time.perf_counter()
     stamps: list[float] = []
     usage_tokens = None
+    end = float("nan")
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            now = time.perf_counter()
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             for ch in chunk.get("choices") or []:
-                if ch.get("text"):
-                    stamps.append(time.perf_counter())
+                if ch.get("finish_reason"):
+                    end = now
+                elif ch.get("text") is not None:
+                    stamps.append(now)   # one chunk per token (text may be empty)
     n = usage_tokens if usage_tokens is not None else len(stamps)
-    return {"t0": t0, "stamps": stamps, "tokens": n, "end": time.perf_counter()}
+    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end}
 
 
 async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float]) -> dict[str, Any]:
@@ -130,8 +134,9 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
         wall = time.perf_counter() - t0
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [(y - x) * 1000 for r in results for x, y in zip(r["stamps"], r["stamps"][1:])]
-    per_stream = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0])
-                  for r in results if len(r["stamps"]) > 1 and r["stamps"][-1] > r["stamps"][0]]
+    # decode rate of a stream: tokens after the first over the time from the first to the end
+    per_stream = [(r["tokens"] - 1) / (r["end"] - r["stamps"][0])
+                  for r in results if r["stamps"] and r["end"] > r["stamps"][0]]
     tokens = sum(r["tokens"] for r in results)
     return {"requests": len(results), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream}

@@ -26,7 +26,9 @@ class Arch(Enum):
 class ModelSize(Enum):
     tiny = "tiny"    # 2 layers, hidden 64: tests
     small = "small"  # ~35M parameters
-    base = "base"    # >100M parameters: benchmarks
+    base = "base"    # >100M parameters: CPU benchmarks
+    medium = "medium"  # Qwen3-0.6B's shape (vocab 16k): GPU benchmarks
+    large = "large"    # Qwen3-8B's shape (vocab 16k): GPU benchmarks
 
 
 class DType(Enum):

@@ -11,14 +11,14 @@ from typing import Any
 
 from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, StageError
-from pipeline.events import Abort, Failed, Finished, Submit, TokenDelta
+from pipeline.events import Abort, Event, Failed, Finished, Submit, TokenDelta
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
 from pipeline.metrics import Metrics
 from pipeline.request import Request
 from pipeline.scheduler import StepResult
 from pipeline.stage import Batch, EngineContext, StepStage
-from pipeline.stream import RequestStream
+from pipeline.stream import RequestStream, post_many
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class Engine:
         self.scheduler: Any = build(cfg.scheduler._target_, cfg)
         self._inbox: queue.SimpleQueue[Submit | Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._outbox: list[tuple[RequestStream, Event]] = []   # flushed once per loop pass
         self._ready = threading.Event()
         self._stopping = False
         self._num_submitted = 0   # written by submitters only
@@ -102,6 +103,7 @@ class Engine:
             log.exception("engine loop died")
             self._die(e)
         finally:
+            self._flush()
             self.metrics.engine_up.set(0)
             if self.state is EngineState.READY:
                 self.state = EngineState.STOPPED
@@ -157,6 +159,7 @@ class Engine:
                     batch = None
             if pending is not None:
                 self._update(pending)
+            self._flush()
             pending = batch if batch is not None and batch.sample_rows else None
             steps += 1
             if steps % 256 == 0:
@@ -208,7 +211,12 @@ class Engine:
                 self.metrics.generation_tokens.inc(event.num_output_tokens)
                 self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
         if stream is not None:
-            stream.post(event)
+            self._outbox.append((stream, event))
+
+    def _flush(self) -> None:
+        if self._outbox:
+            post_many(self._outbox)
+            self._outbox = []
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -258,6 +266,7 @@ class Engine:
         err = EngineUnavailable(f"engine died: {cause!r}")
         for req in self.scheduler.fail_all():
             self._post(req.request_id, Failed(req.request_id, err))
+        self._flush()
 
     def _sample_memory(self) -> None:
         import mlx.core as mx

@@ -49,6 +49,9 @@ class Metrics:
         self.step_tokens = Counter(
             f"{PREFIX}_step_tokens", "Tokens computed by engine steps, by phase",
             ["phase"], registry=r)
+        self.grouped_prefills = Counter(
+            f"{PREFIX}_prefill_grouped_prompts",
+            "Prompts prefilled together with others in one padded forward", registry=r)
         self.stage_seconds = Histogram(
             f"{PREFIX}_stage_seconds", "Time spent in each step stage per engine step",
             ["stage"], buckets=STEP_BUCKETS_S, registry=r)

@@ -93,6 +93,7 @@ class Request:
     num_scheduled_outputs: int = 0    # decode steps queued (may run one ahead of output_ids)
     finish_reason: FinishReason | None = None
     cache: Any = None                 # per-layer KV list of this row; owned by the engine
+    prefill_group: Any = None         # the PrefillGroup whose batched KV holds this row's prompt
     row_state: Any = None             # per-row sampling state (rng key, history), set by sample
     next_input: Any = None            # mx.array of the token to feed next; set by sample
     kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb

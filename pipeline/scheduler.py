@@ -139,6 +139,7 @@ class _Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.cache = None
+        req.prefill_group = None
         req.row_state = None
         req.next_input = None
 

@@ -16,10 +16,7 @@ class RequestStream:
 
     def post(self, event: Event) -> None:
         """Thread-safe: hand an event to the loop. Safe after the loop has closed."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
+        post_many([(self, event)])
 
     async def next(self) -> Event:
         event = await self._queue.get()
@@ -30,3 +27,21 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[Event]:
         while not self.finished:
             yield await self.next()
+
+
+def _deliver(items: list[tuple[RequestStream, Event]]) -> None:
+    for stream, event in items:
+        stream._queue.put_nowait(event)
+
+
+def post_many(items: list[tuple[RequestStream, Event]]) -> None:
+    """Thread-safe: deliver a step's events with one loop wake-up per event loop (a wake-up
+    writes to the loop's self-pipe: per event it would cost a syscall per token)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+    for stream, event in items:
+        by_loop.setdefault(stream._loop, []).append((stream, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more

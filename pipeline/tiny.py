@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next")
-SIZES = ("tiny", "small", "base")
+SIZES = ("tiny", "small", "base", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMAT_VERSION = 1
 SEED = 20240611
@@ -128,13 +128,18 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
         "tiny": (2, 64, 4, 2, 16, 128),
         "small": (8, 512, 8, 4, 64, 2048),
         "base": (12, 768, 12, 4, 64, 3072),
+        "medium": (28, 1024, 16, 8, 128, 3072),    # Qwen3-0.6B's shape
+        "large": (36, 4096, 32, 8, 128, 12288),    # Qwen3-8B's shape
     }[size]
     layers, hidden, heads, kv_heads, head_dim, inter = dims
     cfg: dict[str, Any] = {
         "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": True, "attention_bias": False,
+        # GPU-benchmark shapes get a 16k embedding (rows past the tokenizer are never produced
+        # by it) so the output head costs what a real model's does.
+        "vocab_size": 16384 if size in ("medium", "large") else VOCAB_SIZE,
+        "max_position_embeddings": 4096 if size in ("tiny", "small", "base") else 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": size != "large", "attention_bias": False,
         "hidden_act": "silu", "bos_token_id": None, "pad_token_id": eos[1], "eos_token_id": eos,
     }
     if arch == "qwen3":

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from pipeline.config import ServeConfig
-from pipeline.kv.batch import RowBatch
+from pipeline.kv.batch import RowBatch, prefill_group
 from pipeline.request import Request
 from pipeline.stage import Batch, EngineContext
 
@@ -23,26 +23,39 @@ class Prefill:
 
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.model = ctx.model
+        self.metrics = ctx.metrics
         self.shared = cfg.scheduler.shared_decode
         self.rows = RowBatch()
         ctx.row_batch = self.rows
 
     def __call__(self, batch: Batch) -> None:
         decode: list[int] = []
+        whole: list[Request] = []   # prompts prefilled entirely in this step
         for row, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 decode.append(row)
-                continue
-            if req.cache is None:
-                req.cache = make_prompt_cache(self.model)
-            start = req.num_computed_tokens - n
-            tokens = mx.array(req.prompt_ids[start:req.num_computed_tokens], dtype=mx.uint32)
-            self.model(tokens[None], cache=req.cache)
-            mx.eval([c.state for c in req.cache])
+            elif self.shared and n == req.num_computed_tokens == req.num_prompt_tokens - 1:
+                whole.append(req)
+            else:
+                self._prefill_chunk(req, n)
+        for members in _similar_lengths(whole):
+            if len(members) == 1:
+                self._prefill_chunk(members[0], members[0].num_prompt_tokens - 1)
+            else:
+                prefill_group(self.model, members, lambda: make_prompt_cache(self.model))
+                self.metrics.grouped_prefills.inc(len(members))
         if decode:
             batch.sample_rows = decode
             batch.logits = (self._decode_shared(batch, decode) if self.shared
                             else self._decode_each(batch, decode))   # may reorder sample_rows
+
+    def _prefill_chunk(self, req: Request, n: int) -> None:
+        if req.cache is None:
+            req.cache = make_prompt_cache(self.model)
+        start = req.num_computed_tokens - n
+        tokens = mx.array(req.prompt_ids[start:req.num_computed_tokens], dtype=mx.uint32)
+        self.model(tokens[None], cache=req.cache)
+        mx.eval([c.state for c in req.cache])
 
     def _decode_each(self, batch: Batch, decode: list[int]) -> mx.array:
         logits = []
@@ -59,7 +72,7 @@ class Prefill:
         firsts = {}
         for req in reqs:
             if req.num_computed_tokens == req.num_prompt_tokens:   # first decode step
-                if req.cache is None:
+                if req.cache is None and req.prefill_group is None:
                     req.cache = make_prompt_cache(self.model)
                 firsts[req.request_id] = mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
         rows.sync(reqs, firsts)
@@ -72,3 +85,15 @@ class Prefill:
         if req.num_computed_tokens == req.num_prompt_tokens:
             return mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
         return req.next_input
+
+
+def _similar_lengths(reqs: list[Request], spread: float = 2.0) -> list[list[Request]]:
+    """Groups of prompts whose lengths are within `spread`x of each other, so one padded
+    forward wastes at most about half its width on padding."""
+    groups: list[list[Request]] = []
+    for req in sorted(reqs, key=lambda r: r.num_prompt_tokens):
+        if groups and req.num_prompt_tokens <= spread * groups[-1][0].num_prompt_tokens:
+            groups[-1].append(req)
+        else:
+            groups.append([req])
+    return groups

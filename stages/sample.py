@@ -22,8 +22,10 @@ class RowSampling:
     """Per-request sampling state, kept on `Request.row_state` across steps."""
 
     key: mx.array                 # request-local PRNG key, split every step
-    processors: list[Processor]
+    processors: list[Processor]   # history-dependent penalties
     history: mx.array | None      # prompt + output ids, when a processor needs them
+    bias_ids: list[int]           # logit_bias, applied for all rows in one scatter-add
+    bias_values: list[float]
 
 
 class Sample:
@@ -37,13 +39,15 @@ class Sample:
         self.eos_ids = sorted(ctx.loaded.tokenizer.eos_token_ids)
         self.shared = cfg.scheduler.shared_decode
         self.ctx = ctx
+        self._bias_key: tuple[str, ...] = ()
+        self._bias: tuple[mx.array, mx.array, mx.array] | None = None
 
     def __call__(self, batch: Batch) -> None:
         if not batch.sample_rows:
             return
         reqs = [batch.requests[r] for r in batch.sample_rows]
         states = [r.row_state if r.row_state is not None else self._init_state(r) for r in reqs]
-        logits = batch.logits
+        logits = self._apply_bias(batch.logits, reqs, states)
         if any(s.processors for s in states):
             logits = mx.concatenate([self._process(s, logits[i:i + 1])
                                      for i, s in enumerate(states)], axis=0)
@@ -72,6 +76,25 @@ class Sample:
                 batch.top_ids = mx.take_along_axis(top, order, axis=-1)
                 batch.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
 
+    def _apply_bias(self, logits: mx.array, reqs: list[Request],
+                    states: list[RowSampling]) -> mx.array:
+        """Every row's logit_bias in one scatter-add; the index arrays are rebuilt only when
+        the rows change."""
+        key = tuple(r.request_id for r in reqs)
+        if key != self._bias_key:
+            rows, cols, vals = [], [], []
+            for i, state in enumerate(states):
+                rows += [i] * len(state.bias_ids)
+                cols += state.bias_ids
+                vals += state.bias_values
+            self._bias_key = key
+            self._bias = ((mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32),
+                           mx.array(vals, dtype=mx.float32)) if rows else None)
+        if self._bias is None:
+            return logits
+        rows_idx, cols_idx, vals = self._bias
+        return logits.at[rows_idx, cols_idx].add(vals.astype(logits.dtype))
+
     @staticmethod
     def _process(state: RowSampling, logits: mx.array) -> mx.array:
         for proc in state.processors:
@@ -91,7 +114,6 @@ class Sample:
     def _init_state(req: Request) -> RowSampling:
         sp = req.sampling
         processors = make_logits_processors(
-            logit_bias=sp.logit_bias or None,
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
             repetition_context_size=sp.penalty_context_size,
             presence_penalty=sp.presence_penalty or None,
@@ -101,7 +123,8 @@ class Sample:
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
         history = mx.array(req.prompt_ids, dtype=mx.uint32) if processors else None
         req.row_state = RowSampling(key=mx.random.key(seed), processors=processors,
-                                    history=history)
+                                    history=history, bias_ids=list(sp.logit_bias),
+                                    bias_values=list(sp.logit_bias.values()))
         return req.row_state
 
 
