@@ -1,10 +1,13 @@
 """Detokenize: token ids → text, incrementally and UTF-8 safe, with stop strings matched on
-the decoded text and never emitted. Event loop, one TextStream per request; no MLX."""
+the decoded text and never emitted; tool-call and think markers survive decoding for the output
+parsers (pipeline/api/generation.py). Event loop, one TextStream per request; no MLX."""
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import Any
 
+from pipeline.api.reasoning import THINK_PAIRS
+from pipeline.api.tools import all_markers
 from pipeline.config import ServeConfig
 from pipeline.loader import LoadedModel
 
@@ -80,14 +83,20 @@ class Detokenize:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel) -> None:
         self.tokenizer = loaded.tokenizer
         self._byte_level = _byte_level_map(self.tokenizer)
+        self._hidden = _hidden_specials(self.tokenizer)
 
     def open(self, stop: list[str]) -> TextStream:
         return TextStream(self.decode, stop)
 
     def decode(self, ids: list[int]) -> str:
+        """Text of `ids` without special tokens — except tool-call and think markers, which
+        the output parsers must see even where a tokenizer marks them special."""
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self._hidden is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        kept = [i for i in ids if i not in self._hidden]
+        return self.tokenizer.decode(kept, skip_special_tokens=False) if kept else ""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (byte-level BPE), else its UTF-8 text."""
@@ -105,6 +114,21 @@ def _token_bytes(detok: Detokenize, token_id: int) -> bytes:
         if isinstance(piece, str) and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
     return detok.tokenizer.decode([token_id]).encode("utf-8")
+
+
+def _hidden_specials(tokenizer: Any) -> frozenset[int] | None:
+    """Special token ids to drop when some special tokens are output markers (None: no
+    marker is special, so the tokenizer's own skip_special_tokens is right)."""
+    try:
+        added = tokenizer.added_tokens_decoder
+    except AttributeError:
+        return None
+    special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_ids", []) or [])
+    markers = all_markers() | {m for pair in THINK_PAIRS for m in pair}
+    vocab = tokenizer.get_vocab()
+    keep = {vocab[m] for m in markers if m in vocab} & special
+    return frozenset(special - keep) if keep else None
 
 
 def _byte_level_map(tokenizer: Any) -> dict[str, int] | None:

@@ -70,3 +70,54 @@ def logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
                                  f"{_short(bias)}", param="logit_bias")
         out[token] = float(bias)
     return out
+
+
+def function_tool(tool: Any, where: str, param: str, *, flat: bool = False) -> dict[str, Any]:
+    """A function tool → OpenAI's nested shape {"type": "function", "function": {name,
+    description, parameters}}, the one chat templates render. `flat`: Responses' shape."""
+    if not isinstance(tool, dict):
+        raise InvalidRequest(f"{where} must be an object, got {_short(tool)}", param=param)
+    kind = tool.get("type", "function")
+    if kind != "function":
+        raise InvalidRequest(f"{where}.type is {kind!r}; only 'function' tools are supported",
+                             param=param)
+    fn = tool if flat else tool.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        field = "name" if flat else "function.name"
+        raise InvalidRequest(f"{where}.{field} must be a non-empty string", param=param)
+    return {"type": "function", "function": _function_spec(fn, "parameters", where, param)}
+
+
+def _function_spec(fn: dict[str, Any], schema_key: str, where: str, param: str) -> dict[str, Any]:
+    schema = fn.get(schema_key)
+    if schema is not None and not isinstance(schema, dict):
+        raise InvalidRequest(f"{where}.{schema_key} must be a JSON schema object, got "
+                             f"{_short(schema)}", param=param)
+    out: dict[str, Any] = {"name": fn["name"],
+                           "parameters": schema or {"type": "object", "properties": {}}}
+    if isinstance(fn.get("description"), str):
+        out["description"] = fn["description"]
+    return out
+
+
+def anthropic_tool(tool: Any, where: str, param: str) -> dict[str, Any]:
+    """An Anthropic tool {name, description, input_schema} → OpenAI's nested shape."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidRequest(f"{where}.name must be a non-empty string", param=param)
+    if tool.get("type") not in (None, "custom"):
+        raise InvalidRequest(f"{where}.type is {tool['type']!r}; only client tools with an "
+                             "input_schema are supported", param=param)
+    return {"type": "function", "function": _function_spec(tool, "input_schema", where, param)}
+
+
+def tool_choice(choice: str, name: str | None, tools: list[dict[str, Any]],
+                param: str) -> tuple[str, str | None]:
+    """Check a normalised tool choice (auto | none | required | named) against the tools."""
+    if choice in ("required", "named") and not tools:
+        raise InvalidRequest(f"{param} asks for a tool call but the request has no tools",
+                             param=param)
+    names = [t["function"]["name"] for t in tools]
+    if choice == "named" and name not in names:
+        raise InvalidRequest(f"{param} names tool {name!r}, which is not among the request's "
+                             f"tools ({', '.join(names)})", param=param)
+    return choice, name

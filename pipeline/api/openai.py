@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.api import fields as F
+from pipeline.api.generation import Delta, Usage
+from pipeline.api.reasoning import thinking_from_effort
+from pipeline.api.tools import ToolCall
 from pipeline.errors import InvalidRequest
 from pipeline.request import PromptInput, TokenLogprob
 
@@ -24,8 +27,8 @@ class Parsed:
     echo: bool = False
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling fields shared by both endpoints (OpenAI's plus mlx-lm/vLLM extensions)."""
+def sampling_fields(body: dict[str, Any], stop_field: str = "stop") -> dict[str, Any]:
+    """Sampling fields shared by every endpoint (OpenAI's plus mlx-lm/vLLM extensions)."""
     out = {
         "temperature": F.get(body, "temperature", float),
         "top_p": F.get(body, "top_p", float),
@@ -39,7 +42,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         "xtc_threshold": F.get(body, "xtc_threshold", float),
         "seed": F.get(body, "seed", int),
         "logit_bias": F.logit_bias(body),
-        "stop": F.stop_list(body),
+        "stop": F.stop_list(body, stop_field),
     }
     n = F.get(body, "n", int, 1)
     if n != 1:
@@ -63,7 +66,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     if not messages:
         raise InvalidRequest("messages must be a non-empty array of chat messages",
                              param="messages")
-    requested = _sampling(body)
+    requested = sampling_fields(body)
     max_tokens = F.get(body, "max_completion_tokens", int)
     requested["max_tokens"] = max_tokens if max_tokens is not None else F.get(body, "max_tokens", int)
     logprobs = F.get(body, "logprobs", bool, False)
@@ -77,12 +80,32 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
         raise InvalidRequest(
             f"response_format type '{fmt.get('type')}' is not supported yet; only 'text' is",
             param="response_format")
-    tools = F.get(body, "tools", list)
-    kwargs = F.get(body, "chat_template_kwargs", dict) or {}
+    tools = [F.function_tool(t, f"tools[{i}]", "tools")
+             for i, t in enumerate(F.get(body, "tools", list) or [])]
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    kwargs = dict(F.get(body, "chat_template_kwargs", dict) or {})
+    effort = F.get(body, "reasoning_effort", str)
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
+        kwargs.setdefault("reasoning_effort", effort)
     stream, include = _stream_flags(body)
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
-                              tools=tools or None, template_kwargs=kwargs),
+                              tools=tools or None, template_kwargs=kwargs,
+                              tool_choice=choice, tool_name=name),
                   requested, stream, include)
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """OpenAI tool_choice: "none" | "auto" | "required" | {"type": "function",
+    "function": {"name"}} → (choice, forced tool name)."""
+    if value is None or value in ("none", "auto", "required"):
+        return F.tool_choice(value or "auto", None, tools, "tool_choice")
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or "
+                             f'{{"type": "function", "function": {{"name": ...}}}}, got '
+                             f"{value!r:.80}", param="tool_choice")
+    return F.tool_choice("named", fn["name"], tools, "tool_choice")
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
@@ -155,7 +178,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
     best_of = F.get(body, "best_of", int, 1)
     if best_of != 1:
         raise InvalidRequest(f"best_of is {best_of}; only 1 is supported", param="best_of")
-    requested = _sampling(body)
+    requested = sampling_fields(body)
     requested["max_tokens"] = F.get(body, "max_tokens", int, 16)  # OpenAI's default here
     logprobs = F.get(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= 5:
@@ -170,16 +193,36 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
 TokenInfo = Callable[[int], tuple[str, bytes]]
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+def usage_body(usage: Usage) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.reasoning_tokens:
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": f"call_{call.id}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
+def chat_deltas(delta: Delta) -> list[dict[str, Any]]:
+    """One Delta → the `delta` objects of chat.completion.chunk events, in order: reasoning,
+    content, then per tool call its name (arguments "") and its arguments."""
+    out: list[dict[str, Any]] = []
+    if delta.reasoning:
+        out.append({"reasoning_content": delta.reasoning})
+    if delta.content:
+        out.append({"content": delta.content})
+    for call in delta.tool_calls:
+        head = tool_call_body(call)
+        head["function"]["arguments"] = ""
+        out.append({"tool_calls": [{"index": call.index, **head}]})
+        out.append({"tool_calls": [{"index": call.index,
+                                    "function": {"arguments": call.arguments_json}}]})
+    return out
 
 
 @dataclass
@@ -209,22 +252,28 @@ class ChatShape:
                          "logprobs": self.logprobs(lps) if lps else None,
                          "finish_reason": finish}]}
         if usage is not None:
-            out["usage"] = usage.to_dict()
+            out["usage"] = usage_body(usage)
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion.chunk",
                 "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint, "choices": [], "usage": usage.to_dict()}
+                "system_fingerprint": self.fingerprint, "choices": [], "usage": usage_body(usage)}
 
-    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None,
-             usage: Usage) -> dict[str, Any]:
+    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None, usage: Usage,
+             reasoning: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [tool_call_body(c) for c in calls]
         return {"id": self.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": 0, "message": message,
                              "logprobs": self.logprobs(lps) if lps is not None else None,
                              "finish_reason": finish}],
-                "usage": usage.to_dict()}
+                "usage": usage_body(usage)}
 
 
 @dataclass
@@ -262,13 +311,13 @@ class CompletionShape:
                          "logprobs": self.logprobs(lps) if lps else None,
                          "finish_reason": finish}]}
         if usage is not None:
-            out["usage"] = usage.to_dict()
+            out["usage"] = usage_body(usage)
         return out
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.model, "system_fingerprint": self.fingerprint, "choices": [],
-                "usage": usage.to_dict()}
+                "usage": usage_body(usage)}
 
     def body(self, text: str, finish: str, lps: list[TokenLogprob] | None,
              usage: Usage) -> dict[str, Any]:

@@ -58,3 +58,23 @@ def test_earliest_of_several_stop_strings_wins(detok) -> None:
 def test_token_bytes_are_exact_for_byte_level_pieces(detok) -> None:
     ids = detok.tokenizer.encode("😀", add_special_tokens=False)
     assert b"".join(detok.token_bytes(i) for i in ids) == "😀".encode()
+
+
+def test_output_markers_survive_where_the_tokenizer_marks_them_special(model_cache: Path) -> None:
+    """Some families make their tool-call / think markers special tokens; decoding keeps
+    those (the output parsers need them) and still drops the other special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_model("qwen3", "tiny", "float32", model_cache))
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]})
+    ids = tok.encode("Hi<tool_call>{}</tool_call><|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == "Hi{}"
+    detok = Detokenize(None, SimpleNamespace(tokenizer=tok))
+    assert detok.decode(ids) == "Hi<tool_call>{}</tool_call>"
+    assert stream_all(detok, ids, [])[1] == "Hi<tool_call>{}</tool_call>"
+
+
+def test_plain_tokenizers_decode_as_before(detok) -> None:
+    ids = detok.tokenizer.encode("a<tool_call>b<|im_end|>", add_special_tokens=False)
+    assert detok.decode(ids) == "a<tool_call>b"

@@ -1,0 +1,276 @@
+"""Anthropic adapter: /v1/messages and /v1/messages/count_tokens bodies → Request, and
+Generation output → Message bodies and the streaming event sequence (message_start,
+content_block_*, message_delta, message_stop), errors in Anthropic's shape. Event loop."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import sanic
+from sanic import HTTPResponse, Sanic
+
+from pipeline.api import fields as F
+from pipeline.api.generation import Delta, Generation, Usage
+from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
+from pipeline.api.openai import sampling_fields
+from pipeline.errors import InvalidRequest, ServeError
+from pipeline.request import PromptInput, Request
+
+# our error types → Anthropic's (the rest are shared names)
+ERROR_TYPES = {"service_unavailable": "overloaded_error", "server_error": "api_error"}
+
+
+def error_body(message: str, error_type: str, status: int = 400) -> dict[str, Any]:
+    kind = "request_too_large" if status == 413 else ERROR_TYPES.get(error_type, error_type)
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# -- request -------------------------------------------------------------------------------
+def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, dict[str, Any]]:
+    messages = F.get(body, "messages", list)
+    if not messages:
+        raise InvalidRequest("messages must be a non-empty array of {role, content} turns",
+                             param="messages")
+    turns = _system(body.get("system"))
+    for i, m in enumerate(messages):
+        turns.extend(_turn(m, f"messages[{i}]"))
+    tools = [F.anthropic_tool(t, f"tools[{i}]", "tools")
+             for i, t in enumerate(F.get(body, "tools", list) or [])]
+    choice, name = _tool_choice(F.get(body, "tool_choice", dict), tools)
+    kwargs = dict(F.get(body, "chat_template_kwargs", dict) or {})
+    thinking = F.get(body, "thinking", dict)
+    if thinking is not None:
+        kind = thinking.get("type")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise InvalidRequest(f"thinking.type is {kind!r}; allowed: enabled, disabled, "
+                                 "adaptive", param="thinking")
+        kwargs.setdefault("enable_thinking", kind != "disabled")
+    inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
+                         tool_choice=choice, tool_name=name)
+    if count_only:
+        return inputs, {}
+    requested = sampling_fields(body, "stop_sequences")
+    requested["max_tokens"] = F.get(body, "max_tokens", int)
+    if requested["max_tokens"] is None:
+        raise InvalidRequest("max_tokens is required: send the most tokens to generate, "
+                             "a positive integer", param="max_tokens")
+    return inputs, requested
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None or system == "":
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if not isinstance(system, list):
+        raise InvalidRequest("system must be a string or an array of text blocks", param="system")
+    return [{"role": "system", "content": "\n".join(_text(b, f"system[{i}]", "system")
+                                                     for i, b in enumerate(system))}]
+
+
+def _text(block: Any, where: str, param: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
+            block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        raise InvalidRequest(f"{where} has type {kind!r}; expected a text block (this model "
+                             "takes text only)", param=param)
+    return block["text"]
+
+
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or an array of content blocks",
+                             param="messages")
+    return content
+
+
+def _turn(m: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic turn → template messages: tool_result blocks become `tool` messages,
+    tool_use blocks the assistant's tool_calls; thinking blocks are dropped."""
+    role = m.get("role") if isinstance(m, dict) else None
+    if role not in ("user", "assistant"):
+        raise InvalidRequest(f"{where}.role is {role!r}; allowed: user, assistant",
+                             param="messages")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(_blocks(m.get("content"), where)):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_result" and role == "user":
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                        "content": _result_text(block.get("content"), at)})
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise InvalidRequest(f"{at} needs a string name and an object input",
+                                     param="messages")
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block["name"], "arguments": block.get("input", {})}})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        else:
+            texts.append(_text(block, at, "messages"))
+    if texts or calls or not out:
+        turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def _result_text(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content must be a string or text blocks", param="messages")
+    return "".join(_text(b, f"{where}.content[{k}]", "messages") for k, b in enumerate(content))
+
+
+def _tool_choice(value: dict[str, Any] | None, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    kind = (value or {}).get("type", "auto")
+    choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}.get(kind)
+    if choice is None:
+        raise InvalidRequest(f"tool_choice.type is {kind!r}; allowed: auto, any, tool, none",
+                             param="tool_choice")
+    name = (value or {}).get("name") if choice == "named" else None
+    if choice == "named" and not isinstance(name, str):
+        raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice")
+    return F.tool_choice(choice, name, tools, "tool_choice")
+
+
+# -- response ------------------------------------------------------------------------------
+def stop_reason(gen: Generation) -> tuple[str, str | None]:
+    if gen.finish_reason == "tool_calls":
+        return "tool_use", None
+    if gen.finish_reason == "length":
+        return "max_tokens", None
+    if gen.stop_sequence is not None:
+        return "stop_sequence", gen.stop_sequence
+    return "end_turn", None
+
+
+def usage_body(usage: Usage, output: bool = True) -> dict[str, Any]:
+    return {"input_tokens": usage.prompt_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens if output else 0}
+
+
+def message_body(message_id: str, model: str, gen: Generation) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if gen.reasoning:
+        content.append({"type": "thinking", "thinking": gen.reasoning, "signature": ""})
+    if gen.content or not (gen.tool_calls or gen.reasoning):   # as the stream's blocks
+        content.append({"type": "text", "text": gen.content})
+    content.extend({"type": "tool_use", "id": f"toolu_{c.id}", "name": c.name,
+                    "input": c.arguments} for c in gen.tool_calls)
+    reason, sequence = stop_reason(gen)
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage_body(gen.usage)}
+
+
+class BlockStream:
+    """Deltas → content_block_start/delta/stop events, opening a new block whenever the
+    kind of output changes (thinking → text → tool_use)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def events(self, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if delta.reasoning:
+            out += self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            out += self._ensure("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.tool_calls:
+            out += self._ensure("tool_use", {"type": "tool_use", "id": f"toolu_{call.id}",
+                                             "name": call.name, "input": {}}, fresh=True)
+            out.append(self._delta({"type": "input_json_delta",
+                                    "partial_json": call.arguments_json}))
+            out += self.close()
+        return out
+
+    def close(self, ensure_one: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if ensure_one and self.index < 0:
+            out += self._ensure("text", {"type": "text", "text": ""})
+        if self.open is not None:
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            self.open = None
+        return out
+
+    def _ensure(self, kind: str, block: dict[str, Any],
+                fresh: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        if self.open == kind and not fresh:
+            return []
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
+                                            "content_block": block}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                       "delta": delta}
+
+
+# -- handlers ------------------------------------------------------------------------------
+async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
+    async with Scope(app, "messages") as scope:
+        ready_front(app)
+        body = read_body(http)
+        inputs, requested = parse(body)
+        req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
+                      inputs=inputs, requested=requested)
+        gen = await scope.start(req)
+        model = app.ctx.cfg.model.name
+        if F.get(body, "stream", bool, False):
+            scope.failed = not await _stream(http, gen, model)
+            return None
+        await gen.run()
+        return json_response(message_body(gen.request.request_id, model, gen))
+
+
+async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    front = ready_front(app)
+    inputs, _ = parse(read_body(http), count_only=True)
+    req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",
+                                       endpoint="count_tokens", inputs=inputs))
+    return json_response({"input_tokens": req.num_prompt_tokens})
+
+
+async def _stream(http: sanic.Request, gen: Generation, model: str) -> bool:
+    """Send the event sequence; False when it ended with an error event."""
+    response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def send(events: list[tuple[str, dict[str, Any]]]) -> None:
+        for name, data in events:
+            await response.send(sse_event(name, data))
+
+    start = {"id": gen.request.request_id, "type": "message", "role": "assistant",
+             "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": usage_body(gen.usage, output=False)}
+    await send([("message_start", {"type": "message_start", "message": start}),
+                ("ping", {"type": "ping"})])
+    blocks = BlockStream()
+    try:
+        async for delta in gen.deltas():
+            await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
+    except ServeError as e:
+        await send([("error", error_body(e.message, e.error_type, e.status))])
+        await response.eof()
+        return False
+    reason, sequence = stop_reason(gen)
+    await send(blocks.close(ensure_one=True) + [
+        ("message_delta", {"type": "message_delta",
+                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                           "usage": usage_body(gen.usage)}),
+        ("message_stop", {"type": "message_stop"})])
+    await response.eof()
+    return True

@@ -1,0 +1,110 @@
+"""HTTP plumbing shared by the protocol adapters: JSON and SSE bodies, the request body, the
+ready check, and `Scope`, the bookkeeping of one generation request (outcome metric,
+latency, log line, abort when the client leaves). Event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import TracebackType
+from typing import Any
+
+import orjson
+import sanic
+from sanic import HTTPResponse, Sanic
+
+from pipeline.api.generation import Generation
+from pipeline.engine import EngineState
+from pipeline.errors import AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound
+from pipeline.request import Request
+from pipeline.stream import RequestStream
+
+log = logging.getLogger("pipeserve")
+
+
+def json_response(body: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> HTTPResponse:
+    return HTTPResponse(orjson.dumps(body), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def sse_data(body: Any) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def sse_event(name: str, body: Any) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def read_body(http: sanic.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(http.body or b"")
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def ready_front(app: Sanic) -> Any:
+    """The request stages (server.Front) once the engine is ready; else 503."""
+    engine = app.ctx.engine
+    if engine.state is not EngineState.READY or app.ctx.front is None:
+        raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
+    return app.ctx.front
+
+
+class Scope:
+    """`async with Scope(app, "chat") as scope:` around one generation request. `start`
+    runs the request stages and submits; leaving the block settles the outcome metric,
+    the latency histogram and the log line, and aborts a generation still running."""
+
+    def __init__(self, app: Sanic, endpoint: str) -> None:
+        self.app, self.endpoint = app, endpoint
+        self.ctx = app.ctx
+        self.t0 = time.perf_counter()
+        self.request: Request | None = None
+        self.gen: Generation | None = None
+        self.failed = False   # a stream that ended with an error event
+
+    async def start(self, request: Request, parse_output: bool = True) -> Generation:
+        front = ready_front(self.app)
+        self.request = request = await front.prepare(request)
+        stream = RequestStream(asyncio.get_running_loop())
+        self.ctx.engine.submit(request, stream)
+        self.gen = Generation(self.ctx, request, stream, parse_output)
+        return self.gen
+
+    async def __aenter__(self) -> Scope:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        outcome = self._outcome(exc)
+        gen, req = self.gen, self.request
+        if gen is not None and req is not None and not gen.stream.finished:
+            self.ctx.engine.abort(req.request_id)   # client left, stop string, or an error
+        self.ctx.metrics.requests.labels(self.endpoint, outcome).inc()
+        if req is not None and gen is not None:
+            if outcome == "cancelled":
+                gen.finish_reason = "abort"
+            elapsed = time.perf_counter() - self.t0
+            self.ctx.metrics.e2e.observe(elapsed)
+            log.info("request %s endpoint=%s prompt=%d generated=%d finish=%s outcome=%s "
+                     "total_s=%.3f", req.request_id, self.endpoint, req.num_prompt_tokens,
+                     gen.usage.completion_tokens, gen.finish_reason, outcome, elapsed)
+        return False
+
+    def _outcome(self, exc: BaseException | None) -> str:
+        if exc is None:
+            return "error" if self.failed else "ok"
+        if isinstance(exc, (InvalidRequest, NotFound)):
+            return "invalid"
+        if isinstance(exc, AdmissionRejected):
+            return "rejected"
+        if isinstance(exc, asyncio.CancelledError):
+            return "cancelled"
+        return "error"

@@ -1,0 +1,278 @@
+"""End to end: tool calls and reasoning through every protocol on real `serve.py` processes.
+The random tiny model cannot choose to call a tool, so the calls here are real model tokens
+steered by real request fields: a named tool_choice makes the prompt end with the call's
+opening markup, and logit_bias makes the one generated token the closing marker. Reasoning
+uses a chat template that opens <think> in the generation prompt, as thinking models do."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from pipeline.tiny import CHAT_TEMPLATE, ensure_model
+
+MODEL = "tiny"
+TIMEOUT = 60.0
+NO_EOS = {"0": -100, "2": -100}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+GEN_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+THINKING_PROMPT = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                   "{%- if enable_thinking is defined and enable_thinking is false %}"
+                   "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+                   "{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def close_call(model_cache: Path) -> dict[str, int]:
+    """logit_bias that makes `</tool_call>` the next token."""
+    path = ensure_model("qwen3", "tiny", "float32", model_cache) / "tokenizer.json"
+    added = json.loads(path.read_text())["added_tokens"]
+    return {str(next(t["id"] for t in added if t["content"] == "</tool_call>")): 100}
+
+
+@pytest.fixture(scope="module")
+def coder(server_factory: Any) -> Any:
+    """Tool calls parsed as Qwen3-coder XML (the override of the inferred Hermes format)."""
+    return server_factory("model.tool_call_format=qwen3_coder")
+
+
+@pytest.fixture(scope="module")
+def thinker(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A template that opens <think> unless thinking is off; the server default is off."""
+    assert GEN_PROMPT in CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("templates") / "thinking.jinja"
+    path.write_text(CHAT_TEMPLATE.replace(GEN_PROMPT, THINKING_PROMPT))
+    return server_factory(f"model.chat_template={path}", "model.enable_thinking=false")
+
+
+def oa(srv: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+def an(srv: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.base_url, api_key="x", max_retries=0, timeout=TIMEOUT)
+
+
+def sse(srv: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    with httpx.stream("POST", srv.base_url + path, json={**body, "stream": True},
+                      timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+            assert len(out) < 10_000
+    return out
+
+
+# -- tool calls --------------------------------------------------------------------------------
+def test_chat_named_tool_choice_yields_a_tool_call(coder: Any, close_call: dict[str, int]) -> None:
+    body = {"model": MODEL, "messages": USER, "tools": CHAT_TOOLS, "max_tokens": 1,
+            "temperature": 0, "logit_bias": close_call,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    r = oa(coder).chat.completions.create(**body)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {})
+
+    chunks = sse(coder, "/v1/chat/completions", body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert all(not d.get("content") for d in deltas)
+    calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(c["function"]["arguments"] for c in calls) == "{}"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+    stream = oa(coder).chat.completions.create(stream=True, **body)
+    typed = [c for c in stream]
+    assert typed[-1].choices[0].finish_reason == "tool_calls"
+    assert typed[1].choices[0].delta.tool_calls[0].function.name == "get_weather"
+
+
+def test_calls_that_do_not_parse_or_fit_the_schema_stay_text(coder: Any,
+                                                               close_call: dict[str, int]) -> None:
+    client = oa(coder)
+    base = {"model": MODEL, "messages": USER, "max_tokens": 1, "temperature": 0,
+            "logit_bias": close_call}
+    # required: the turn opens with "<tool_call>\n<function=" and the model closes it at once
+    r = client.chat.completions.create(tools=CHAT_TOOLS, tool_choice="required", **base)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content == "<tool_call>\n<function=</tool_call>"
+    assert r.choices[0].finish_reason == "length"
+    # a well-formed call that lacks a required argument
+    strict = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        **SCHEMA, "required": ["city"]}}}]
+    r = client.chat.completions.create(
+        tools=strict, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **base)
+    assert r.choices[0].message.tool_calls is None and "get_weather" in r.choices[0].message.content
+    assert "kept as text" in coder.log() and "lacks required argument(s) city" in coder.log()
+
+
+def test_tools_render_and_round_trip_and_none(coder: Any) -> None:
+    client = oa(coder)
+
+    def prompt_tokens(**kw: Any) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, **kw).usage.prompt_tokens
+
+    plain = prompt_tokens(messages=USER)
+    with_tools = prompt_tokens(messages=USER, tools=CHAT_TOOLS)
+    assert with_tools > plain
+    assert prompt_tokens(messages=USER, tools=CHAT_TOOLS, tool_choice="none") == plain
+    trip = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    assert prompt_tokens(messages=trip, tools=CHAT_TOOLS) > with_tools
+    # auto with nothing parseable: plain content, no tool_calls
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=CHAT_TOOLS,
+                                       max_tokens=16, temperature=0, logit_bias=NO_EOS)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content
+
+
+def test_anthropic_tool_use(coder: Any, close_call: dict[str, int]) -> None:
+    tools = [{"name": "get_weather", "input_schema": SCHEMA}]
+    kw = {"model": MODEL, "max_tokens": 1, "messages": USER, "tools": tools,
+          "tool_choice": {"type": "tool", "name": "get_weather"}}
+    extra = {"temperature": 0, "logit_bias": close_call}
+    m = an(coder).messages.create(**kw, extra_body=extra)
+    assert m.stop_reason == "tool_use"
+    [block] = m.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {}
+    assert block.id.startswith("toolu_")
+
+    events = sse(coder, "/v1/messages", {**kw, **extra})
+    kinds = [(e["type"], (e.get("content_block") or e.get("delta") or {}).get("type"))
+             for e in events if e["type"] != "ping"]
+    assert kinds == [("message_start", None), ("content_block_start", "tool_use"),
+                     ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
+                     ("message_delta", None), ("message_stop", None)]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    with an(coder).messages.stream(**kw, extra_body=extra) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].input == {}
+
+
+def test_responses_function_call_and_output_round_trip(coder: Any,
+                                                       close_call: dict[str, int]) -> None:
+    client = oa(coder)
+    tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    kw = {"model": MODEL, "input": "Weather in Paris?", "tools": tools, "max_output_tokens": 1,
+          "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = client.responses.create(**kw, extra_body={"logit_bias": close_call})
+    assert r.status == "completed"
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {} and call.call_id.startswith("call_")
+    events = list(client.responses.create(**kw, stream=True, extra_body={"logit_bias": close_call}))
+    assert [e.type for e in events[2:]] == [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    nxt = client.responses.create(
+        model=MODEL, previous_response_id=r.id, tools=tools, max_output_tokens=2,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert nxt.usage.input_tokens > r.usage.input_tokens
+
+
+# -- reasoning -------------------------------------------------------------------------------
+def test_chat_reasoning_content_and_reasoning_effort(thinker: Any) -> None:
+    client = oa(thinker)
+    kw = {"model": MODEL, "messages": USER, "max_tokens": 12, "temperature": 0,
+          "logit_bias": NO_EOS}
+    off = client.chat.completions.create(**kw)   # server default: thinking off
+    assert off.choices[0].message.content and not off.choices[0].message.model_extra.get(
+        "reasoning_content")
+    assert client.chat.completions.create(
+        **kw, reasoning_effort="none").usage.prompt_tokens == off.usage.prompt_tokens
+    on = client.chat.completions.create(**kw, reasoning_effort="high")
+    msg = on.choices[0].message
+    # the prompt opened <think>: every generated token is reasoning until </think>
+    assert msg.model_extra["reasoning_content"] and msg.content == ""
+    assert on.usage.completion_tokens_details.reasoning_tokens == 12
+    assert on.usage.prompt_tokens < off.usage.prompt_tokens   # open span vs closed span
+    same = client.chat.completions.create(
+        **kw, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert same.choices[0].message.model_extra["reasoning_content"] == msg.model_extra[
+        "reasoning_content"]
+    chunks = sse(thinker, "/v1/chat/completions", {**kw, "reasoning_effort": "low"})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == msg.model_extra[
+        "reasoning_content"]
+    assert not "".join(d.get("content") or "" for d in deltas)
+
+
+def test_anthropic_thinking_blocks(thinker: Any) -> None:
+    kw = {"model": MODEL, "max_tokens": 8, "messages": USER,
+          "extra_body": {"temperature": 0, "logit_bias": NO_EOS}}
+    m = an(thinker).messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kw)
+    assert [b.type for b in m.content] == ["thinking"] and m.content[0].thinking
+    plain = an(thinker).messages.create(**kw)
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text
+    events = sse(thinker, "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": USER,
+                                           "temperature": 0, "logit_bias": NO_EOS,
+                                           "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    thinking = "".join(e["delta"]["thinking"] for e in events
+                       if e["type"] == "content_block_delta")
+    assert thinking == m.content[0].thinking
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking"]
+
+
+def test_responses_reasoning_items(thinker: Any) -> None:
+    client = oa(thinker)
+    kw = {"model": MODEL, "input": "Why is the sky blue?", "max_output_tokens": 8,
+          "temperature": 0, "extra_body": {"logit_bias": NO_EOS}}
+    r = client.responses.create(reasoning={"effort": "medium"}, **kw)
+    assert [o.type for o in r.output] == ["reasoning"]   # max_output_tokens hit while reasoning
+    assert r.output[0].content[0].text and r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == 8
+    plain = client.responses.create(**kw)
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text
+    events = list(client.responses.create(reasoning={"effort": "medium"}, stream=True, **kw))
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == r.output[0].content[0].text
+    assert [o.type for o in events[-1].response.output] == ["reasoning"]
+
+
+def test_calls_across_protocols_in_one_batch(coder: Any, close_call: dict[str, int]) -> None:
+    """Concurrent requests share engine steps; each keeps its own output parser."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def chat(_: int) -> str:
+        r = oa(coder).chat.completions.create(
+            model=MODEL, messages=USER, tools=CHAT_TOOLS, max_tokens=1, temperature=0,
+            logit_bias=close_call,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        return r.choices[0].message.tool_calls[0].function.name
+
+    def messages(_: int) -> str:
+        m = an(coder).messages.create(
+            model=MODEL, max_tokens=1, messages=USER, tools=[{"name": "get_weather",
+                                                              "input_schema": SCHEMA}],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            extra_body={"temperature": 0, "logit_bias": close_call})
+        return m.content[0].name
+
+    def plain(_: int) -> str:
+        r = oa(coder).chat.completions.create(model=MODEL, messages=USER, max_tokens=24,
+                                              temperature=0, logit_bias=NO_EOS)
+        return r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(f, i) for i in range(2) for f in (chat, messages, plain)]
+        results = [f.result(timeout=TIMEOUT) for f in futures]
+    assert results == ["get_weather", "get_weather", "length"] * 2
