@@ -25,15 +25,20 @@ class Usage:
 
 @dataclass(slots=True)
 class Delta:
-    """A slice of output. Empty (falsy) deltas are keep-alive ticks for streaming callers."""
+    """A slice of output. Empty (falsy) deltas are keep-alive ticks for streaming callers.
+    Every decoded token yields a delta (`tokens` > 0) even when its text is held back (an
+    incomplete character, a possible stop string): OpenAI streams then send one chunk per
+    token, as mlx_lm.server does, so clients see per-token timing."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    tokens: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
+        return bool(self.tokens or self.content or self.reasoning or self.tool_calls
+                    or self.logprobs)
 
     def extend(self, other: Delta) -> Delta:
         self.content += other.content
@@ -137,6 +142,7 @@ class Generation:
                 self.all_logprobs.extend(event.logprobs or [])
                 delta = chain.feed(text.feed(event.token_ids))
                 delta.logprobs = event.logprobs
+                delta.tokens = n
                 if text.stopped:
                     ctx.engine.abort(req.request_id)
                     self.stop_sequence = text.matched_stop
@@ -144,8 +150,7 @@ class Generation:
                     self._settle("stop")
                     yield delta
                     return
-                if delta:
-                    yield self._record(delta)
+                yield self._record(delta)
             elif isinstance(event, Finished):
                 self.usage.cached_tokens = event.num_cached_tokens
                 tail = self._record(chain.feed(text.finish()).extend(chain.finish()))

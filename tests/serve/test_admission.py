@@ -59,13 +59,13 @@ def test_budget_rejects_a_prompt_with_no_room_and_clamps_max_tokens(budget: Any)
 
 @pytest.fixture(scope="module")
 def kv_budget(server_factory: Any) -> Any:
-    # 200 kB of KV: one row of 20 + 300 tokens (164 kB) fits, two do not.
-    return server_factory("admission=budget", "admission.kv_budget_gb=0.0002")
+    # 2 MB of KV: one row of 20 + 3000 tokens (1.55 MB) fits, two do not.
+    return server_factory("admission=budget", "admission.kv_budget_gb=0.002")
 
 
 def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
     base = kv_budget.base_url
-    body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 300,
+    body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 3000,
             "logit_bias": NO_EOS, "temperature": 0}
     results: dict[str, Any] = {}
 
@@ -81,15 +81,15 @@ def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
     first.join(120)
     second.join(120)
     assert seen["waiting"] == 1     # the joiner waited for the first row's KV
-    assert results["first"]["usage"]["completion_tokens"] == 300
-    assert results["second"]["usage"]["completion_tokens"] == 300
+    assert results["first"]["usage"]["completion_tokens"] == 3000
+    assert results["second"]["usage"]["completion_tokens"] == 3000
     assert gauge(base, "pipeserve_kv_reserved_bytes") == 0
-    assert gauge(base, "pipeserve_kv_budget_bytes") == 200_000
+    assert gauge(base, "pipeserve_kv_budget_bytes") == 2_000_000
 
 
 def test_kv_budget_rejects_what_cannot_fit_alone(kv_budget: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        sdk(kv_budget.base_url).completions.create(model="tiny", prompt="hi", max_tokens=1000)
+        sdk(kv_budget.base_url).completions.create(model="tiny", prompt="hi", max_tokens=4000)
     err = e.value.response.json()["error"]
     assert err["type"] == "memory_admission" and err["code"] == "kv_over_budget"
     assert err["param"] == "max_tokens"
