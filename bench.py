@@ -92,7 +92,21 @@ def _prompts(b: BenchConfig) -> list[str]:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-               eos_bias: dict[str, float]) -> dict[str, Any]:
+               eos_bias: dict[str, float], attempts: int = 5) -> dict[str, Any]:
+    """One streaming request; a connection refused or reset before any response byte is
+    retried (a server with a short listen backlog drops bursts of connects)."""
+    for attempt in range(attempts):
+        try:
+            return await _one_try(client, url, model, prompt, max_tokens, eos_bias)
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+async def _one_try(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                   max_tokens: int, eos_bias: dict[str, float]) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "logit_bias": eos_bias}
     t0 = time.perf_counter()
@@ -122,8 +136,10 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=b.streams + 4)
     async with httpx.AsyncClient(timeout=b.timeout_s, limits=limits) as client:
-        if b.warmup:
-            await _one(client, url, model, prompts[0], 8, eos_bias)
+        if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
+            await _one(client, url, model, prompts[0], b.max_tokens, eos_bias)
+            await asyncio.gather(*(_one(client, url, model, p, 16, eos_bias)
+                                   for p in prompts[:b.streams]))
 
         async def stream(k: int) -> list[dict[str, Any]]:
             return [await _one(client, url, model, prompts[k * b.requests_per_stream + j],
@@ -235,6 +251,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias))
         rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides)))
+        _write(out, rows[-1:])
     finally:
         ours.stop()
 
@@ -244,9 +261,10 @@ def run_bench(raw: DictConfig) -> list[Row]:
                         "--host", "127.0.0.1", "--port", str(port), "--temp", "0",
                         "--max-tokens", str(b.max_tokens)], out / "mlx_lm_server.log")
         try:
-            peer.wait_http(f"http://127.0.0.1:{port}/v1/models")
+            peer.wait_http(f"http://127.0.0.1:{port}/health")
             m = asyncio.run(drive(f"http://127.0.0.1:{port}", str(model_dir), b, eos_bias))
             rows.append(_row("mlx_lm.server", b, m, _peak_rss_mb(peer.proc.pid), ""))
+            _write(out, rows[-1:])
         finally:
             peer.stop()
 
@@ -262,7 +280,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
             rows.append(Row(label, "single", 1, 1, b.max_tokens, float("nan"), round(tok_s, 2),
                             round(tok_s, 2), float("nan"), float("nan"), round(1000 / tok_s, 1),
                             float("nan"), float("nan")))
-    _write(out, rows)
+            _write(out, rows[-1:])
     return rows
 
 

@@ -66,6 +66,12 @@ class Engine:
         return self._num_submitted - self._num_left_queue
 
     @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free batch slots: those that will really queue."""
+        free = self.scheduler.max_batch - len(self.scheduler.running)
+        return max(0, self.num_waiting - max(0, free))
+
+    @property
     def num_inflight(self) -> int:
         return self._num_submitted - self._num_done
 
@@ -159,6 +165,9 @@ class Engine:
                     batch = None
             if pending is not None:
                 self._update(pending)
+            if batch is not None and batch.sync:   # structured output (Batch.sync): the next
+                self._update(batch)                # step's mask needs these tokens: no pipelining
+                batch = None
             self._flush()
             pending = batch if batch is not None and batch.sample_rows else None
             steps += 1

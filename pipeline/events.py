@@ -33,6 +33,9 @@ class TokenDelta:
 
 @dataclass(slots=True)
 class Finished:
+    """A request ended. `extras` carries engine-side facts for the response's record:
+    `batch_size_max` (int): the most rows in one engine step while this request decoded."""
+
     request_id: str
     reason: FinishReason
     num_prompt_tokens: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,22 +76,44 @@ def _chat_template(value: str) -> str:
     return p.read_text() if len(value) < 4096 and p.is_file() else value
 
 
+class _Progress:
+    """One log line per finished loading stage: `[i/n] what (stage s, total s)`."""
+
+    STAGES = 5
+
+    def __init__(self, name: str) -> None:
+        self.name, self.done = name, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def step(self, what: str, *args: Any) -> None:
+        now = time.perf_counter()
+        self.done += 1
+        log.info("loading %s [%d/%d] " + what + " (%.2f s, %.2f s total)", self.name, self.done,
+                 self.STAGES, *args, now - self.last, now - self.t0)
+        self.last = now
+
+
 def load(cfg: ModelConfig) -> LoadedModel:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
+    progress = _Progress(cfg.name)
     path = resolve_path(cfg)
-    log.info("loading model %s from %s", cfg.name, path)
+    progress.step("found %s", path)
     model, config = load_model(path, trust_remote_code=cfg.trust_remote_code)
+    progress.step("built %s with its weights", config.get("model_type", "model"))
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if cfg.chat_template is not None:
         tokenizer._tokenizer.chat_template = _chat_template(cfg.chat_template)
+    progress.step("tokenizer ready")
     compute = _cast_weights(model, cfg)
+    progress.step("weights in %s", compute)
     text_cfg = config.get("text_config", config)
     native = int(text_cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
     params = tree_flatten(model.parameters())
     mx.eval(model.parameters())
+    progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
     return LoadedModel(
         model=model, tokenizer=tokenizer, path=path, config=config,
         fingerprint=_fingerprint(path),

@@ -6,6 +6,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 PREFIX = "pipeserve"
 
+# Known label values. Each labelled family is initialised with them, so its series exist (at 0)
+# from the first scrape and dashboards and alerts see them before the first event.
+ENDPOINTS = ("chat", "completions", "responses", "messages")
+OUTCOMES = ("ok", "invalid", "rejected", "cancelled", "error")
+PHASES = ("prefill", "decode")
+ADMISSION_DECISIONS = (("admitted", "ok"), ("rejected", "invalid"), ("rejected", "queue_full"),
+                       ("rejected", "context_over_budget"), ("clamped", "context_over_budget"),
+                       ("rejected", "kv_over_budget"))
+MEMORY_KINDS = ("active", "cache", "peak")
+CACHE_TIERS = ("ram", "ssd")
+# Why a prompt-cache lookup reused nothing: no entry shares a prefix; the model has recurrent
+# state and no snapshot sits at the shared boundary; the entry was made under another model
+# fingerprint / KV scheme / MLX version; the SSD entry failed its header or tensor hash.
+CACHE_MISS_REASONS = ("no_prefix", "no_snapshot", "incompatible", "corrupt")
+SPILL_REASONS = ("eviction", "idle")   # RAM → SSD: on RAM eviction, after cache.demote_idle_s
+PROPOSERS = ("ngram", "model", "mtp")
+
 # 1 ms .. ~10 min: LLM-shaped latency buckets.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -86,3 +103,102 @@ class Metrics:
             registry=r)
         self.build = Info(f"{PREFIX}_build", "Version, MLX version, device, model, config hash",
                           registry=r)
+        self.memory_budget = Gauge(
+            f"{PREFIX}_admission_memory_budget_bytes",
+            "admission.memory_budget_gb in bytes (MLX's memory limit); NaN if none", registry=r)
+        self.queue_capacity = Gauge(
+            f"{PREFIX}_queue_capacity", "admission.max_queue: waiting requests before 429",
+            registry=r)
+        self._add_prompt_cache(r)
+        self._add_speculation(r)
+        self._init_labels()
+
+    def _add_prompt_cache(self, r: CollectorRegistry) -> None:
+        """Prompt cache (RAM + SSD tiers); updated by cache_lookup, persist and the SSD writer."""
+        tier = ["cache_tier"]
+        self.cache_hits = Counter(
+            f"{PREFIX}_prompt_cache_hits", "Prompt-cache lookups that reused a prefix, by tier",
+            tier, registry=r)
+        self.cache_hit_tokens = Counter(
+            f"{PREFIX}_prompt_cache_hit_tokens", "Prompt tokens reused from the prompt cache, by tier",
+            tier, registry=r)
+        self.cache_misses = Counter(
+            f"{PREFIX}_prompt_cache_misses", "Prompt-cache lookups that reused nothing, by reason",
+            ["reason"], registry=r)
+        self.cache_bytes = Gauge(
+            f"{PREFIX}_prompt_cache_bytes", "Bytes held by the prompt cache, by tier", tier,
+            registry=r)
+        self.cache_entries = Gauge(
+            f"{PREFIX}_prompt_cache_entries", "Entries in the prompt cache, by tier", tier,
+            registry=r)
+        self.cache_evictions = Counter(
+            f"{PREFIX}_prompt_cache_evictions", "Entries evicted to stay under a tier's byte cap",
+            tier, registry=r)
+        self.cache_ssd_writes = Counter(
+            f"{PREFIX}_prompt_cache_ssd_writes", "Entries written to the SSD tier", registry=r)
+        self.cache_ssd_write_bytes = Counter(
+            f"{PREFIX}_prompt_cache_ssd_write_bytes", "Bytes written to the SSD tier", registry=r)
+        self.cache_spills = Counter(
+            f"{PREFIX}_prompt_cache_spills", "RAM entries moved to the SSD tier, by reason",
+            ["reason"], registry=r)
+        self.cache_restores = Counter(
+            f"{PREFIX}_prompt_cache_restores", "SSD entries loaded back into RAM", registry=r)
+        self.cache_corrupt = Counter(
+            f"{PREFIX}_prompt_cache_corrupt_entries",
+            "SSD entries skipped because their header or tensor hash did not match", registry=r)
+        self.cache_dirty = Gauge(
+            f"{PREFIX}_prompt_cache_dirty_entries",
+            "Entries waiting for their SSD write (not yet durable)", registry=r)
+
+    def _add_speculation(self, r: CollectorRegistry) -> None:
+        """Speculative decoding (draft → verify), by proposer."""
+        proposer = ["proposer"]
+        self.spec_proposed = Counter(
+            f"{PREFIX}_speculation_proposed_tokens", "Draft tokens offered to the target model",
+            proposer, registry=r)
+        self.spec_accepted = Counter(
+            f"{PREFIX}_speculation_accepted_tokens", "Draft tokens the target model accepted",
+            proposer, registry=r)
+        self.spec_verifies = Counter(
+            f"{PREFIX}_speculation_verifies",
+            "Row verifications (one target forward over a row's draft; emits accepted + 1 tokens)",
+            proposer, registry=r)
+
+    def _init_labels(self) -> None:
+        for endpoint in ENDPOINTS:
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)
+        for phase in PHASES:
+            self.step_tokens.labels(phase)
+        for decision, reason in ADMISSION_DECISIONS:
+            self.admission.labels(decision, reason)
+        for kind in MEMORY_KINDS:
+            self.mlx_memory.labels(kind)
+        for family in (self.cache_hits, self.cache_hit_tokens, self.cache_bytes,
+                       self.cache_entries, self.cache_evictions):
+            for tier in CACHE_TIERS:
+                family.labels(tier)
+        for reason in CACHE_MISS_REASONS:
+            self.cache_misses.labels(reason)
+        for reason in SPILL_REASONS:
+            self.cache_spills.labels(reason)
+        for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies):
+            for name in PROPOSERS:
+                family.labels(name)
+
+
+def family_names(registry: CollectorRegistry) -> dict[str, str]:
+    """Every metric family the registry exports, as written in /metrics (`_total` on counters,
+    `_info` on info) → its type. The README's Metrics table lists exactly these."""
+    suffix = {"counter": "_total", "info": "_info"}
+    return {m.name + suffix.get(m.type, ""): m.type for m in registry.collect()}
+
+
+_SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
+                    "histogram": ("_bucket", "_sum", "_count", "_created")}
+
+
+def sample_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name a PromQL query can use (`_bucket`, `_sum`, `_count` of histograms
+    too), whether or not a labelled family has a series yet."""
+    return {m.name + suffix for m in registry.collect() for suffix in _SAMPLE_SUFFIXES[m.type]}

@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.grammar import Constraint, Matcher
 
 
 class FinishReason(str, Enum):
@@ -83,6 +86,9 @@ class Request:
     prompt_ids: list[int] = field(default_factory=list)       # set by tokenize
     sampling: SamplingParams = field(default_factory=SamplingParams)  # set by admission
     stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
+    constraint: Constraint | None = None   # set by the adapter: structured output to enforce
+    grammar: Matcher | None = None         # set by admission: the constraint compiled; advanced
+                                           # by sample on the engine thread
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
     arrival_s: float = field(default_factory=time.perf_counter)

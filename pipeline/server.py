@@ -16,6 +16,8 @@ from sanic.exceptions import SanicException
 from pipeline.api import anthropic, openai_http, responses
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
+from pipeline.api.record import HEADER as RECORD_HEADER
+from pipeline.api.record import base_record
 from pipeline.api.store import ResponseStore
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
@@ -72,6 +74,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
     app.ctx.config_hash = config_hash(cfg)
+    app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
+    adm = cfg.admission
+    metrics.queue_capacity.set(adm.max_queue)
+    metrics.memory_budget.set(adm.memory_budget_gb * 1e9 if adm.memory_budget_gb is not None
+                              else float("nan"))
     app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
                                       int(cfg.server.responses_store_mb * 1_000_000))
 
@@ -88,8 +95,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                 app.ctx.exit_code = 1
                 app.stop()
                 return
-            app.ctx.front = Front(cfg, engine)
             loaded = engine.loaded
+            app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint)
+            app.ctx.front = Front(cfg, engine)
             metrics.build.info({
                 "version": _version("pipeserve"), "mlx_version": _version("mlx"),
                 "device": engine.device, "model": cfg.model.name,
@@ -123,6 +131,15 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                                    "or x-api-key: <key>")
         return None
 
+    @app.on_response
+    async def _record(http: sanic.Request, response: HTTPResponse) -> None:
+        """Every /v1/ response names what it ran under; a generation's own record (with its
+        batch size) once it has one, else the server's (stream headers go out before it)."""
+        if http.path.startswith("/v1/") and RECORD_HEADER not in response.headers:
+            gen = getattr(http.ctx, "generation", None)
+            record = gen.record if gen is not None and gen.record is not None else app.ctx.record
+            response.headers[RECORD_HEADER] = record.header()
+
     if origins:
         @app.on_response
         async def _cors(http: sanic.Request, response: HTTPResponse) -> None:
@@ -132,6 +149,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                 response.headers["Access-Control-Allow-Headers"] = (
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+                response.headers["Access-Control-Expose-Headers"] = RECORD_HEADER
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:

@@ -56,6 +56,8 @@ class Batch:
     logprobs: Any = None                 # set by sample: chosen-token logprob per sample row
     top_ids: Any = None                  # set by sample: (rows, k) ids, when any row asks
     top_logprobs: Any = None             # set by sample: (rows, k) logprobs, when any row asks
+    sync: bool = False                   # set by sample: a row needs its token on the host
+                                         # before the next step (structured output)
 
     @property
     def size(self) -> int:

@@ -3,11 +3,13 @@ generation_config > OpenAI defaults), check every value against its limit, and c
 queue. Event loop, once per request; never touches MLX."""
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ServeConfig
 from pipeline.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
+from pipeline.grammar import GrammarCompiler, Matcher
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
 
@@ -35,19 +37,24 @@ class Admission:
                               or loaded.config.get("text_config", {}).get("vocab_size") or 0)
         self.engine = engine
         self.metrics = engine.metrics
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size or len(loaded.tokenizer),
+                                        loaded.tokenizer.eos_token_ids)
 
     async def __call__(self, request: Request) -> Request:
         try:
             request.sampling = self.resolve(request)
+            if request.constraint is not None:
+                request.grammar = await self.compile(request)
         except MemoryAdmissionError:
             raise   # counted with its own reason
         except InvalidRequest as e:
             self.metrics.admission.labels("rejected", "invalid").inc()
             raise e
-        if self.engine.num_waiting >= self.cfg.max_queue:
+        if self.engine.num_queued >= self.cfg.max_queue:
             self.metrics.admission.labels("rejected", "queue_full").inc()
             raise AdmissionRejected(
-                f"the queue is full ({self.engine.num_waiting} waiting, admission.max_queue is "
+                f"the queue is full ({self.engine.num_queued} waiting for a batch slot, "
+                f"admission.max_queue is "
                 f"{self.cfg.max_queue}); retry shortly", retry_after_s=1, code="queue_full")
         self.metrics.admission.labels("admitted", "ok").inc()
         return request
@@ -86,6 +93,21 @@ class Admission:
                     f"[0, {self.vocab_size})", param="logit_bias")
         known = SamplingParams.__dataclass_fields__
         return SamplingParams(**{k: v for k, v in merged.items() if k in known})
+
+    async def compile(self, request: Request) -> Matcher:
+        """The request's structured-output constraint compiled for the served tokenizer, in an
+        executor thread (a large schema, or the first compile, can take a while); a 400 naming
+        the field when it cannot be honoured."""
+        c = request.constraint
+        assert c is not None
+        if request.output_prefix:
+            raise InvalidRequest(
+                f"{c.param} cannot be honoured: the prompt opens the answer with "
+                f"{request.output_prefix.strip()!r} (a think span or a forced tool call), and the "
+                "constraint would apply inside it; turn thinking off (reasoning_effort 'none') or "
+                "drop tool_choice", param=c.param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.grammars.matcher, c)
 
     @staticmethod
     def _check_range(name: str, value: Any, from_request: bool) -> None:

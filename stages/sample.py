@@ -1,19 +1,24 @@
 """Sample: last-position logits → one token per sampling row, with per-row temperature,
-top_p/top_k/min_p/XTC, penalties, logit_bias, request-local seeds and logprobs. Engine thread."""
+top_p/top_k/min_p/XTC, penalties, logit_bias, structured-output masks, request-local seeds and
+logprobs. Engine thread."""
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, apply_xtc,
                                  make_logits_processors)
 
 from pipeline.config import ServeConfig
+from pipeline.grammar import Matcher, fill_bitmask
 from pipeline.request import Request, SamplingParams
 from pipeline.stage import Batch, EngineContext
 
+log = logging.getLogger("pipeserve")
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 
@@ -41,6 +46,7 @@ class Sample:
         self.ctx = ctx
         self._bias_key: tuple[str, ...] = ()
         self._bias: tuple[mx.array, mx.array, mx.array] | None = None
+        self._shifts = mx.arange(32, dtype=mx.int32)
 
     def __call__(self, batch: Batch) -> None:
         if not batch.sample_rows:
@@ -51,6 +57,9 @@ class Sample:
         if any(s.processors for s in states):
             logits = mx.concatenate([self._process(s, logits[i:i + 1])
                                      for i, s in enumerate(states)], axis=0)
+        if any(r.grammar is not None for r in reqs):
+            logits = self._constrain(logits, reqs)
+            batch.sync = True   # the next mask needs this step's token on the host
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.sampling.greedy for r in reqs):
             tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
@@ -94,6 +103,30 @@ class Sample:
             return logits
         rows_idx, cols_idx, vals = self._bias
         return logits.at[rows_idx, cols_idx].add(vals.astype(logits.dtype))
+
+    def _constrain(self, logits: mx.array, reqs: list[Request]) -> mx.array:
+        """Constrained rows: tokens their grammar does not allow get -inf. Each matcher first
+        accepts the tokens emitted since the last step (the engine read them back: Batch.sync).
+        Free rows get an all-ones mask, so their logits pass through unchanged."""
+        rows, vocab = logits.shape
+        words = (vocab + 31) // 32
+        host = np.full((rows, words), -1, dtype=np.int32)
+        matchers: list[tuple[int, Matcher]] = []
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                if not req.grammar.advance(req.output_ids):
+                    log.warning("request %s: structured output failed (%s); only a stop token "
+                                "may follow", req.request_id, req.grammar.error)
+                matchers.append((i, req.grammar))
+        fill_bitmask(matchers, host)
+        bitmask = host.view(np.uint32)
+        for i, _ in matchers:
+            if not bitmask[i].any():   # nothing allowed (a failed matcher): let the row stop
+                for t in self.eos_ids:
+                    bitmask[i, t // 32] |= np.uint32(1 << (t % 32))
+        bits = mx.right_shift(mx.array(host)[:, :, None], self._shifts) & 1
+        allowed = bits.reshape(rows, words * 32)[:, :vocab].astype(mx.bool_)
+        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
     @staticmethod
     def _process(state: RowSampling, logits: mx.array) -> mx.array:

@@ -38,6 +38,8 @@ class Tokenize:
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
         if inputs.messages is not None:
+            if request.constraint is not None:   # structured output: the answer starts at once
+                inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs)
             request.output_prefix = open_span(text, self.think)
             forced = self._forced_call(inputs, request.output_prefix)

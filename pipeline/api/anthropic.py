@@ -10,6 +10,7 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeline.api import fields as F
+from pipeline.api import structured
 from pipeline.api.generation import Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
 from pipeline.api.openai import sampling_fields
@@ -152,9 +153,12 @@ def stop_reason(gen: Generation) -> tuple[str, str | None]:
 
 
 def usage_body(usage: Usage, output: bool = True) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens,
-            "output_tokens": usage.completion_tokens if output else 0}
+    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens, "cache_creation_input_tokens": 0,
+                           "cache_read_input_tokens": usage.cached_tokens,
+                           "output_tokens": usage.completion_tokens if output else 0}
+    if output and usage.record is not None:
+        out["pipeserve"] = usage.record
+    return out
 
 
 def message_body(message_id: str, model: str, gen: Generation) -> dict[str, Any]:
@@ -222,12 +226,13 @@ class BlockStream:
 
 # -- handlers ------------------------------------------------------------------------------
 async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
-    async with Scope(app, "messages") as scope:
+    async with Scope(app, "messages", http) as scope:
         ready_front(app)
         body = read_body(http)
         inputs, requested = parse(body)
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
-                      inputs=inputs, requested=requested)
+                      inputs=inputs, requested=requested,
+                      constraint=structured.from_body(body, format_field=None))   # guided_*
         gen = await scope.start(req)
         model = app.ctx.cfg.model.name
         if F.get(body, "stream", bool, False):

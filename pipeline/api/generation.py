@@ -4,10 +4,12 @@ and come out as protocol-neutral Deltas, with finish reason and usage. Event loo
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pipeline.api.reasoning import ReasoningSplitter, ThinkMarkers
+from pipeline.api.record import Record
 from pipeline.api.tool_formats import ToolFormat
 from pipeline.api.tools import ToolCall, ToolCallParser
 from pipeline.events import Failed, Finished, TokenDelta
@@ -21,6 +23,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0   # output tokens decoded while inside a think span
+    record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
 
 
 @dataclass(slots=True)
@@ -62,7 +65,9 @@ class OutputChain:
                     fmt: ToolFormat | None) -> OutputChain:
         inputs = request.inputs
         tools = None
-        if fmt is not None and inputs.tools and inputs.tool_choice != "none":
+        # a constrained output (structured output) is the answer itself, never a tool call
+        if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
+                and request.constraint is None):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id)
         splitter = ReasoningSplitter(think) if think is not None else None
         return cls(splitter, tools, request.output_prefix)
@@ -93,8 +98,9 @@ class OutputChain:
 
 class Generation:
     """Run one submitted request to its end: `deltas()` yields output as it is decoded; after
-    it ends, `finish_reason` (stop | length | tool_calls | abort), `stop_sequence`, `usage`,
-    and the whole `content`, `reasoning` and `tool_calls` are set."""
+    it ends, `finish_reason` (stop | length | tool_calls | abort), `stop_sequence`, `usage`
+    (with the reproducibility `record`), and the whole `content`, `reasoning` and `tool_calls`
+    are set."""
 
     def __init__(self, app_ctx: Any, request: Request, stream: RequestStream,
                  parse_output: bool = True) -> None:
@@ -107,6 +113,9 @@ class Generation:
         self.content = ""
         self.reasoning = ""
         self.tool_calls: list[ToolCall] = []
+        self.first_token_s: float | None = None   # perf_counter when the first token arrived
+        self.batch_size_max = 0
+        self.record: Record | None = None
 
     def _chain(self) -> OutputChain:
         if not self.parse_output:
@@ -121,8 +130,21 @@ class Generation:
         self.tool_calls.extend(delta.tool_calls)
         return delta
 
-    def _settle(self, reason: str) -> None:
+    def _settle(self, reason: str, event: Finished | None = None) -> None:
         self.finish_reason = "tool_calls" if self.tool_calls else reason
+        reported = event.extras.get("batch_size_max") if event is not None else None
+        if isinstance(reported, int) and reported > 0:
+            self.batch_size_max = reported   # the engine saw every step; better than our samples
+        self.record = self.app_ctx.record.with_batch_size(self.batch_size_max or None)
+        self.usage.record = self.record.body()
+
+    def _observe_batch(self) -> None:
+        """Rows running now (left the queue, not done), sampled as this request's tokens
+        arrive. Approximate; a Finished event's extras["batch_size_max"] replaces it."""
+        engine = self.app_ctx.engine
+        rows = engine.num_inflight - engine.num_waiting
+        rows = min(max(rows, 1), self.app_ctx.cfg.scheduler.max_batch)
+        self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         ctx, req = self.app_ctx, self.request
@@ -137,6 +159,9 @@ class Generation:
                 continue
             if isinstance(event, TokenDelta):
                 n = len(event.token_ids)
+                if self.first_token_s is None and n:
+                    self.first_token_s = time.perf_counter()
+                self._observe_batch()
                 self.usage.completion_tokens += n
                 self.usage.reasoning_tokens += n if chain.in_reasoning else 0
                 self.all_logprobs.extend(event.logprobs or [])
@@ -154,7 +179,7 @@ class Generation:
             elif isinstance(event, Finished):
                 self.usage.cached_tokens = event.num_cached_tokens
                 tail = self._record(chain.feed(text.finish()).extend(chain.finish()))
-                self._settle("length" if event.reason is FinishReason.LENGTH else "stop")
+                self._settle("length" if event.reason is FinishReason.LENGTH else "stop", event)
                 if tail:
                     yield tail
                 return

@@ -58,12 +58,12 @@ def ready_front(app: Sanic) -> Any:
 
 
 class Scope:
-    """`async with Scope(app, "chat") as scope:` around one generation request. `start`
+    """`async with Scope(app, "chat", http) as scope:` around one generation request. `start`
     runs the request stages and submits; leaving the block settles the outcome metric,
     the latency histogram and the log line, and aborts a generation still running."""
 
-    def __init__(self, app: Sanic, endpoint: str) -> None:
-        self.app, self.endpoint = app, endpoint
+    def __init__(self, app: Sanic, endpoint: str, http: sanic.Request) -> None:
+        self.app, self.endpoint, self.http = app, endpoint, http
         self.ctx = app.ctx
         self.t0 = time.perf_counter()
         self.request: Request | None = None
@@ -76,6 +76,7 @@ class Scope:
         stream = RequestStream(asyncio.get_running_loop())
         self.ctx.engine.submit(request, stream)
         self.gen = Generation(self.ctx, request, stream, parse_output)
+        self.http.ctx.generation = self.gen   # its record goes into the response header
         return self.gen
 
     async def __aenter__(self) -> Scope:
@@ -88,15 +89,32 @@ class Scope:
         if gen is not None and req is not None and not gen.stream.finished:
             self.ctx.engine.abort(req.request_id)   # client left, stop string, or an error
         self.ctx.metrics.requests.labels(self.endpoint, outcome).inc()
+        elapsed = time.perf_counter() - self.t0
         if req is not None and gen is not None:
             if outcome == "cancelled":
                 gen.finish_reason = "abort"
-            elapsed = time.perf_counter() - self.t0
             self.ctx.metrics.e2e.observe(elapsed)
-            log.info("request %s endpoint=%s prompt=%d generated=%d finish=%s outcome=%s "
-                     "total_s=%.3f", req.request_id, self.endpoint, req.num_prompt_tokens,
-                     gen.usage.completion_tokens, gen.finish_reason, outcome, elapsed)
+        self._log(outcome, elapsed)
         return False
+
+    def _log(self, outcome: str, elapsed: float) -> None:
+        """One line per request at INFO; its fields are also LogRecord attributes, so the
+        JSON formatter (server.log_format=json) writes them as keys."""
+        req, gen = self.request, self.gen
+        ttft = gen.first_token_s - self.t0 if gen is not None and gen.first_token_s else None
+        fields: dict[str, Any] = {
+            "request_id": req.request_id if req is not None else None,
+            "endpoint": self.endpoint, "outcome": outcome,
+            "prompt_tokens": req.num_prompt_tokens if req is not None else None,
+            "cached_tokens": gen.usage.cached_tokens if gen is not None else None,
+            "generated_tokens": gen.usage.completion_tokens if gen is not None else None,
+            "ttft_s": round(ttft, 4) if ttft is not None else None,
+            "total_s": round(elapsed, 4),
+            "finish": gen.finish_reason if gen is not None else None}
+        text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()
+                        if k != "request_id")
+        log.info("request %s %s", fields["request_id"] or "-", text,
+                 extra={"event": "request", **fields})
 
     def _outcome(self, exc: BaseException | None) -> str:
         if exc is None:

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.api import fields as F
+from pipeline.api import structured
 from pipeline.api.generation import Delta, Usage
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.tools import ToolCall
 from pipeline.errors import InvalidRequest
+from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -25,6 +27,7 @@ class Parsed:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    constraint: Constraint | None = None   # response_format / guided_* (structured output)
 
 
 def sampling_fields(body: dict[str, Any], stop_field: str = "stop") -> dict[str, Any]:
@@ -75,11 +78,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     requested["logprobs"] = logprobs
     requested["top_logprobs"] = top or 0
-    fmt = F.get(body, "response_format", dict)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise InvalidRequest(
-            f"response_format type '{fmt.get('type')}' is not supported yet; only 'text' is",
-            param="response_format")
+    constraint = structured.from_body(body)
     tools = [F.function_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]
     choice, name = _tool_choice(body.get("tool_choice"), tools)
@@ -92,7 +91,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
                               tools=tools or None, template_kwargs=kwargs,
                               tool_choice=choice, tool_name=name),
-                  requested, stream, include)
+                  requested, stream, include, constraint=constraint)
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -186,7 +185,8 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
     requested["logprobs"] = logprobs is not None
     requested["top_logprobs"] = logprobs or 0
     stream, include = _stream_flags(body)
-    return Parsed(inputs, requested, stream, include, echo=F.get(body, "echo", bool, False))
+    return Parsed(inputs, requested, stream, include, echo=F.get(body, "echo", bool, False),
+                  constraint=structured.from_body(body))
 
 
 # -- responses -------------------------------------------------------------------------
@@ -200,6 +200,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    if usage.record is not None:
+        out["pipeserve"] = usage.record
     return out
 
 

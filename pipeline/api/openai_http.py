@@ -18,13 +18,14 @@ from pipeline.request import Request
 async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse | None:
     """POST /v1/chat/completions (endpoint "chat") and /v1/completions ("completions")."""
     ctx = app.ctx
-    async with Scope(app, endpoint) as scope:
+    async with Scope(app, endpoint, http) as scope:
         front = ready_front(app)
         body = read_body(http)
         chat = endpoint == "chat"
         parsed = oa.parse_chat(body) if chat else oa.parse_completion(body)
         req = Request(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                      endpoint=endpoint, inputs=parsed.inputs, requested=parsed.requested)
+                      endpoint=endpoint, inputs=parsed.inputs, requested=parsed.requested,
+                      constraint=parsed.constraint)
         gen = await scope.start(req, parse_output=chat)
         req = gen.request
         fp = f"fp_{ctx.config_hash}"

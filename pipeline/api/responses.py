@@ -13,6 +13,7 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeline.api import fields as F
+from pipeline.api import structured
 from pipeline.api.generation import Generation
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
 from pipeline.api.openai import sampling_fields, tool_call_body
@@ -20,6 +21,7 @@ from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.api.store import ResponseStore
 from pipeline.errors import InvalidRequest, NotFound, ServeError
+from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, Request
 
 log = logging.getLogger("pipeserve")
@@ -34,6 +36,7 @@ class Parsed:
     echo: dict[str, Any] = field(default_factory=dict)   # request fields the body repeats
     stream: bool = False
     store: bool = True
+    constraint: Constraint | None = None   # text.format / guided_* (structured output)
 
 
 def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
@@ -59,20 +62,18 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     if effort is not None:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning.effort"))
         kwargs.setdefault("reasoning_effort", effort)
-    fmt = (F.get(body, "text", dict) or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
-        raise InvalidRequest(f"text.format type {fmt.get('type')!r} is not supported yet; only "
-                             "'text' is", param="text.format")
+    constraint, fmt = structured.from_text_format(body)
     requested = sampling_fields(body)
     requested["max_tokens"] = F.get(body, "max_output_tokens", int)
     echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": [_flat(t) for t in tools], "metadata": F.get(body, "metadata", dict) or {},
-            "reasoning": {"effort": effort, "summary": None}, "user": F.get(body, "user", str)}
+            "reasoning": {"effort": effort, "summary": None}, "user": F.get(body, "user", str),
+            "text": {"format": fmt}}
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
-                  F.get(body, "store", bool, True))
+                  F.get(body, "store", bool, True), constraint)
 
 
 def _flat(tool: dict[str, Any]) -> dict[str, Any]:
@@ -161,11 +162,12 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 # -- handlers ------------------------------------------------------------------------------
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
-    async with Scope(app, "responses") as scope:
+    async with Scope(app, "responses", http) as scope:
         ready_front(app)
         parsed = parse(read_body(http), app.ctx.responses)
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
-                      inputs=parsed.inputs, requested=parsed.requested)
+                      inputs=parsed.inputs, requested=parsed.requested,
+                      constraint=parsed.constraint)
         gen = await scope.start(req)
         shape = ResponseShape(gen.request.request_id, app.ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store)

@@ -18,12 +18,15 @@ def _id(prefix: str) -> str:
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
-                                     "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    out: dict[str, Any] = {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    if usage.record is not None:
+        out["pipeserve"] = usage.record
+    return out
 
 
 def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from pipeline.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+# conf/hydra/ holds options of Hydra's own groups (job_logging), not of ServeConfig
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 
 pc.register_configs()
 

@@ -148,7 +148,7 @@ def test_tool_items_round_trip(client: openai.OpenAI) -> None:
     ({"input": 42}, "input"),
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"temperature": 9}, "temperature"),
     ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"tool_choice": "required"}, "tool_choice"),

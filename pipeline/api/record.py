@@ -1,0 +1,54 @@
+"""The reproducibility record: what a response ran under — config hash, model fingerprint, KV
+scheme, draft method, scheduling lane, and the batch size it decoded at. Sent in the
+`x-pipeserve-record` header and in JSON bodies' `usage.pipeserve`. Event loop."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from enum import Enum
+from typing import Any
+
+from pipeline.config import SerialSchedulerConfig, ServeConfig
+
+HEADER = "x-pipeserve-record"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    config_hash: str
+    model_fingerprint: str | None   # None until the model is loaded
+    kv_scheme: str                  # kv group option ("dense" until that group exists)
+    draft: str                      # draft group option ("none" until that group exists)
+    lane: str                       # serial | continuous
+    batch_size: int | None = None   # most rows decoded together while this request decoded
+
+    def body(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def header(self) -> str:
+        """`key=value;...`, keys as in the body; absent fields (unknown yet) are left out."""
+        return ";".join(f"{k}={v}" for k, v in self.body().items())
+
+    def with_batch_size(self, batch_size: int | None) -> Record:
+        return replace(self, batch_size=batch_size)
+
+
+def _option(cfg: ServeConfig, group: str, default: str) -> str:
+    """The option a config group runs: its `name` field or property when it has one, else its
+    schema's class name without the group and `Config` (DenseKVConfig → dense)."""
+    node = getattr(cfg, group, None)
+    if node is None:
+        return default
+    name = getattr(node, "name", None)
+    if isinstance(name, Enum):
+        name = name.value
+    if isinstance(name, str) and name:
+        return name
+    cls = type(node).__name__.removesuffix("Config")
+    return cls.lower().removesuffix(group.lower()) or default
+
+
+def base_record(cfg: ServeConfig, config_hash: str, fingerprint: str | None) -> Record:
+    lane = "serial" if isinstance(cfg.scheduler, SerialSchedulerConfig) else "continuous"
+    return Record(config_hash=config_hash, model_fingerprint=fingerprint,
+                  kv_scheme=_option(cfg, "kv", "dense"), draft=_option(cfg, "draft", "none"),
+                  lane=lane)

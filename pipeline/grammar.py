@@ -1,0 +1,231 @@
+"""Structured output on llguidance: a Constraint (JSON object, JSON schema, regex, choice, Lark
+or GBNF grammar) is compiled against the served tokenizer (an LRU keeps compiled grammars), and
+each request gets a Matcher whose token bitmask the sample stage applies. No MLX: constraints
+compile on the event loop side (in an executor thread); matchers advance on the engine thread."""
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import llguidance as llg
+import llguidance.numpy as lln
+import numpy as np
+
+from pipeline.errors import InvalidRequest
+
+CACHE_SIZE = 64   # compiled grammars kept (LRU by constraint)
+# JSON defaults (a schema's own "x-guidance" overrides them): whitespace between JSON tokens
+# is bounded, so a model cannot spend max_tokens on blanks inside an object that never ends.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True,
+                                "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+
+
+class ConstraintKind(str, Enum):
+    JSON_OBJECT = "json_object"   # any JSON object
+    JSON_SCHEMA = "json_schema"   # JSON valid under a schema
+    REGEX = "regex"               # text the regex matches in full (Rust regex syntax)
+    CHOICE = "choice"             # exactly one of a list of strings
+    GRAMMAR = "grammar"           # llguidance Lark, or llama.cpp GBNF (converted to Lark)
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match, protocol-neutral. `source` is the constraint as text
+    (the schema as JSON in the client's key order, the regex, the choices as a JSON list, the
+    grammar); `param` is the request field it came from, named in errors."""
+
+    kind: ConstraintKind
+    source: str
+    param: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind.value, self.source
+
+    @classmethod
+    def json_object(cls, param: str) -> Constraint:
+        return cls(ConstraintKind.JSON_OBJECT, '{"type": "object"}', param)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any], param: str) -> Constraint:
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), param)
+
+    @classmethod
+    def regex(cls, pattern: str, param: str) -> Constraint:
+        return cls(ConstraintKind.REGEX, pattern, param)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], param: str) -> Constraint:
+        return cls(ConstraintKind.CHOICE, json.dumps(list(choices), ensure_ascii=False), param)
+
+    @classmethod
+    def grammar(cls, text: str, param: str) -> Constraint:
+        return cls(ConstraintKind.GRAMMAR, text, param)
+
+
+def _grammar_text(c: Constraint) -> str:
+    """The constraint as an llguidance grammar; raises ValueError on text it cannot convert."""
+    if c.kind in (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA):
+        return llg.LLMatcher.grammar_from_json_schema(
+            c.source, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if c.kind is ConstraintKind.REGEX:
+        return llg.LLMatcher.grammar_from_regex(c.source)
+    if c.kind is ConstraintKind.CHOICE:
+        return llg.grammar_from("choice", c.source)
+    return llg.grammar_from("grammar", c.source)   # Lark as is; GBNF converted to Lark
+
+
+class Matcher:
+    """One request's position in its grammar. Engine thread after Submit. `allowed_mask()`
+    is a little-endian int32 bitmask over the model vocabulary (bit t of word t // 32 set =
+    token t allowed); the tokenizer's stop tokens are allowed once the grammar is satisfied,
+    and only they once it is complete."""
+
+    __slots__ = ("ll", "num_words", "num_accepted")
+
+    def __init__(self, ll: llg.LLMatcher, num_words: int) -> None:
+        self.ll = ll
+        self.num_words = num_words
+        self.num_accepted = 0   # tokens of the output consumed so far
+
+    def allowed_mask(self) -> np.ndarray:
+        out = lln.allocate_token_bitmask(1, self.num_words * 32)
+        lln.fill_next_token_bitmask(self.ll, out)
+        return out[0]
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one emitted token; False if the grammar rejects it (the matcher then
+        stays in its error state, which allows only the stop tokens)."""
+        self.num_accepted += 1
+        return self.ll.consume_token(token_id)
+
+    def advance(self, output_ids: Sequence[int]) -> bool:
+        """Accept the tokens of `output_ids` not yet accepted; False if one was rejected."""
+        ok = True
+        while self.num_accepted < len(output_ids):
+            ok = self.accept(output_ids[self.num_accepted]) and ok
+        return ok
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete (or failed): only a stop token may follow."""
+        return self.ll.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self.ll.is_accepting()
+
+    @property
+    def error(self) -> str:
+        return self.ll.get_error()
+
+
+def fill_bitmask(matchers: Iterable[tuple[int, Matcher]], out: np.ndarray) -> None:
+    """Write each (row, matcher)'s mask into row `row` of `out` (rows, words) int32. Rows not
+    named are left as they are; a matcher narrower than `out` leaves the extra tokens
+    disallowed, a wider one is cut to `out`'s width."""
+    words = out.shape[1]
+    for row, m in matchers:
+        if m.num_words == words and out.flags["C_CONTIGUOUS"]:
+            lln.fill_next_token_bitmask(m.ll, out, row)   # straight into the row, no copy
+            continue
+        mask = m.allowed_mask()
+        n = min(words, len(mask))
+        out[row, :n] = mask[:n]
+        out[row, n:] = 0
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and keeps the last CACHE_SIZE compiled grammars.
+    Thread-safe: `matcher()` runs in executor threads. The llguidance tokenizer (a copy of the
+    vocabulary's byte strings, about a second for a 150k vocabulary) is built on first use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int],
+                 cache_size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.cache_size = cache_size
+        self._ll_tokenizer: llg.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def num_words(self) -> int:
+        return (self.ll_tokenizer().vocab_size + 31) // 32
+
+    def ll_tokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._ll_tokenizer
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh Matcher for `constraint`, compiled or from the cache. Raises InvalidRequest
+        naming `constraint.param` when the library cannot compile it. Compiles run outside the
+        lock, so a large schema does not hold up requests whose grammar is cached."""
+        key = constraint.key
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+        if proto is None:
+            proto = self._compile(constraint)
+            with self._lock:
+                self._cache[key] = proto
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        words = self.num_words
+        with self._lock:   # the prototype is shared by executor threads
+            return Matcher(proto.deep_copy(), words)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _compile(self, c: Constraint) -> llg.LLMatcher:
+        try:
+            tok = self.ll_tokenizer()
+        except TypeError as e:
+            raise InvalidRequest(f"{c.param} cannot be honoured: {e}", param=c.param) from e
+        try:
+            text = _grammar_text(c)
+        except ValueError as e:
+            raise InvalidRequest(f"{c.param}: {_what(c)} cannot be compiled: {e}",
+                                 param=c.param) from e
+        ll = llg.LLMatcher(tok, text, log_level=0)
+        if ll.is_error():
+            raise InvalidRequest(f"{c.param}: {_what(c)} cannot be enforced: "
+                                 f"{_brief(ll.get_error())}", param=c.param)
+        return ll
+
+
+def _what(c: Constraint) -> str:
+    return {ConstraintKind.JSON_OBJECT: "the JSON object constraint",
+            ConstraintKind.JSON_SCHEMA: "the JSON schema", ConstraintKind.REGEX: "the regex",
+            ConstraintKind.CHOICE: "the choice list", ConstraintKind.GRAMMAR: "the grammar"}[c.kind]
+
+
+def _brief(message: str, limit: int = 400) -> str:
+    lines = [ln for ln in message.strip().splitlines() if ln.strip()]
+    text = " | ".join(ln.strip() for ln in lines[:4])
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> llg.LLTokenizer:
+    """llguidance's view of an mlx-lm TokenizerWrapper (or a bare Hugging Face tokenizer): its
+    fast tokenizer's JSON, the model's vocabulary width (rows past the tokenizer are never
+    allowed) and the stop tokens."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise TypeError(f"structured output needs a fast (tokenizers) tokenizer; this model's "
+                        f"is {type(hf).__name__}")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    n_vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+    return llg.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos_ids)
