@@ -141,9 +141,20 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
             await asyncio.gather(*(_one(client, url, model, p, 16, eos_bias)
                                    for p in prompts[:b.streams]))
 
+        total = b.streams * b.requests_per_stream
+        done = 0
+
         async def stream(k: int) -> list[dict[str, Any]]:
-            return [await _one(client, url, model, prompts[k * b.requests_per_stream + j],
-                               b.max_tokens, eos_bias) for j in range(b.requests_per_stream)]
+            nonlocal done
+            out = []
+            for j in range(b.requests_per_stream):
+                out.append(await _one(client, url, model, prompts[k * b.requests_per_stream + j],
+                                      b.max_tokens, eos_bias))
+                done += 1
+                if done % max(1, total // 10) == 0 or done == total:
+                    print(f"bench: {done}/{total} requests, {time.perf_counter() - t0:.1f} s",
+                          flush=True)
+            return out
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
                    for r in rs]
@@ -295,6 +306,8 @@ def _eos_ids(model_dir: Path) -> list[int]:
 
 
 def _write(out: Path, rows: list[Row]) -> None:
+    for r in rows:
+        print(f"bench: {r.target} done: {r.agg_tok_s} tok/s aggregate", flush=True)
     csv_path = out / "results.csv"
     new = not csv_path.exists()
     with open(csv_path, "a", newline="") as f:

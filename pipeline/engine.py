@@ -183,6 +183,7 @@ class Engine:
             stage(batch)
             self.metrics.stage_seconds.labels(stage.name).observe(time.perf_counter() - t0)
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.batch_size_max = max(req.batch_size_max, batch.size)
             phase = "decode" if req.num_computed_tokens > req.num_prompt_tokens - 1 else "prefill"
             self.metrics.step_tokens.labels(phase).inc(n)
 
@@ -243,8 +244,9 @@ class Engine:
             else:
                 req = self.scheduler.abort(cmd.request_id)
                 if req is not None:
-                    self._post(req.request_id, Finished(req.request_id, cmd.reason,
-                                                        req.num_prompt_tokens, len(req.output_ids)))
+                    self._post(req.request_id, Finished(
+                        req.request_id, cmd.reason, req.num_prompt_tokens, len(req.output_ids),
+                        extras={"batch_size_max": req.batch_size_max}))
                     self._free_row_kv()
             self._count_waiting()
 

@@ -103,6 +103,7 @@ class Request:
     row_state: Any = None             # per-row sampling state (rng key, history), set by sample
     next_input: Any = None            # mx.array of the token to feed next; set by sample
     kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb
+    batch_size_max: int = 0           # largest engine step this row ran in (for the record)
     first_token_s: float | None = None
     last_token_s: float = 0.0
 

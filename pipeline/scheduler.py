@@ -147,7 +147,7 @@ class _Scheduler:
     def _finished(req: Request) -> Finished:
         assert req.finish_reason is not None
         return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
-                        len(req.output_ids))
+                        len(req.output_ids), extras={"batch_size_max": req.batch_size_max})
 
 
 class SerialScheduler(_Scheduler):
