@@ -226,6 +226,56 @@ class ServerConfig:
 
 
 @dataclass
+class SsdConfig:
+    dir: str = "~/.cache/pipeserve/prompt-cache"  # diskcache directory; survives restarts
+    max_gb: float = 0.0           # GiB on disk; 0 = unlimited (oldest entries evicted past it)
+    demote_idle_s: float = 300.0  # RAM entries idle this long are written to disk
+    verify: bool = False          # hash every tensor on restore (the header is always checked)
+    write_behind: bool = True     # snapshot settled entries in the background
+
+
+@dataclass
+class CacheConfig:
+    _target_: str = MISSING
+    ram_gb: float = 8.0           # GiB of KV the RAM tier keeps (byte-capped LRU)
+    checkpoint_every: Optional[int] = None  # tokens between generation checkpoints (cache=ssd)
+
+    @property
+    def name(self) -> str:
+        return "off"
+
+    def __post_init__(self) -> None:
+        if self.ram_gb < 0:
+            raise ConfigError(f"cache.ram_gb must be >= 0, got {self.ram_gb}")
+        _positive("cache.checkpoint_every", self.checkpoint_every)
+        if self.checkpoint_every is not None and self.name != "ssd":
+            raise ConfigError(
+                f"cache.checkpoint_every={self.checkpoint_every} needs cache=ssd (checkpoints "
+                f"live on disk), got cache={self.name}")
+
+
+@dataclass
+class RamCacheConfig(CacheConfig):
+    _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
+
+    @property
+    def name(self) -> str:
+        return "ram"
+
+
+@dataclass
+class OffCacheConfig(CacheConfig):
+    _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
+    ram_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ram_gb != 0:
+            raise ConfigError(f"cache=off keeps nothing; got cache.ram_gb={self.ram_gb} "
+                              "(use cache=ram to set a RAM budget)")
+
+
+@dataclass
 class StageConfig:
     """One slot of the pipeline: which class fills it. Tunables live in their groups."""
 
@@ -241,13 +291,16 @@ class PipelineConfig:
     """The fixed slots, in order: request stages (event loop), then step stages (engine)."""
 
     tokenize: StageConfig = _slot("stages.tokenize.Tokenize")
+    cache_lookup: StageConfig = _slot("stages.cache_lookup.CacheLookup")
     prefill: StageConfig = _slot("stages.prefill.Prefill")
     sample: StageConfig = _slot("stages.sample.Sample")
+    persist: StageConfig = _slot("stages.persist.Persist")
     detokenize: StageConfig = _slot("stages.detokenize.Detokenize")
 
     @property
     def step_slots(self) -> list[StageConfig]:
-        return [self.prefill, self.sample]
+        """Run every step, in order. cache_lookup runs at admission instead (a scheduler hook)."""
+        return [self.prefill, self.sample, self.persist]
 
 
 @dataclass
@@ -258,6 +311,7 @@ class ServeConfig:
     admission: AdmissionConfig = MISSING
     server: ServerConfig = MISSING
     pipeline: PipelineConfig = MISSING
+    cache: CacheConfig = MISSING
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -267,6 +321,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "admission": {"advisory": AdvisoryAdmissionConfig, "budget": BudgetAdmissionConfig},
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
+    "cache": {"ram": RamCacheConfig, "off": OffCacheConfig},
 }
 
 
@@ -315,7 +370,8 @@ def load_config(cfg: DictConfig) -> ServeConfig:
     assert isinstance(typed, ServeConfig)
     _import_target(typed.scheduler._target_, "scheduler")
     _import_target(typed.admission._target_, "admission")
-    for name in ("tokenize", "prefill", "sample", "detokenize"):
+    _import_target(typed.cache._target_, "cache")
+    for name in ("tokenize", "cache_lookup", "prefill", "sample", "persist", "detokenize"):
         _import_target(getattr(typed.pipeline, name)._target_, f"pipeline.{name}")
     return typed
 

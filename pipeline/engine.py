@@ -15,7 +15,7 @@ from pipeline.events import Abort, Event, Failed, Finished, Submit, TokenDelta
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
 from pipeline.metrics import Metrics
-from pipeline.request import Request
+from pipeline.request import FinishReason, Request
 from pipeline.scheduler import StepResult
 from pipeline.stage import Batch, EngineContext, StepStage
 from pipeline.stream import RequestStream, post_many
@@ -120,7 +120,12 @@ class Engine:
         ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
         self._setup_memory()
-        return [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+        if self.cfg.cache.ram_gb > 0:
+            ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics)
+        self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
+        stages = [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+        self.persist = next(s for s in stages if s.name == "persist")
+        return stages
 
     def _setup_memory(self) -> None:
         import mlx.core as mx
@@ -199,6 +204,7 @@ class Engine:
             self._fail_batch(batch, e)
             return
         now = time.perf_counter()
+        finished: list[Request] = []
         for req, event in self.scheduler.update(batch, result):
             if isinstance(event, TokenDelta):
                 if req.first_token_s is None:
@@ -207,8 +213,10 @@ class Engine:
                 else:
                     self.metrics.itl.observe(now - req.last_token_s)
                 req.last_token_s = now
+            else:
+                finished.append(req)
             self._post(req.request_id, event)
-        self._free_row_kv()
+        self._retire(finished)
         self.metrics.active_rows.set(len(self.scheduler.running))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
@@ -220,6 +228,7 @@ class Engine:
             if isinstance(event, Finished):
                 self.metrics.generation_tokens.inc(event.num_output_tokens)
                 self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
+                self.metrics.cached_tokens.inc(event.num_cached_tokens)
         if stream is not None:
             self._outbox.append((stream, event))
 
@@ -244,11 +253,19 @@ class Engine:
             else:
                 req = self.scheduler.abort(cmd.request_id)
                 if req is not None:
+                    self._retire([req])
                     self._post(req.request_id, Finished(
                         req.request_id, cmd.reason, req.num_prompt_tokens, len(req.output_ids),
                         extras={"batch_size_max": req.batch_size_max}))
-                    self._free_row_kv()
             self._count_waiting()
+
+    def _retire(self, finished: list[Request]) -> None:
+        """Persist what finished rows computed, then free their KV."""
+        if finished:
+            self.persist.finished(finished)
+            for req in finished:
+                self.scheduler.release(req)
+        self._free_row_kv()
 
     def _free_row_kv(self) -> None:
         if self.ctx.row_batch is not None:
@@ -269,6 +286,8 @@ class Engine:
             self.ctx.row_batch.reset()
         for req in batch.requests:
             if self.scheduler.abort(req.request_id) is not None:
+                req.finish_reason = FinishReason.ERROR   # its KV is not kept
+                self.scheduler.release(req)
                 self._post(req.request_id, Failed(req.request_id, err))
         self._free_row_kv()
 
@@ -276,6 +295,7 @@ class Engine:
         self.state = EngineState.DEAD
         err = EngineUnavailable(f"engine died: {cause!r}")
         for req in self.scheduler.fail_all():
+            self.scheduler.release(req)
             self._post(req.request_id, Failed(req.request_id, err))
         self._flush()
 

@@ -96,6 +96,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0      # tokens whose KV is in `cache`
+    num_cached_tokens: int = 0        # prompt tokens taken from the prompt cache
     num_scheduled_outputs: int = 0    # decode steps queued (may run one ahead of output_ids)
     finish_reason: FinishReason | None = None
     cache: Any = None                 # per-layer KV list of this row; owned by the engine

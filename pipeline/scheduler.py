@@ -3,7 +3,7 @@ Engine thread only; imports no mlx (results arrive as host lists)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeline.config import ServeConfig
@@ -37,6 +37,7 @@ class _Scheduler:
         self.memory: MemoryModel | None = None
         self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
         self.kv_reserved = 0
+        self.on_admit: Callable[[Request], None] | None = None   # the cache_lookup hook
 
     def set_memory(self, memory: MemoryModel, kv_budget: int | None) -> None:
         self.memory, self.kv_budget = memory, kv_budget
@@ -85,6 +86,8 @@ class _Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if self.on_admit is not None:
+                self.on_admit(req)
 
     def schedule(self) -> Batch | None:
         """Admit waiting requests, then give each running request its tokens for this step:
@@ -134,10 +137,14 @@ class _Scheduler:
                 yield req, self._finished(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark finished; the engine persists and then frees the row's KV (`release`)."""
         self.kv_reserved -= req.kv_reserved_bytes
         req.kv_reserved_bytes = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+    @staticmethod
+    def release(req: Request) -> None:
         req.cache = None
         req.prefill_group = None
         req.row_state = None
@@ -147,7 +154,8 @@ class _Scheduler:
     def _finished(req: Request) -> Finished:
         assert req.finish_reason is not None
         return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
-                        len(req.output_ids), extras={"batch_size_max": req.batch_size_max})
+                        len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
+                        extras={"batch_size_max": req.batch_size_max})
 
 
 class SerialScheduler(_Scheduler):

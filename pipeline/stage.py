@@ -37,6 +37,7 @@ class EngineContext:
     loaded: LoadedModel
     metrics: Metrics
     row_batch: Any = None   # the shared decode batch (pipeline.kv.batch.RowBatch), set by prefill
+    prompt_cache: Any = None  # pipeline.prompt_cache.ram.RamPromptCache, or None (cache=off)
 
     @property
     def model(self) -> Any:

@@ -77,7 +77,8 @@ class EngineHarness:
                     ids.extend(event.token_ids)
                     logprobs.extend(event.logprobs or [])
                 elif isinstance(event, Finished):
-                    return {"ids": ids, "finish": event.reason.value, "logprobs": logprobs}
+                    return {"ids": ids, "finish": event.reason.value, "logprobs": logprobs,
+                            "cached": event.num_cached_tokens}
                 else:
                     assert isinstance(event, Failed)
                     raise event.error

@@ -153,7 +153,9 @@ def stop_reason(gen: Generation) -> tuple[str, str | None]:
 
 
 def usage_body(usage: Usage, output: bool = True) -> dict[str, Any]:
-    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens, "cache_creation_input_tokens": 0,
+    # Anthropic's accounting: input_tokens excludes what was read from the cache.
+    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+                           "cache_creation_input_tokens": 0,
                            "cache_read_input_tokens": usage.cached_tokens,
                            "output_tokens": usage.completion_tokens if output else 0}
     if output and usage.record is not None:

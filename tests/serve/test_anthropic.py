@@ -21,6 +21,11 @@ TOOLS = [{"name": "get_weather", "description": "Weather of a city",
                            "required": ["city"]}}]
 
 
+def total_in(usage: Any) -> int:
+    """All input tokens: Anthropic's input_tokens excludes those read from the cache."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 @pytest.fixture(scope="module")
 def srv(server_factory: Any) -> Any:
     return server_factory(f"server.api_key={KEY}")
@@ -67,7 +72,7 @@ def test_message_body_usage_and_max_tokens(client: anthropic.Anthropic) -> None:
     assert m.id.startswith("msg_")
     assert [b.type for b in m.content] == ["text"] and m.content[0].text
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
-    assert m.usage.output_tokens == 12 and m.usage.input_tokens > 0
+    assert m.usage.output_tokens == 12 and total_in(m.usage) > 0
     assert m.usage.cache_read_input_tokens == 0
 
 
@@ -90,7 +95,7 @@ def test_stream_event_sequence_matches_non_stream(srv: Any, client: anthropic.An
     data = [d for n, d in events if n != "ping"]
     start = data[0]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == full.usage.input_tokens
+    assert start["usage"]["input_tokens"] == total_in(full.usage)   # before the cache lookup
     assert data[1]["content_block"] == {"type": "text", "text": ""} and data[1]["index"] == 0
     text = "".join(d["delta"]["text"] for d in data[2:2 + deltas])
     assert all(d["delta"]["type"] == "text_delta" for d in data[2:2 + deltas])
@@ -126,19 +131,19 @@ def test_system_string_or_blocks_and_count_tokens(client: anthropic.Anthropic) -
     as_blocks = create(client, max_tokens=1, system=[
         {"type": "text", "text": "You are terse."}, {"type": "text", "text": "Answer briefly."}])
     plain = create(client, max_tokens=1)
-    assert as_string.usage.input_tokens > plain.usage.input_tokens
-    assert as_blocks.usage.input_tokens > plain.usage.input_tokens
+    assert total_in(as_string.usage) > total_in(plain.usage)
+    assert total_in(as_blocks.usage) > total_in(plain.usage)
     counted = client.messages.count_tokens(model=MODEL, messages=USER,
                                            system="You are terse. Answer briefly.")
-    assert counted.input_tokens == as_string.usage.input_tokens
+    assert counted.input_tokens == total_in(as_string.usage)
 
 
 def test_tools_render_and_tool_round_trip(client: anthropic.Anthropic) -> None:
     plain = create(client, max_tokens=1)
     with_tools = create(client, max_tokens=1, tools=TOOLS)
-    assert with_tools.usage.input_tokens > plain.usage.input_tokens
+    assert total_in(with_tools.usage) > total_in(plain.usage)
     none = create(client, max_tokens=1, tools=TOOLS, tool_choice={"type": "none"})
-    assert none.usage.input_tokens == plain.usage.input_tokens   # not rendered
+    assert total_in(none.usage) == total_in(plain.usage)   # not rendered
     turns = USER + [
         {"role": "assistant", "content": [
             {"type": "text", "text": "Let me check."},
@@ -147,10 +152,10 @@ def test_tools_render_and_tool_round_trip(client: anthropic.Anthropic) -> None:
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"},
             {"type": "text", "text": "And tomorrow?"}]}]
     m = create(client, max_tokens=4, tools=TOOLS, messages=turns)
-    assert m.usage.input_tokens > with_tools.usage.input_tokens
+    assert total_in(m.usage) > total_in(with_tools.usage)
     assert m.stop_reason in ("max_tokens", "tool_use")
     counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=TOOLS)
-    assert counted.input_tokens == m.usage.input_tokens
+    assert counted.input_tokens == total_in(m.usage)
 
 
 def test_thinking_param_and_sampling_extensions_are_accepted(client: anthropic.Anthropic) -> None:

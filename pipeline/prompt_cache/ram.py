@@ -1,0 +1,127 @@
+"""RamPromptCache: KV prefixes in a token trie (mlx-lm's PromptTrie) with a byte-capped LRU.
+A hit lends the donor's arrays (new array objects over the same buffers, no copy); the
+borrower's first write copies, so the donor stays intact. Engine thread only."""
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache
+
+from pipeline.config import ServeConfig
+from pipeline.metrics import Metrics
+
+log = logging.getLogger(__name__)
+TRIE_KEY = "model"   # one model per server: a single trie root
+
+
+def lend(layer: Any) -> Any:
+    """A new cache object over the same buffers: writes to it (MLX slice updates rebind the
+    array object) never reach `layer`, and nothing is copied until one happens."""
+    obj = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, mx.array):
+            setattr(obj, name, value[...])
+        elif isinstance(value, (list, tuple)):
+            setattr(obj, name, type(value)(v[...] if isinstance(v, mx.array) else v
+                                           for v in value))
+    return obj
+
+
+@dataclass(eq=False)
+class Entry:
+    tokens: tuple[int, ...]
+    caches: list[Any]       # per layer; never written (borrowers get `lend` copies)
+    nbytes: int
+    trimmable: bool         # attention-only: any prefix of it can be reused
+
+
+@dataclass(slots=True)
+class Lookup:
+    caches: list[Any] | None   # lent per-layer caches holding `num_tokens` tokens, or None
+    num_tokens: int
+    reason: str                # "hit", or why nothing was reused
+
+
+class RamPromptCache:
+    tier = "ram"
+
+    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+        self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
+        self.metrics = metrics
+        self.trie = PromptTrie()
+        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # LRU order
+        self.nbytes = 0
+
+    def lookup(self, prompt_ids: list[int]) -> Lookup:
+        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed."""
+        limit = len(prompt_ids) - 1
+        if limit < 1 or not self.entries:
+            return self._miss("no_prefix", 0)
+        query = list(prompt_ids[:limit])
+        found = self.trie.search(TRIE_KEY, query)
+        best: tuple[Entry, int] | None = None
+        if found.exact is not None:
+            best = (self.entries[tuple(query)], limit)
+        else:
+            if found.shorter is not None:
+                best = (self.entries[tuple(found.shorter)], len(found.shorter))
+            if found.longer is not None and found.common_prefix > (best[1] if best else 0):
+                longer = self.entries[tuple(found.longer)]
+                if longer.trimmable:
+                    best = (longer, found.common_prefix)
+        if best is None:
+            reason = "no_snapshot" if found.common_prefix else "no_prefix"
+            return self._miss(reason, found.common_prefix)
+        entry, n = best
+        caches = [lend(c) for c in entry.caches]
+        if n < len(entry.tokens):
+            for c in caches:
+                c.trim(len(entry.tokens) - n)
+        self.entries.move_to_end(entry.tokens)
+        self.metrics.cache_hits.labels(self.tier).inc()
+        self.metrics.cache_hit_tokens.labels(self.tier).inc(n)
+        log.debug("prompt cache hit: %d of %d prompt tokens", n, len(prompt_ids))
+        return Lookup(caches, n, "hit")
+
+    def _miss(self, reason: str, shared: int) -> Lookup:
+        self.metrics.cache_misses.labels(reason).inc()
+        log.debug("prompt cache miss (%s): %d tokens shared with an entry", reason, shared)
+        return Lookup(None, 0, reason)
+
+    def put(self, tokens: list[int], caches: list[Any]) -> None:
+        """Keep `caches` (holding exactly `tokens`) for reuse; they are lent, not copied."""
+        if self.max_bytes <= 0 or not tokens:
+            return
+        key = tuple(tokens)
+        entry = Entry(key, [lend(c) for c in caches], sum(c.nbytes for c in caches),
+                      can_trim_prompt_cache(caches))
+        if entry.nbytes > self.max_bytes:
+            return
+        prev = self.entries.pop(key, None)
+        if prev is not None:
+            self.nbytes -= prev.nbytes
+        self.trie.add(TRIE_KEY, list(key), entry)
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        if entry.trimmable:   # shorter entries it extends are now redundant
+            for n, old in self.trie.pop_prefixes(TRIE_KEY, list(key)):
+                if old is not entry and self.entries.pop(old.tokens, None) is not None:
+                    self.nbytes -= old.nbytes
+        self._evict()
+        self._report()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self.entries:
+            key, entry = self.entries.popitem(last=False)
+            self.trie.pop(TRIE_KEY, list(key))
+            self.nbytes -= entry.nbytes
+            self.metrics.cache_evictions.labels(self.tier).inc()
+
+    def _report(self) -> None:
+        self.metrics.cache_entries.labels(self.tier).set(len(self.entries))
+        self.metrics.cache_bytes.labels(self.tier).set(self.nbytes)
