@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -31,7 +32,12 @@ def main(raw: DictConfig) -> None:
     app.ctx.exit_code = 0
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
             motd=False)
-    sys.exit(app.ctx.exit_code)
+    # The engine has stopped and the prompt cache is flushed and closed by now. Exit without
+    # interpreter teardown: destroying MLX's C++ thread state during it can abort (SIGABRT).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(app.ctx.exit_code)
 
 
 if __name__ == "__main__":

@@ -264,6 +264,22 @@ class RamCacheConfig(CacheConfig):
 
 
 @dataclass
+class SsdCacheConfig(CacheConfig):
+    _target_: str = "pipeline.prompt_cache.tiered.TieredPromptCache"
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+
+    @property
+    def name(self) -> str:
+        return "ssd"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ssd.max_gb < 0:
+            raise ConfigError(f"cache.ssd.max_gb must be >= 0 (0 = unlimited), got {self.ssd.max_gb}")
+        _positive("cache.ssd.demote_idle_s", self.ssd.demote_idle_s, allow_none=False)
+
+
+@dataclass
 class OffCacheConfig(CacheConfig):
     _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
     ram_gb: float = 0.0
@@ -321,7 +337,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "admission": {"advisory": AdvisoryAdmissionConfig, "budget": BudgetAdmissionConfig},
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
-    "cache": {"ram": RamCacheConfig, "off": OffCacheConfig},
+    "cache": {"ram": RamCacheConfig, "ssd": SsdCacheConfig, "off": OffCacheConfig},
 }
 
 

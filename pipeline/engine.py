@@ -2,6 +2,7 @@
 the step loop. Public methods may be called from any thread; everything else is engine-only."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -11,7 +12,7 @@ from typing import Any
 
 from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, StageError
-from pipeline.events import Abort, Event, Failed, Finished, Submit, TokenDelta
+from pipeline.events import Abort, Event, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
 from pipeline.metrics import Metrics
@@ -39,7 +40,7 @@ class Engine:
         self.memory: MemoryModel | None = None
         self.startup_error: BaseException | None = None
         self.scheduler: Any = build(cfg.scheduler._target_, cfg)
-        self._inbox: queue.SimpleQueue[Submit | Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Submit | Abort | Flush | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._outbox: list[tuple[RequestStream, Event]] = []   # flushed once per loop pass
         self._ready = threading.Event()
@@ -84,6 +85,16 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
+    def flush_cache(self) -> threading.Event:
+        """Ask the engine to write every dirty prompt-cache entry; the returned event is set
+        once they are all on disk (at once when there is nothing to write)."""
+        done = threading.Event()
+        if self.state is not EngineState.READY:
+            done.set()
+            return done
+        self._inbox.put(Flush(done))
+        return done
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         self._inbox.put(None)
@@ -111,6 +122,8 @@ class Engine:
         finally:
             self._flush()
             self.metrics.engine_up.set(0)
+            if hasattr(self.ctx.prompt_cache, "close"):
+                self.ctx.prompt_cache.close()   # drains the SSD writer
             if self.state is EngineState.READY:
                 self.state = EngineState.STOPPED
 
@@ -120,12 +133,25 @@ class Engine:
         ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
         self._setup_memory()
-        if self.cfg.cache.ram_gb > 0:
-            ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics)
+        if self.cfg.cache.name != "off":
+            ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics,
+                                     self._cache_identity())
         self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
         stages = [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
         self.persist = next(s for s in stages if s.name == "persist")
         return stages
+
+    def _cache_identity(self) -> str:
+        """What makes stored KV reusable: same weights, KV layout and dtype, numerics
+        (MLX version, device), tokenizer and adapters."""
+        import mlx.core as mx
+        loaded = self.loaded
+        h = hashlib.sha256()
+        for f in sorted(loaded.path.glob("tokenizer*")) + sorted(loaded.path.glob("*.model")):
+            h.update(f.name.encode() + f.read_bytes())
+        parts = [loaded.fingerprint, "kv=dense", loaded.compute_dtype, mx.__version__,
+                 str(mx.default_device()), h.hexdigest()[:16], "adapters="]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def _setup_memory(self) -> None:
         import mlx.core as mx
@@ -152,11 +178,15 @@ class Engine:
         pending: Batch | None = None   # last step, queued on the device, not yet read back
         steps = 0
         self._sample_memory()
+        cache = self.ctx.prompt_cache
+        ticking = hasattr(cache, "tick")
         while not self._stopping:
             idle = pending is None and not sched.has_work()
             if idle:
                 self._sample_memory()
-            self._drain_inbox(block=idle)
+                if ticking:
+                    cache.tick()
+            self._drain_inbox(block=idle, timeout=1.0 if ticking else None)
             if self._stopping:
                 break
             batch = sched.schedule()
@@ -237,16 +267,18 @@ class Engine:
             post_many(self._outbox)
             self._outbox = []
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
-                cmd = self._inbox.get(block=block, timeout=None if block else 0)
+                cmd = self._inbox.get(block=block, timeout=timeout if block else 0)
             except queue.Empty:
                 return
             block = False
             if cmd is None:
                 return
-            if isinstance(cmd, Submit):
+            if isinstance(cmd, Flush):
+                cmd.reply(self._flush_cache())
+            elif isinstance(cmd, Submit):
                 self._streams[cmd.request.request_id] = cmd.stream
                 self.scheduler.add(cmd.request)
                 self._num_added += 1
@@ -266,6 +298,16 @@ class Engine:
             for req in finished:
                 self.scheduler.release(req)
         self._free_row_kv()
+
+    def _flush_cache(self) -> threading.Event | None:
+        cache = self.ctx.prompt_cache
+        if not hasattr(cache, "flush"):
+            return None
+        t0 = time.perf_counter()
+        done = cache.flush()
+        log.info("prompt cache flush: entries handed to the SSD writer in %.3f s",
+                 time.perf_counter() - t0)
+        return done
 
     def _free_row_kv(self) -> None:
         if self.ctx.row_batch is not None:

@@ -2,6 +2,7 @@
 events: engine thread → RequestStream on the event loop."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,20 @@ class Submit:
 class Abort:
     request_id: str
     reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass(slots=True)
+class Flush:
+    """Write every dirty prompt-cache entry to disk; `done` is set once they are there."""
+
+    done: threading.Event
+
+    def reply(self, written: threading.Event | None) -> None:
+        if written is None:
+            self.done.set()
+            return
+        threading.Thread(target=lambda: (written.wait(), self.done.set()), daemon=True,
+                         name="pipeserve-flush-wait").start()
 
 
 @dataclass(slots=True)

@@ -68,6 +68,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
     app.config.RESPONSE_TIMEOUT = 24 * 3600
     app.config.REQUEST_TIMEOUT = 600
     app.config.KEEP_ALIVE_TIMEOUT = 75
+    # SIGINT/SIGTERM: stop admitting, let requests in flight finish for this long.
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = cfg.server.shutdown_timeout_s
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     engine = Engine(cfg, metrics)
@@ -106,8 +108,22 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                      loaded.num_params, engine.device, cfg.server.host, cfg.server.port)
         app.add_task(wait())
 
+    @app.before_server_stop
+    async def _drain(app: Sanic) -> None:
+        app.ctx.draining = True   # new requests get 503; those in flight go on
+        log.info("shutting down: %d request(s) in flight; waiting up to %.0f s",
+                 engine.num_inflight, cfg.server.shutdown_timeout_s)
+
     @app.after_server_stop
     async def _stop(app: Sanic) -> None:
+        left = engine.num_inflight
+        if left:
+            log.warning("shutdown timeout: %d request(s) were cut off", left)
+        t0 = time.perf_counter()
+        done = engine.flush_cache()
+        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 300)
+        log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
+                 time.perf_counter() - t0)
         engine.stop()
 
     _add_middleware(app, cfg)
@@ -176,11 +192,28 @@ def _add_routes(app: Sanic) -> None:
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
         engine: Engine = app.ctx.engine
-        ready = engine.state is EngineState.READY and app.ctx.front is not None
-        state = "ok" if ready else engine.state.value
+        draining = getattr(app.ctx, "draining", False)
+        ready = engine.state is EngineState.READY and app.ctx.front is not None and not draining
+        state = "draining" if draining else ("ok" if ready else engine.state.value)
         return json_response({"status": state, "model": app.ctx.cfg.model.name,
                               "waiting": engine.num_waiting, "inflight": engine.num_inflight},
                              200 if ready else 503)
+
+    @app.post("/admin/cache/flush")
+    async def flush(http: sanic.Request) -> HTTPResponse:
+        """Returns once every dirty prompt-cache entry is on disk."""
+        key = app.ctx.cfg.server.admin_key
+        if key:
+            auth = http.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
+            if given != key:
+                raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
+                                   "<server.admin_key>")
+        t0 = time.perf_counter()
+        done = app.ctx.engine.flush_cache()
+        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 600)
+        return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
+                             200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(http: sanic.Request) -> HTTPResponse:

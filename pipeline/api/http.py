@@ -52,6 +52,8 @@ def read_body(http: sanic.Request) -> dict[str, Any]:
 def ready_front(app: Sanic) -> Any:
     """The request stages (server.Front) once the engine is ready; else 503."""
     engine = app.ctx.engine
+    if getattr(app.ctx, "draining", False):
+        raise EngineUnavailable("the server is shutting down; send this request elsewhere")
     if engine.state is not EngineState.READY or app.ctx.front is None:
         raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
     return app.ctx.front
@@ -95,6 +97,10 @@ class Scope:
                 gen.finish_reason = "abort"
             self.ctx.metrics.e2e.observe(elapsed)
         self._log(outcome, elapsed)
+        if getattr(self.ctx, "draining", False) and self.http.stream is not None:
+            # shutting down: close this connection after the response instead of keeping it
+            # alive, so the graceful shutdown does not wait for idle keep-alive sockets
+            self.http.stream.keep_alive = False
         return False
 
     def _log(self, outcome: str, elapsed: float) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -38,6 +40,7 @@ class Entry:
     caches: list[Any]       # per layer; never written (borrowers get `lend` copies)
     nbytes: int
     trimmable: bool         # attention-only: any prefix of it can be reused
+    last_used_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -50,58 +53,69 @@ class Lookup:
 class RamPromptCache:
     tier = "ram"
 
-    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str = "") -> None:
         self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
         self.metrics = metrics
+        self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
         self.trie = PromptTrie()
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # LRU order
         self.nbytes = 0
 
-    def lookup(self, prompt_ids: list[int]) -> Lookup:
-        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed."""
+    def find(self, prompt_ids: list[int]) -> tuple[Entry | None, int, str, int]:
+        """(entry, tokens reusable from it, reason, tokens shared with any entry)."""
         limit = len(prompt_ids) - 1
         if limit < 1 or not self.entries:
-            return self._miss("no_prefix", 0)
+            return None, 0, "no_prefix", 0
         query = list(prompt_ids[:limit])
         found = self.trie.search(TRIE_KEY, query)
-        best: tuple[Entry, int] | None = None
         if found.exact is not None:
-            best = (self.entries[tuple(query)], limit)
-        else:
-            if found.shorter is not None:
-                best = (self.entries[tuple(found.shorter)], len(found.shorter))
-            if found.longer is not None and found.common_prefix > (best[1] if best else 0):
-                longer = self.entries[tuple(found.longer)]
-                if longer.trimmable:
-                    best = (longer, found.common_prefix)
+            return self.entries[tuple(query)], limit, "hit", limit
+        best: tuple[Entry, int] | None = None
+        if found.shorter is not None:
+            best = (self.entries[tuple(found.shorter)], len(found.shorter))
+        if found.longer is not None and found.common_prefix > (best[1] if best else 0):
+            longer = self.entries[tuple(found.longer)]
+            if longer.trimmable:
+                best = (longer, found.common_prefix)
+        shared = max(found.common_prefix, best[1] if best else 0)
         if best is None:
-            reason = "no_snapshot" if found.common_prefix else "no_prefix"
-            return self._miss(reason, found.common_prefix)
-        entry, n = best
+            return None, 0, "no_snapshot" if shared else "no_prefix", shared
+        return best[0], best[1], "hit", shared
+
+    def take(self, entry: Entry, n: int) -> list[Any]:
+        """Lent caches holding the first `n` tokens of `entry`; marks it recently used."""
         caches = [lend(c) for c in entry.caches]
         if n < len(entry.tokens):
             for c in caches:
                 c.trim(len(entry.tokens) - n)
+        entry.last_used_s = time.monotonic()
         self.entries.move_to_end(entry.tokens)
+        return caches
+
+    def lookup(self, prompt_ids: list[int]) -> Lookup:
+        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed."""
+        entry, n, reason, shared = self.find(prompt_ids)
+        if entry is None:
+            return self._miss(reason, shared)
         self.metrics.cache_hits.labels(self.tier).inc()
         self.metrics.cache_hit_tokens.labels(self.tier).inc(n)
         log.debug("prompt cache hit: %d of %d prompt tokens", n, len(prompt_ids))
-        return Lookup(caches, n, "hit")
+        return Lookup(self.take(entry, n), n, "hit")
 
     def _miss(self, reason: str, shared: int) -> Lookup:
         self.metrics.cache_misses.labels(reason).inc()
         log.debug("prompt cache miss (%s): %d tokens shared with an entry", reason, shared)
         return Lookup(None, 0, reason)
 
-    def put(self, tokens: list[int], caches: list[Any]) -> None:
+    def put(self, tokens: list[int], caches: list[Any]) -> Entry | None:
         """Keep `caches` (holding exactly `tokens`) for reuse; they are lent, not copied."""
         if self.max_bytes <= 0 or not tokens:
-            return
+            return None
         key = tuple(tokens)
         entry = Entry(key, [lend(c) for c in caches], sum(c.nbytes for c in caches),
                       can_trim_prompt_cache(caches))
         if entry.nbytes > self.max_bytes:
-            return
+            return None
         prev = self.entries.pop(key, None)
         if prev is not None:
             self.nbytes -= prev.nbytes
@@ -114,6 +128,13 @@ class RamPromptCache:
                     self.nbytes -= old.nbytes
         self._evict()
         self._report()
+        return entry if key in self.entries else None
+
+    def remove(self, entry: Entry) -> None:
+        if self.entries.pop(entry.tokens, None) is not None:
+            self.trie.pop(TRIE_KEY, list(entry.tokens))
+            self.nbytes -= entry.nbytes
+            self._report()
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:
@@ -121,6 +142,8 @@ class RamPromptCache:
             self.trie.pop(TRIE_KEY, list(key))
             self.nbytes -= entry.nbytes
             self.metrics.cache_evictions.labels(self.tier).inc()
+            if self.on_evict is not None:
+                self.on_evict(entry)
 
     def _report(self) -> None:
         self.metrics.cache_entries.labels(self.tier).set(len(self.entries))

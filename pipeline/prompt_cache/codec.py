@@ -1,0 +1,109 @@
+"""Entry codec for the SSD tier: per-layer cache objects ⇄ bytes, with a header hash that is
+always checked and per-tensor hashes checked when asked. `encode` reads MLX arrays (engine
+thread); `decode` builds MLX arrays (engine thread); the bytes themselves go anywhere."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+MAGIC = b"PSKV1\n"
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class CorruptEntry(ValueError):
+    """The bytes are not a whole, intact entry (truncated, altered, or another format)."""
+
+
+def _attrs(layer: Any) -> dict[str, Any]:
+    attrs = dict(vars(layer))
+    if type(layer) is KVCache and layer.keys is not None:   # drop the unused tail capacity
+        attrs["keys"] = layer.keys[..., :layer.offset, :]
+        attrs["values"] = layer.values[..., :layer.offset, :]
+    return attrs
+
+
+def encode(tokens: list[int], caches: list[Any]) -> bytes:
+    tensors: list[bytes] = []
+    meta: list[dict[str, Any]] = []
+
+    def put(arr: mx.array) -> dict[str, int]:
+        host = np.asarray(arr.view(_mx_uint(arr.dtype.size)) if arr.dtype.size in _UINT else arr)
+        raw = np.ascontiguousarray(host).tobytes()
+        meta.append({"dtype": str(arr.dtype).removeprefix("mlx.core."), "shape": list(arr.shape),
+                     "nbytes": len(raw), "sha": hashlib.sha256(raw).hexdigest()})
+        tensors.append(raw)
+        return {"t": len(meta) - 1}
+
+    def value(v: Any) -> Any:
+        if isinstance(v, mx.array):
+            return put(v)
+        if isinstance(v, (list, tuple)):
+            return {"seq": [value(x) for x in v], "tuple": isinstance(v, tuple)}
+        if v is None or isinstance(v, (int, float, str, bool)):
+            return {"v": v}
+        raise TypeError(f"cannot store {type(v).__name__} in a prompt-cache entry")
+
+    layers = [{"class": f"{type(c).__module__}:{type(c).__qualname__}",
+               "attrs": {k: value(v) for k, v in _attrs(c).items()}} for c in caches]
+    header = json.dumps({"tokens": list(tokens), "layers": layers, "tensors": meta}).encode()
+    return b"".join([MAGIC, len(header).to_bytes(8, "little"), header,
+                     hashlib.sha256(header).digest(), *tensors])
+
+
+def decode(blob: bytes, verify: bool) -> tuple[list[int], list[Any]]:
+    """Bytes → (tokens, per-layer caches). Raises CorruptEntry on any mismatch."""
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 8:
+        raise CorruptEntry("bad magic")
+    pos = len(MAGIC)
+    n = int.from_bytes(blob[pos:pos + 8], "little")
+    pos += 8
+    header = blob[pos:pos + n]
+    digest = blob[pos + n:pos + n + 32]
+    if len(header) != n or hashlib.sha256(header).digest() != digest:
+        raise CorruptEntry("header hash mismatch")
+    pos += n + 32
+    try:
+        meta = json.loads(header)
+    except ValueError as e:
+        raise CorruptEntry(f"header is not JSON: {e}") from e
+    arrays: list[mx.array] = []
+    for t in meta["tensors"]:
+        raw = blob[pos:pos + t["nbytes"]]
+        pos += t["nbytes"]
+        if len(raw) != t["nbytes"]:
+            raise CorruptEntry("truncated tensor data")
+        if verify and hashlib.sha256(raw).hexdigest() != t["sha"]:
+            raise CorruptEntry("tensor hash mismatch")
+        dtype = getattr(mx, t["dtype"])
+        host = np.frombuffer(raw, dtype=_UINT[dtype.size]).reshape(t["shape"])
+        arrays.append(mx.array(host).view(dtype))
+    if pos != len(blob):
+        raise CorruptEntry("trailing bytes")
+
+    def value(v: dict[str, Any]) -> Any:
+        if "t" in v:
+            return arrays[v["t"]]
+        if "seq" in v:
+            items = [value(x) for x in v["seq"]]
+            return tuple(items) if v["tuple"] else items
+        return v["v"]
+
+    caches = []
+    for layer in meta["layers"]:
+        module, _, name = layer["class"].partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        obj = cls.__new__(cls)
+        for k, v in layer["attrs"].items():
+            setattr(obj, k, value(v))
+        caches.append(obj)
+    return meta["tokens"], caches
+
+
+def _mx_uint(size: int) -> mx.Dtype:
+    return {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[size]

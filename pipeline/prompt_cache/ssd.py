@@ -1,0 +1,145 @@
+"""SsdStore: prompt-cache entries on disk (diskcache), keyed under an identity directory
+(model fingerprint, KV scheme and compute dtype, MLX version and device, tokenizer, adapters)
+so incompatible state never loads. A writer thread does every disk write; lookups read on
+the engine thread. Survives restarts: the token index is rebuilt from disk at start."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import diskcache
+from mlx_lm.models.cache import PromptTrie
+
+from pipeline.metrics import Metrics
+from pipeline.prompt_cache.codec import CorruptEntry, decode
+
+log = logging.getLogger(__name__)
+TRIE_KEY = "model"
+
+
+def token_key(tokens: tuple[int, ...]) -> str:
+    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:32]
+
+
+class SsdStore:
+    tier = "ssd"
+
+    def __init__(self, root: Path, identity: str, max_bytes: int, verify: bool,
+                 metrics: Metrics) -> None:
+        self.dir = root / identity
+        self.verify = verify
+        self.metrics = metrics
+        limit = max_bytes if max_bytes > 0 else 1 << 62
+        self.disk = diskcache.Cache(str(self.dir), size_limit=limit,
+                                    eviction_policy="least-recently-stored")
+        self.trie = PromptTrie()
+        self.index: dict[tuple[int, ...], str] = {}
+        for key in list(self.disk.iterkeys()):
+            if isinstance(key, str) and key.startswith("t:"):
+                tokens = self.disk.get(key)
+                if isinstance(tokens, (list, tuple)) and tokens:
+                    self._index(tuple(tokens))
+        others = [p.name for p in root.iterdir() if p.is_dir() and p.name != identity] \
+            if root.exists() else []
+        if others:
+            log.info("prompt cache: %d SSD namespaces of other models/settings left untouched",
+                     len(others))
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="pipeserve-ssd-writer",
+                                        daemon=True)
+        self._writer.start()
+        self._report()
+
+    def _index(self, tokens: tuple[int, ...]) -> None:
+        self.index[tokens] = token_key(tokens)
+        self.trie.add(TRIE_KEY, list(tokens), tokens)
+
+    # -- engine thread --------------------------------------------------------------
+    def best(self, prompt_ids: list[int], trimmable: bool) -> tuple[tuple[int, ...], int] | None:
+        """The stored entry reusing the most of `prompt_ids[:-1]`, and how many tokens."""
+        limit = len(prompt_ids) - 1
+        if limit < 1 or not self.index:
+            return None
+        query = list(prompt_ids[:limit])
+        found = self.trie.search(TRIE_KEY, query)
+        if found.exact is not None:
+            return tuple(query), limit
+        best = None
+        if found.shorter is not None:
+            best = (tuple(found.shorter), len(found.shorter))
+        if (trimmable and found.longer is not None
+                and found.common_prefix > (best[1] if best else 0)):
+            best = (tuple(found.longer), found.common_prefix)
+        return best
+
+    def load(self, tokens: tuple[int, ...]) -> list[Any] | None:
+        """Read and check an entry; a missing, corrupt or truncated one is removed, counted
+        and never served."""
+        key = token_key(tokens)
+        blob = self.disk.get("e:" + key)
+        if blob is None:
+            self._forget(tokens)
+            return None
+        try:
+            stored, caches = decode(blob, self.verify)
+            if tuple(stored) != tokens:
+                raise CorruptEntry("tokens do not match the key")
+        except CorruptEntry as e:
+            log.warning("prompt cache: dropping corrupt SSD entry %s (%s)", key, e)
+            self.metrics.cache_corrupt.inc()
+            self.disk.delete("e:" + key)
+            self.disk.delete("t:" + key)
+            self._forget(tokens)
+            return None
+        self.metrics.cache_restores.inc()
+        return caches
+
+    def _forget(self, tokens: tuple[int, ...]) -> None:
+        if self.index.pop(tokens, None) is not None:
+            self.trie.pop(TRIE_KEY, list(tokens))
+        self._report()
+
+    def submit(self, tokens: tuple[int, ...], blob: bytes) -> None:
+        """Queue bytes for the writer (the engine never waits for the disk)."""
+        if tokens not in self.index:
+            self._index(tokens)
+        self._queue.put((tokens, blob))
+
+    def drained(self) -> threading.Event:
+        """An event set once everything queued so far is on disk."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done
+
+    # -- writer thread ---------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            tokens, blob = item
+            key = token_key(tokens)
+            try:
+                self.disk.set("e:" + key, blob)
+                self.disk.set("t:" + key, list(tokens))   # index after data: never dangles
+                self.metrics.cache_ssd_writes.inc()
+                self.metrics.cache_ssd_write_bytes.inc(len(blob))
+            except OSError:
+                log.exception("prompt cache: SSD write of %s failed", key)
+            self._report()
+
+    def _report(self) -> None:
+        self.metrics.cache_entries.labels(self.tier).set(len(self.index))
+        self.metrics.cache_bytes.labels(self.tier).set(self.disk.volume())
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(30)
+        self.disk.close()

@@ -1,0 +1,115 @@
+"""TieredPromptCache (cache=ssd): the RAM tier in front of the SSD tier. RAM reuse never waits
+for a disk write: entries reach disk when RAM evicts them, when they sit idle, when settled
+(write-behind, while the engine is idle) and on flush. Engine thread; the SSD writer thread
+only writes the bytes this thread encoded."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache
+
+from pipeline.config import ServeConfig
+from pipeline.metrics import Metrics
+from pipeline.prompt_cache.codec import encode
+from pipeline.prompt_cache.ram import Entry, Lookup, RamPromptCache
+from pipeline.prompt_cache.ssd import SsdStore
+
+log = logging.getLogger(__name__)
+SETTLE_S = 0.5           # an entry untouched this long is "settled" for write-behind
+TICK_BYTES = 64 << 20    # host bytes encoded per idle tick, so the engine answers promptly
+
+
+class TieredPromptCache:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str) -> None:
+        ssd = cfg.cache.ssd
+        self.metrics = metrics
+        self.ram = RamPromptCache(cfg, metrics)
+        self.ram.on_evict = self._spill
+        self.ssd = SsdStore(Path(ssd.dir).expanduser(), identity, int(ssd.max_gb * (1 << 30)),
+                            ssd.verify, metrics)
+        self.write_behind = ssd.write_behind
+        self.demote_idle_s = ssd.demote_idle_s
+        self.dirty: dict[tuple[int, ...], Entry] = {}   # in RAM, not yet handed to the writer
+
+    @property
+    def entries(self) -> Any:
+        return self.ram.entries
+
+    @property
+    def nbytes(self) -> int:
+        return self.ram.nbytes
+
+    def lookup(self, prompt_ids: list[int]) -> Lookup:
+        entry, n, reason, shared = self.ram.find(prompt_ids)
+        on_disk = self.ssd.best(prompt_ids, trimmable=True)
+        if on_disk is not None and on_disk[1] > n:
+            restored = self._restore(on_disk[0], on_disk[1])
+            if restored is not None:
+                entry, n = restored, on_disk[1]
+                self.metrics.cache_hits.labels("ssd").inc()
+                self.metrics.cache_hit_tokens.labels("ssd").inc(n)
+                return Lookup(self.ram.take(entry, n), n, "hit")
+        if entry is None:
+            return self.ram._miss(reason, shared)
+        self.metrics.cache_hits.labels("ram").inc()
+        self.metrics.cache_hit_tokens.labels("ram").inc(n)
+        return Lookup(self.ram.take(entry, n), n, "hit")
+
+    def _restore(self, tokens: tuple[int, ...], n: int) -> Entry | None:
+        caches = self.ssd.load(tokens)
+        if caches is None:
+            return None
+        if n < len(tokens) and not can_trim_prompt_cache(caches):
+            self.metrics.cache_misses.labels("no_snapshot").inc()
+            return None
+        return self.ram.put(list(tokens), caches)   # durable already: not dirty
+
+    def put(self, tokens: list[int], caches: list[Any]) -> None:
+        entry = self.ram.put(tokens, caches)
+        if entry is not None and entry.tokens not in self.ssd.index:
+            self.dirty[entry.tokens] = entry
+        for key in [k for k, e in self.dirty.items() if e.tokens not in self.ram.entries]:
+            self.dirty.pop(key)   # subsumed by a longer entry before it reached disk
+        self.metrics.cache_dirty.set(len(self.dirty))
+
+    def _write(self, entry: Entry) -> None:
+        self.dirty.pop(entry.tokens, None)
+        self.ssd.submit(entry.tokens, encode(list(entry.tokens), entry.caches))
+        self.metrics.cache_dirty.set(len(self.dirty))
+
+    def _spill(self, entry: Entry) -> None:
+        if entry.tokens not in self.ssd.index or entry.tokens in self.dirty:
+            self._write(entry)
+            self.metrics.cache_spills.labels("eviction").inc()
+
+    def tick(self) -> None:
+        """Engine idle: write settled dirty entries (bounded work), demote idle ones."""
+        now = time.monotonic()
+        budget = TICK_BYTES
+        if self.write_behind:
+            for entry in list(self.dirty.values()):
+                if budget <= 0:
+                    break
+                if now - entry.last_used_s >= SETTLE_S:
+                    self._write(entry)
+                    budget -= entry.nbytes
+        for entry in list(self.ram.entries.values()):
+            if now - entry.last_used_s < self.demote_idle_s:
+                break   # LRU order: the rest were used more recently
+            if entry.tokens in self.dirty or entry.tokens not in self.ssd.index:
+                self._write(entry)
+            self.metrics.cache_spills.labels("idle").inc()
+            self.ram.remove(entry)
+
+    def flush(self) -> threading.Event:
+        """Hand every dirty entry to the writer; the event is set once all are on disk."""
+        for entry in list(self.dirty.values()):
+            self._write(entry)
+        return self.ssd.drained()
+
+    def close(self) -> None:
+        self.ssd.close()
