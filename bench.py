@@ -38,7 +38,8 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 
 @dataclass
 class BenchConfig:
-    workload: str = "single"        # single | concurrent (mixed prompt lengths)
+    workload: str = "single"        # single | concurrent (mixed lengths) | shared_prefix |
+    #                                 distinct (long prompts sharing nothing) | cache_ttft
     streams: int = 1                # concurrent client streams
     requests_per_stream: int = 1    # requests each stream sends back to back
     prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
@@ -81,13 +82,25 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def _prompts(b: BenchConfig) -> list[str]:
+def _words(n: int, offset: int) -> str:
+    return " ".join(WORDS[(offset + j) % len(WORDS)] for j in range(n))
+
+
+def _prompts(b: BenchConfig, salt: str = "") -> list[str]:
+    """One prompt per request. `salt` makes a set that shares no prefix with the real one
+    (the warm-up uses it, so prompt caches start cold)."""
     out = []
     for i in range(b.streams * b.requests_per_stream):
         n = b.prompt_words
         if b.workload == "concurrent":
-            n = max(4, int(n * (0.5, 1.0, 2.0, 1.5)[i % 4]))
-        out.append(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)))
+            text = _words(max(4, int(n * (0.5, 1.0, 2.0, 1.5)[i % 4])), i)
+        elif b.workload == "shared_prefix":   # N agents, one long system prompt
+            text = f"{_words(n, 0)} question {i}: {_words(8, 3 * i + 1)}"
+        elif b.workload == "distinct":        # N long prompts sharing nothing
+            text = f"document {i}: {_words(n, 7 * i + 1)}"
+        else:
+            text = _words(n, i)
+        out.append(f"{salt} {text}" if salt else text)
     return out
 
 
@@ -137,9 +150,10 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     limits = httpx.Limits(max_connections=b.streams + 4)
     async with httpx.AsyncClient(timeout=b.timeout_s, limits=limits) as client:
         if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
-            await _one(client, url, model, prompts[0], b.max_tokens, eos_bias)
+            warm = _prompts(b, salt="warm-up")
+            await _one(client, url, model, warm[0], b.max_tokens, eos_bias)
             await asyncio.gather(*(_one(client, url, model, p, 16, eos_bias)
-                                   for p in prompts[:b.streams]))
+                                   for p in warm[:b.streams]))
 
         total = b.streams * b.requests_per_stream
         done = 0
@@ -253,6 +267,10 @@ def run_bench(raw: DictConfig) -> list[Row]:
     eos_bias = {str(i): -100.0 for i in eos}
     rows: list[Row] = []
 
+    if b.workload == "cache_ttft":
+        rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
+        _write(out, rows)
+        return rows
     port = _free_port()
     ours = Process([sys.executable, str(ROOT / "serve.py"), *overrides, f"model.path={model_dir}",
                     f"server.port={port}",
@@ -293,6 +311,41 @@ def run_bench(raw: DictConfig) -> list[Row]:
                             float("nan"), float("nan")))
             _write(out, rows[-1:])
     return rows
+
+
+def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Path, out: Path,
+                eos_bias: dict[str, float]) -> list[Row]:
+    """TTFT of one long prompt: cold, then a RAM hit, then (after flush, SIGTERM and a fresh
+    start on the same cache.ssd.dir) an SSD hit. Needs cache=ssd among the overrides."""
+    if "cache=ssd" not in overrides:
+        raise SystemExit("bench.workload=cache_ttft needs cache=ssd (and cache.ssd.dir=...)")
+    prompt = _words(b.prompt_words, 0)
+    rows = []
+    for phase in ("cold", "ram hit", "ssd hit after restart"):
+        if phase != "ram hit":
+            port = _free_port()
+            server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
+                              f"model.path={model_dir}", f"server.port={port}",
+                              f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
+            server.wait_http(f"http://127.0.0.1:{port}/health")
+        base = f"http://127.0.0.1:{port}"
+        if phase == "cold":   # compile kernels on a prompt that shares nothing
+            asyncio.run(_single(base, model, "warm-up " + _words(b.prompt_words, 5), 4, eos_bias))
+        r = asyncio.run(_single(base, model, prompt, b.max_tokens, eos_bias))
+        ttft = r["stamps"][0] - r["t0"]
+        rows.append(Row(f"pipeserve, {phase}", "cache_ttft", 1, 1, r["tokens"],
+                        round(r["end"] - r["t0"], 3), float("nan"), float("nan"),
+                        round(ttft, 3), round(ttft, 3), float("nan"), float("nan"),
+                        round(_peak_rss_mb(server.proc.pid), 1), " ".join(overrides)))
+        if phase != "cold":
+            httpx.post(base + "/admin/cache/flush", timeout=600)
+            server.stop()
+    return rows
+
+
+async def _single(base: str, model: str, prompt: str, n: int, bias: dict[str, float]) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await _one(client, f"{base}/v1/completions", model, prompt, n, bias)
 
 
 def _eos_ids(model_dir: Path) -> list[int]:
