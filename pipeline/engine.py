@@ -137,6 +137,7 @@ class Engine:
             ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics,
                                      self._cache_identity())
         self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
+        self.scheduler.share_prefixes = ctx.prompt_cache is not None
         stages = [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
         self.persist = next(s for s in stages if s.name == "persist")
         return stages

@@ -13,6 +13,9 @@ from pipeline.request import FinishReason, Request, RequestStatus, TokenLogprob
 from pipeline.stage import Batch
 
 
+SHARED_PREFIX_MIN = 64   # prompt tokens two requests must share for one to wait for the other
+
+
 @dataclass(slots=True)
 class StepResult:
     """Host copies of one step's sampled outputs, one entry per sample row."""
@@ -38,6 +41,7 @@ class _Scheduler:
         self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
         self.kv_reserved = 0
         self.on_admit: Callable[[Request], None] | None = None   # the cache_lookup hook
+        self.share_prefixes = False   # set when a prompt cache can hand prefixes over
 
     def set_memory(self, memory: MemoryModel, kv_budget: int | None) -> None:
         self.memory, self.kv_budget = memory, kv_budget
@@ -74,20 +78,38 @@ class _Scheduler:
     # -- stepping ---------------------------------------------------------------------
     def _admit(self) -> None:
         """FIFO: the head waits until a row slot and, under a KV budget, its projected KV
-        (prompt + max_tokens) are free; later requests never overtake it."""
-        while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            if self.kv_budget is not None and self.memory is not None:
-                need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
-                if self.running and self.kv_reserved + need > self.kv_budget:
-                    return
-                req.kv_reserved_bytes = need
-                self.kv_reserved += need
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if self.on_admit is not None:
-                self.on_admit(req)
+        (prompt + max_tokens) are free; later requests never overtake it. With a prompt
+        cache, a request whose prompt starts like one still being prefilled waits for that
+        prefill (then reuses its prefix) while others go ahead: N agents sharing a system
+        prompt pay for one prefill."""
+        deferred: list[Request] = []
+        try:
+            while self.waiting and len(self.running) < self.max_batch:
+                req = self.waiting[0]
+                if self.share_prefixes and self._donor_prefilling(req):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                if self.kv_budget is not None and self.memory is not None:
+                    need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
+                    if self.running and self.kv_reserved + need > self.kv_budget:
+                        return
+                    req.kv_reserved_bytes = need
+                    self.kv_reserved += need
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                if self.on_admit is not None:
+                    self.on_admit(req)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _donor_prefilling(self, req: Request) -> bool:
+        n = SHARED_PREFIX_MIN
+        if req.num_prompt_tokens <= n:
+            return False
+        head = req.prompt_ids[:n]
+        return any(r.in_prefill and r.num_prompt_tokens > n and r.prompt_ids[:n] == head
+                   for r in self.running)
 
     def schedule(self) -> Batch | None:
         """Admit waiting requests, then give each running request its tokens for this step:

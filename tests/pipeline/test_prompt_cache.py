@@ -87,3 +87,18 @@ def test_byte_cap_evicts_least_recently_used(engine_factory) -> None:
     # the most recent prompt is still there
     again = h.generate([207] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
     assert again["cached"] == 50
+
+
+def test_agents_arriving_together_pay_for_one_prefill(engine_factory) -> None:
+    """Requests that share a long prompt prefix with one still being prefilled wait for it
+    and then reuse its prefix, instead of all prefilling the same tokens at once."""
+    prompts = [SYSTEM + [100 + i, 101 + i] for i in range(4)]
+    expected = [cold(engine_factory, "tiny", p) for p in prompts]
+    h = engine_factory("scheduler=continuous", "scheduler.prefill_chunk=64")
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=16, logit_bias=EOS_OFF)
+                                       for p in prompts]))
+    assert [g["ids"] for g in got] == expected
+    cached = sorted(g["cached"] for g in got)
+    assert cached[0] == 0 and all(c >= len(SYSTEM) for c in cached[1:])
+    prefill = h.metrics.step_tokens.labels("prefill")._value.get()
+    assert prefill < 2 * len(SYSTEM) + 20   # the shared prefix was prefilled once
