@@ -15,6 +15,7 @@ from pipeline.errors import EngineUnavailable, ServeError, StageError
 from pipeline.events import Abort, Event, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
+from pipeline.prompt_cache.ram import lend
 from pipeline.metrics import Metrics
 from pipeline.request import FinishReason, Request
 from pipeline.scheduler import StepResult
@@ -192,6 +193,7 @@ class Engine:
                 break
             batch = sched.schedule()
             self._count_waiting()
+            self._replay(sched.running)
             if batch is not None:
                 try:
                     self._run_stages(stages, batch)
@@ -248,6 +250,7 @@ class Engine:
                 finished.append(req)
             self._post(req.request_id, event)
         self._retire(finished)
+        self._checkpoint()
         self.metrics.active_rows.set(len(self.scheduler.running))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
@@ -292,8 +295,41 @@ class Engine:
                         extras={"batch_size_max": req.batch_size_max}))
             self._count_waiting()
 
+    def _replay(self, running: list[Request]) -> None:
+        """Send resumed requests the output their checkpoint already holds."""
+        for req in running:
+            if req.replay_ids:
+                req.first_token_s = req.last_token_s = time.perf_counter()
+                self._post(req.request_id, TokenDelta(req.request_id, req.replay_ids))
+                req.replay_ids = None
+
+    def _checkpoint(self) -> None:
+        """cache.checkpoint_every: snapshot rows that emitted N more tokens (host copies here,
+        disk writes on the SSD writer thread)."""
+        ckpt = getattr(self.ctx.prompt_cache, "checkpoints", None)
+        if ckpt is None:
+            return
+        for req in self.scheduler.running:
+            if req.in_prefill or not ckpt.due(req):
+                continue
+            caches = self.persist.row_caches(req)
+            if caches is None:
+                continue
+            state = req.row_state
+            key = None
+            if state is not None:   # the key the next unseen token will be sampled with
+                ahead = req.num_scheduled_outputs > len(req.output_ids)
+                key = (state.prev_key if ahead and state.prev_key is not None
+                       else state.key).tolist()
+            ckpt.save(req, [lend(c) for c in caches], key)
+
     def _retire(self, finished: list[Request]) -> None:
         """Persist what finished rows computed, then free their KV."""
+        ckpt = getattr(self.ctx.prompt_cache, "checkpoints", None)
+        for req in finished:   # completion removes the checkpoint; a client cancel keeps it
+            if ckpt is not None and req.checkpointed_tokens and req.finish_reason in (
+                    FinishReason.STOP, FinishReason.LENGTH):
+                ckpt.drop(req)
         if finished:
             self.persist.finished(finished)
             for req in finished:

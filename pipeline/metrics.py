@@ -146,6 +146,12 @@ class Metrics:
         self.cache_corrupt = Counter(
             f"{PREFIX}_prompt_cache_corrupt_entries",
             "SSD entries skipped because their header or tensor hash did not match", registry=r)
+        self.checkpoint_writes = Counter(
+            f"{PREFIX}_generation_checkpoint_writes",
+            "Generation checkpoints handed to the SSD writer (cache.checkpoint_every)", registry=r)
+        self.checkpoint_resumes = Counter(
+            f"{PREFIX}_generation_checkpoint_resumes",
+            "Requests resumed from a generation checkpoint", registry=r)
         self.cache_dirty = Gauge(
             f"{PREFIX}_prompt_cache_dirty_entries",
             "Entries waiting for their SSD write (not yet durable)", registry=r)

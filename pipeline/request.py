@@ -105,6 +105,9 @@ class Request:
     next_input: Any = None            # mx.array of the token to feed next; set by sample
     kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb
     batch_size_max: int = 0           # largest engine step this row ran in (for the record)
+    checkpointed_tokens: int = 0      # output tokens covered by this row's latest checkpoint
+    replay_ids: list[int] | None = None   # resumed output the client has not seen yet
+    resume_key: list[int] | None = None   # sampler PRNG key saved with the checkpoint
     first_token_s: float | None = None
     last_token_s: float = 0.0
 

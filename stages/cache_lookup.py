@@ -2,7 +2,7 @@
 from the prompt cache so only the rest is prefilled. Engine thread (called at admission)."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pipeline.config import ServeConfig
 from pipeline.request import Request
@@ -19,7 +19,27 @@ class CacheLookup:
         """Admission hook: sets `req.cache` and advances `num_computed_tokens` on a hit."""
         if self.cache is None or req.num_computed_tokens:
             return
+        checkpoints = getattr(self.cache, "checkpoints", None)
+        if checkpoints is not None and self._resume(req, checkpoints):
+            return
         found = self.cache.lookup(req.prompt_ids)
         if found.caches is not None:
             req.cache = found.caches
             req.num_computed_tokens = req.num_cached_tokens = found.num_tokens
+
+    @staticmethod
+    def _resume(req: Request, checkpoints: Any) -> bool:
+        """The identical request was checkpointed: replay its output and go on from there."""
+        saved = checkpoints.load(req)
+        if saved is None or len(saved.output_ids) >= req.sampling.max_tokens:
+            return False
+        k = len(saved.output_ids)
+        req.cache = saved.caches
+        req.output_ids = list(saved.output_ids)
+        req.num_computed_tokens = req.num_prompt_tokens + k - 1   # the last output is fed next
+        req.num_scheduled_outputs = k
+        req.num_cached_tokens = req.num_prompt_tokens - 1
+        req.replay_ids = list(saved.output_ids)
+        req.resume_key = saved.key
+        req.checkpointed_tokens = k
+        return True

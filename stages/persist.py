@@ -25,7 +25,7 @@ class Persist:
         for row, req in enumerate(batch.requests):
             done = req.num_computed_tokens == req.num_prompt_tokens - 1
             if row not in sampling and done and req.num_cached_tokens < req.num_computed_tokens:
-                caches = self._row_caches(req)
+                caches = self.row_caches(req)
                 if caches is not None:
                     self.cache.put(req.prompt_ids[:-1], caches)
 
@@ -36,7 +36,7 @@ class Persist:
         for req in requests:
             if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
                 continue
-            caches = self._row_caches(req)
+            caches = self.row_caches(req)
             if caches is None:
                 continue
             known = req.prompt_ids + req.output_ids
@@ -49,7 +49,7 @@ class Persist:
                 fed = len(known)
             self.cache.put(known[:fed], caches)
 
-    def _row_caches(self, req: Request) -> list[Any] | None:
+    def row_caches(self, req: Request) -> list[Any] | None:
         """This row's per-layer caches wherever they live now (own, prefill group, batch)."""
         if req.cache is not None:
             return req.cache

@@ -70,21 +70,30 @@ class Prefill:
         rows = self.rows
         reqs = [batch.requests[r] for r in decode]
         firsts = {}
+        present = {id(r) for r in rows.rows}
         for req in reqs:
-            if req.num_computed_tokens == req.num_prompt_tokens:   # first decode step
+            if id(req) not in present:   # joins now: its next input is known on the host
                 if req.cache is None and req.prefill_group is None:
                     req.cache = make_prompt_cache(self.model)
-                firsts[req.request_id] = mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
+                firsts[req.request_id] = self._known_input(req)
         rows.sync(reqs, firsts)
         where = {id(batch.requests[r]): r for r in decode}
         batch.sample_rows = [where[id(r)] for r in rows.rows]   # logits follow the batch's order
         return self.model(rows.tokens[:, None], cache=rows.caches)[:, -1, :]
 
-    @staticmethod
-    def _first_or_next(req: Request) -> mx.array:
-        if req.num_computed_tokens == req.num_prompt_tokens:
-            return mx.array(req.prompt_ids[-1:], dtype=mx.uint32)
+    @classmethod
+    def _first_or_next(cls, req: Request) -> mx.array:
+        if req.next_input is None:   # first decode step, or resumed from a checkpoint
+            return cls._known_input(req)
         return req.next_input
+
+    @staticmethod
+    def _known_input(req: Request) -> mx.array:
+        """The token at the position this step feeds, from the prompt or replayed output."""
+        pos = req.num_computed_tokens - 1
+        p = req.num_prompt_tokens
+        token = req.prompt_ids[pos] if pos < p else req.output_ids[pos - p]
+        return mx.array([token], dtype=mx.uint32)
 
 
 def _similar_lengths(reqs: list[Request], spread: float = 2.0) -> list[list[Request]]:

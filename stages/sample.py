@@ -31,6 +31,7 @@ class RowSampling:
     history: mx.array | None      # prompt + output ids, when a processor needs them
     bias_ids: list[int]           # logit_bias, applied for all rows in one scatter-add
     bias_values: list[float]
+    prev_key: mx.array | None = None   # the key before the latest split (for checkpoints)
 
 
 class Sample:
@@ -138,6 +139,7 @@ class Sample:
         sp = req.sampling
         if sp.greedy:
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        state.prev_key = state.key
         state.key, sub = mx.random.split(state.key)
         token = mx.random.categorical(_filter(logprobs, sp, self.eos_ids) * (1 / sp.temperature),
                                       key=sub)
@@ -154,8 +156,11 @@ class Sample:
             frequency_penalty=sp.frequency_penalty or None,
             frequency_context_size=sp.penalty_context_size)
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
-        history = mx.array(req.prompt_ids, dtype=mx.uint32) if processors else None
-        req.row_state = RowSampling(key=mx.random.key(seed), processors=processors,
+        key = (mx.array(req.resume_key, dtype=mx.uint32) if req.resume_key is not None
+               else mx.random.key(seed))
+        history = (mx.array(req.prompt_ids + req.output_ids, dtype=mx.uint32) if processors
+                   else None)
+        req.row_state = RowSampling(key=key, processors=processors,
                                     history=history, bias_ids=list(sp.logit_bias),
                                     bias_values=list(sp.logit_bias.values()))
         return req.row_state

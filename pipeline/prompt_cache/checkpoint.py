@@ -45,7 +45,6 @@ class Checkpoints:
     def save(self, req: Request, caches: list[Any], key: list[int] | None) -> None:
         """`caches` hold at least prompt + output[:-1]; they are trimmed to exactly that."""
         fed = req.num_prompt_tokens + len(req.output_ids) - 1
-        have = caches[0].size() if hasattr(caches[0], "size") else fed
         extra = req.num_computed_tokens - fed
         if extra < 0:
             return
@@ -54,10 +53,10 @@ class Checkpoints:
                 return   # recurrent state cannot step back: skip this checkpoint
             for c in caches:
                 c.trim(extra)
-        del have
         tokens = req.prompt_ids + req.output_ids[:-1]
         value = {"kv": encode(tokens, caches), "output_ids": list(req.output_ids), "key": key}
         self.ssd.put_raw(self.identity(req), value)
+        self.ssd.metrics.checkpoint_writes.inc()
         req.checkpointed_tokens = len(req.output_ids)
 
     def load(self, req: Request) -> Resume | None:
@@ -74,6 +73,9 @@ class Checkpoints:
             self.ssd.metrics.cache_corrupt.inc()
             self.ssd.delete_raw(self.identity(req))
             return None
+        self.ssd.metrics.checkpoint_resumes.inc()
+        log.info("resuming %s from a checkpoint at %d output tokens", req.request_id,
+                 len(outputs))
         return Resume(caches, outputs, value.get("key"))
 
     def drop(self, req: Request) -> None:

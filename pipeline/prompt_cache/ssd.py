@@ -109,6 +109,16 @@ class SsdStore:
             self._index(tokens)
         self._queue.put((tokens, blob))
 
+    def put_raw(self, key: str, value: Any) -> None:
+        """Queue any picklable value (a checkpoint) for the writer under `key`."""
+        self._queue.put(("raw", key, value))
+
+    def delete_raw(self, key: str) -> None:
+        self._queue.put(("delete", key, None))
+
+    def get_raw(self, key: str) -> Any:
+        return self.disk.get(key)
+
     def drained(self) -> threading.Event:
         """An event set once everything queued so far is on disk."""
         done = threading.Event()
@@ -123,6 +133,13 @@ class SsdStore:
                 return
             if isinstance(item, threading.Event):
                 item.set()
+                continue
+            if len(item) == 3:
+                op, key, value = item
+                if op == "raw":
+                    self.disk.set(key, value)
+                else:
+                    self.disk.delete(key)
                 continue
             tokens, blob = item
             key = token_key(tokens)

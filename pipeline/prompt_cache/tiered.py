@@ -14,6 +14,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 
 from pipeline.config import ServeConfig
 from pipeline.metrics import Metrics
+from pipeline.prompt_cache.checkpoint import Checkpoints
 from pipeline.prompt_cache.codec import encode
 from pipeline.prompt_cache.ram import Entry, Lookup, RamPromptCache
 from pipeline.prompt_cache.ssd import SsdStore
@@ -34,6 +35,10 @@ class TieredPromptCache:
         self.write_behind = ssd.write_behind
         self.demote_idle_s = ssd.demote_idle_s
         self.dirty: dict[tuple[int, ...], Entry] = {}   # in RAM, not yet handed to the writer
+        every = cfg.cache.checkpoint_every
+        self.checkpoints = (Checkpoints(self.ssd, every, {"identity": identity, "kv": "dense",
+                                                           "draft": "none"})
+                            if every else None)
 
     @property
     def entries(self) -> Any:
