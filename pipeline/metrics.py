@@ -146,6 +146,13 @@ class Metrics:
         self.cache_corrupt = Counter(
             f"{PREFIX}_prompt_cache_corrupt_entries",
             "SSD entries skipped because their header or tensor hash did not match", registry=r)
+        self.cache_write_queue = Gauge(
+            f"{PREFIX}_prompt_cache_write_queue_depth",
+            "Encoded entries and checkpoints waiting for the SSD writer thread", registry=r)
+        self.cache_flush_seconds = Histogram(
+            f"{PREFIX}_prompt_cache_flush_seconds",
+            "Time from a flush request (admin endpoint or shutdown) until every dirty entry is "
+            "on disk", buckets=LATENCY_BUCKETS_S, registry=r)
         self.checkpoint_writes = Counter(
             f"{PREFIX}_generation_checkpoint_writes",
             "Generation checkpoints handed to the SSD writer (cache.checkpoint_every)", registry=r)

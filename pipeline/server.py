@@ -122,6 +122,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
         t0 = time.perf_counter()
         done = engine.flush_cache()
         ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 300)
+        metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
                  time.perf_counter() - t0)
         engine.stop()
@@ -212,6 +213,7 @@ def _add_routes(app: Sanic) -> None:
         t0 = time.perf_counter()
         done = app.ctx.engine.flush_cache()
         ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 600)
+        app.ctx.metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
                              200 if ok else 503)
 

@@ -108,6 +108,7 @@ class SsdStore:
         if tokens not in self.index:
             self._index(tokens)
         self._queue.put((tokens, blob))
+        self.metrics.cache_write_queue.set(self._queue.qsize())
 
     def put_raw(self, key: str, value: Any) -> None:
         """Queue any picklable value (a checkpoint) for the writer under `key`."""
@@ -141,6 +142,7 @@ class SsdStore:
                 else:
                     self.disk.delete(key)
                 continue
+            self.metrics.cache_write_queue.set(self._queue.qsize())
             tokens, blob = item
             key = token_key(tokens)
             try:
