@@ -62,6 +62,12 @@ def _error(http: sanic.Request, message: str, error_type: str, param: str | None
     return json_response(oa.error_body(message, error_type, param, code), status, headers)
 
 
+def _presented_key(http: sanic.Request) -> str | None:
+    """The key a client sent: `Authorization: Bearer <key>` or `x-api-key` (Anthropic)."""
+    auth = http.headers.get("authorization", "")
+    return auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
+
+
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
@@ -141,9 +147,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             return HTTPResponse(status=204)
         key = cfg.server.api_key
         if key and http.path.startswith("/v1/"):
-            auth = http.headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
-            if given != key:
+            if _presented_key(http) != key:
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
         return None
@@ -205,9 +209,7 @@ def _add_routes(app: Sanic) -> None:
         """Returns once every dirty prompt-cache entry is on disk."""
         key = app.ctx.cfg.server.admin_key
         if key:
-            auth = http.headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
-            if given != key:
+            if _presented_key(http) != key:
                 raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
                                    "<server.admin_key>")
         t0 = time.perf_counter()
