@@ -140,6 +140,10 @@ class Engine:
         self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
         self.scheduler.share_prefixes = ctx.prompt_cache is not None
         stages = [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+        # labelled children resolved once, not per step
+        self._stage_timers = {st.name: self.metrics.stage_seconds.labels(st.name) for st in stages}
+        self._decode_tokens = self.metrics.step_tokens.labels("decode")
+        self._prefill_tokens = self.metrics.step_tokens.labels("prefill")
         self.persist = next(s for s in stages if s.name == "persist")
         return stages
 
@@ -215,15 +219,23 @@ class Engine:
         self._sample_memory()
 
     def _run_stages(self, stages: list[StepStage], batch: Batch) -> None:
-        self.metrics.batch_size.observe(batch.size)
+        m = self.metrics
+        m.batch_size.observe(batch.size)
         for stage in stages:
             t0 = time.perf_counter()
             stage(batch)
-            self.metrics.stage_seconds.labels(stage.name).observe(time.perf_counter() - t0)
+            self._stage_timers[stage.name].observe(time.perf_counter() - t0)
+        decode = prefill = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.batch_size_max = max(req.batch_size_max, batch.size)
-            phase = "decode" if req.num_computed_tokens > req.num_prompt_tokens - 1 else "prefill"
-            self.metrics.step_tokens.labels(phase).inc(n)
+            if req.num_computed_tokens > req.num_prompt_tokens - 1:
+                decode += n
+            else:
+                prefill += n
+        if decode:
+            self._decode_tokens.inc(decode)
+        if prefill:
+            self._prefill_tokens.inc(prefill)
 
     def _update(self, batch: Batch) -> None:
         try:
