@@ -19,7 +19,7 @@ CACHE_TIERS = ("ram", "ssd")
 # Why a prompt-cache lookup reused nothing: no entry shares a prefix; the model has recurrent
 # state and no snapshot sits at the shared boundary; the entry was made under another model
 # fingerprint / KV scheme / MLX version; the SSD entry failed its header or tensor hash.
-CACHE_MISS_REASONS = ("no_prefix", "no_snapshot", "incompatible", "corrupt")
+CACHE_MISS_REASONS = ("no_prefix", "no_snapshot", "evicted", "incompatible", "corrupt")
 SPILL_REASONS = ("eviction", "idle")   # RAM → SSD: on RAM eviction, after cache.demote_idle_s
 PROPOSERS = ("ngram", "model", "mtp")
 

@@ -21,6 +21,36 @@ log = logging.getLogger(__name__)
 TRIE_KEY = "model"   # one model per server: a single trie root
 
 
+MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
+
+
+class GhostIndex:
+    """Token keys only (no KV) of up to `limit` entries, to explain misses."""
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        self.trie = PromptTrie()
+        self.keys: OrderedDict[tuple[int, ...], None] = OrderedDict()
+
+    def add(self, tokens: tuple[int, ...]) -> None:
+        if tokens in self.keys:
+            return
+        self.keys[tokens] = None
+        self.trie.add(TRIE_KEY, list(tokens), True)
+        while len(self.keys) > self.limit:
+            old, _ = self.keys.popitem(last=False)
+            self.trie.pop(TRIE_KEY, list(old))
+
+    def shared(self, query: list[int]) -> int:
+        """How many leading tokens of `query` some remembered key shares."""
+        if not self.keys:
+            return 0
+        found = self.trie.search(TRIE_KEY, query)
+        if found.exact is not None:
+            return len(query)
+        return max(found.common_prefix, len(found.shorter) if found.shorter else 0)
+
+
 def lend(layer: Any) -> Any:
     """A new cache object over the same buffers: writes to it (MLX slice updates rebind the
     array object) never reach `layer`, and nothing is copied until one happens."""
@@ -60,13 +90,15 @@ class RamPromptCache:
         self.trie = PromptTrie()
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # LRU order
         self.nbytes = 0
+        self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
 
     def find(self, prompt_ids: list[int]) -> tuple[Entry | None, int, str, int]:
         """(entry, tokens reusable from it, reason, tokens shared with any entry)."""
         limit = len(prompt_ids) - 1
-        if limit < 1 or not self.entries:
-            return None, 0, "no_prefix", 0
         query = list(prompt_ids[:limit])
+        if limit < 1 or not self.entries:
+            evicted = limit >= 1 and self.ghosts.shared(query) >= MIN_EXPLAINED
+            return None, 0, "evicted" if evicted else "no_prefix", 0
         found = self.trie.search(TRIE_KEY, query)
         if found.exact is not None:
             return self.entries[tuple(query)], limit, "hit", limit
@@ -79,6 +111,8 @@ class RamPromptCache:
                 best = (longer, found.common_prefix)
         shared = max(found.common_prefix, best[1] if best else 0)
         if best is None:
+            if self.ghosts.shared(query) > max(shared, MIN_EXPLAINED - 1):
+                return None, 0, "evicted", shared
             return None, 0, "no_snapshot" if shared else "no_prefix", shared
         return best[0], best[1], "hit", shared
 
@@ -142,6 +176,7 @@ class RamPromptCache:
             self.trie.pop(TRIE_KEY, list(key))
             self.nbytes -= entry.nbytes
             self.metrics.cache_evictions.labels(self.tier).inc()
+            self.ghosts.add(key)
             if self.on_evict is not None:
                 self.on_evict(entry)
 

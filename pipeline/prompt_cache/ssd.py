@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import queue
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from mlx_lm.models.cache import PromptTrie
 
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.codec import CorruptEntry, decode
+from pipeline.prompt_cache.ram import GhostIndex
 
 log = logging.getLogger(__name__)
 TRIE_KEY = "model"
@@ -43,8 +46,11 @@ class SsdStore:
                 tokens = self.disk.get(key)
                 if isinstance(tokens, (list, tuple)) and tokens:
                     self._index(tuple(tokens))
-        others = [p.name for p in root.iterdir() if p.is_dir() and p.name != identity] \
+        self.foreign = GhostIndex(limit=2048)   # keys written under other identities
+        others = [p for p in root.iterdir() if p.is_dir() and p.name != identity] \
             if root.exists() else []
+        for other in others:
+            self._remember_foreign(other)
         if others:
             log.info("prompt cache: %d SSD namespaces of other models/settings left untouched",
                      len(others))
@@ -53,6 +59,19 @@ class SsdStore:
                                         daemon=True)
         self._writer.start()
         self._report()
+
+    def _remember_foreign(self, path: Path) -> None:
+        """Token keys of another identity's entries: a miss they explain is `incompatible`."""
+        try:
+            with diskcache.Cache(str(path)) as other:
+                for key in other.iterkeys():
+                    if isinstance(key, str) and key.startswith("t:"):
+                        tokens = other.get(key)
+                        if isinstance(tokens, (list, tuple)) and tokens:
+                            self.foreign.add(tuple(tokens))
+        except (OSError, sqlite3.Error, pickle.UnpicklingError, EOFError, ValueError) as e:
+            # not a diskcache of ours (another tool's or an old format's directory)
+            log.info("prompt cache: skipped SSD namespace %s (%s)", path.name, e)
 
     def _index(self, tokens: tuple[int, ...]) -> None:
         self.index[tokens] = token_key(tokens)

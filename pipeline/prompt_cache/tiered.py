@@ -16,7 +16,7 @@ from pipeline.config import ServeConfig
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.checkpoint import Checkpoints
 from pipeline.prompt_cache.codec import encode
-from pipeline.prompt_cache.ram import Entry, Lookup, RamPromptCache
+from pipeline.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache
 from pipeline.prompt_cache.ssd import SsdStore
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ class TieredPromptCache:
                 self.metrics.cache_hit_tokens.labels("ssd").inc(n)
                 return Lookup(self.ram.take(entry, n), n, "hit")
         if entry is None:
+            limit = list(prompt_ids[:-1])
+            if (reason in ("no_prefix", "no_snapshot")
+                    and self.ssd.foreign.shared(limit) > max(shared, MIN_EXPLAINED - 1)):
+                reason = "incompatible"
             return self.ram._miss(reason, shared)
         self.metrics.cache_hits.labels("ram").inc()
         self.metrics.cache_hit_tokens.labels("ram").inc(n)

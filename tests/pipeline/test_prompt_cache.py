@@ -87,6 +87,10 @@ def test_byte_cap_evicts_least_recently_used(engine_factory) -> None:
     # the most recent prompt is still there
     again = h.generate([207] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
     assert again["cached"] == 50
+    # the first one was pushed out: its miss says so
+    gone = h.generate([200] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
+    assert gone["cached"] == 0
+    assert h.metrics.cache_misses.labels("evicted")._value.get() >= 1
 
 
 def test_agents_arriving_together_pay_for_one_prefill(engine_factory) -> None:

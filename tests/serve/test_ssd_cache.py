@@ -123,3 +123,17 @@ def test_sigterm_lets_requests_in_flight_finish(server_factory, tmp_path) -> Non
     assert code == 0
     assert result["r"].usage.completion_tokens == 2500
     assert result["r"].choices[0].finish_reason == "length"
+
+
+def test_entries_of_another_model_never_load_and_the_miss_says_why(server_factory,
+                                                                   tmp_path) -> None:
+    """The generated llama shares the tiny qwen3's tokenizer, so the same prompt has the same
+    tokens, but its KV would be meaningless: it lives under another identity."""
+    s = start(server_factory, tmp_path)
+    complete(s.base_url, LONG)
+    s.stop()
+    other = start(server_factory, tmp_path, "model=llama")
+    out = complete(other.base_url, LONG)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    assert counter(other.base_url, "pipeserve_prompt_cache_misses", reason="incompatible") == 1
+    assert counter(other.base_url, "pipeserve_prompt_cache_restores") == 0
