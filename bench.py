@@ -11,7 +11,6 @@ import asyncio
 import csv
 import json
 import logging
-import os
 import signal
 import socket
 import statistics
@@ -20,13 +19,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline.config import ServeConfig, load_config, register_configs
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -108,6 +107,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_http(url: str, proc: subprocess.Popen, what: str, log: Any,
+              timeout_s: float) -> None:
+    """Poll `url` until it answers 200 (bounded); fail at once if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready in {timeout_s}s:\n{log()}")
+
+
 class ServerProcess:
     """`python serve.py <overrides>` on a free 127.0.0.1 port; stopped by its own PID."""
 
@@ -122,17 +137,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve.py exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"serve.py not ready in {timeout_s}s:\n{self.log()}")
+        wait_http(f"{self.base_url}/health", self.proc, "serve.py", self.log, timeout_s)
 
     def log(self) -> str:
         self._log.flush()

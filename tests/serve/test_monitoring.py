@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.metrics import Metrics, family_names, sample_names
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, wait_http
 
 DASHBOARDS = ROOT / "dashboards"
 DASHBOARD_JSON = DASHBOARDS / "pipeserve.json"
@@ -202,17 +202,7 @@ class Prometheus:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"prometheus not ready in {timeout_s}s:\n{self.log()}")
+        wait_http(f"{self.url}/-/ready", self.proc, "prometheus", self.log, timeout_s)
 
     def query(self, expr: str) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)

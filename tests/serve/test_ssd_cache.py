@@ -9,7 +9,6 @@ from typing import Any
 
 import diskcache
 import httpx
-import pytest
 
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk
 
