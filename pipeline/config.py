@@ -291,6 +291,187 @@ class OffCacheConfig(CacheConfig):
                               "(use cache=ram to set a RAM budget)")
 
 
+TURBO_K_BITS = (2, 4, 5, 8)
+TURBO_V_BITS = (2, 3, 4, 5, 8)
+
+
+@dataclass
+class KvConfig:
+    """The KV layout of full-attention layers (SPEC §7). Recurrent state is never quantized;
+    sliding-window layers stay dense under every quantized layout."""
+
+    _target_: str = MISSING
+
+    @property
+    def name(self) -> str:
+        return "dense"
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclass
+class DenseKvConfig(KvConfig):
+    _target_: str = "pipeline.kv.layouts.DenseLayout"
+
+
+def _check_start(name: str, start: int) -> None:
+    if start < 0:
+        raise ConfigError(f"kv.quantized_start must be >= 0 tokens, got {start} (kv={name})")
+
+
+def _check_group(group_size: int) -> None:
+    if group_size not in (32, 64, 128):
+        raise ConfigError(f"kv.group_size must be one of 32, 64, 128, got {group_size}")
+
+
+@dataclass
+class QuantizedKvConfig(KvConfig):
+    """Uniform affine quantization (mlx-lm's QuantizedKVCache scheme)."""
+
+    _target_: str = "pipeline.kv.layouts.QuantizedLayout"
+    bits: int = 8
+    group_size: int = 64
+    quantized_start: int = 0   # tokens a row keeps dense before it converts
+
+    @property
+    def name(self) -> str:
+        return f"q{self.bits}"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ConfigError(f"kv.bits must be 4 or 8 (kv=q4 / kv=q8), got {self.bits}")
+        _check_group(self.group_size)
+        _check_start(self.name, self.quantized_start)
+
+
+@dataclass
+class TurboKvConfig(KvConfig):
+    """TurboQuant: affine keys, Hadamard-rotated Lloyd-Max values."""
+
+    _target_: str = "pipeline.kv.layouts.TurboLayout"
+    k_bits: int = 8
+    v_bits: int = 3
+    group_size: int = 64
+    quantized_start: int = 0
+
+    @property
+    def name(self) -> str:
+        return "turbo"
+
+    def __post_init__(self) -> None:
+        if self.k_bits not in TURBO_K_BITS:
+            raise ConfigError(f"kv.k_bits must be one of {', '.join(map(str, TURBO_K_BITS))} "
+                              f"for kv=turbo, got {self.k_bits}")
+        if self.v_bits not in TURBO_V_BITS:
+            raise ConfigError(f"kv.v_bits must be one of {', '.join(map(str, TURBO_V_BITS))} "
+                              f"for kv=turbo, got {self.v_bits}")
+        _check_group(self.group_size)
+        _check_start(self.name, self.quantized_start)
+
+
+@dataclass
+class MixedKvConfig(KvConfig):
+    """Per-layer key/value bits from a kv_config.json (format: README, KV layouts)."""
+
+    _target_: str = "pipeline.kv.layouts.MixedLayout"
+    config_path: str = MISSING
+    quantized_start: int = 0
+
+    @property
+    def name(self) -> str:
+        return "mixed"
+
+    def __post_init__(self) -> None:
+        _check_start(self.name, self.quantized_start)
+
+
+@dataclass
+class PagedKvConfig(KvConfig):
+    """Fixed-size blocks in one pool per layer; rows sharing a cached prefix share its blocks."""
+
+    _target_: str = "pipeline.kv.layouts.PagedLayout"
+    block_size: int = 256
+    pool_blocks: Optional[int] = None   # blocks per layer; unset: from pool_gb, else from memory
+    pool_gb: Optional[float] = None     # GiB for all layers' pools together
+
+    @property
+    def name(self) -> str:
+        return "paged"
+
+    def __post_init__(self) -> None:
+        _positive("kv.block_size", self.block_size, allow_none=False)
+        _positive("kv.pool_blocks", self.pool_blocks)
+        _positive("kv.pool_gb", self.pool_gb)
+        if self.pool_blocks is not None and self.pool_gb is not None:
+            raise ConfigError(f"kv.pool_blocks={self.pool_blocks} and kv.pool_gb={self.pool_gb} "
+                              "both size the pool; set one")
+
+
+@dataclass
+class DraftConfig:
+    """Speculative decoding: who proposes tokens for the target to verify (SPEC §4)."""
+
+    _target_: str = MISSING
+    num_draft_tokens: int = 3
+    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ConfigError(
+                f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
+        if self.path is not None and self.name != "model":
+            raise ConfigError(
+                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
+                "does not load a draft model")
+
+
+@dataclass
+class NoDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.NoDraft"
+
+
+@dataclass
+class NgramDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.NgramProposer"
+    num_draft_tokens: int = 10
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    @property
+    def name(self) -> str:
+        return "ngram"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"draft.ngram_min ({self.ngram_min}) must be >= 1 and <= "
+                              f"draft.ngram_max ({self.ngram_max})")
+
+
+@dataclass
+class ModelDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.ModelProposer"
+    path: Optional[str] = MISSING
+
+    @property
+    def name(self) -> str:
+        return "model"
+
+
+@dataclass
+class MtpDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.MtpProposer"
+
+    @property
+    def name(self) -> str:
+        return "mtp"
+
+
 @dataclass
 class StageConfig:
     """One slot of the pipeline: which class fills it. Tunables live in their groups."""
@@ -308,14 +489,19 @@ class PipelineConfig:
 
     tokenize: StageConfig = _slot("stages.tokenize.Tokenize")
     cache_lookup: StageConfig = _slot("stages.cache_lookup.CacheLookup")
+    draft: StageConfig = _slot("stages.draft.Draft")
     prefill: StageConfig = _slot("stages.prefill.Prefill")
     sample: StageConfig = _slot("stages.sample.Sample")
+    verify: StageConfig = _slot("stages.verify.Verify")
     persist: StageConfig = _slot("stages.persist.Persist")
     detokenize: StageConfig = _slot("stages.detokenize.Detokenize")
 
-    @property
-    def step_slots(self) -> list[StageConfig]:
-        """Run every step, in order. cache_lookup runs at admission instead (a scheduler hook)."""
+    def step_slots(self, speculative: bool = False) -> list[StageConfig]:
+        """Run every step, in order. cache_lookup runs at admission instead (a scheduler hook).
+        With draft≠none, draft proposes before the forward (the target verifies the drafts in
+        the same forward it decodes with) and verify accepts and rolls back after sampling."""
+        if speculative:
+            return [self.draft, self.prefill, self.sample, self.verify, self.persist]
         return [self.prefill, self.sample, self.persist]
 
 
@@ -328,6 +514,8 @@ class ServeConfig:
     server: ServerConfig = MISSING
     pipeline: PipelineConfig = MISSING
     cache: CacheConfig = MISSING
+    kv: KvConfig = MISSING
+    draft: DraftConfig = MISSING
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -338,6 +526,10 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
     "cache": {"ram": RamCacheConfig, "ssd": SsdCacheConfig, "off": OffCacheConfig},
+    "kv": {"dense": DenseKvConfig, "q4": QuantizedKvConfig, "q8": QuantizedKvConfig,
+           "turbo": TurboKvConfig, "mixed": MixedKvConfig, "paged": PagedKvConfig},
+    "draft": {"none": NoDraftConfig, "ngram": NgramDraftConfig, "model": ModelDraftConfig,
+              "mtp": MtpDraftConfig},
 }
 
 
@@ -387,9 +579,20 @@ def load_config(cfg: DictConfig) -> ServeConfig:
     _import_target(typed.scheduler._target_, "scheduler")
     _import_target(typed.admission._target_, "admission")
     _import_target(typed.cache._target_, "cache")
-    for name in ("tokenize", "cache_lookup", "prefill", "sample", "persist", "detokenize"):
+    _import_target(typed.kv._target_, "kv")
+    _import_target(typed.draft._target_, "draft")
+    _check_combination(typed)
+    for name in ("tokenize", "cache_lookup", "draft", "prefill", "sample", "verify", "persist",
+                 "detokenize"):
         _import_target(getattr(typed.pipeline, name)._target_, f"pipeline.{name}")
     return typed
+
+
+def _check_combination(cfg: ServeConfig) -> None:
+    """Compositions that cannot work are refused at launch, never downgraded (SPEC §3)."""
+    if cfg.kv.name == "paged" and cfg.draft.name == "model":
+        raise ConfigError("kv=paged with draft=model is not supported: the draft model's KV "
+                          "would live outside the block pool; use kv=dense (or q4/q8/turbo)")
 
 
 def config_hash(cfg: DictConfig | ServeConfig) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, StageError
 from pipeline.events import Abort, Event, Failed, Finished, Flush, Submit, TokenDelta
+from pipeline.kv.attention import install as install_attention
+from pipeline.kv.layouts import build_layout
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
 from pipeline.prompt_cache.ram import lend
@@ -133,13 +135,17 @@ class Engine:
         self.loaded = load(self.cfg.model)
         ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
+        ctx.layout = build_layout(self.cfg.kv, self.loaded.model)
+        if ctx.layout.name != "dense":
+            install_attention(self.loaded.model)
         self._setup_memory()
         if self.cfg.cache.name != "off":
             ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics,
                                      self._cache_identity())
         self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
         self.scheduler.share_prefixes = ctx.prompt_cache is not None
-        stages = [build(slot._target_, self.cfg, ctx) for slot in self.cfg.pipeline.step_slots]
+        stages = [build(slot._target_, self.cfg, ctx)
+                  for slot in self.cfg.pipeline.step_slots(self.cfg.draft.name != "none")]
         # labelled children resolved once, not per step
         self._stage_timers = {st.name: self.metrics.stage_seconds.labels(st.name) for st in stages}
         self._decode_tokens = self.metrics.step_tokens.labels("decode")
@@ -155,7 +161,7 @@ class Engine:
         h = hashlib.sha256()
         for f in sorted(loaded.path.glob("tokenizer*")) + sorted(loaded.path.glob("*.model")):
             h.update(f.name.encode() + f.read_bytes())
-        parts = [loaded.fingerprint, "kv=dense", loaded.compute_dtype, mx.__version__,
+        parts = [loaded.fingerprint, self.ctx.layout.identity, loaded.compute_dtype, mx.__version__,
                  str(mx.default_device()), h.hexdigest()[:16], "adapters="]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -164,7 +170,8 @@ class Engine:
         adm = self.cfg.admission
         if adm.memory_budget_gb is not None:
             mx.set_memory_limit(int(adm.memory_budget_gb * 1e9))
-        self.memory = probe(self.loaded, self.cfg.scheduler.prefill_chunk, adm.memory_budget_gb)
+        self.memory = probe(self.loaded, self.cfg.scheduler.prefill_chunk, adm.memory_budget_gb,
+                            self.ctx.layout)
         kv_budget = int(adm.kv_budget_gb * 1e9) if adm.kv_budget_gb is not None else None
         self.scheduler.set_memory(self.memory, kv_budget)
         m = self.metrics
@@ -239,12 +246,15 @@ class Engine:
 
     def _update(self, batch: Batch) -> None:
         try:
-            result = StepResult(
-                token_ids=batch.sampled_ids.tolist(),
-                logprobs=batch.logprobs.tolist() if batch.logprobs is not None else None,
-                top=[list(zip(i, v)) for i, v in zip(batch.top_ids.tolist(),
+            if batch.emitted is not None:   # a verify step: tokens are on the host already
+                result = StepResult(batch.emitted, batch.emitted_logprobs, batch.emitted_top)
+            else:
+                result = StepResult.single(
+                    batch.sampled_ids.tolist(),
+                    batch.logprobs.tolist() if batch.logprobs is not None else None,
+                    [list(zip(i, v)) for i, v in zip(batch.top_ids.tolist(),
                                                      batch.top_logprobs.tolist())]
-                if batch.top_ids is not None else None)
+                    if batch.top_ids is not None else None)
         except Exception as e:
             self._fail_batch(batch, e)
             return

@@ -55,8 +55,10 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None) -> MemoryModel:
-    """Run one token through a fresh cache and read each layer's bytes per token."""
+def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
+          layout: Any = None) -> MemoryModel:
+    """Run one token through a fresh dense cache and read each layer's bytes per token; the
+    full-attention layers are then billed at the served layout's true bytes per token."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
@@ -66,9 +68,11 @@ def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None) -> MemoryMod
     mx.eval([c.state for c in cache])
     per_token = windowed = state = 0
     window: int | None = None
-    for c in cache:
+    for i, c in enumerate(cache):
         if isinstance(c, (KVCache, RotatingKVCache)) and c.keys is not None:
             b = c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2]
+            if layout is not None and i in layout.layers:
+                b = int(round(layout.bytes_per_token(layout.layers[i])))
             per_token += b
             if isinstance(c, RotatingKVCache) and c.max_size:
                 windowed += b

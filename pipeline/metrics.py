@@ -111,6 +111,7 @@ class Metrics:
             registry=r)
         self._add_prompt_cache(r)
         self._add_speculation(r)
+        self._add_kv(r)
         self._init_labels()
 
     def _add_prompt_cache(self, r: CollectorRegistry) -> None:
@@ -176,6 +177,24 @@ class Metrics:
             f"{PREFIX}_speculation_verifies",
             "Row verifications (one target forward over a row's draft; emits accepted + 1 tokens)",
             proposer, registry=r)
+        self.spec_emitted = Histogram(
+            f"{PREFIX}_speculation_tokens_per_verify",
+            "Tokens one row emits per verify forward (accepted drafts + the target's own)",
+            proposer, buckets=(1, 2, 3, 4, 5, 6, 8, 11, 16, 24, 33, 65), registry=r)
+
+    def _add_kv(self, r: CollectorRegistry) -> None:
+        """KV layouts (SPEC §7)."""
+        self.kv_bytes = Gauge(
+            f"{PREFIX}_kv_bytes", "KV bytes held by running rows, by layout",
+            ["layout"], registry=r)
+        self.kv_conversions = Counter(
+            f"{PREFIX}_kv_conversions",
+            "Rows converted from dense to their quantized layout (kv.quantized_start)",
+            registry=r)
+        self.kv_pool_blocks = Gauge(
+            f"{PREFIX}_kv_pool_blocks",
+            "Paged KV pool blocks per state, summed over layers (kv=paged; shared = used by "
+            "more than one row or cache entry)", ["state"], registry=r)
 
     def _init_labels(self) -> None:
         for endpoint in ENDPOINTS:
@@ -195,9 +214,12 @@ class Metrics:
             self.cache_misses.labels(reason)
         for reason in SPILL_REASONS:
             self.cache_spills.labels(reason)
-        for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies):
+        for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies,
+                       self.spec_emitted):
             for name in PROPOSERS:
                 family.labels(name)
+        for state in ("used", "free", "shared"):
+            self.kv_pool_blocks.labels(state)
 
 
 def family_names(registry: CollectorRegistry) -> dict[str, str]:

@@ -110,6 +110,9 @@ class Request:
     resume_key: list[int] | None = None   # sampler PRNG key saved with the checkpoint
     first_token_s: float | None = None
     last_token_s: float = 0.0
+    draft_state: Any = None           # the proposer's per-row state (n-gram index, draft KV)
+    spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
+    spec_accepted: int = 0            # of those, accepted by the target
 
     @property
     def num_prompt_tokens(self) -> int:

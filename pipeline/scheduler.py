@@ -20,9 +20,17 @@ SHARED_PREFIX_MIN = 64   # prompt tokens two requests must share for one to wait
 class StepResult:
     """Host copies of one step's sampled outputs, one entry per sample row."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None
+    token_ids: list[list[int]]     # per sample row: one token, or accepted drafts + one
+    logprobs: list[list[float]] | None = None
+    top: list[list[list[tuple[int, float]]]] | None = None
+
+    @classmethod
+    def single(cls, token_ids: list[int], logprobs: list[float] | None,
+               top: list[list[tuple[int, float]]] | None) -> StepResult:
+        """One token per row (a plain decode step)."""
+        return cls([[t] for t in token_ids],
+                   [[lp] for lp in logprobs] if logprobs is not None else None,
+                   [[t] for t in top] if top is not None else None)
 
 
 class _Scheduler:
@@ -141,21 +149,27 @@ class _Scheduler:
             req = batch.requests[row]
             if req.status is not RequestStatus.RUNNING:
                 continue  # finished while this step was in flight; its token is discarded
-            token = result.token_ids[i]
-            if token in req.stop_token_ids:
+            tokens: list[int] = []
+            lps: list[TokenLogprob] | None = [] if req.sampling.logprobs and \
+                result.logprobs is not None else None
+            reason = None
+            for j, token in enumerate(result.token_ids[i]):
+                if token in req.stop_token_ids:
+                    reason = FinishReason.STOP
+                    break
+                tokens.append(token)
+                if lps is not None:
+                    top = result.top[i][j][: req.sampling.top_logprobs] if result.top else []
+                    lps.append(TokenLogprob(token, result.logprobs[i][j], top))
+                if len(req.output_ids) + len(tokens) >= req.sampling.max_tokens:
+                    reason = FinishReason.LENGTH
+                    break
+            if tokens:
+                req.output_ids.extend(tokens)
+                yield req, TokenDelta(req.request_id, tokens, lps)
+            if reason is not None:
                 self.running.remove(req)
-                self._finish(req, FinishReason.STOP)
-                yield req, self._finished(req)
-                continue
-            req.output_ids.append(token)
-            lp = None
-            if req.sampling.logprobs and result.logprobs is not None:
-                top = result.top[i][: req.sampling.top_logprobs] if result.top else []
-                lp = [TokenLogprob(token, result.logprobs[i], top)]
-            yield req, TokenDelta(req.request_id, [token], lp)
-            if len(req.output_ids) >= req.sampling.max_tokens:
-                self.running.remove(req)
-                self._finish(req, FinishReason.LENGTH)
+                self._finish(req, reason)
                 yield req, self._finished(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -175,9 +189,13 @@ class _Scheduler:
     @staticmethod
     def _finished(req: Request) -> Finished:
         assert req.finish_reason is not None
+        extras: dict[str, object] = {"batch_size_max": req.batch_size_max}
+        if req.draft_state is not None or req.spec_proposed:
+            extras["speculation"] = {"proposed": req.spec_proposed,
+                                     "accepted": req.spec_accepted}
         return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
                         len(req.output_ids), num_cached_tokens=req.num_cached_tokens,
-                        extras={"batch_size_max": req.batch_size_max})
+                        extras=extras)
 
 
 class SerialScheduler(_Scheduler):

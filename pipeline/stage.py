@@ -38,6 +38,9 @@ class EngineContext:
     metrics: Metrics
     row_batch: Any = None   # the shared decode batch (pipeline.kv.batch.RowBatch), set by prefill
     prompt_cache: Any = None  # pipeline.prompt_cache.ram.RamPromptCache, or None (cache=off)
+    layout: Any = None        # pipeline.kv.layouts.DenseLayout (or another layout): makes caches
+    proposer: Any = None      # pipeline.draft.proposers.*, set by the draft stage (draft≠none)
+    keep_hidden: bool = False  # set by draft=mtp: forwards also return the trunk's hidden states
 
     @property
     def model(self) -> Any:
@@ -57,8 +60,20 @@ class Batch:
     logprobs: Any = None                 # set by sample: chosen-token logprob per sample row
     top_ids: Any = None                  # set by sample: (rows, k) ids, when any row asks
     top_logprobs: Any = None             # set by sample: (rows, k) logprobs, when any row asks
-    sync: bool = False                   # set by sample: a row needs its token on the host
-                                         # before the next step (structured output)
+    sync: bool = False                   # set by sample/verify: a row needs its token on the
+                                         # host before the next step (structured output, drafts)
+    drafts: dict[int, list[int]] | None = None  # set by draft: proposed tokens per row index
+    width: int = 1                       # set by prefill: positions per sample row in `logits`
+                                         # (1 + longest draft; logits is 3-D when > 1)
+    snapshot: Any = None                 # set by prefill: recurrent state before a verify forward
+    hidden: Any = None                   # set by prefill (draft=mtp): (rows, width, hidden) of
+                                         # the decode forward, in sample_rows order
+    target_logprobs: Any = None          # set by sample (width > 1): (rows, width, vocab)
+    target_probs: Any = None             # set by sample (width > 1): {sample row i: (width,
+                                         # vocab) sampling distribution} for rows with T > 0
+    emitted: list[list[int]] | None = None        # set by verify: host tokens per sample row
+    emitted_logprobs: list[list[float]] | None = None  # set by verify, when rows ask
+    emitted_top: list[list[list[tuple[int, float]]]] | None = None  # set by verify
 
     @property
     def size(self) -> int:
@@ -66,5 +81,7 @@ class Batch:
 
     def outputs(self) -> list[Any]:
         """Arrays the engine evaluates at the end of the step."""
+        if self.emitted is not None:
+            return []
         return [a for a in (self.sampled_ids, self.logprobs, self.top_ids, self.top_logprobs)
                 if a is not None]

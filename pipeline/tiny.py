@@ -18,6 +18,8 @@ ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next")
 SIZES = ("tiny", "small", "base", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMAT_VERSION = 1
+# Per-arch format, bumped when only that arch's files change (qwen3_next 2: + mtp.safetensors).
+ARCH_FORMAT_VERSION = {"qwen3_next": 2}
 SEED = 20240611
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -158,7 +160,8 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
                    num_experts_per_tok=1, decoder_sparse_step=1, mlp_only_layers=[],
-                   shared_expert_intermediate_size=inter, moe_intermediate_size=inter)
+                   shared_expert_intermediate_size=inter, moe_intermediate_size=inter,
+                   num_nextn_predict_layers=1)  # the MTP depth vLLM's qwen3_next_mtp reads
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cfg
@@ -218,6 +221,8 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
         weights[name] = mx.array(arr).astype(mx_dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights, model
+    if config.get("num_nextn_predict_layers"):
+        _write_mtp(out, args_cls.from_dict(config), config["num_nextn_predict_layers"], arch, mx_dtype)
     tok.save(str(out / "tokenizer.json"))
     added = {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                              "single_word": False, "special": t in SPECIAL_TOKENS}
@@ -238,8 +243,25 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
         (out / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _write_mtp(out: Path, args: Any, num_layers: int, arch: str, mx_dtype: Any) -> None:
+    """The multi-token-prediction head under the released checkpoints' `mtp.*` names, in its own
+    file: mlx-lm reads only model*.safetensors, and its qwen3_next sanitize keeps mtp.* for a
+    model without experts, so they would break its strict load. Values come from `_fill`, whose
+    per-name seeds leave every other tensor unchanged; norms are stored as the trunk's are."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from pipeline.draft.mtp import MtpBlock
+
+    block = MtpBlock(args, num_layers=num_layers, moe=args.num_experts > 0)
+    weights = {f"mtp.{name}": mx.array(_fill(f"mtp.{name}", tuple(p.shape), arch, args.hidden_size)
+                                       ).astype(mx_dtype)
+               for name, p in sorted(tree_flatten(block.parameters()))}
+    mx.save_safetensors(str(out / "mtp.safetensors"), weights, metadata={"format": "mlx"})
+
+
 def model_dir_name(arch: str, size: str, dtype: str) -> str:
-    return f"{arch}-{size}-{dtype}-v{FORMAT_VERSION}"
+    return f"{arch}-{size}-{dtype}-v{ARCH_FORMAT_VERSION.get(arch, FORMAT_VERSION)}"
 
 
 def ensure_model(arch: str = "qwen3", size: str = "tiny", dtype: str = "float32",

@@ -54,6 +54,9 @@ class Sample:
             return
         reqs = [batch.requests[r] for r in batch.sample_rows]
         states = [r.row_state if r.row_state is not None else self._init_state(r) for r in reqs]
+        if batch.width > 1:
+            self._verify_distributions(batch, reqs, states)
+            return
         logits = self._apply_bias(batch.logits, reqs, states)
         if any(s.processors for s in states):
             logits = mx.concatenate([self._process(s, logits[i:i + 1])
@@ -85,6 +88,27 @@ class Sample:
                 order = mx.argsort(-vals, axis=-1)
                 batch.top_ids = mx.take_along_axis(top, order, axis=-1)
                 batch.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
+
+    def _verify_distributions(self, batch: Batch, reqs: list[Request],
+                              states: list[RowSampling]) -> None:
+        """A verify forward (drafts): the target's distribution at every position, with the
+        same transforms as one-token sampling — logit_bias, then logprobs (reported), then
+        truncation and temperature for rows that sample. The verify stage accepts or rejects
+        drafts against them. (Rows with penalties or grammars never draft: stages/draft.py.)"""
+        logits = batch.logits
+        rows, width, vocab = logits.shape
+        if any(s.bias_ids for s in states):
+            bias = self._apply_bias(mx.zeros((rows, vocab), dtype=logits.dtype), reqs, states)
+            logits = logits + bias[:, None, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        batch.target_logprobs = logprobs
+        probs = {}
+        for i, req in enumerate(reqs):
+            sp = req.sampling
+            if not sp.greedy:
+                scaled = _filter(logprobs[i], sp, self.eos_ids) * (1 / sp.temperature)
+                probs[i] = mx.softmax(scaled, axis=-1)
+        batch.target_probs = probs
 
     def _apply_bias(self, logits: mx.array, reqs: list[Request],
                     states: list[RowSampling]) -> mx.array:

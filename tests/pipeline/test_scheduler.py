@@ -21,7 +21,7 @@ def step(s: SerialScheduler, token: int):
     assert batch is not None
     rows = [i for i, r in enumerate(batch.requests) if r.num_computed_tokens >= r.num_prompt_tokens]
     batch.sample_rows = rows
-    return batch, list(s.update(batch, StepResult([token] * len(rows))))
+    return batch, list(s.update(batch, StepResult.single([token] * len(rows), None, None)))
 
 
 def test_prompt_is_chunked_then_decoded_one_token_per_step() -> None:
@@ -46,7 +46,7 @@ def test_length_finish_and_no_overscheduling() -> None:
     assert s.schedule() is None           # max_tokens reached: nothing more to schedule
     for b in (b1, b2):
         b.sample_rows = [0]
-    events = list(s.update(b1, StepResult([7]))) + list(s.update(b2, StepResult([8])))
+    events = list(s.update(b1, StepResult.single([7], None, None))) + list(s.update(b2, StepResult.single([8], None, None)))
     assert r.output_ids == [7, 8] and r.finish_reason is FinishReason.LENGTH
     assert not s.has_work()
     assert [type(e).__name__ for _, e in events] == ["TokenDelta", "TokenDelta", "Finished"]
@@ -59,9 +59,9 @@ def test_stop_token_finishes_and_in_flight_result_is_discarded() -> None:
     b1 = s.schedule()
     b2 = s.schedule()                     # queued before b1's result is known
     b1.sample_rows = b2.sample_rows = [0]
-    events = list(s.update(b1, StepResult([0])))   # EOS
+    events = list(s.update(b1, StepResult.single([0], None, None)))   # EOS
     assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.STOP
-    assert list(s.update(b2, StepResult([5]))) == []
+    assert list(s.update(b2, StepResult.single([5], None, None))) == []
     assert r.output_ids == [] and r.cache is None
     assert type(events[0][1]).__name__ == "Finished"
 
@@ -75,6 +75,6 @@ def test_fifo_order_and_abort_of_waiting_request() -> None:
     batch = s.schedule()
     assert batch.requests == [a]
     batch.sample_rows = [0]
-    list(s.update(batch, StepResult([3])))
+    list(s.update(batch, StepResult.single([3], None, None)))
     assert s.schedule().requests == [c]
     assert s.abort("zzz") is None

@@ -1,0 +1,179 @@
+"""Qwen3-Next multi-token-prediction (MTP) head: loads the checkpoint's `mtp.*` tensors (which
+mlx-lm's loader drops or never sees) and runs them as a drafter. Engine thread.
+
+Layout (the released checkpoints, as vLLM's and SGLang's qwen3_next_mtp read them):
+    mtp.pre_fc_norm_embedding.weight (H)   mtp.pre_fc_norm_hidden.weight (H)
+    mtp.fc.weight (H, 2H)                  mtp.norm.weight (H)
+    mtp.layers.{i}.*   full-attention Qwen3-Next decoder layers (gated attention + MLP or MoE)
+embed_tokens and lm_head are the target's. One step, at position t:
+    x = fc(concat([pre_fc_norm_embedding(embed(token[t+1])), pre_fc_norm_hidden(h[t])]))
+    g = norm(layers[step % n](x))          logits = lm_head(g) predict token[t+2]
+h[t] is the target trunk's output AFTER its final norm at position t (what `model.model(...)`
+returns; `target_forward` gives it with the logits). To chain, the next draft step feeds g and
+the drafted token. The head has its own KV cache (one KVCache per MTP layer) with one entry per
+target position, rotary offset = position t, so it stays aligned with the target: after a
+prefill of L prompt tokens, run the head over h[0:L] with tokens[1:L] + [sampled]; after a
+verify, trim its cache back to the last true position and re-feed the target's hidden states
+for the accepted positions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextDecoderLayer
+
+PREFIX = "mtp."
+CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class MtpBlock(nn.Module):
+    """The `mtp.*` parameters, named as in the checkpoint minus the prefix (mlx-lm layout:
+    experts stacked into `mlp.switch_mlp`, RMSNorm weights used as-is)."""
+
+    def __init__(self, args: ModelArgs, num_layers: int, moe: bool) -> None:
+        super().__init__()
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        # layer 0 of an interval-1 model is a full-attention layer; MoE or dense as the weights are
+        layer_args = dataclasses.replace(args, full_attention_interval=1, decoder_sparse_step=1,
+                                         mlp_only_layers=[] if moe else [0])
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = [Qwen3NextDecoderLayer(layer_args, layer_idx=0) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list[Any], step: int) -> mx.array:
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeds),
+                                    self.pre_fc_norm_hidden(hidden)], axis=-1))
+        i = step % len(self.layers)
+        x = self.layers[i](x, mask=create_attention_mask(x, cache[i]), cache=cache[i])
+        return self.norm(x)
+
+
+class MtpHead:
+    """An MTP drafter bound to its target: shares the target's embedding and output head."""
+
+    def __init__(self, block: MtpBlock, embed: Callable[[mx.array], mx.array],
+                 head: Callable[[mx.array], mx.array]) -> None:
+        self.block = block
+        self.embed = embed
+        self.head = head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.block.layers)
+
+    def make_cache(self) -> list[Any]:
+        """A fresh per-row cache: one mlx-lm KVCache per MTP layer."""
+        return [KVCache() for _ in self.block.layers]
+
+    def __call__(self, hidden: mx.array, next_ids: mx.array, cache: list[Any],
+                 step: int = 0) -> tuple[mx.array, mx.array]:
+        """hidden (B, L, H): target post-norm hidden states (or the previous step's hidden_out)
+        at positions t..t+L-1; next_ids (B, L): the tokens at t+1..t+L. Appends L entries to
+        `cache` (layer step % num_layers). Returns (logits (B, L, V) for the tokens at
+        t+2..t+L+1, hidden_out (B, L, H) to feed the next chained step)."""
+        out = self.block(self.embed(next_ids), hidden, cache, step)
+        return self.head(out), out
+
+
+def output_head(model: Any) -> Callable[[mx.array], mx.array]:
+    """The target's hidden -> logits map (tied embedding or lm_head), as its __call__ applies it."""
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear
+    return model.lm_head
+
+
+def target_forward(model: Any, inputs: mx.array, cache: list[Any] | None = None,
+                   ) -> tuple[mx.array, mx.array]:
+    """(logits, hidden) of an mlx-lm qwen3_next Model without changing mlx-lm: hidden is
+    `model.model(...)`, the trunk output after the final norm (what the MTP head consumes);
+    logits are bit-identical to `model(inputs, cache=cache)`."""
+    hidden = model.model(inputs, cache)
+    return output_head(model)(hidden), hidden
+
+
+def _weight_files(model_path: Path) -> list[Path]:
+    files = sorted(model_path.glob("*.safetensors"))
+    index = model_path / "model.safetensors.index.json"
+    if not index.is_file():
+        return files
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    with_mtp = {f for k, f in weight_map.items() if k.startswith(PREFIX)}
+    indexed = set(weight_map.values())
+    return [f for f in files if f.name in with_mtp or f.name not in indexed]
+
+
+def read_mtp_tensors(model_path: Path) -> dict[str, mx.array]:
+    """Every `mtp.*` tensor in the directory's safetensors files (lazy arrays), prefix kept."""
+    found: dict[str, mx.array] = {}
+    for f in _weight_files(Path(model_path)):
+        found.update((k, v) for k, v in mx.load(str(f)).items() if k.startswith(PREFIX))
+    return found
+
+
+def _to_mlx_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Strip the prefix; a raw Hugging Face layout (one tensor per expert) gets its experts
+    stacked and its zero-centred RMSNorm weights shifted by +1, the rule mlx-lm's qwen3_next
+    sanitize applies to the trunk."""
+    w = {k[len(PREFIX):]: v for k, v in weights.items()}
+    experts: dict[tuple[int, str], dict[int, mx.array]] = {}
+    for match in [m for k in w if (m := _EXPERT.match(k))]:
+        layer, expert, proj = match.groups()
+        experts.setdefault((int(layer), proj), {})[int(expert)] = w.pop(match.string)
+    for (layer, proj), by_id in experts.items():
+        w[f"layers.{layer}.mlp.switch_mlp.{proj}.weight"] = mx.stack([by_id[e] for e in sorted(by_id)])
+    if experts:
+        w = {k: v + 1.0 if k.endswith("norm.weight") and v.ndim == 1 else v for k, v in w.items()}
+    return w
+
+
+def _num_layers(weights: dict[str, mx.array], model_path: Path) -> int:
+    indices = {int(m.group(1)) for k in weights if (m := _LAYER.match(k))}
+    n = len(indices)
+    if indices != set(range(n)) or n == 0:
+        raise ValueError(f"{model_path}: mtp.layers indices {sorted(indices)} are not 0..n-1")
+    config_file = model_path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    for key in CONFIG_KEYS:
+        if config.get(key) is not None and int(config[key]) != n:
+            raise ValueError(f"{model_path}: config.json {key}={config[key]} but the checkpoint "
+                             f"has {n} mtp.layers")
+    return n
+
+
+def load_mtp(model_path: Path, model: Any) -> MtpHead | None:
+    """The MTP head of the checkpoint at model_path, bound to `model` (its mlx-lm Model, already
+    loaded), cast to the target's dtype and evaluated; None when there are no `mtp.*` tensors.
+    Raises ValueError for a non-qwen3_next target, quantized MTP tensors, or a layout mismatch."""
+    model_path = Path(model_path)
+    raw = read_mtp_tensors(model_path)
+    if not raw:
+        return None
+    model_type = getattr(model, "model_type", None)
+    if model_type != "qwen3_next":
+        raise ValueError(f"{model_path} has mtp.* tensors but model_type {model_type!r}; "
+                         "draft=mtp supports qwen3_next")
+    if any(k.endswith(".scales") for k in raw):
+        raise ValueError(f"{model_path}: quantized mtp.* tensors are not supported; "
+                         "use a checkpoint with unquantized MTP weights")
+    weights = _to_mlx_layout(raw)
+    dtype = model.model.norm.weight.dtype
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in weights.items()}
+    moe = any(".mlp.switch_mlp." in k for k in weights)
+    block = MtpBlock(model.args, _num_layers(weights, model_path), moe)
+    block.load_weights(list(weights.items()), strict=True)
+    block.eval()
+    mx.eval(block.parameters())
+    return MtpHead(block, model.model.embed_tokens, output_head(model))

@@ -1,0 +1,51 @@
+"""Draft: before the forward, the proposer (draft.*) offers up to `num_draft_tokens` tokens for
+each decode row, so the target verifies them in the same forward it decodes with. Rows whose
+next token depends on host state per position (repetition/presence/frequency penalties,
+structured-output grammars) decode one token as usual in the same batch. Engine thread."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pipeline.config import ServeConfig, build
+from pipeline.request import Request
+from pipeline.stage import Batch, EngineContext
+
+
+def can_draft(req: Request) -> bool:
+    """Drafts are verified with per-position distributions computed in one forward; penalties
+    and grammars would need the history of each drafted position, so those rows don't draft."""
+    sp = req.sampling
+    return req.grammar is None and not sp.needs_history
+
+
+class Draft:
+    name: ClassVar[str] = "draft"
+
+    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+        self.k = cfg.draft.num_draft_tokens
+        self.proposer = build(cfg.draft._target_, cfg, ctx)
+        ctx.proposer = self.proposer
+        self.metrics = ctx.metrics
+        self.max_context = ctx.loaded.max_context
+
+    def __call__(self, batch: Batch) -> None:
+        rows: list[int] = []
+        limits: list[int] = []
+        for row, req in enumerate(batch.requests):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                continue   # a prefill chunk
+            # proposals continue the row's host tokens: no step may run ahead of them
+            batch.sync = True
+            if not can_draft(req):
+                continue
+            # never draft past max_tokens or the context: the row emits at most k + 1 tokens
+            limit = min(self.k, req.sampling.max_tokens - req.num_scheduled_outputs,
+                        self.max_context - req.num_computed_tokens - 1)
+            if limit > 0:
+                rows.append(row)
+                limits.append(limit)
+        if not rows:
+            return
+        proposals = self.proposer.propose([batch.requests[r] for r in rows], limits)
+        drafts = {r: d for r, d in zip(rows, proposals) if d}
+        batch.drafts = drafts or None
