@@ -138,6 +138,9 @@ class Engine:
         ctx.layout = build_layout(self.cfg.kv, self.loaded.model)
         if ctx.layout.name != "dense":
             install_attention(self.loaded.model)
+            from pipeline.kv import delayed
+            per_row = max(1, len(ctx.layout.layers))   # called once per layer of a row
+            delayed.on_convert = lambda _tokens: self.metrics.kv_conversions.inc(1 / per_row)
         self._setup_memory()
         if self.cfg.cache.name != "off":
             ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics,
@@ -222,6 +225,7 @@ class Engine:
             steps += 1
             if steps % 256 == 0:
                 mx.clear_cache()
+            if steps % 16 == 0:
                 self._sample_memory()
         self._sample_memory()
 
@@ -402,6 +406,14 @@ class Engine:
 
     def _sample_memory(self) -> None:
         import mlx.core as mx
+        layout = self.ctx.layout
+        held = self.ctx.row_batch.nbytes if self.ctx.row_batch is not None else 0
+        for req in self.scheduler.running:
+            if req.cache is not None:
+                held += sum(c.nbytes for c in req.cache)
+        self.metrics.kv_bytes.labels(layout.name).set(held)
+        for state, n in layout.stats().items():
+            self.metrics.kv_pool_blocks.labels(state).set(n)
         self.metrics.mlx_memory.labels("active").set(mx.get_active_memory())
         self.metrics.mlx_memory.labels("cache").set(mx.get_cache_memory())
         self.metrics.mlx_memory.labels("peak").set(mx.get_peak_memory())

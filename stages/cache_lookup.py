@@ -14,6 +14,7 @@ class CacheLookup:
 
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.cache = ctx.prompt_cache
+        self.layout = ctx.layout
 
     def __call__(self, req: Request) -> None:
         """Admission hook: sets `req.cache` and advances `num_computed_tokens` on a hit."""
@@ -24,17 +25,16 @@ class CacheLookup:
             return
         found = self.cache.lookup(req.prompt_ids)
         if found.caches is not None:
-            req.cache = found.caches
+            req.cache = self.layout.adopt(found.caches)
             req.num_computed_tokens = req.num_cached_tokens = found.num_tokens
 
-    @staticmethod
-    def _resume(req: Request, checkpoints: Any) -> bool:
+    def _resume(self, req: Request, checkpoints: Any) -> bool:
         """The identical request was checkpointed: replay its output and go on from there."""
         saved = checkpoints.load(req)
         if saved is None or len(saved.output_ids) >= req.sampling.max_tokens:
             return False
         k = len(saved.output_ids)
-        req.cache = saved.caches
+        req.cache = self.layout.adopt(saved.caches)
         req.output_ids = list(saved.output_ids)
         req.num_computed_tokens = req.num_prompt_tokens + k - 1   # the last output is fed next
         req.num_scheduled_outputs = k

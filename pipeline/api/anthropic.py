@@ -158,6 +158,8 @@ def usage_body(usage: Usage, output: bool = True) -> dict[str, Any]:
                            "cache_creation_input_tokens": 0,
                            "cache_read_input_tokens": usage.cached_tokens,
                            "output_tokens": usage.completion_tokens if output else 0}
+    if output and usage.speculation is not None:
+        out["speculation"] = usage.speculation
     if output and usage.record is not None:
         out["pipeserve"] = usage.record
     return out

@@ -23,6 +23,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0   # output tokens decoded while inside a think span
+    speculation: dict[str, int] | None = None   # {proposed, accepted} draft tokens (draft≠none)
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
 
 
@@ -178,6 +179,9 @@ class Generation:
                 yield self._record(delta)
             elif isinstance(event, Finished):
                 self.usage.cached_tokens = event.num_cached_tokens
+                spec = event.extras.get("speculation")
+                if isinstance(spec, dict):
+                    self.usage.speculation = dict(spec)
                 tail = self._record(chain.feed(text.finish()).extend(chain.finish()))
                 self._settle("length" if event.reason is FinishReason.LENGTH else "stop", event)
                 if tail:

@@ -200,6 +200,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    if usage.speculation is not None:
+        out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
     return out

@@ -24,6 +24,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    if usage.speculation is not None:
+        out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
     return out

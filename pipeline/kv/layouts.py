@@ -83,6 +83,10 @@ class DenseLayout:
     def layer_cache(self, index: int, dense: KVCache) -> Any:
         return dense
 
+    def adopt(self, caches: list[Any]) -> list[Any]:
+        """Caches restored from the SSD tier or a checkpoint, in this layout's own form."""
+        return caches
+
     def bytes_per_token(self, layer: AttentionLayer) -> float:
         """Bytes one token of one row occupies in this layer (after conversion)."""
         return 2 * layer.n_kv_heads * layer.head_dim * layer.dtype_bytes
@@ -110,11 +114,19 @@ class _Converting(DenseLayout):
         cls, params = self.target(index)
         if cls is None:
             return dense
-        start = getattr(self.cfg, "quantized_start", 0)
-        if start > 0:
-            from pipeline.kv.delayed import DelayedKVCache
-            return DelayedKVCache(start, cls, **params)
-        return cls(**params)
+        # even at quantized_start=0 the first forward attends densely and converts after it,
+        # which is exactly mlx-lm's quantized_kv_start timing (and its results)
+        from pipeline.kv.delayed import DelayedKVCache
+        return DelayedKVCache(getattr(self.cfg, "quantized_start", 0), cls, **params)
+
+    def check(self) -> None:
+        group = getattr(self.cfg, "group_size", 64)
+        for a in self.layers.values():
+            if a.head_dim % group:
+                raise ConfigError(
+                    f"kv={self.name} cannot quantize layer {a.index}: head_dim {a.head_dim} is "
+                    f"not a multiple of the quantization group ({group}; kv.group_size may be "
+                    "32, 64 or 128); use a smaller kv.group_size, kv=turbo, kv=dense or kv=paged")
 
 
 class QuantizedLayout(_Converting):
@@ -138,7 +150,7 @@ class TurboLayout(_Converting):
     """kv=turbo: affine keys, Hadamard-rotated Lloyd-Max values (full-attention layers)."""
 
     def check(self) -> None:
-        from pipeline.kv.turbo import check_turbo
+        from pipeline.kv.turbo import check_turbo   # (pads keys of head_dim 16 to a group)
         for a in self.layers.values():
             try:
                 check_turbo(a.head_dim, self.cfg.k_bits, self.cfg.v_bits)
@@ -227,6 +239,7 @@ class MixedLayout(_Converting):
 
     def check(self) -> None:
         self.group, self.table = load_kv_config(self.cfg.config_path, sorted(self.layers))
+        super().check()
         log.info("kv=mixed: %s", ", ".join(
             f"L{i}:{'dense' if b.k_bits is None else f'k{b.k_bits}v{b.v_bits}'}"
             for i, b in sorted(self.table.items())))
@@ -285,6 +298,11 @@ class PagedLayout(DenseLayout):
     def layer_cache(self, index: int, dense: KVCache) -> Any:
         from pipeline.kv.paged import PagedKVCache
         return PagedKVCache(self.pools[index])
+
+    def adopt(self, caches: list[Any]) -> list[Any]:
+        from pipeline.kv.paged import PagedKVCache
+        return [PagedKVCache.from_portable(c, self.pools[i]) if type(c) is KVCache else c
+                for i, c in enumerate(caches)]
 
     def stats(self) -> dict[str, int]:
         out = {"used": 0, "free": 0, "shared": 0}

@@ -29,6 +29,8 @@ def _attrs(layer: Any) -> dict[str, Any]:
 
 
 def encode(tokens: list[int], caches: list[Any]) -> bytes:
+    # layouts whose caches point into a shared pool (kv=paged) store a plain copy
+    caches = [c.portable() if hasattr(c, "portable") else c for c in caches]
     tensors: list[bytes] = []
     meta: list[dict[str, Any]] = []
 

@@ -107,7 +107,10 @@ class RamPromptCache:
             best = (self.entries[tuple(found.shorter)], len(found.shorter))
         if found.longer is not None and found.common_prefix > (best[1] if best else 0):
             longer = self.entries[tuple(found.longer)]
-            if longer.trimmable:
+            # a row that converted to a quantized layout at C (kv.quantized_start) is never
+            # reused below C: a cold run would still be dense there
+            converted = max((getattr(c, "converted_at", None) or 0) for c in longer.caches)
+            if longer.trimmable and found.common_prefix >= converted:
                 best = (longer, found.common_prefix)
         shared = max(found.common_prefix, best[1] if best else 0)
         if best is None:

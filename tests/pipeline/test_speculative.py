@@ -1,0 +1,168 @@
+"""Speculative decoding (draft → verify) on real tiny models: greedy output equals draft=none
+for every proposer, serial and batched, on attention-only and hybrid models; acceptance is
+counted; sampling keeps the target's distribution; bad compositions are refused at launch."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from prometheus_client import CollectorRegistry
+
+from pipeline.engine import Engine
+from pipeline.errors import ConfigError
+from pipeline.metrics import Metrics
+from pipeline.tiny import ensure_model
+from tests.conftest import EngineHarness, make_config
+from tests.pipeline.test_batching import wait_idle
+
+TEXT = ("The morning train left the station at seven, and the passengers settled into their "
+        "seats. The morning train left the station at seven, and the passengers")
+ARCH = {"tiny": "qwen3", "hybrid": "qwen3_next"}
+
+
+def prompts(h: EngineHarness, n: int) -> list[list[int]]:
+    ids = h.loaded.tokenizer.encode(TEXT)
+    return [ids[:len(ids) - 4 * i] for i in range(n)]   # ragged lengths
+
+
+def run(h: EngineHarness, n: int, max_tokens: int = 32, **kw) -> list[dict]:
+    reqs = [h.request(p, max_tokens=max_tokens, **kw) for p in prompts(h, n)]
+    return asyncio.run(h.generate_many(reqs))
+
+
+def counter(h: EngineHarness, family: str, proposer: str) -> float:
+    return getattr(h.metrics, family).labels(proposer)._value.get()
+
+
+def draft_overrides(proposer: str, model: str, model_cache: Path) -> list[str]:
+    if proposer == "model":   # a bf16 copy of the target: agrees mostly, not always
+        path = ensure_model(ARCH[model], "tiny", "bfloat16", model_cache)
+        return ["draft=model", f"draft.path={path}", "draft.num_draft_tokens=4"]
+    return [f"draft={proposer}"]
+
+
+CASES = [("ngram", "tiny"), ("model", "tiny"), ("ngram", "hybrid"), ("model", "hybrid"),
+         ("mtp", "hybrid")]
+
+
+@pytest.mark.parametrize("scheduler", ["serial", "continuous"])
+@pytest.mark.parametrize("proposer,model", CASES, ids=[f"{p}-{m}" for p, m in CASES])
+def test_greedy_equals_plain_decode(engine_factory, model_cache: Path, proposer: str,
+                                    model: str, scheduler: str) -> None:
+    n = 1 if scheduler == "serial" else 3
+    plain = engine_factory(f"model={model}", f"scheduler={scheduler}")
+    expected = [g["ids"] for g in run(plain, n, logprobs=True)]
+    spec = engine_factory(f"model={model}", f"scheduler={scheduler}",
+                          *draft_overrides(proposer, model, model_cache))
+    got = run(spec, n, logprobs=True)
+    assert [g["ids"] for g in got] == expected
+    assert all(len(g["logprobs"]) == len(g["ids"]) for g in got)
+    proposed = counter(spec, "spec_proposed", proposer)
+    accepted = counter(spec, "spec_accepted", proposer)
+    assert proposed > 0 and 0 <= accepted <= proposed
+    if proposer == "model":   # the bf16 draft is right most of the time
+        assert accepted > 0
+    wait_idle(spec)
+
+
+def test_target_as_its_own_draft_accepts_everything(engine_factory, model_cache: Path) -> None:
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    plain = engine_factory("model=tiny")
+    expected = [g["ids"] for g in run(plain, 4, max_tokens=30)]
+    spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}",
+                          "draft.num_draft_tokens=4")
+    got = run(spec, 4, max_tokens=30)
+    assert [g["ids"] for g in got] == expected
+    proposed = counter(spec, "spec_proposed", "model")
+    assert proposed > 0 and counter(spec, "spec_accepted", "model") == proposed
+    # 30 tokens in rounds of 5 (4 drafts + the target's own): about 6 verifies per row
+    verifies = counter(spec, "spec_verifies", "model")
+    assert verifies <= 4 * 7
+
+
+def test_ragged_acceptance_in_one_batch(engine_factory, model_cache: Path) -> None:
+    """Rows accept different numbers of drafts in the same verify forward: the emitted-tokens
+    histogram shows several sizes, and every row still equals its plain decode."""
+    plain = engine_factory("model=tiny", "scheduler.max_batch=6")
+    expected = [g["ids"] for g in run(plain, 6, max_tokens=40)]
+    spec = engine_factory("model=tiny", "scheduler.max_batch=6", "draft=ngram")
+    got = run(spec, 6, max_tokens=40)
+    assert [g["ids"] for g in got] == expected
+    hist = spec.metrics.spec_emitted.labels("ngram")
+    buckets = {s.labels["le"]: s.value for s in hist.collect()[0].samples
+               if s.name.endswith("_bucket")}
+    counts = [buckets[le] for le in ("1.0", "2.0", "3.0", "4.0", "5.0")]
+    sizes = [b - a for a, b in zip([0.0] + counts, counts)]
+    assert sum(1 for s in sizes if s > 0) >= 2, f"one acceptance size only: {sizes}"
+    assert spec.metrics.batch_size._sum.get() > 6 * 10   # the rows really shared steps
+
+
+def test_cancel_mid_verify_frees_everything(engine_factory, model_cache: Path) -> None:
+    spec = engine_factory("model=hybrid", *draft_overrides("model", "hybrid", model_cache))
+
+    async def go() -> list[dict]:
+        reqs = [spec.request(p, max_tokens=200) for p in prompts(spec, 3)]
+        task = asyncio.ensure_future(spec.generate_many(reqs))
+        deadline = time.monotonic() + 30
+        while counter(spec, "spec_verifies", "model") < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        spec.engine.abort(reqs[1].request_id)
+        return await task
+
+    got = asyncio.run(go())
+    assert got[1]["finish"] == "abort" and len(got[1]["ids"]) < 200
+    assert [len(g["ids"]) for i, g in enumerate(got) if i != 1] == [200, 200]
+    wait_idle(spec)
+
+
+def test_sampling_keeps_the_target_distribution(engine_factory, model_cache: Path) -> None:
+    """T=1, top_k=4: the first generated token's empirical distribution (each one passed
+    through the acceptance rule against an always-greedy draft) matches the target's own
+    top-4 softmax within a chi-square bound (3 degrees of freedom, p = 0.001)."""
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}",
+                          "draft.num_draft_tokens=2", "scheduler.max_batch=16", "cache=off")
+    prompt = prompts(spec, 1)[0]
+    logits = spec.loaded.model(mx.array(prompt, dtype=mx.uint32)[None])[0, -1]
+    top = mx.argsort(-logits)[:4]
+    p = mx.softmax(logits[top]).tolist()
+    top = top.tolist()
+    n = 480
+    reqs = [spec.request(prompt, max_tokens=3, temperature=1.0, top_k=4, seed=1000 + i)
+            for i in range(n)]
+    got = asyncio.run(spec.generate_many(reqs, timeout_s=300))
+    assert counter(spec, "spec_proposed", "model") > 0
+    firsts = [g["ids"][0] for g in got]
+    assert set(firsts) <= set(top)
+    chi2 = sum((firsts.count(t) - n * q) ** 2 / (n * q) for t, q in zip(top, p))
+    assert chi2 < 16.27, f"chi2={chi2:.2f} counts={[firsts.count(t) for t in top]} p={p}"
+
+
+def test_launch_refusals(tmp_path: Path, model_cache: Path) -> None:
+    with pytest.raises(ConfigError, match="draft.path.*only used by draft=model"):
+        make_config("draft=ngram", "draft.path=/models/x")
+    def startup_error(*overrides: str) -> str:
+        engine = Engine(make_config(f"model.cache_dir={model_cache}", *overrides),
+                        Metrics(CollectorRegistry()))
+        engine.start()
+        assert not engine.wait_ready(120)
+        return str(engine.startup_error)
+
+    assert "no multi-token-prediction head" in startup_error("model=tiny", "draft=mtp")
+    # a draft whose tokenizer differs (one extra vocabulary entry)
+    src = ensure_model("qwen3", "tiny", "float32", model_cache)
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(src, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zzzz-extra"] = max(tok["model"]["vocab"].values()) + 1
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    msg = startup_error("model=tiny", "draft=model", f"draft.path={other}")
+    assert "tokenizer differs" in msg
+    # sliding-window layers cannot be rolled back
+    assert "sliding-window" in startup_error("model=gemma", "draft=ngram")
