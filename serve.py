@@ -10,9 +10,10 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.config import register_configs, load_config
+from pipeline.config import check_overrides, register_configs, load_config
 from pipeline.errors import ConfigError
 
 log = logging.getLogger("pipeserve")
@@ -22,6 +23,7 @@ register_configs()
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")
 def main(raw: DictConfig) -> None:
     try:
+        check_overrides(list(HydraConfig.get().overrides.task))
         cfg = load_config(raw)
     except ConfigError as e:
         log.error("config error: %s", e)

@@ -588,6 +588,23 @@ def load_config(cfg: DictConfig) -> ServeConfig:
     return typed
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Hydra keeps the last of two selections of one group; a server has one option per
+    group, so a repeated group (`kv=turbo kv=paged`) is refused instead of half-honoured."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." in key or key.startswith(("+", "~", "hydra")):
+            continue
+        if key in SCHEMAS and key in seen and seen[key] != value:
+            hint = (" (kv=paged blocks hold dense KV; quantized layouts are not paged)"
+                    if key == "kv" else "")
+            raise ConfigError(f"{key} is selected twice ({key}={seen[key]} and {key}={value}); "
+                              f"pick one option of {key}: "
+                              f"{', '.join(SCHEMAS[key])}{hint}")
+        seen[key] = value
+
+
 def _check_combination(cfg: ServeConfig) -> None:
     """Compositions that cannot work are refused at launch, never downgraded (SPEC §3)."""
     if cfg.kv.name == "paged" and cfg.draft.name == "model":

@@ -41,6 +41,7 @@ class Engine:
         self.state = EngineState.LOADING
         self.loaded: LoadedModel | None = None
         self.memory: MemoryModel | None = None
+        self.kv_pool_bytes: int | None = None   # kv=paged: what the block pool holds
         self.startup_error: BaseException | None = None
         self.scheduler: Any = build(cfg.scheduler._target_, cfg)
         self._inbox: queue.SimpleQueue[Submit | Abort | Flush | None] = queue.SimpleQueue()
@@ -145,6 +146,7 @@ class Engine:
         if self.cfg.cache.name != "off":
             ctx.prompt_cache = build(self.cfg.cache._target_, self.cfg, self.metrics,
                                      self._cache_identity())
+        ctx.layout.attach(ctx.prompt_cache)
         self.scheduler.on_admit = build(self.cfg.pipeline.cache_lookup._target_, self.cfg, ctx)
         self.scheduler.share_prefixes = ctx.prompt_cache is not None
         stages = [build(slot._target_, self.cfg, ctx)
@@ -176,6 +178,9 @@ class Engine:
         self.memory = probe(self.loaded, self.cfg.scheduler.prefill_chunk, adm.memory_budget_gb,
                             self.ctx.layout)
         kv_budget = int(adm.kv_budget_gb * 1e9) if adm.kv_budget_gb is not None else None
+        pool = self.kv_pool_bytes = self.ctx.layout.pool_bytes
+        if pool is not None:   # kv=paged: rows wait in the queue rather than exhaust the pool
+            kv_budget = pool if kv_budget is None else min(kv_budget, pool)
         self.scheduler.set_memory(self.memory, kv_budget)
         m = self.metrics
         m.weight_bytes.set(self.memory.weight_bytes)

@@ -43,6 +43,7 @@ class Admission:
     async def __call__(self, request: Request) -> Request:
         try:
             request.sampling = self.resolve(request)
+            self._fit_pool(request)
             if request.constraint is not None:
                 request.grammar = await self.compile(request)
         except MemoryAdmissionError:
@@ -58,6 +59,29 @@ class Admission:
                 f"{self.cfg.max_queue}); retry shortly", retry_after_s=1, code="queue_full")
         self.metrics.admission.labels("admitted", "ok").inc()
         return request
+
+    def _fit_pool(self, request: Request) -> None:
+        """kv=paged: a request that cannot fit in the whole block pool is refused now (one
+        that fits waits in the queue for blocks; it is never cut short)."""
+        pool, memory = self.engine.kv_pool_bytes, self.engine.memory
+        if pool is None or memory is None:
+            return
+        prompt, sp = len(request.prompt_ids), request.sampling
+        if memory.kv_bytes(prompt + sp.max_tokens) <= pool:
+            return
+        fits = 0
+        while memory.kv_bytes(fits + 1024) <= pool:
+            fits += 1024
+        while memory.kv_bytes(fits + 1) <= pool:
+            fits += 1
+        if request.requested.get("max_tokens") is None and prompt < fits:
+            sp.max_tokens = min(sp.max_tokens, fits - prompt)   # the default: what fits
+            return
+        self.metrics.admission.labels("rejected", "kv_over_budget").inc()
+        raise MemoryAdmissionError(
+            f"prompt ({prompt} tokens) + max_tokens ({sp.max_tokens}) needs more KV than the "
+            f"whole paged pool holds ({fits} tokens); lower max_tokens, shorten the prompt or "
+            "raise kv.pool_blocks / kv.pool_gb", param="max_tokens", code="kv_over_budget")
 
     def resolve(self, request: Request) -> SamplingParams:
         given = request.requested

@@ -18,7 +18,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from prometheus_client import CollectorRegistry
 
-from pipeline.config import ServeConfig, load_config, register_configs
+from pipeline.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeline.engine import Engine
 from pipeline.events import Failed, Finished, TokenDelta
 from pipeline.metrics import Metrics
@@ -37,6 +37,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_config(*overrides: str) -> ServeConfig:
+    check_overrides(list(overrides))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return load_config(compose("serve", overrides=list(overrides)))
 

@@ -87,6 +87,14 @@ class DenseLayout:
         """Caches restored from the SSD tier or a checkpoint, in this layout's own form."""
         return caches
 
+    def attach(self, prompt_cache: Any) -> None:
+        """Called once the prompt cache exists (None with cache=off)."""
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes of KV the layout can hold at most (a paged pool), or None (unbounded)."""
+        return None
+
     def bytes_per_token(self, layer: AttentionLayer) -> float:
         """Bytes one token of one row occupies in this layer (after conversion)."""
         return 2 * layer.n_kv_heads * layer.head_dim * layer.dtype_bytes
@@ -298,6 +306,18 @@ class PagedLayout(DenseLayout):
     def layer_cache(self, index: int, dense: KVCache) -> Any:
         from pipeline.kv.paged import PagedKVCache
         return PagedKVCache(self.pools[index])
+
+    def attach(self, prompt_cache: Any) -> None:
+        """Cached prefixes live in the pool too: when a write needs blocks the pool lacks,
+        least recently used prompt-cache entries give theirs back first."""
+        if prompt_cache is not None:
+            for pool in self.pools.values():
+                pool.reclaim = prompt_cache.evict_oldest
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.num_blocks * self.cfg.block_size *
+                   sum(self.bytes_per_token(a) for a in self.layers.values()))
 
     def adopt(self, caches: list[Any]) -> list[Any]:
         from pipeline.kv.paged import PagedKVCache

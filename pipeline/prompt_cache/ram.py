@@ -175,13 +175,23 @@ class RamPromptCache:
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:
-            key, entry = self.entries.popitem(last=False)
-            self.trie.pop(TRIE_KEY, list(key))
-            self.nbytes -= entry.nbytes
-            self.metrics.cache_evictions.labels(self.tier).inc()
-            self.ghosts.add(key)
-            if self.on_evict is not None:
-                self.on_evict(entry)
+            self.evict_oldest()
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used entry (spilling it to the SSD tier, if any); False
+        when there is none. kv=paged calls it when its block pool runs short: cached
+        prefixes and running rows share one pool, and running rows come first."""
+        if not self.entries:
+            return False
+        key, entry = self.entries.popitem(last=False)
+        self.trie.pop(TRIE_KEY, list(key))
+        self.nbytes -= entry.nbytes
+        self.metrics.cache_evictions.labels(self.tier).inc()
+        self.ghosts.add(key)
+        if self.on_evict is not None:
+            self.on_evict(entry)
+        self._report()
+        return True
 
     def _report(self) -> None:
         self.metrics.cache_entries.labels(self.tier).set(len(self.entries))

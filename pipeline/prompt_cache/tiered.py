@@ -85,6 +85,9 @@ class TieredPromptCache:
             self.dirty.pop(key)   # subsumed by a longer entry before it reached disk
         self.metrics.cache_dirty.set(len(self.dirty))
 
+    def evict_oldest(self) -> bool:
+        return self.ram.evict_oldest()
+
     def _write(self, entry: Entry) -> None:
         self.dirty.pop(entry.tokens, None)
         self.ssd.submit(entry.tokens, encode(list(entry.tokens), entry.caches))

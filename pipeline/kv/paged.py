@@ -1,0 +1,474 @@
+"""kv=paged: fixed-size KV blocks in one pool per attention layer, block tables per row, prefix
+blocks shared between rows and the prompt cache (reference counts, copy-on-write). Each fetch
+gathers a row's blocks into mlx-lm's dense layout, so the stock attention runs unchanged and the
+results equal KVCache / BatchKVCache exactly. Engine thread only.
+
+Caches hold a reference to their pool, so the SSD codec must store `portable()` (a plain
+KVCache) and restore with `PagedKVCache.from_portable(kv, pool)`. A row's blocks go back to the
+pool when its cache object is collected (CPython frees at the last reference; a cache caught in
+a reference cycle waits for the garbage collector)."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from pipeline.errors import ServeError
+
+
+class PoolExhausted(ServeError):
+    """A write needs more free blocks than the layer's pool has (503: rows finishing free
+    blocks, so the same request can fit later). Raised before anything is written."""
+
+    status = 503
+    error_type = "kv_pool_exhausted"
+
+
+class BlockPool:
+    """One attention layer's KV blocks: `keys`/`values` of shape (num_blocks, n_kv_heads,
+    block_size, head_dim), allocated on the first write (dtype and shape from those keys), a
+    free list and a reference count per block. A block is free (0), owned by one row (1) or
+    shared by several rows / prompt-cache entries (>1); shared blocks are stored once."""
+
+    def __init__(self, block_size: int = 256, num_blocks: int = 1024) -> None:
+        if block_size <= 0 or num_blocks <= 0:
+            raise ValueError(f"block_size and num_blocks must be positive, got "
+                             f"{block_size} and {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self._free = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._refs = [0] * num_blocks
+        self._shared = 0
+        # called when a write needs more free blocks than there are: drops one holder of
+        # blocks (the prompt cache's least recently used entry) and says whether it did
+        self.reclaim: Callable[[], bool] | None = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks referenced more than once (rows lent from one prefix, prompt-cache entries)."""
+        return self._shared
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def stats(self) -> dict[str, int]:
+        return {"blocks_used": self.num_used, "blocks_free": self.num_free,
+                "blocks_shared": self.num_shared}
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block (keys + values); 0 until the first write fixes the shape."""
+        if self.keys is None:
+            return 0
+        return (self.keys.nbytes + self.values.nbytes) // self.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- references --------------------------------------------------------------------
+    def _inc(self, block: int) -> None:
+        self._refs[block] += 1
+        if self._refs[block] == 2:
+            self._shared += 1
+
+    def _dec(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 1:
+            self._shared -= 1
+        elif self._refs[block] == 0:
+            self._free.append(block)
+
+    def _take(self) -> int:
+        block = self._free.pop()
+        self._refs[block] = 1
+        return block
+
+    def release(self, ids: list[int]) -> None:
+        """Drop one reference to each block in `ids` and empty the list (safe to call twice)."""
+        for block in ids:
+            self._dec(block)
+        ids.clear()
+
+    # -- writes --------------------------------------------------------------------------
+    def blocks_needed(self, rows: list[tuple[list[int], int, int]]) -> int:
+        """Free blocks that `grow(rows)` would take: new blocks plus copies of shared blocks
+        that would be written (one copy per shared block less one holder, as `grow` does)."""
+        need, pending = 0, {}
+        for ids, n, add in rows:
+            if add <= 0:
+                continue
+            need += self.blocks_for(n + add) - len(ids)
+            if n % self.block_size:
+                block = ids[n // self.block_size]
+                if self._refs[block] - pending.get(block, 0) > 1:
+                    need += 1
+                    pending[block] = pending.get(block, 0) + 1
+        return need
+
+    def grow(self, rows: list[tuple[list[int], int, int]]) -> None:
+        """Make each (ids, tokens held, tokens to add) able to take its new tokens: a shared,
+        partly filled last block is copied first (copy-on-write), then new blocks are
+        appended. All rows or none: raises PoolExhausted before changing anything."""
+        need = self.blocks_needed(rows)
+        while need > len(self._free) and self.reclaim is not None and self.reclaim():
+            need = self.blocks_needed(rows)   # an evicted entry may have shared a block
+        if need > len(self._free):
+            raise PoolExhausted(
+                f"KV block pool exhausted: this step needs {need} blocks of "
+                f"{self.block_size} tokens but only {len(self._free)} of {self.num_blocks} are "
+                f"free — raise kv.pool_blocks (or kv.pool_gb), or run fewer or shorter "
+                f"requests at once", code="kv_pool_exhausted")
+        src, dst = [], []
+        for ids, n, add in rows:
+            if add <= 0:
+                continue
+            if n % self.block_size:
+                j = n // self.block_size
+                if self._refs[ids[j]] > 1:
+                    src.append(ids[j])
+                    dst.append(self._take())
+                    self._dec(ids[j])
+                    ids[j] = dst[-1]
+            while len(ids) < self.blocks_for(n + add):
+                ids.append(self._take())
+        if src and self.keys is not None:
+            s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+            self.keys[d] = self.keys[s]
+            self.values[d] = self.values[s]
+
+    def _ensure(self, keys: mx.array, values: mx.array) -> None:
+        _, heads, _, k_dim = keys.shape
+        v_dim = values.shape[3]
+        if self.keys is None:
+            self.keys = mx.zeros((self.num_blocks, heads, self.block_size, k_dim), keys.dtype)
+            self.values = mx.zeros((self.num_blocks, heads, self.block_size, v_dim),
+                                   values.dtype)
+            return
+        want = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype)
+        if (heads, k_dim, v_dim, keys.dtype) != want:
+            raise ValueError(f"paged KV pool holds (heads, key dim, value dim, dtype) {want}, "
+                             f"got {(heads, k_dim, v_dim, keys.dtype)}: one pool per layer")
+
+    def write(self, keys: mx.array, values: mx.array,
+              segments: list[tuple[list[int], int, int, int, int]]) -> None:
+        """Scatter tokens into blocks already grown: each segment is (ids, first row position,
+        batch row of `keys`, first and end token of `keys` along axis 2)."""
+        self._ensure(keys, values)
+        bs = self.block_size
+        dst_b, dst_w, src_r, src_t = [], [], [], []
+        for ids, pos, row, t0, t1 in segments:
+            p = np.arange(pos, pos + t1 - t0)
+            dst_b.append(np.asarray(ids, dtype=np.int32)[p // bs])
+            dst_w.append(p % bs)
+            src_r.append(np.full(t1 - t0, row))
+            src_t.append(np.arange(t0, t1))
+        if not dst_b:
+            return
+        b, w = (mx.array(np.concatenate(x).astype(np.int32))[:, None] for x in (dst_b, dst_w))
+        r, t = (mx.array(np.concatenate(x).astype(np.int32))[:, None] for x in (src_r, src_t))
+        heads = mx.arange(keys.shape[1])[None]
+        self.keys[b, heads, w] = keys[r, heads, t]
+        self.values[b, heads, w] = values[r, heads, t]
+
+    def gather(self, tables: list[list[int]], lefts: list[int], counts: list[int],
+               width: int) -> tuple[mx.array, mx.array]:
+        """(B, H, width, D) keys and values: row i's `counts[i]` tokens start at position
+        `lefts[i]`; every other position holds zeros (the padding a dense batch masks)."""
+        bs = self.block_size
+        table = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
+        for i, ids in enumerate(tables):
+            table[i, :len(ids)] = ids
+        tok = mx.arange(width)[None] - mx.array(lefts, dtype=mx.int32)[:, None]
+        padded = any(lefts) or any(c < width - l for c, l in zip(counts, lefts))
+        valid = (tok >= 0) & (tok < mx.array(counts, dtype=mx.int32)[:, None])
+        tok = mx.clip(tok, 0, table.shape[1] * bs - 1)
+        b = mx.take_along_axis(mx.array(table), tok // bs, axis=1)[:, None]
+        w = (tok % bs)[:, None]
+        heads = mx.arange(self.keys.shape[1])[None, :, None]
+        keys, values = self.keys[b, heads, w], self.values[b, heads, w]
+        if padded:
+            keep = valid[:, None, :, None]
+            keys, values = mx.where(keep, keys, 0), mx.where(keep, values, 0)
+        return keys, values
+
+
+class _Table:
+    """The block ids one row holds, one pool reference each, released when this object is
+    collected. `ids` is mutated in place only: the finalizer holds that very list."""
+
+    __slots__ = ("pool", "ids", "__weakref__")
+
+    def __init__(self, pool: BlockPool, ids: list[int] | None = None) -> None:
+        self.pool = pool
+        self.ids = ids if ids is not None else []
+        weakref.finalize(self, pool.release, self.ids)
+
+    def lend(self) -> _Table:
+        for block in self.ids:
+            self.pool._inc(block)
+        return _Table(self.pool, list(self.ids))
+
+    def cut(self, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens."""
+        keep = self.pool.blocks_for(max(0, num_tokens))
+        tail = self.ids[keep:]
+        del self.ids[keep:]
+        self.pool.release(tail)
+
+
+class PagedKVCache(_BaseCache):
+    """One row (batch 1) of one layer: a block table and `offset` tokens. Behaves as mlx-lm's
+    KVCache (same fetched values and shapes, trim, mask, merge). `lend()`, `copy.copy` and
+    `copy.deepcopy` share the blocks (no copy; the first write into a shared block copies it)."""
+
+    def __init__(self, pool: BlockPool, *, table: _Table | None = None, offset: int = 0) -> None:
+        self.pool = pool
+        self.table = table if table is not None else _Table(pool)
+        self.offset = offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[0] != 1:
+            raise ValueError(f"PagedKVCache holds one row, got a batch of {keys.shape[0]}; "
+                             "merge rows into a BatchPagedKVCache")
+        self._append(keys, values)
+        return self.pool.gather([self.table.ids], [0], [self.offset], self.offset)
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        self.pool.grow([(self.table.ids, self.offset, n)])
+        self.pool.write(keys, values, [(self.table.ids, self.offset, 0, 0, n)])
+        self.offset += n
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Free blocks a write of `num_tokens` more tokens would take (for admission checks)."""
+        return self.pool.blocks_needed([(self.table.ids, self.offset, num_tokens)])
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self.table.cut(self.offset)
+        return n
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Arrays to evaluate after a write: this layer's pool."""
+        return [] if self.pool.keys is None else [self.pool.keys, self.pool.values]
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        raise TypeError("PagedKVCache cannot be rebuilt from state: store portable() and "
+                        "restore with PagedKVCache.from_portable(kv, pool)")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.table.ids) * self.pool.block_nbytes
+
+    def lend(self) -> PagedKVCache:
+        return PagedKVCache(self.pool, table=self.table.lend(), offset=self.offset)
+
+    def __copy__(self) -> PagedKVCache:
+        return self.lend()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedKVCache:
+        return self.lend()
+
+    def portable(self) -> KVCache:
+        """An equivalent plain mlx-lm KVCache (a dense copy), e.g. for the SSD tier."""
+        kv = KVCache()
+        if self.offset:
+            keys, values = self.pool.gather([self.table.ids], [0], [self.offset], self.offset)
+            kv.keys, kv.values, kv.offset = mx.contiguous(keys), mx.contiguous(values), self.offset
+        return kv
+
+    @classmethod
+    def from_portable(cls, kv: KVCache, pool: BlockPool) -> PagedKVCache:
+        cache = cls(pool)
+        if kv.keys is not None and kv.offset:
+            cache._append(kv.keys[..., :kv.offset, :], kv.values[..., :kv.offset, :])
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list[PagedKVCache]) -> BatchPagedKVCache:
+        return BatchPagedKVCache.merge(caches)
+
+
+class BatchPagedKVCache(_BaseCache):
+    """Rows of one layer decoded together, with mlx-lm BatchKVCache's semantics: positions
+    [0, _idx), row i's tokens right-aligned after `left_padding[i]`; `offset = _idx - left_padding`.
+    Rows are stored without padding (row i holds max(0, _idx - left_padding[i]) tokens), so
+    merge/extend/extract/filter only move block references, never KV data."""
+
+    def __init__(self, pool: BlockPool, left_padding: list[int],
+                 tables: list[_Table] | None = None) -> None:
+        self.pool = pool
+        self.lefts = [int(p) for p in left_padding]
+        self.tables = tables if tables is not None else [_Table(pool) for _ in self.lefts]
+        self._idx = 0
+        self._right: list[int] | None = None
+
+    @property
+    def left_padding(self) -> mx.array:
+        return mx.array(self.lefts, dtype=mx.int32)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([self._idx - p for p in self.lefts], dtype=mx.int32)
+
+    def _count(self, i: int) -> int:
+        return max(0, self._idx - self.lefts[i])
+
+    def _plan(self, n: int) -> list[tuple[list[int], int, int, int, int]]:
+        """Per row: (ids, tokens held, tokens to add, first and end input token to keep)."""
+        plan = []
+        for i, table in enumerate(self.tables):
+            first = min(n, max(0, self.lefts[i] - self._idx))   # input positions still padding
+            plan.append((table.ids, self._count(i), n - first, first, n))
+        return plan
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        plan = self._plan(n)
+        self.pool.grow([(ids, held, add) for ids, held, add, _, _ in plan])
+        self.pool.write(keys, values, [(ids, held, i, t0, t1) for i, (ids, held, _, t0, t1)
+                                       in enumerate(plan) if t1 > t0])
+        self._idx += n
+        return self.pool.gather([t.ids for t in self.tables], self.lefts,
+                                [self._count(i) for i in range(len(self.tables))], self._idx)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Free blocks a step of `num_tokens` per row would take (for admission checks)."""
+        return self.pool.blocks_needed([(ids, held, add)
+                                        for ids, held, add, _, _ in self._plan(num_tokens)])
+
+    def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
+                right_padding: list[int] | None = None) -> None:
+        if left_padding is not None:
+            if any(t.ids for t in self.tables):
+                raise ValueError("Left padding can only be added to an empty BatchPagedKVCache")
+            self.lefts = [p + int(x) for p, x in zip(self.lefts, left_padding)]
+        if right_padding is not None and max(right_padding) > 0:
+            self._right = [int(x) for x in right_padding]
+
+    def finalize(self) -> None:
+        """After a right-padded prefill: drop each row's trailing padding tokens, which the
+        dense cache rolls to the front as left padding."""
+        if self._right is None:
+            return
+        self.lefts = [p + r for p, r in zip(self.lefts, self._right)]
+        for i, table in enumerate(self.tables):
+            table.cut(self._count(i))
+        self._right = None
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return not any(t.ids for t in self.tables)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        for i, table in enumerate(self.tables):
+            table.cut(self._count(i))
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def filter(self, batch_indices: mx.array | list[int]) -> None:
+        """Keep the given rows (in that order) and drop the padding all of them share."""
+        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        assert len(set(keep)) == len(keep), "a row kept twice would share its block table"
+        self.tables, self.lefts = [self.tables[i] for i in keep], [self.lefts[i] for i in keep]
+        shift = min(self.lefts) if self.lefts else 0
+        if shift > 0:
+            self.lefts = [p - shift for p in self.lefts]
+            self._idx -= shift
+
+    def extend(self, other: BatchPagedKVCache) -> None:
+        """Append `other`'s rows (sharing their blocks), right-aligning both at max(_idx)."""
+        if other.pool is not self.pool:
+            raise ValueError("cannot extend a BatchPagedKVCache with rows of another pool")
+        idx = max(self._idx, other._idx)
+        self.lefts = ([p + idx - self._idx for p in self.lefts]
+                      + [p + idx - other._idx for p in other.lefts])
+        self.tables = self.tables + [t.lend() for t in other.tables]
+        self._idx = idx
+
+    def extract(self, idx: int) -> PagedKVCache:
+        """Row `idx` as its own PagedKVCache sharing its blocks (no copy)."""
+        return PagedKVCache(self.pool, table=self.tables[idx].lend(), offset=self._count(idx))
+
+    @classmethod
+    def merge(cls, caches: list[PagedKVCache]) -> BatchPagedKVCache:
+        """Per-row caches → one batch sharing their blocks (no copy), left-padded as mlx-lm."""
+        width = max(c.offset for c in caches)
+        batch = cls(caches[0].pool, [width - c.offset for c in caches],
+                    [c.table.lend() for c in caches])
+        if any(c.pool is not batch.pool for c in caches):
+            raise ValueError("cannot merge PagedKVCache rows of different pools")
+        batch._idx = width
+        return batch
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.pool.keys is None else [self.pool.keys, self.pool.values]
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        raise TypeError("BatchPagedKVCache cannot be rebuilt from state; extract rows and "
+                        "store their portable() caches")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct blocks the rows reference (a shared prefix counts once)."""
+        return len({b for t in self.tables for b in t.ids}) * self.pool.block_nbytes
+
+
+def paged_cache(model: Any, pools: dict[int, BlockPool]) -> list[Any]:
+    """The model's mlx-lm cache list with a PagedKVCache wherever it makes a plain KVCache
+    (`pools` maps those layer indices to their pools); sliding and recurrent layers unchanged."""
+    from mlx_lm.models.cache import make_prompt_cache
+    caches = make_prompt_cache(model)
+    return [PagedKVCache(pools[i]) if type(c) is KVCache else c for i, c in enumerate(caches)]
+
+
+def make_pools(model: Any, block_size: int, num_blocks: int) -> dict[int, BlockPool]:
+    """One BlockPool per layer where mlx-lm makes a plain KVCache, keyed by layer index."""
+    from mlx_lm.models.cache import make_prompt_cache
+    return {i: BlockPool(block_size, num_blocks)
+            for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache}
