@@ -112,6 +112,27 @@ class Matcher:
             ok = self.accept(output_ids[self.num_accepted]) and ok
         return ok
 
+    def draft_masks(self, drafts: Sequence[int], out: np.ndarray) -> None:
+        """Verify masks: row j of `out` (positions, words) gets the mask after the first j
+        drafts (which must be valid here: see `valid_prefix`); the matcher ends where it began."""
+        masks = np.full((out.shape[0], self.num_words), -1, dtype=np.int32)
+        consumed = 0
+        for j in range(out.shape[0]):
+            if j:
+                if j - 1 >= len(drafts) or not self.ll.consume_token(drafts[j - 1]):
+                    break   # past this row's drafts: never accepted, any mask will do
+                consumed += 1
+            lln.fill_next_token_bitmask(self.ll, masks, j)
+        if consumed:
+            self.ll.rollback(consumed)
+        n = min(out.shape[1], self.num_words)
+        out[:, :n] = masks[:, :n]
+        out[:, n:] = 0
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` the grammar would accept from here, in order."""
+        return self.ll.validate_tokens(list(drafts)) if drafts else 0
+
     def is_terminated(self) -> bool:
         """The grammar is complete (or failed): only a stop token may follow."""
         return self.ll.is_stopped()

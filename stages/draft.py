@@ -13,9 +13,9 @@ from pipeline.stage import Batch, EngineContext
 
 def can_draft(req: Request) -> bool:
     """Drafts are verified with per-position distributions computed in one forward; penalties
-    and grammars would need the history of each drafted position, so those rows don't draft."""
-    sp = req.sampling
-    return req.grammar is None and not sp.needs_history
+    would need the history of each drafted position, so those rows don't draft. Grammar rows
+    do: their drafts are cut to what the grammar accepts and verify masks every position."""
+    return not req.sampling.needs_history
 
 
 class Draft:
@@ -47,5 +47,10 @@ class Draft:
         if not rows:
             return
         proposals = self.proposer.propose([batch.requests[r] for r in rows], limits)
+        for i, r in enumerate(rows):
+            grammar = batch.requests[r].grammar
+            if grammar is not None and proposals[i]:
+                grammar.advance(batch.requests[r].output_ids)
+                proposals[i] = proposals[i][:grammar.valid_prefix(proposals[i])]
         drafts = {r: d for r, d in zip(rows, proposals) if d}
         batch.drafts = drafts or None

@@ -100,6 +100,8 @@ class Sample:
         if any(s.bias_ids for s in states):
             bias = self._apply_bias(mx.zeros((rows, vocab), dtype=logits.dtype), reqs, states)
             logits = logits + bias[:, None, :]
+        if any(r.grammar is not None for r in reqs):
+            logits = self._constrain_drafts(batch, logits, reqs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         batch.target_logprobs = logprobs
         probs = {}
@@ -109,6 +111,28 @@ class Sample:
                 scaled = _filter(logprobs[i], sp, self.eos_ids) * (1 / sp.temperature)
                 probs[i] = mx.softmax(scaled, axis=-1)
         batch.target_probs = probs
+
+    def _constrain_drafts(self, batch: Batch, logits: mx.array,
+                          reqs: list[Request]) -> mx.array:
+        """Grammar rows in a verify forward: position j is masked by the grammar's state after
+        the row's first j drafts (free rows pass through)."""
+        rows, width, vocab = logits.shape
+        words = (vocab + 31) // 32
+        host = np.full((rows, width, words), -1, dtype=np.int32)
+        for i, req in enumerate(reqs):
+            if req.grammar is None:
+                continue
+            req.grammar.advance(req.output_ids)
+            drafts = (batch.drafts or {}).get(batch.sample_rows[i], [])
+            req.grammar.draft_masks(drafts, host[i])
+            bits = host[i].view(np.uint32)
+            for j in range(width):
+                if not bits[j].any():   # a failed matcher: let the row stop
+                    for t in self.eos_ids:
+                        bits[j, t // 32] |= np.uint32(1 << (t % 32))
+        shifted = mx.right_shift(mx.array(host)[..., None], self._shifts) & 1
+        allowed = shifted.reshape(rows, width, words * 32)[..., :vocab].astype(mx.bool_)
+        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
     def _apply_bias(self, logits: mx.array, reqs: list[Request],
                     states: list[RowSampling]) -> mx.array:

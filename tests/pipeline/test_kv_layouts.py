@@ -204,3 +204,53 @@ def test_paged_rows_and_cache_share_one_pool(engine_factory) -> None:
     with pytest.raises(MemoryAdmissionError, match=r"whole paged pool holds \(384 tokens\)"):
         asyncio.run(adm(req))
     wait_idle(h)
+
+
+@pytest.mark.parametrize("layout", ["q8", "turbo", "paged", "q8-delayed"])
+def test_checkpoint_resume_gives_the_cold_run_tokens(engine_factory, kv_config: Path,
+                                                     tmp_path: Path, layout: str) -> None:
+    """Cancelled mid-generation (the checkpoint stays), restarted, the identical request
+    resumes from its checkpoint and ends exactly as an uninterrupted run of that layout."""
+    kv = layout_overrides(layout, kv_config)
+    ssd = ["cache=ssd", f"cache.ssd.dir={tmp_path}", "cache.checkpoint_every=8"]
+    plain = engine_factory(*SMALL, "cache=off", *kv)
+    prompt = prompts(plain, 1)[0]
+    sampling = dict(max_tokens=48, temperature=0.8, seed=7, logit_bias=EOS_OFF)
+    expected = plain.generate(prompt, **sampling)["ids"]
+    first = engine_factory(*SMALL, *ssd, *kv)
+
+    async def interrupted() -> dict:
+        req = first.request(prompt, **sampling)
+        task = asyncio.ensure_future(first.generate_many([req]))
+        for _ in range(3000):   # bounded: until two checkpoints were written
+            if first.metrics.checkpoint_writes._value.get() >= 2:
+                break
+            await asyncio.sleep(0.01)
+        first.engine.abort(req.request_id)
+        return (await task)[0]
+
+    partial = asyncio.run(interrupted())
+    assert partial["finish"] == "abort" and len(partial["ids"]) < 48
+    assert first.engine.flush_cache().wait(60)
+    first.close()
+    second = engine_factory(*SMALL, *ssd, *kv)
+    resumed = second.generate(prompt, **sampling)
+    assert second.metrics.checkpoint_resumes._value.get() == 1
+    assert resumed["ids"] == expected
+
+
+def test_converted_prefixes_are_never_reused_below_their_boundary(engine_factory) -> None:
+    """kv.quantized_start: a cached row that converted after its 59-token prompt holds
+    quantized KV for all 59; a request sharing only 50 of them must not borrow it (a cold run
+    would still be dense there), while one sharing all of them does."""
+    h = engine_factory(*SMALL, "kv=q8", "kv.quantized_start=40")
+    ids = h.loaded.tokenizer.encode(TEXT)
+    donor = ids[:60]
+    h.generate(donor, max_tokens=4, logit_bias=EOS_OFF)
+    short = ids[:50] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    got = h.generate(short, max_tokens=12, logit_bias=EOS_OFF)
+    assert got["cached"] == 0
+    cold = engine_factory(*SMALL, "kv=q8", "kv.quantized_start=40", "cache=off")
+    assert got["ids"] == cold.generate(short, max_tokens=12, logit_bias=EOS_OFF)["ids"]
+    longer = donor + [21, 22, 23]
+    assert h.generate(longer, max_tokens=4, logit_bias=EOS_OFF)["cached"] >= 59

@@ -166,3 +166,51 @@ def test_launch_refusals(tmp_path: Path, model_cache: Path) -> None:
     assert "tokenizer differs" in msg
     # sliding-window layers cannot be rolled back
     assert "sliding-window" in startup_error("model=gemma", "draft=ngram")
+
+
+@pytest.mark.parametrize("pattern", [r"[a-z ,.]{5,40}", r"(.|\n){1,50}"])
+def test_structured_output_rows_draft_under_their_grammar(engine_factory, model_cache: Path,
+                                                         pattern: str) -> None:
+    """Grammar rows draft too: drafts are cut to what the grammar accepts and verify masks
+    every position with the grammar's state there, so output equals draft=none's."""
+    from pipeline.grammar import Constraint, GrammarCompiler
+
+    def constrained(h: EngineHarness) -> list[list[int]]:
+        tok = h.loaded.tokenizer
+        compiler = GrammarCompiler(tok, h.loaded.model.args.vocab_size, tok.eos_token_ids)
+        reqs = []
+        for p in prompts(h, 3):
+            req = h.request(p, max_tokens=40)
+            req.grammar = compiler.matcher(Constraint.regex(pattern, "guided_regex"))
+            reqs.append(req)
+        return [g["ids"] for g in asyncio.run(h.generate_many(reqs))]
+
+    expected = constrained(engine_factory("model=tiny"))
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}",
+                          "draft.num_draft_tokens=4")
+    assert constrained(spec) == expected
+    assert counter(spec, "spec_accepted", "model") > 0
+
+
+@pytest.mark.parametrize("kv", [["kv=q8"], ["kv=turbo"], ["kv=q8", "kv.quantized_start=40"],
+                                ["kv=paged", "kv.block_size=16", "kv.pool_blocks=128"]],
+                         ids=["q8", "turbo", "q8-delayed", "paged"])
+def test_drafts_compose_with_every_trimmable_layout(engine_factory, model_cache: Path,
+                                                    kv: list[str]) -> None:
+    small = ["model=tiny", "model.size=small"]
+    plain = engine_factory(*small, *kv)
+    expected = [g["ids"] for g in run(plain, 3, max_tokens=24)]
+    if kv[0] == "kv=paged":   # (draft=model with kv=paged is refused at launch)
+        spec = engine_factory(*small, *kv, "draft=ngram")
+        proposer = "ngram"
+    else:
+        draft = ensure_model("qwen3", "small", "bfloat16", model_cache)
+        spec = engine_factory(*small, *kv, "draft=model", f"draft.path={draft}",
+                              "draft.num_draft_tokens=3")
+        proposer = "model"
+    assert [g["ids"] for g in run(spec, 3, max_tokens=24)] == expected
+    assert counter(spec, "spec_proposed", proposer) > 0
+    if proposer == "model":
+        assert counter(spec, "spec_accepted", proposer) > 0
+    wait_idle(spec)
