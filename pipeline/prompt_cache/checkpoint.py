@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Any
 
-from pipeline.prompt_cache.codec import CorruptEntry, decode, encode
+from pipeline.prompt_cache.codec import CorruptEntry, decode, stage
 from pipeline.prompt_cache.ssd import SsdStore
 from pipeline.request import Request
 
@@ -54,7 +54,7 @@ class Checkpoints:
             for c in caches:
                 c.trim(extra)
         tokens = req.prompt_ids + req.output_ids[:-1]
-        value = {"kv": encode(tokens, caches), "output_ids": list(req.output_ids), "key": key}
+        value = {"kv": stage(tokens, caches), "output_ids": list(req.output_ids), "key": key}
         self.ssd.put_raw(self.identity(req), value)
         self.ssd.metrics.checkpoint_writes.inc()
         req.checkpointed_tokens = len(req.output_ids)

@@ -28,19 +28,48 @@ def _attrs(layer: Any) -> dict[str, Any]:
     return attrs
 
 
+class Staged:
+    """An entry taken apart on the engine thread (`stage`): its layer description and its
+    tensors as evaluated MLX arrays, nothing copied yet. `bytes()` does the host copy and the
+    hashing and may run on any thread (the SSD writer), so a snapshot never stalls a step.
+    The arrays are immutable values: later writes to the live caches never reach them."""
+
+    __slots__ = ("tokens", "layers", "arrays", "dtypes")
+
+    def __init__(self, tokens: list[int], layers: list[dict[str, Any]], arrays: list[mx.array],
+                 dtypes: list[tuple[str, list[int]]]) -> None:
+        self.tokens, self.layers, self.arrays, self.dtypes = tokens, layers, arrays, dtypes
+
+    def bytes(self) -> bytes:
+        tensors: list[bytes] = []
+        meta: list[dict[str, Any]] = []
+        for arr, (dtype, shape) in zip(self.arrays, self.dtypes):
+            raw = np.ascontiguousarray(np.asarray(arr)).tobytes()
+            meta.append({"dtype": dtype, "shape": shape, "nbytes": len(raw),
+                         "sha": hashlib.sha256(raw).hexdigest()})
+            tensors.append(raw)
+        header = json.dumps({"tokens": list(self.tokens), "layers": self.layers,
+                             "tensors": meta}).encode()
+        return b"".join([MAGIC, len(header).to_bytes(8, "little"), header,
+                         hashlib.sha256(header).digest(), *tensors])
+
+
 def encode(tokens: list[int], caches: list[Any]) -> bytes:
+    return stage(tokens, caches).bytes()
+
+
+def stage(tokens: list[int], caches: list[Any]) -> Staged:
+    """Engine thread: describe the entry and evaluate its tensors (as unsigned views of their
+    bits), without copying them to the host."""
     # layouts whose caches point into a shared pool (kv=paged) store a plain copy
     caches = [c.portable() if hasattr(c, "portable") else c for c in caches]
-    tensors: list[bytes] = []
-    meta: list[dict[str, Any]] = []
+    arrays: list[mx.array] = []
+    dtypes: list[tuple[str, list[int]]] = []
 
     def put(arr: mx.array) -> dict[str, int]:
-        host = np.asarray(arr.view(_mx_uint(arr.dtype.size)) if arr.dtype.size in _UINT else arr)
-        raw = np.ascontiguousarray(host).tobytes()
-        meta.append({"dtype": str(arr.dtype).removeprefix("mlx.core."), "shape": list(arr.shape),
-                     "nbytes": len(raw), "sha": hashlib.sha256(raw).hexdigest()})
-        tensors.append(raw)
-        return {"t": len(meta) - 1}
+        arrays.append(arr.view(_mx_uint(arr.dtype.size)) if arr.dtype.size in _UINT else arr)
+        dtypes.append((str(arr.dtype).removeprefix("mlx.core."), list(arr.shape)))
+        return {"t": len(arrays) - 1}
 
     def value(v: Any) -> Any:
         if isinstance(v, mx.array):
@@ -53,9 +82,9 @@ def encode(tokens: list[int], caches: list[Any]) -> bytes:
 
     layers = [{"class": f"{type(c).__module__}:{type(c).__qualname__}",
                "attrs": {k: value(v) for k, v in _attrs(c).items()}} for c in caches]
-    header = json.dumps({"tokens": list(tokens), "layers": layers, "tensors": meta}).encode()
-    return b"".join([MAGIC, len(header).to_bytes(8, "little"), header,
-                     hashlib.sha256(header).digest(), *tensors])
+    arrays = [mx.contiguous(a) for a in arrays]
+    mx.eval(arrays)
+    return Staged(list(tokens), layers, arrays, dtypes)
 
 
 def decode(blob: bytes, verify: bool) -> tuple[list[int], list[Any]]:

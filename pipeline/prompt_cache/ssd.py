@@ -17,7 +17,7 @@ import diskcache
 from mlx_lm.models.cache import PromptTrie
 
 from pipeline.metrics import Metrics
-from pipeline.prompt_cache.codec import CorruptEntry, decode
+from pipeline.prompt_cache.codec import CorruptEntry, Staged, decode
 from pipeline.prompt_cache.ram import GhostIndex
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,9 @@ class SsdStore:
             self.trie.pop(TRIE_KEY, list(tokens))
         self._report()
 
-    def submit(self, tokens: tuple[int, ...], blob: bytes) -> None:
-        """Queue bytes for the writer (the engine never waits for the disk)."""
+    def submit(self, tokens: tuple[int, ...], blob: bytes | Staged) -> None:
+        """Queue an entry for the writer: bytes, or a Staged entry whose host copy the writer
+        makes (the engine never waits for the disk, nor for the copy)."""
         if tokens not in self.index:
             self._index(tokens)
         self._queue.put((tokens, blob))
@@ -157,12 +158,16 @@ class SsdStore:
             if len(item) == 3:
                 op, key, value = item
                 if op == "raw":
+                    if isinstance(value, dict) and isinstance(value.get("kv"), Staged):
+                        value = {**value, "kv": value["kv"].bytes()}   # host copy here
                     self.disk.set(key, value)
                 else:
                     self.disk.delete(key)
                 continue
             self.metrics.cache_write_queue.set(self._queue.qsize())
             tokens, blob = item
+            if isinstance(blob, Staged):   # the host copy and hashing happen here
+                blob = blob.bytes()
             key = token_key(tokens)
             try:
                 self.disk.set("e:" + key, blob)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 from pipeline.config import ServeConfig
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.checkpoint import Checkpoints
-from pipeline.prompt_cache.codec import encode
+from pipeline.prompt_cache.codec import stage
 from pipeline.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache
 from pipeline.prompt_cache.ssd import SsdStore
 
@@ -90,7 +90,7 @@ class TieredPromptCache:
 
     def _write(self, entry: Entry) -> None:
         self.dirty.pop(entry.tokens, None)
-        self.ssd.submit(entry.tokens, encode(list(entry.tokens), entry.caches))
+        self.ssd.submit(entry.tokens, stage(list(entry.tokens), entry.caches))
         self.metrics.cache_dirty.set(len(self.dirty))
 
     def _spill(self, entry: Entry) -> None:
