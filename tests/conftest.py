@@ -88,6 +88,15 @@ class EngineHarness:
         self.engine.stop()
 
 
+def startup_error(model_cache: Path, *overrides: str) -> str:
+    """The message an engine that must refuse to start gives (it must not become ready)."""
+    engine = Engine(make_config(f"model.cache_dir={model_cache}", *overrides),
+                    Metrics(CollectorRegistry()))
+    engine.start()
+    assert not engine.wait_ready(120), f"engine started with {overrides}"
+    return str(engine.startup_error)
+
+
 @pytest.fixture
 def engine_factory(model_cache: Path) -> Iterator[Any]:
     made: list[EngineHarness] = []

@@ -9,6 +9,7 @@ pool when its cache object is collected (CPython frees at the last reference; a 
 a reference cycle waits for the garbage collector)."""
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,9 @@ class BlockPool:
         # called when a write needs more free blocks than there are: drops one holder of
         # blocks (the prompt cache's least recently used entry) and says whether it did
         self.reclaim: Callable[[], bool] | None = None
+        # a cache collected by the garbage collector may release from another thread;
+        # re-entrant because `reclaim` releases blocks from inside `grow`
+        self._lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
@@ -102,11 +106,18 @@ class BlockPool:
         self._refs[block] = 1
         return block
 
+    def retain(self, ids: list[int]) -> None:
+        """One more reference to each block in `ids` (a lent row or prompt-cache entry)."""
+        with self._lock:
+            for block in ids:
+                self._inc(block)
+
     def release(self, ids: list[int]) -> None:
         """Drop one reference to each block in `ids` and empty the list (safe to call twice)."""
-        for block in ids:
-            self._dec(block)
-        ids.clear()
+        with self._lock:
+            for block in ids:
+                self._dec(block)
+            ids.clear()
 
     # -- writes --------------------------------------------------------------------------
     def blocks_needed(self, rows: list[tuple[list[int], int, int]]) -> int:
@@ -128,6 +139,14 @@ class BlockPool:
         """Make each (ids, tokens held, tokens to add) able to take its new tokens: a shared,
         partly filled last block is copied first (copy-on-write), then new blocks are
         appended. All rows or none: raises PoolExhausted before changing anything."""
+        with self._lock:
+            src, dst = self._grow(rows)
+        if src and self.keys is not None:
+            s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+            self.keys[d] = self.keys[s]
+            self.values[d] = self.values[s]
+
+    def _grow(self, rows: list[tuple[list[int], int, int]]) -> tuple[list[int], list[int]]:
         need = self.blocks_needed(rows)
         while need > len(self._free) and self.reclaim is not None and self.reclaim():
             need = self.blocks_needed(rows)   # an evicted entry may have shared a block
@@ -150,10 +169,7 @@ class BlockPool:
                     ids[j] = dst[-1]
             while len(ids) < self.blocks_for(n + add):
                 ids.append(self._take())
-        if src and self.keys is not None:
-            s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-            self.keys[d] = self.keys[s]
-            self.values[d] = self.values[s]
+        return src, dst
 
     def _ensure(self, keys: mx.array, values: mx.array) -> None:
         _, heads, _, k_dim = keys.shape
@@ -223,8 +239,7 @@ class _Table:
         weakref.finalize(self, pool.release, self.ids)
 
     def lend(self) -> _Table:
-        for block in self.ids:
-            self.pool._inc(block)
+        self.pool.retain(self.ids)
         return _Table(self.pool, list(self.ids))
 
     def cut(self, num_tokens: int) -> None:

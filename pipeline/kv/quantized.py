@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (BatchKVCache, KVCache, _BaseCache, create_attention_mask,
                                  dynamic_roll)
+
+from pipeline.kv.padded import LeftPaddedBatch
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -161,7 +162,7 @@ class AffineKVCache(_BaseCache):
         return cache
 
 
-class BatchAffineKVCache(_BaseCache):
+class BatchAffineKVCache(LeftPaddedBatch):
     """Rows of AffineKVCache in one left-padded batch, with mlx-lm BatchKVCache's semantics:
     `left_padding` and `offset` are per-row arrays (offset = tokens a row holds), `_idx` is the
     shared write position, and the mask hides each row's left padding."""
@@ -222,33 +223,6 @@ class BatchAffineKVCache(_BaseCache):
     @property
     def state(self) -> tuple[Any, ...]:
         return self.keys, self.values, self.offset, self.left_padding, self._idx
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self._idx, n)
-        self._idx -= n
-        self.offset = self.offset - n
-        return n
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-
-    def filter(self, batch_indices: mx.array) -> None:
-        """Keep only the rows `batch_indices`, in that order; drop padding they all share."""
-        if self.keys is not None:
-            self.keys = tuple(x[batch_indices] for x in self.keys)
-            self.values = tuple(x[batch_indices] for x in self.values)
-        self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist())
-        if shared > 0:
-            if self.keys is not None:
-                self.keys = tuple(x[..., shared:, :] for x in self.keys)
-                self.values = tuple(x[..., shared:, :] for x in self.values)
-            self._idx -= shared
-            self.left_padding = self.left_padding - shared
 
     def extend(self, other: BatchAffineKVCache) -> None:
         """Append `other`'s rows after this batch's; both are right-aligned at the larger `_idx`."""
@@ -331,9 +305,6 @@ class BatchAffineKVCache(_BaseCache):
         right = batch._right_padding
         cache._right_padding = None if right is None else right[...]
         return cache
-
-    def size(self) -> int:
-        return self._idx
 
     def empty(self) -> bool:
         return self.keys is None

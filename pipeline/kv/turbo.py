@@ -9,8 +9,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask, dynamic_roll
+
+from pipeline.kv.padded import LeftPaddedBatch
 
 K_BITS = (2, 4, 5, 8)
 V_BITS = (2, 3, 4, 5, 8)
@@ -369,7 +370,7 @@ class TurboKVCache(_Turbo):
         return cache
 
 
-class BatchTurboKVCache(_Turbo):
+class BatchTurboKVCache(_Turbo, LeftPaddedBatch):
     """Rows of one attention layer, left-padded to a shared length: mlx-lm BatchKVCache
     semantics (left_padding, per-row `offset` array, shared write index `_idx`)."""
 
@@ -419,32 +420,6 @@ class BatchTurboKVCache(_Turbo):
         (self.keys, self.values, self.offset, self.left_padding, self._idx, self.k_bits,
          self.v_bits, self.group_size, self.v_group_size, self.seed) = v
         self._right_padding = None
-
-    def size(self) -> int:
-        return self._idx
-
-    def trim(self, n: int) -> int:
-        n = min(self._idx, n)
-        self._idx -= n
-        self.offset = self.offset - n
-        return n
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
-
-    def filter(self, batch_indices: mx.array) -> None:
-        """Keep only rows `batch_indices`; drop left padding every kept row shares."""
-        if self.keys is not None:
-            self.keys = tuple(p[batch_indices] for p in self.keys)
-            self.values = tuple(p[batch_indices] for p in self.values)
-        self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist())
-        if shared > 0 and self.keys is not None:
-            self.keys = _view(self.keys, shared, self.keys[0].shape[2])
-            self.values = _view(self.values, shared, self.values[0].shape[2])
-            self._idx -= shared
-            self.left_padding = self.left_padding - shared
 
     def extend(self, other: BatchTurboKVCache) -> None:
         """Append `other`'s rows, right-aligning both at the longer write index."""

@@ -12,13 +12,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
-from prometheus_client import CollectorRegistry
-
-from pipeline.engine import Engine
 from pipeline.errors import ConfigError
-from pipeline.metrics import Metrics
 from pipeline.tiny import ensure_model
 from tests.conftest import EngineHarness, make_config
+from tests.conftest import startup_error as engine_startup_error
 from tests.pipeline.test_batching import wait_idle
 
 SMALL = ["model=tiny", "model.size=small"]   # head_dim 64: quantizable in groups of 64
@@ -153,11 +150,7 @@ def test_layout_refusals(model_cache: Path, kv_config: Path, tmp_path: Path) -> 
         make_config("kv=turbo", "kv.k_bits=3")
 
     def startup_error(*overrides: str) -> str:
-        engine = Engine(make_config(f"model.cache_dir={model_cache}", *overrides),
-                        Metrics(CollectorRegistry()))
-        engine.start()
-        assert not engine.wait_ready(120)
-        return str(engine.startup_error)
+        return engine_startup_error(model_cache, *overrides)
 
     # the tiny model's head_dim 16 is smaller than any quantization group
     assert "head_dim 16 is not a multiple" in startup_error("kv=q8")

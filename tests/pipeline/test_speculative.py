@@ -12,13 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from prometheus_client import CollectorRegistry
-
-from pipeline.engine import Engine
 from pipeline.errors import ConfigError
-from pipeline.metrics import Metrics
 from pipeline.tiny import ensure_model
 from tests.conftest import EngineHarness, make_config
+from tests.conftest import startup_error as engine_startup_error
 from tests.pipeline.test_batching import wait_idle
 
 TEXT = ("The morning train left the station at seven, and the passengers settled into their "
@@ -148,11 +145,7 @@ def test_launch_refusals(tmp_path: Path, model_cache: Path) -> None:
     with pytest.raises(ConfigError, match="draft.path.*only used by draft=model"):
         make_config("draft=ngram", "draft.path=/models/x")
     def startup_error(*overrides: str) -> str:
-        engine = Engine(make_config(f"model.cache_dir={model_cache}", *overrides),
-                        Metrics(CollectorRegistry()))
-        engine.start()
-        assert not engine.wait_ready(120)
-        return str(engine.startup_error)
+        return engine_startup_error(model_cache, *overrides)
 
     assert "no multi-token-prediction head" in startup_error("model=tiny", "draft=mtp")
     # a draft whose tokenizer differs (one extra vocabulary entry)

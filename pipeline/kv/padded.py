@@ -1,0 +1,48 @@
+"""Bookkeeping shared by the batched quantized caches (affine, TurboQuant): rows left-padded
+to one write position, as in mlx-lm's BatchKVCache, with keys and values stored as tuples of
+arrays (data, scales, ...) whose token axis is -2. Engine thread."""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+
+class LeftPaddedBatch(_BaseCache):
+    """Subclasses set `keys`/`values` (tuples of (B, H, T, ·) arrays, or None), `offset` and
+    `left_padding` (per-row arrays) and `_idx` (the shared write position)."""
+
+    keys: tuple[mx.array, ...] | None
+    values: tuple[mx.array, ...] | None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def size(self) -> int:
+        return self._idx
+
+    def filter(self, batch_indices: mx.array) -> None:
+        """Keep only the rows `batch_indices`, in that order; drop padding they all share."""
+        if self.keys is not None:
+            self.keys = tuple(x[batch_indices] for x in self.keys)
+            self.values = tuple(x[batch_indices] for x in self.values)
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        shared = min(self.left_padding.tolist())
+        if shared > 0:
+            if self.keys is not None:
+                self.keys = tuple(x[..., shared:, :] for x in self.keys)
+                self.values = tuple(x[..., shared:, :] for x in self.values)
+            self._idx -= shared
+            self.left_padding = self.left_padding - shared
