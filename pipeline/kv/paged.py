@@ -79,10 +79,11 @@ class BlockPool:
         """Bytes of one block (keys + values); 0 until the first write fixes the shape."""
         if self.keys is None:
             return 0
-        return (self.keys.nbytes + self.values.nbytes) // self.num_blocks
+        return (self.keys.nbytes + self.values.nbytes) // self.keys.shape[0]
 
     @property
     def nbytes(self) -> int:
+        """Bytes backed so far (grows with the peak number of blocks in use)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -142,6 +143,7 @@ class BlockPool:
         with self._lock:
             src, dst = self._grow(rows)
         if src and self.keys is not None:
+            self._reserve(max(dst) + 1)
             s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
             self.keys[d] = self.keys[s]
             self.values[d] = self.values[s]
@@ -171,13 +173,26 @@ class BlockPool:
                 ids.append(self._take())
         return src, dst
 
-    def _ensure(self, keys: mx.array, values: mx.array) -> None:
+    def _reserve(self, blocks: int) -> None:
+        """Back at least `blocks` block ids with memory. The arrays grow geometrically as ids
+        are handed out (low ids first), so memory follows the peak in use, not the pool's
+        configured size, and a huge pool costs nothing until it fills."""
+        have = self.keys.shape[0]
+        if blocks <= have:
+            return
+        grow = min(self.num_blocks, max(blocks, 2 * have)) - have
+
+        def more(a: mx.array) -> mx.array:
+            return mx.concatenate([a, mx.zeros((grow, *a.shape[1:]), a.dtype)])
+        self.keys, self.values = more(self.keys), more(self.values)
+
+    def _ensure(self, keys: mx.array, values: mx.array, blocks: int = 1) -> None:
         _, heads, _, k_dim = keys.shape
         v_dim = values.shape[3]
         if self.keys is None:
-            self.keys = mx.zeros((self.num_blocks, heads, self.block_size, k_dim), keys.dtype)
-            self.values = mx.zeros((self.num_blocks, heads, self.block_size, v_dim),
-                                   values.dtype)
+            first = min(self.num_blocks, max(blocks, 64))
+            self.keys = mx.zeros((first, heads, self.block_size, k_dim), keys.dtype)
+            self.values = mx.zeros((first, heads, self.block_size, v_dim), values.dtype)
             return
         want = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3], self.keys.dtype)
         if (heads, k_dim, v_dim, keys.dtype) != want:
@@ -188,7 +203,9 @@ class BlockPool:
               segments: list[tuple[list[int], int, int, int, int]]) -> None:
         """Scatter tokens into blocks already grown: each segment is (ids, first row position,
         batch row of `keys`, first and end token of `keys` along axis 2)."""
-        self._ensure(keys, values)
+        upto = max((max(ids) + 1 for ids, *_ in segments if ids), default=1)
+        self._ensure(keys, values, upto)
+        self._reserve(upto)
         bs = self.block_size
         dst_b, dst_w, src_r, src_t = [], [], [], []
         for ids, pos, row, t0, t1 in segments:
