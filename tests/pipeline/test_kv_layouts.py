@@ -49,7 +49,8 @@ def layout_overrides(name: str, kv_config: Path) -> list[str]:
             "paged": ["kv=paged", "kv.block_size=16", "kv.pool_blocks=256"],
             "q8-delayed": ["kv=q8", "kv.quantized_start=56"],
             "turbo-delayed": ["kv=turbo", "kv.quantized_start=56"],
-            "mixed": ["kv=mixed", f"kv.config_path={kv_config}"]}[name]
+            "mixed": ["kv=mixed", f"kv.config_path={kv_config}"],
+            "q8+ngram": ["kv=q8", "draft=ngram"]}[name]
 
 
 LAYOUTS = ["q8", "q4", "turbo", "turbo-k4v4", "paged", "q8-delayed", "turbo-delayed", "mixed"]
@@ -199,7 +200,7 @@ def test_paged_rows_and_cache_share_one_pool(engine_factory) -> None:
     wait_idle(h)
 
 
-@pytest.mark.parametrize("layout", ["q8", "turbo", "paged", "q8-delayed"])
+@pytest.mark.parametrize("layout", ["q8", "turbo", "paged", "q8-delayed", "q8+ngram"])
 def test_checkpoint_resume_gives_the_cold_run_tokens(engine_factory, kv_config: Path,
                                                      tmp_path: Path, layout: str) -> None:
     """Cancelled mid-generation (the checkpoint stays), restarted, the identical request
