@@ -38,7 +38,9 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 @dataclass
 class BenchConfig:
     workload: str = "single"        # single | concurrent (mixed lengths) | shared_prefix |
-    #                                 distinct (long prompts sharing nothing) | cache_ttft
+    #                                 distinct (long prompts sharing nothing) | cache_ttft |
+    #                                 copy (asks to repeat a prose passage) |
+    #                                 repetitive (one short sentence repeated: n-gram lookup hits)
     streams: int = 1                # concurrent client streams
     requests_per_stream: int = 1    # requests each stream sends back to back
     prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
@@ -48,6 +50,7 @@ class BenchConfig:
     warmup: bool = True             # one short request per target before timing
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
+    prompt_file: str | None = None  # use this file's text as every prompt (overrides workload text)
 
 
 @dataclass
@@ -66,6 +69,14 @@ class Row:
     itl_p95_ms: float
     peak_rss_mb: float
     overrides: str = ""
+    prompt_tokens: float = float("nan")     # mean usage.prompt_tokens
+    prefill_tok_s: float = float("nan")     # mean prompt_tokens / TTFT (B=1: the prefill rate)
+    decode_agg_tok_s: float = float("nan")  # tokens after the first / (last end - first token)
+    spec_proposed: int = 0                  # sum of usage.speculation.proposed (timed requests)
+    spec_accepted: int = 0
+    acceptance: float = float("nan")        # accepted / proposed
+    kv_bytes_per_token: float = float("nan")  # the server's pipeserve_kv_bytes_per_token gauge
+    errors: int = 0                         # requests the server failed (error event)
 
 
 def _free_port() -> int:
@@ -85,13 +96,27 @@ def _words(n: int, offset: int) -> str:
     return " ".join(WORDS[(offset + j) % len(WORDS)] for j in range(n))
 
 
+REPEATED = "The cat sat on the mat and looked at the door. "
+
+
 def _prompts(b: BenchConfig, salt: str = "") -> list[str]:
     """One prompt per request. `salt` makes a set that shares no prefix with the real one
     (the warm-up uses it, so prompt caches start cold)."""
     out = []
+    fixed = Path(b.prompt_file).expanduser().read_text() if b.prompt_file else None
     for i in range(b.streams * b.requests_per_stream):
         n = b.prompt_words
-        if b.workload == "concurrent":
+        if fixed is not None:
+            text = fixed
+        elif b.workload == "copy":            # a long passage to repeat verbatim
+            from pipeline.tiny import CORPUS
+            words = CORPUS.split()
+            passage = " ".join(words[(i * 17 + j) % len(words)] for j in range(n))
+            text = f"Repeat the following passage exactly, word for word.\n\n{passage}\n\nRepeated:\n"
+        elif b.workload == "repetitive":      # the prompt repeats itself: n-gram lookup can hit
+            reps = max(1, n // len(REPEATED.split()))
+            text = f"{i}: " + REPEATED * reps
+        elif b.workload == "concurrent":
             text = _words(max(4, int(n * (0.5, 1.0, 2.0, 1.5)[i % 4])), i)
         elif b.workload == "shared_prefix":   # N agents, one long system prompt
             text = f"{_words(n, 0)} question {i}: {_words(8, 3 * i + 1)}"
@@ -124,6 +149,7 @@ async def _one_try(client: httpx.AsyncClient, url: str, model: str, prompt: str,
     t0 = time.perf_counter()
     stamps: list[float] = []
     usage_tokens = None
+    usage: dict[str, Any] = {}
     end = float("nan")
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
@@ -132,15 +158,20 @@ async def _one_try(client: httpx.AsyncClient, url: str, model: str, prompt: str,
                 continue
             chunk = json.loads(line[6:])
             now = time.perf_counter()
+            if chunk.get("error"):   # the server failed this request: counted, not timed
+                return {"t0": t0, "stamps": [], "tokens": 0, "end": float("nan"),
+                        "prompt_tokens": None, "speculation": None, "error": chunk["error"]}
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
+                usage = chunk["usage"]
+                usage_tokens = usage.get("completion_tokens")
             for ch in chunk.get("choices") or []:
                 if ch.get("finish_reason"):
                     end = now
                 elif ch.get("text") is not None:
                     stamps.append(now)   # one chunk per token (text may be empty)
     n = usage_tokens if usage_tokens is not None else len(stamps)
-    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end}
+    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end,
+            "prompt_tokens": usage.get("prompt_tokens"), "speculation": usage.get("speculation")}
 
 
 async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float]) -> dict[str, Any]:
@@ -172,14 +203,41 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
         results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
                    for r in rs]
         wall = time.perf_counter() - t0
+    failed = [r["error"] for r in results if r.get("error")]
+    if failed:
+        print(f"bench: {len(failed)} of {len(results)} requests FAILED, e.g. {failed[0]}",
+              flush=True)
     ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
     itl = [(y - x) * 1000 for r in results for x, y in zip(r["stamps"], r["stamps"][1:])]
     # decode rate of a stream: tokens after the first over the time from the first to the end
     per_stream = [(r["tokens"] - 1) / (r["end"] - r["stamps"][0])
                   for r in results if r["stamps"] and r["end"] > r["stamps"][0]]
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
-            "per_stream": per_stream}
+    timed = [r for r in results if r["stamps"] and r["end"] == r["end"]]
+    span = (max(r["end"] for r in timed) - min(r["stamps"][0] for r in timed)) if timed else 0.0
+    decode_agg = sum(r["tokens"] - 1 for r in timed) / span if span > 0 else float("nan")
+    ptoks = [r["prompt_tokens"] for r in results if r["prompt_tokens"] is not None]
+    prefill = [r["prompt_tokens"] / (r["stamps"][0] - r["t0"]) for r in results
+               if r["prompt_tokens"] is not None and r["stamps"]]
+    specs = [r["speculation"] for r in results if r["speculation"]]
+    return {"requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+            "per_stream": per_stream, "decode_agg": decode_agg,
+            "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
+            "prefill": statistics.mean(prefill) if prefill else float("nan"),
+            "spec_proposed": sum(int(x.get("proposed", 0)) for x in specs),
+            "spec_accepted": sum(int(x.get("accepted", 0)) for x in specs)}
+
+
+def _gauge(base_url: str, name: str) -> float:
+    """One unlabelled sample from the server's /metrics (nan when absent)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return float("nan")
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -223,13 +281,19 @@ class Process:
         self.log.close()
 
 
-def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: str) -> Row:
+def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: str,
+         kv_bytes: float = float("nan")) -> Row:
+    proposed, accepted = m.get("spec_proposed", 0), m.get("spec_accepted", 0)
     return Row(target, b.workload, b.streams, m["requests"], m["tokens"], round(m["wall"], 2),
                round(m["tokens"] / m["wall"], 2),
                round(statistics.median(m["per_stream"]), 2) if m["per_stream"] else float("nan"),
                round(_pct(m["ttft"], 0.5), 3), round(_pct(m["ttft"], 0.95), 3),
                round(_pct(m["itl"], 0.5), 1), round(_pct(m["itl"], 0.95), 1), round(rss, 1),
-               overrides)
+               overrides, round(m.get("prompt_tokens", float("nan")), 1),
+               round(m.get("prefill", float("nan")), 1),
+               round(m.get("decode_agg", float("nan")), 2), proposed, accepted,
+               round(accepted / proposed, 3) if proposed else float("nan"), kv_bytes,
+               m.get("errors", 0))
 
 
 BARE_LOOP = r"""
@@ -278,7 +342,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias))
-        rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides)))
+        kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
+        rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides), kv))
         _write(out, rows[-1:])
     finally:
         ours.stop()

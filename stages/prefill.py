@@ -28,6 +28,7 @@ class Prefill:
         self.layout = ctx.layout
         self.ctx = ctx
         self.grouped = self.shared and ctx.layout.grouped_prefill and not ctx.keep_hidden
+        self.max_width = 1 + cfg.draft.num_draft_tokens
         self.rows = RowBatch()
         ctx.row_batch = self.rows
 
@@ -89,12 +90,13 @@ class Prefill:
         batch.hidden = hidden if batch.hidden is None else mx.concatenate([batch.hidden, hidden])
         return logits
 
-    @staticmethod
-    def _width(batch: Batch, decode: list[int]) -> int:
-        """1 + the longest draft among the decode rows (1 without drafts)."""
+    def _width(self, batch: Batch, decode: list[int]) -> int:
+        """1 + the longest draft among the decode rows, rounded up to a power of two (at most
+        1 + num_draft_tokens), so verify forwards come in a few shapes; 1 without drafts."""
         if not batch.drafts:
             return 1
-        batch.width = 1 + max(len(batch.drafts.get(r, ())) for r in decode)
+        need = 1 + max(len(batch.drafts.get(r, ())) for r in decode)
+        batch.width = min(1 << (need - 1).bit_length(), max(self.max_width, need))
         return batch.width
 
     @staticmethod

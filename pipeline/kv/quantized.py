@@ -22,6 +22,24 @@ STEP = 256
 Quantized = tuple[mx.array, mx.array, mx.array]   # (packed uint32, scales, biases)
 
 
+def _cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def qmatmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, transpose: bool,
+            group_size: int, bits: int) -> mx.array:
+    """mx.quantized_matmul, except on CUDA, where MLX 0.32 has no kernel for attention's shapes
+    (measured on the H200: none for a 2k-row prefill chunk nor for a one-row decode step against
+    8k quantized keys): there the operand is dequantized and multiplied in the activations'
+    dtype. CPU and Metal take quantized_matmul (mlx-lm's arithmetic)."""
+    if _cuda():
+        full = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)
+        return x @ (full.swapaxes(-1, -2) if transpose else full)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=transpose,
+                               group_size=group_size, bits=bits)
+
+
 def quantized_attention(queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
                         mask: Any, group_size: int, k_bits: int, v_bits: int) -> mx.array:
     """Attention over quantized keys/values; the same ops, in the same order, as mlx-lm's
@@ -35,7 +53,7 @@ def quantized_attention(queries: mx.array, keys: Quantized, values: Quantized, *
         queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
         keys = tuple(mx.expand_dims(x, axis=-3) for x in keys)
         values = tuple(mx.expand_dims(x, axis=-3) for x in values)
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=k_bits)
+    scores = qmatmul(queries, *keys, transpose=True, group_size=group_size, bits=k_bits)
     if mask is not None:
         if isinstance(mask, str):
             q_len, k_len = scores.shape[-2:]
@@ -47,7 +65,7 @@ def quantized_attention(queries: mx.array, keys: Quantized, values: Quantized, *
         else:
             scores += mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=v_bits)
+    out = qmatmul(scores, *values, transpose=False, group_size=group_size, bits=v_bits)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, out.shape[-1]))
     return out
