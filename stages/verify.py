@@ -155,6 +155,7 @@ class Verify:
                     c.trim(drop[0])
                 return
             _trim_rows(caches, drop)
+            _drop_shared_padding(caches, len(drop))
             return
         # recurrent layers: restore their state, trim attention to before the forward,
         # and replay each row's input + accepted drafts (right-padded)
@@ -187,7 +188,26 @@ class Verify:
         if batched and max(padding):
             for c in caches:
                 c.finalize()
+            _drop_shared_padding(caches, len(fed))
         mx.eval([c.state for c in caches])
+
+
+SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
+
+
+def _drop_shared_padding(caches: list[Any], rows: int) -> None:
+    """Rows that accept different numbers of drafts gain different left padding; once every
+    row has some, the batch is wider than any row needs: cut the common part (the same as a
+    filter that keeps every row)."""
+    keep = None
+    for c in caches:
+        pad = getattr(c, "left_padding", None)
+        if pad is None or isinstance(pad, list) and not pad:
+            continue
+        shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
+        if shared >= SHARED_PADDING_MAX:
+            keep = mx.arange(rows) if keep is None else keep
+            c.filter(keep)
 
 
 def _trim_rows(caches: list[Any], drop: list[int]) -> None:
