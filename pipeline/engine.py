@@ -364,6 +364,8 @@ class Engine:
         if finished:
             self.persist.finished(finished)
             for req in finished:
+                if self.ctx.proposer is not None:
+                    self.ctx.proposer.release(req)
                 self.scheduler.release(req)
         self._free_row_kv()
 
@@ -397,6 +399,8 @@ class Engine:
         for req in batch.requests:
             if self.scheduler.abort(req.request_id) is not None:
                 req.finish_reason = FinishReason.ERROR   # its KV is not kept
+                if self.ctx.proposer is not None:
+                    self.ctx.proposer.release(req)
                 self.scheduler.release(req)
                 self._post(req.request_id, Failed(req.request_id, err))
         self._free_row_kv()

@@ -40,6 +40,10 @@ class NoDraft:
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         """The target's hidden states of `req` from `position` on (draft=mtp only)."""
 
+    def release(self, req: Request) -> None:
+        """The row finished: drop its draft state now (the engine may go idle)."""
+        req.draft_state = None
+
 
 class NgramProposer(NoDraft):
     """draft=ngram: prompt lookup over the row's own prompt and output (no model)."""
@@ -76,9 +80,22 @@ class _DraftRow:
         self.saved: list[tuple[int, list[Any]]] = []
 
 
+class _DraftBatch:
+    """An attention-only draft model's KV for every drafting row, as one batched cache per
+    layer (rows in `rows` order), so each draft position is one forward for all rows.
+    `fed[i]` counts the tokens of row i's context (and drafts) the cache holds."""
+
+    def __init__(self) -> None:
+        self.rows: list[Request] = []
+        self.caches: list[Any] | None = None
+        self.fed: list[int] = []
+
+
 class ModelProposer(NoDraft):
-    """draft=model: a smaller model with the same tokenizer drafts greedily, one row at a time;
-    its KV lives beside the target's on the row and is trimmed to what the target accepted."""
+    """draft=model: a smaller model with the same tokenizer drafts greedily. An attention-only
+    draft keeps every drafting row in one batched cache and drafts all rows together, one
+    forward per draft position; a draft with recurrent layers drafts row by row (its state is
+    snapshotted per round). Either way the draft KV is cut back to what the target accepted."""
 
     name = "model"
 
@@ -108,10 +125,13 @@ class ModelProposer(NoDraft):
                 "whose state cannot be rolled back; use a draft model without them")
         self._make = lambda: make_prompt_cache(self.draft.model)
         self.chunk = cfg.scheduler.prefill_chunk
+        self.batch = _DraftBatch() if all(c.is_trimmable() for c in probe) else None
         log.info("draft model %s loaded (%.1f MB)", self.draft.path,
                  self.draft.weight_bytes / 1e6)
 
     def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+        if self.batch is not None:
+            return self._propose_batched(reqs, limits)
         out = []
         model = self.draft.model
         for req, k in zip(reqs, limits):
@@ -144,6 +164,94 @@ class ModelProposer(NoDraft):
             row.fed += k - 1
             out.append(ids)
         return out
+
+    def release(self, req: Request) -> None:
+        b = self.batch
+        if b is not None and req.draft_state is b:
+            keep = [i for i, r in enumerate(b.rows) if r is not req]
+            if len(keep) != len(b.rows):
+                b.rows = [b.rows[i] for i in keep]
+                b.fed = [b.fed[i] for i in keep]
+                if not keep:
+                    b.caches = None
+                else:
+                    for c in b.caches:
+                        c.filter(mx.array(keep, dtype=mx.int32))
+        req.draft_state = None
+
+    def _propose_batched(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+        from pipeline.kv.batch import _merge
+        from stages.verify import _drop_shared_padding, _trim_rows
+        b, model = self.batch, self.draft.model
+        ctxs = {id(r): context_ids(r) for r in reqs}
+        # rows that stopped drafting leave; the rest keep their order
+        keep = [i for i, r in enumerate(b.rows) if id(r) in ctxs]
+        if len(keep) != len(b.rows):
+            b.rows = [b.rows[i] for i in keep]
+            b.fed = [b.fed[i] for i in keep]
+            if not keep:
+                b.caches = None
+            else:
+                for c in b.caches:
+                    c.filter(mx.array(keep, dtype=mx.int32))
+        # cut each row back to the context the target confirmed (drafts it rejected)
+        if b.rows:
+            valid = [min(f, len(ctxs[id(r)]) - 1) for r, f in zip(b.rows, b.fed)]
+            drop = [f - v for f, v in zip(b.fed, valid)]
+            if any(drop):
+                _trim_rows(b.caches, drop)
+                _drop_shared_padding(b.caches, len(drop))
+            b.fed = valid
+        # newcomers: prefill their context but its last token alone, then join the batch
+        present = {id(r) for r in b.rows}
+        joiners = [r for r in reqs if id(r) not in present]
+        if joiners:
+            own = []
+            for r in joiners:
+                cache = self._make()
+                ctx = ctxs[id(r)]
+                for start in range(0, len(ctx) - 1, self.chunk):
+                    part = mx.array(ctx[start:min(start + self.chunk, len(ctx) - 1)],
+                                    dtype=mx.uint32)[None]
+                    model(part, cache=cache)
+                    mx.eval([c.state for c in cache])
+                own.append(cache)
+                r.draft_state = b   # marks the row as drafted (usage.speculation)
+            merged = [_merge(list(layer)) for layer in zip(*own)]
+            if b.caches is None:
+                b.caches = merged
+            else:
+                for mine, theirs in zip(b.caches, merged):
+                    mine.extend(theirs)
+            b.rows += joiners
+            b.fed += [len(ctxs[id(r)]) - 1 for r in joiners]
+        # feed every row what it is missing (right-padded), then draft all rows together
+        missing = [ctxs[id(r)][f:] for r, f in zip(b.rows, b.fed)]
+        width = max(len(m) for m in missing)
+        tokens = mx.array([m + [0] * (width - len(m)) for m in missing], dtype=mx.uint32)
+        padding = [width - len(m) for m in missing]
+        if max(padding):
+            for c in b.caches:
+                c.prepare(right_padding=padding)
+        logits = model(tokens, cache=b.caches)
+        last = mx.array([len(m) - 1 for m in missing], dtype=mx.int32)
+        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        if max(padding):
+            for c in b.caches:
+                c.finalize()
+        b.fed = [len(ctxs[id(r)]) for r in b.rows]
+        limit = {id(r): k for r, k in zip(reqs, limits)}
+        k_max = max(limits)
+        token = mx.argmax(logits, axis=-1)
+        drafts = [token]
+        for _ in range(k_max - 1):
+            token = mx.argmax(model(token[:, None].astype(mx.uint32), cache=b.caches)[:, -1],
+                              axis=-1)
+            drafts.append(token)
+        b.fed = [f + k_max - 1 for f in b.fed]
+        rows = mx.stack(drafts, axis=1).tolist()
+        by_row = {id(r): d[:limit[id(r)]] for r, d in zip(b.rows, rows)}
+        return [by_row[id(r)] for r in reqs]
 
     def settle(self, req: Request, num_fed: int, num_accepted: int) -> None:
         """After verify: keep the draft KV only for the context the target confirmed."""

@@ -207,3 +207,13 @@ def test_drafts_compose_with_every_trimmable_layout(engine_factory, model_cache:
     if proposer == "model":
         assert counter(spec, "spec_accepted", proposer) > 0
     wait_idle(spec)
+
+
+def test_draft_model_state_is_freed_with_its_rows(engine_factory, model_cache: Path) -> None:
+    """The batched draft KV holds only running rows: finished and cancelled rows leave it."""
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}")
+    run(spec, 4, max_tokens=20)
+    wait_idle(spec)
+    batch = spec.engine.ctx.proposer.batch
+    assert batch.rows == [] and batch.caches is None and batch.fed == []
