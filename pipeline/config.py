@@ -86,6 +86,8 @@ class ModelConfig:
     cache_dir: Optional[str] = None      # where generated models go; default ~/.cache/pipeserve/models
     tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
+    composed_attention: bool = True   # CUDA: decode/verify attention as matmul + softmax (no
+                                      # per-key-length cuDNN graph builds); no effect elsewhere
 
     def __post_init__(self) -> None:
         if not self.name:

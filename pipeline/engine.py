@@ -14,6 +14,7 @@ from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, StageError
 from pipeline.events import Abort, Event, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.kv.attention import install as install_attention
+from pipeline.kv.attention import on_cuda
 from pipeline.kv.layouts import build_layout
 from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, probe
@@ -137,8 +138,10 @@ class Engine:
         ctx = self.ctx = EngineContext(self.cfg, self.loaded, self.metrics)
         self.device = str(mx.default_device())
         ctx.layout = build_layout(self.cfg.kv, self.loaded.model)
+        composed = self.cfg.model.composed_attention
+        if ctx.layout.name != "dense" or (composed and on_cuda()):
+            install_attention(self.loaded.model, composed_on_cuda=composed)
         if ctx.layout.name != "dense":
-            install_attention(self.loaded.model)
             from pipeline.kv import delayed
             per_row = max(1, len(ctx.layout.layers))   # called once per layer of a row
             delayed.on_convert = lambda _tokens: self.metrics.kv_conversions.inc(1 / per_row)

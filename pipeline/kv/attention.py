@@ -4,15 +4,47 @@ mlx-lm's attention layers call `scaled_dot_product_attention(queries, keys, valu
 scale=..., mask=...)`, imported by name into each model module. `install()` rebinds that name in
 every loaded mlx-lm model module to `dispatch`, which hands the call to the cache when it has an
 `attend` method (TurboQuant, mixed-bit, delayed conversion) and to mlx-lm otherwise, so dense,
-q4/q8 and recurrent layers keep mlx-lm's exact arithmetic. Engine thread, at load."""
+q4/q8 and recurrent layers keep mlx-lm's exact arithmetic. Engine thread, at load.
+
+On CUDA, MLX 0.32 runs one-query unmasked attention in its own kernel but everything else
+through cuDNN graphs cached by exact shape, key length included, so a decode step of a padded
+batch or a verify forward (a few queries per row, one more key every step) builds a new graph
+every step. With `composed=True` such calls (at most COMPOSED_MAX_QUERIES queries per row) run
+as plain matmul + softmax instead; prefill chunks keep the fused path."""
 from __future__ import annotations
 
 import sys
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models import base
 
 _stock = base.scaled_dot_product_attention
+COMPOSED_MAX_QUERIES = 64
+composed = False   # set by install(): CUDA with model.composed_attention
+
+
+def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                       mask: Any) -> mx.array:
+    """softmax(q·kᵀ·scale + mask)·v with grouped-query heads, scores in float32."""
+    B, n_q, L, D = queries.shape
+    n_kv = keys.shape[1]
+    rep = n_q // n_kv
+    q = (queries * scale).reshape(B, n_kv, rep, L, D)
+    scores = (q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)).astype(mx.float32)
+    if mask is not None:
+        if isinstance(mask, str):
+            n_keys = scores.shape[-1]
+            mask = mx.arange(n_keys - L, n_keys)[:, None] >= mx.arange(n_keys)[None]
+        elif mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(mx.float32).min)
+        else:
+            scores = scores + mask.astype(mx.float32)
+    probs = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = probs @ mx.expand_dims(values, 2)
+    return out.reshape(B, n_q, L, values.shape[-1])
 
 
 def dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
@@ -22,12 +54,23 @@ def dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mas
         if sinks is not None:
             raise ValueError(f"{type(cache).__name__} does not support attention sinks")
         return attend(queries, keys, values, scale=scale, mask=mask)
+    if (composed and sinks is None and not hasattr(cache, "bits")
+            and 1 <= queries.shape[2] <= COMPOSED_MAX_QUERIES
+            and (queries.shape[2] > 1 or mask is not None)):
+        return composed_attention(queries, keys, values, scale, mask)
     return _stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def install(model: Any = None) -> int:
+def on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def install(model: Any = None, composed_on_cuda: bool = False) -> int:
     """Route attention through `dispatch` in every imported mlx-lm model module (and the
     module of `model`, if given). Returns how many modules were patched; idempotent."""
+    global composed
+    composed = composed or (composed_on_cuda and on_cuda())
     names = [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]
     if model is not None:
         names.append(type(model).__module__)

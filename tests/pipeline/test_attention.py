@@ -1,0 +1,45 @@
+"""The composed attention used on CUDA for decode and verify steps (pipeline/kv/attention.py)
+matches MLX's fused attention, and a batched engine run through it gives the same tokens."""
+from __future__ import annotations
+
+import asyncio
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from pipeline.kv import attention
+from tests.pipeline.test_batching import EOS_OFF, PROMPTS
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padded", "additive"])
+def test_composed_equals_fused(q_len: int, mask_kind: str) -> None:
+    key = mx.random.key(3)
+    kq, kk, kv = mx.random.split(key, 3)
+    B, Hq, Hkv, T, D = 3, 8, 2, 40, 16
+    q = mx.random.normal((B, Hq, q_len, D), key=kq)
+    k = mx.random.normal((B, Hkv, T, D), key=kk)
+    v = mx.random.normal((B, Hkv, T, D), key=kv)
+    mask = {"none": None, "causal": "causal",
+            "padded": create_causal_mask(q_len, offset=T - q_len,
+                                         left_padding=mx.array([0, 7, 13])),
+            "additive": mx.random.normal((q_len, T), key=kq) * 0.5}[mask_kind]
+    if mask_kind == "none" and q_len > 1:
+        mask = "causal"
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    mine = attention.composed_attention(q, k, v, D ** -0.5, mask)
+    assert mx.allclose(fused, mine, atol=1e-5, rtol=1e-4).item()
+
+
+def test_batched_engine_through_composed_attention_gives_the_same_tokens(
+        engine_factory, monkeypatch) -> None:
+    plain = engine_factory("model=llama")
+    reqs = [plain.request(p, max_tokens=12, logit_bias=EOS_OFF) for p in PROMPTS[:4]]
+    expected = [g["ids"] for g in asyncio.run(plain.generate_many(reqs))]
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)   # the CUDA path, on the CPU
+    h = engine_factory("model=llama", "kv=paged", "kv.block_size=16")   # installs dispatch
+    assert attention.composed
+    reqs = [h.request(p, max_tokens=12, logit_bias=EOS_OFF) for p in PROMPTS[:4]]
+    assert [g["ids"] for g in asyncio.run(h.generate_many(reqs))] == expected
+    monkeypatch.setattr(attention, "composed", False)
