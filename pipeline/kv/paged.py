@@ -227,6 +227,14 @@ class BlockPool:
         """(B, H, width, D) keys and values: row i's `counts[i]` tokens start at position
         `lefts[i]`; every other position holds zeros (the padding a dense batch masks)."""
         bs = self.block_size
+        if len(tables) == 1 and lefts[0] == 0 and counts[0] == width:
+            # one row, no padding: whole blocks, laid end to end (no per-token gather)
+            idx = mx.array(tables[0][:-(-width // bs)] or [0], dtype=mx.int32)
+
+            def row(pool: mx.array) -> mx.array:
+                x = pool[idx].swapaxes(0, 1)   # (H, blocks, bs, D)
+                return x.reshape(1, x.shape[0], -1, x.shape[-1])[:, :, :width]
+            return row(self.keys), row(self.values)
         table = np.zeros((len(tables), max(1, max(len(t) for t in tables))), dtype=np.int32)
         for i, ids in enumerate(tables):
             table[i, :len(ids)] = ids
