@@ -90,6 +90,19 @@ class _DraftBatch:
         self.caches: list[Any] | None = None
         self.fed: list[int] = []
 
+    def keep(self, wanted: set[int]) -> None:
+        """Keep the rows whose id() is in `wanted`, in their order; drop the rest's KV."""
+        keep = [i for i, r in enumerate(self.rows) if id(r) in wanted]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.fed = [self.fed[i] for i in keep]
+        if not keep:
+            self.caches = None
+            return
+        for c in self.caches:
+            c.filter(mx.array(keep, dtype=mx.int32))
+
 
 class ModelProposer(NoDraft):
     """draft=model: a smaller model with the same tokenizer drafts greedily. An attention-only
@@ -168,15 +181,7 @@ class ModelProposer(NoDraft):
     def release(self, req: Request) -> None:
         b = self.batch
         if b is not None and req.draft_state is b:
-            keep = [i for i, r in enumerate(b.rows) if r is not req]
-            if len(keep) != len(b.rows):
-                b.rows = [b.rows[i] for i in keep]
-                b.fed = [b.fed[i] for i in keep]
-                if not keep:
-                    b.caches = None
-                else:
-                    for c in b.caches:
-                        c.filter(mx.array(keep, dtype=mx.int32))
+            b.keep({id(r) for r in b.rows if r is not req})
         req.draft_state = None
 
     def _propose_batched(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
@@ -184,16 +189,7 @@ class ModelProposer(NoDraft):
         from stages.verify import _drop_shared_padding, _trim_rows
         b, model = self.batch, self.draft.model
         ctxs = {id(r): context_ids(r) for r in reqs}
-        # rows that stopped drafting leave; the rest keep their order
-        keep = [i for i, r in enumerate(b.rows) if id(r) in ctxs]
-        if len(keep) != len(b.rows):
-            b.rows = [b.rows[i] for i in keep]
-            b.fed = [b.fed[i] for i in keep]
-            if not keep:
-                b.caches = None
-            else:
-                for c in b.caches:
-                    c.filter(mx.array(keep, dtype=mx.int32))
+        b.keep(set(ctxs))   # rows that stopped drafting leave; the rest keep their order
         # cut each row back to the context the target confirmed (drafts it rejected)
         if b.rows:
             valid = [min(f, len(ctxs[id(r)]) - 1) for r, f in zip(b.rows, b.fed)]

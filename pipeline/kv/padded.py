@@ -32,6 +32,19 @@ class LeftPaddedBatch(_BaseCache):
     def size(self) -> int:
         return self._idx
 
+    def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
+                right_padding: list[int] | None = None) -> None:
+        """As BatchKVCache.prepare: add left padding to an empty batch, or note the right
+        padding of a right-padded forward (rolled to the left by the subclass's `finalize`)."""
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError(f"left padding can only be added to an empty "
+                                 f"{type(self).__name__}")
+            self.left_padding = self.left_padding + mx.array(left_padding)
+            self.offset = self.offset - mx.array(left_padding)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding)
+
     def filter(self, batch_indices: mx.array) -> None:
         """Keep only the rows `batch_indices`, in that order; drop padding they all share."""
         if self.keys is not None:

@@ -217,18 +217,6 @@ class BatchAffineKVCache(LeftPaddedBatch):
                                    group_size=self.group_size, k_bits=self.k_bits,
                                    v_bits=self.v_bits)
 
-    def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
-                right_padding: list[int] | None = None) -> None:
-        """As BatchKVCache.prepare: add left padding to an empty batch, or note the right
-        padding of a right-padded prompt forward (rolled to the left by `finalize`)."""
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("left padding can only be added to an empty BatchAffineKVCache")
-            self.left_padding = self.left_padding + mx.array(left_padding)
-            self.offset = self.offset - mx.array(left_padding)
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
-
     def finalize(self) -> None:
         if self._right_padding is not None:
             shift = self._right_padding[:, None]

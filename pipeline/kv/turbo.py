@@ -12,6 +12,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask, dynamic_roll
 
 from pipeline.kv.padded import LeftPaddedBatch
+from pipeline.kv.quantized import qmatmul
 
 K_BITS = (2, 4, 5, 8)
 V_BITS = (2, 3, 4, 5, 8)
@@ -222,8 +223,7 @@ def turbo_attention(queries: mx.array, keys: tuple[mx.array, ...], values: tuple
         q = mx.pad(q, [(0, 0)] * 3 + [(0, _key_dim(D) - D)])
     q = q.reshape(B, n_kv_heads, rep, L, q.shape[-1])
     k = tuple(mx.expand_dims(a, -3) for a in keys)
-    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=_key_group(D, group_size),
-                                 bits=k_bits)
+    scores = qmatmul(q, *k, transpose=True, group_size=_key_group(D, group_size), bits=k_bits)
     if mask is not None:
         if isinstance(mask, str):
             n_keys = scores.shape[-1]
@@ -387,16 +387,6 @@ class BatchTurboKVCache(_Turbo, LeftPaddedBatch):
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
         return _view(self.keys, 0, self._idx), _view(self.values, 0, self._idx)
-
-    def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
-                right_padding: list[int] | None = None) -> None:
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("left padding can only be added to an empty BatchTurboKVCache")
-            self.left_padding = self.left_padding + mx.array(left_padding)
-            self.offset = self.offset - mx.array(left_padding)
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
 
     def finalize(self) -> None:
         """After a right-padded prefill: roll each row's padding to the left."""
