@@ -248,3 +248,17 @@ def test_converted_prefixes_are_never_reused_below_their_boundary(engine_factory
     assert got["ids"] == cold.generate(short, max_tokens=12, logit_bias=EOS_OFF)["ids"]
     longer = donor + [21, 22, 23]
     assert h.generate(longer, max_tokens=4, logit_bias=EOS_OFF)["cached"] >= 59
+
+
+def test_sliding_window_layers_stay_dense_with_one_warning(engine_factory, caplog) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+    with caplog.at_level("WARNING", logger="pipeserve"):
+        h = engine_factory("model=gemma", "kv=turbo")
+    warnings = [r for r in caplog.records if "sliding-window layer(s) stay dense" in r.message]
+    assert len(warnings) == 1
+    caches = h.engine.ctx.layout.make_cache(h.loaded.model)
+    kinds = {type(c) for c in caches}
+    assert RotatingKVCache in kinds
+    assert any(getattr(c, "target_layout", "").endswith("TurboKVCache") for c in caches)
+    got = h.generate([5, 6, 7, 8, 9], max_tokens=8, logit_bias={0: -1e9, 1: -1e9, 2: -1e9})
+    assert len(got["ids"]) == 8 and got["finish"] == "length"
