@@ -113,6 +113,7 @@ class Request:
     draft_state: Any = None           # the proposer's per-row state (n-gram index, draft KV)
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
     spec_accepted: int = 0            # of those, accepted by the target
+    spec_rate: float = 1.0            # recent share of drafts accepted (sizes the next draft)
 
     @property
     def num_prompt_tokens(self) -> int:

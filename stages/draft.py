@@ -38,8 +38,11 @@ class Draft:
             batch.sync = True
             if not can_draft(req):
                 continue
-            # never draft past max_tokens or the context: the row emits at most k + 1 tokens
-            limit = min(self.k, req.sampling.max_tokens - req.num_scheduled_outputs,
+            # never draft past max_tokens or the context: the row emits at most k + 1 tokens;
+            # a row whose drafts keep failing proposes fewer (a verify forward is as wide as
+            # its longest draft, and on a compute-bound device every drafted position costs)
+            adaptive = max(1, min(self.k, round(self.k * req.spec_rate) + 1))
+            limit = min(adaptive, req.sampling.max_tokens - req.num_scheduled_outputs,
                         self.max_context - req.num_computed_tokens - 1)
             if limit > 0:
                 rows.append(row)

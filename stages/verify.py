@@ -68,6 +68,7 @@ class Verify:
             if d:
                 req.spec_proposed += len(d)
                 req.spec_accepted += a
+                req.spec_rate = 0.7 * req.spec_rate + 0.3 * (a / len(d))
                 self._proposed.inc(len(d))
                 self._accepted.inc(a)
                 self._verifies.inc()
