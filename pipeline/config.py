@@ -417,6 +417,8 @@ class DraftConfig:
     _target_: str = MISSING
     num_draft_tokens: int = 3
     path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+    disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
+                                                  # decode (unset: always)
 
     @property
     def name(self) -> str:
@@ -426,6 +428,7 @@ class DraftConfig:
         if not 1 <= self.num_draft_tokens <= 64:
             raise ConfigError(
                 f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
+        _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
         if self.path is not None and self.name != "model":
             raise ConfigError(
                 f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "

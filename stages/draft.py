@@ -23,12 +23,16 @@ class Draft:
 
     def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
         self.k = cfg.draft.num_draft_tokens
+        self.max_rows = cfg.draft.disable_by_batch_size
         self.proposer = build(cfg.draft._target_, cfg, ctx)
         ctx.proposer = self.proposer
         self.metrics = ctx.metrics
         self.max_context = ctx.loaded.max_context
 
     def __call__(self, batch: Batch) -> None:
+        if self.max_rows is not None and sum(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests) > self.max_rows:
+            return   # a busy batch decodes plainly (and pipelined): drafts would cost more
         rows: list[int] = []
         limits: list[int] = []
         for row, req in enumerate(batch.requests):
