@@ -13,7 +13,11 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pipeline.errors import ConfigError
+from pipeline.draft.config import (DraftConfig, MtpDraftConfig, ModelDraftConfig,
+                                   NgramDraftConfig, NoDraftConfig)
+from pipeline.errors import ConfigError, check_positive as _positive
+from pipeline.kv.config import (DenseKvConfig, KvConfig, MixedKvConfig, PagedKvConfig,
+                                QuantizedKvConfig, TurboKvConfig)
 
 
 class Arch(Enum):
@@ -62,12 +66,6 @@ class ToolCallFormat(Enum):
     function_gemma = "function_gemma"  # <start_function_call>call:f{a:<escape>v<escape>}<end_function_call>
     gemma4 = "gemma4"              # <|tool_call>call:f{a:<|"|>v<|"|>}<tool_call|>
 
-
-def _positive(name: str, value: float | int | None, *, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
 
 
 @dataclass
@@ -291,190 +289,6 @@ class OffCacheConfig(CacheConfig):
         if self.ram_gb != 0:
             raise ConfigError(f"cache=off keeps nothing; got cache.ram_gb={self.ram_gb} "
                               "(use cache=ram to set a RAM budget)")
-
-
-TURBO_K_BITS = (2, 4, 5, 8)
-TURBO_V_BITS = (2, 3, 4, 5, 8)
-
-
-@dataclass
-class KvConfig:
-    """The KV layout of full-attention layers (SPEC §7). Recurrent state is never quantized;
-    sliding-window layers stay dense under every quantized layout."""
-
-    _target_: str = MISSING
-
-    @property
-    def name(self) -> str:
-        return "dense"
-
-    def __post_init__(self) -> None:
-        pass
-
-
-@dataclass
-class DenseKvConfig(KvConfig):
-    _target_: str = "pipeline.kv.layouts.DenseLayout"
-
-
-def _check_start(name: str, start: int) -> None:
-    if start < 0:
-        raise ConfigError(f"kv.quantized_start must be >= 0 tokens, got {start} (kv={name})")
-
-
-def _check_group(group_size: int) -> None:
-    if group_size not in (32, 64, 128):
-        raise ConfigError(f"kv.group_size must be one of 32, 64, 128, got {group_size}")
-
-
-@dataclass
-class QuantizedKvConfig(KvConfig):
-    """Uniform affine quantization (mlx-lm's QuantizedKVCache scheme)."""
-
-    _target_: str = "pipeline.kv.layouts.QuantizedLayout"
-    bits: int = 8
-    group_size: int = 64
-    quantized_start: int = 0   # tokens a row keeps dense before it converts
-
-    @property
-    def name(self) -> str:
-        return f"q{self.bits}"
-
-    def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ConfigError(f"kv.bits must be 4 or 8 (kv=q4 / kv=q8), got {self.bits}")
-        _check_group(self.group_size)
-        _check_start(self.name, self.quantized_start)
-
-
-@dataclass
-class TurboKvConfig(KvConfig):
-    """TurboQuant: affine keys, Hadamard-rotated Lloyd-Max values."""
-
-    _target_: str = "pipeline.kv.layouts.TurboLayout"
-    k_bits: int = 8
-    v_bits: int = 3
-    group_size: int = 64
-    quantized_start: int = 0
-
-    @property
-    def name(self) -> str:
-        return "turbo"
-
-    def __post_init__(self) -> None:
-        if self.k_bits not in TURBO_K_BITS:
-            raise ConfigError(f"kv.k_bits must be one of {', '.join(map(str, TURBO_K_BITS))} "
-                              f"for kv=turbo, got {self.k_bits}")
-        if self.v_bits not in TURBO_V_BITS:
-            raise ConfigError(f"kv.v_bits must be one of {', '.join(map(str, TURBO_V_BITS))} "
-                              f"for kv=turbo, got {self.v_bits}")
-        _check_group(self.group_size)
-        _check_start(self.name, self.quantized_start)
-
-
-@dataclass
-class MixedKvConfig(KvConfig):
-    """Per-layer key/value bits from a kv_config.json (format: README, KV layouts)."""
-
-    _target_: str = "pipeline.kv.layouts.MixedLayout"
-    config_path: str = MISSING
-    quantized_start: int = 0
-
-    @property
-    def name(self) -> str:
-        return "mixed"
-
-    def __post_init__(self) -> None:
-        _check_start(self.name, self.quantized_start)
-
-
-@dataclass
-class PagedKvConfig(KvConfig):
-    """Fixed-size blocks in one pool per layer; rows sharing a cached prefix share its blocks."""
-
-    _target_: str = "pipeline.kv.layouts.PagedLayout"
-    block_size: int = 256
-    pool_blocks: Optional[int] = None   # blocks per layer; unset: from pool_gb, else from memory
-    pool_gb: Optional[float] = None     # GiB for all layers' pools together
-
-    @property
-    def name(self) -> str:
-        return "paged"
-
-    def __post_init__(self) -> None:
-        _positive("kv.block_size", self.block_size, allow_none=False)
-        _positive("kv.pool_blocks", self.pool_blocks)
-        _positive("kv.pool_gb", self.pool_gb)
-        if self.pool_blocks is not None and self.pool_gb is not None:
-            raise ConfigError(f"kv.pool_blocks={self.pool_blocks} and kv.pool_gb={self.pool_gb} "
-                              "both size the pool; set one")
-
-
-@dataclass
-class DraftConfig:
-    """Speculative decoding: who proposes tokens for the target to verify (SPEC §4)."""
-
-    _target_: str = MISSING
-    num_draft_tokens: int = 3
-    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
-    disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
-                                                  # decode (unset: always)
-
-    @property
-    def name(self) -> str:
-        return "none"
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= 64:
-            raise ConfigError(
-                f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
-        _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
-        if self.path is not None and self.name != "model":
-            raise ConfigError(
-                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
-                "does not load a draft model")
-
-
-@dataclass
-class NoDraftConfig(DraftConfig):
-    _target_: str = "pipeline.draft.proposers.NoDraft"
-
-
-@dataclass
-class NgramDraftConfig(DraftConfig):
-    _target_: str = "pipeline.draft.proposers.NgramProposer"
-    num_draft_tokens: int = 10
-    ngram_min: int = 1
-    ngram_max: int = 3
-
-    @property
-    def name(self) -> str:
-        return "ngram"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"draft.ngram_min ({self.ngram_min}) must be >= 1 and <= "
-                              f"draft.ngram_max ({self.ngram_max})")
-
-
-@dataclass
-class ModelDraftConfig(DraftConfig):
-    _target_: str = "pipeline.draft.proposers.ModelProposer"
-    path: Optional[str] = MISSING
-
-    @property
-    def name(self) -> str:
-        return "model"
-
-
-@dataclass
-class MtpDraftConfig(DraftConfig):
-    _target_: str = "pipeline.draft.proposers.MtpProposer"
-
-    @property
-    def name(self) -> str:
-        return "mtp"
 
 
 @dataclass

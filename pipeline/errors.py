@@ -2,6 +2,14 @@
 from __future__ import annotations
 
 
+def check_positive(name: str, value: float | int | None, *, allow_none: bool = True) -> None:
+    """Launch-time check for config fields: raise ConfigError unless `value` is > 0."""
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
 class ConfigError(ValueError):
     """A config value that cannot work; raised at launch, before any model load."""
 

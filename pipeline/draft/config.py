@@ -1,0 +1,77 @@
+"""The `draft` config group (SPEC §3, §4): one schema per proposer option. Launch time, main
+thread; no mlx import."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+from pipeline.errors import ConfigError, check_positive as _positive
+
+
+@dataclass
+class DraftConfig:
+    """Speculative decoding: who proposes tokens for the target to verify (SPEC §4)."""
+
+    _target_: str = MISSING
+    num_draft_tokens: int = 3
+    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+    disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
+                                                  # decode (unset: always)
+
+    @property
+    def name(self) -> str:
+        return "none"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ConfigError(
+                f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
+        _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
+        if self.path is not None and self.name != "model":
+            raise ConfigError(
+                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
+                "does not load a draft model")
+
+
+@dataclass
+class NoDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.NoDraft"
+
+
+@dataclass
+class NgramDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.NgramProposer"
+    num_draft_tokens: int = 10
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    @property
+    def name(self) -> str:
+        return "ngram"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"draft.ngram_min ({self.ngram_min}) must be >= 1 and <= "
+                              f"draft.ngram_max ({self.ngram_max})")
+
+
+@dataclass
+class ModelDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.ModelProposer"
+    path: Optional[str] = MISSING
+
+    @property
+    def name(self) -> str:
+        return "model"
+
+
+@dataclass
+class MtpDraftConfig(DraftConfig):
+    _target_: str = "pipeline.draft.proposers.MtpProposer"
+
+    @property
+    def name(self) -> str:
+        return "mtp"
