@@ -189,6 +189,19 @@ ROWS: list[RowSpec] = [
             Query(f"sum by (proposer) ({rate('pipeserve_speculation_accepted_tokens_total')})",
                   "accepted {{proposer}}")]),
     ]),
+    RowSpec("KV layout", [
+        PanelSpec("KV held by running rows", [
+            Query(f"sum by (layout) ({m('pipeserve_kv_bytes')})", "{{layout}}")], "bytes",
+            description="sampled every 16 engine steps and when idle"),
+        PanelSpec("Paged pool blocks", [
+            Query(f"sum by (state) ({m('pipeserve_kv_pool_blocks')})", "{{state}}")],
+            description="kv=paged, summed over layers; shared = held by several rows or "
+                        "cache entries"),
+        PanelSpec("Conversions /s and bytes per token", [
+            Query(f"sum({rate('pipeserve_kv_conversions_total')})", "rows converted /s"),
+            Query(f"max({m('pipeserve_kv_bytes_per_token')})", "KV bytes per token")],
+            description="kv.quantized_start conversions; bytes per token of the served layout"),
+    ]),
     RowSpec("MLX memory", [
         PanelSpec("MLX memory", [
             Query(f"sum by (kind) ({m('pipeserve_mlx_memory_bytes')})", "{{kind}}"),

@@ -108,7 +108,7 @@ def test_dashboard_shape() -> None:
     assert variables["datasource"]["query"] == "prometheus"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Traffic & errors", "Latency", "Batching & queue", "Prompt cache",
-                    "Admission", "Speculation", "MLX memory"]
+                    "Admission", "Speculation", "KV layout", "MLX memory"]
     ids = [p["id"] for p in panels(d)]
     assert len(ids) == len(set(ids))
     text = DASHBOARD_JSON.read_text()
