@@ -165,13 +165,13 @@ class BlockPool:
         return src, dst
 
     def _reserve(self, blocks: int) -> None:
-        """Back at least `blocks` block ids with memory. The arrays grow geometrically as ids
+        """Back at least `blocks` block ids with memory. The arrays grow by half as ids
         are handed out (low ids first), so memory follows the peak in use, not the pool's
         configured size, and a huge pool costs nothing until it fills."""
         have = self.keys.shape[0]
         if blocks <= have:
             return
-        grow = min(self.num_blocks, max(blocks, 2 * have)) - have
+        grow = min(self.num_blocks, max(blocks, have + have // 2)) - have
 
         def more(a: mx.array) -> mx.array:
             return mx.concatenate([a, mx.zeros((grow, *a.shape[1:]), a.dtype)])
