@@ -30,8 +30,8 @@ class Draft:
         self.max_context = ctx.loaded.max_context
 
     def __call__(self, batch: Batch) -> None:
-        if self.max_rows is not None and sum(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests) > self.max_rows:
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests)
+        if self.max_rows is not None and decoding > self.max_rows:
             return   # a busy batch decodes plainly (and pipelined): drafts would cost more
         rows: list[int] = []
         limits: list[int] = []

@@ -6,8 +6,7 @@ shared batch a row's surplus becomes left padding), snapshot + replay for recurr
 Engine thread; reads the acceptance back to the host (a verify step is never pipelined)."""
 from __future__ import annotations
 
-import logging
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
@@ -15,10 +14,10 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from pipeline.config import ServeConfig
 from pipeline.draft.accept import accept_greedy, accept_sampling, emitted_lists
 from pipeline.errors import ConfigError
+from pipeline.kv.batch import drop_shared_padding, trim_rows
 from pipeline.request import Request
 from pipeline.stage import Batch, EngineContext
 
-log = logging.getLogger("pipeserve")
 
 
 class Verify:
@@ -28,7 +27,6 @@ class Verify:
         self.ctx = ctx
         self.model = ctx.model
         self.shared = cfg.scheduler.shared_decode
-        self.proposer_name = cfg.draft.name
         probe = ctx.layout.make_cache(ctx.model)
         for c in probe:
             if isinstance(c, RotatingKVCache) or not (c.is_trimmable() or
@@ -37,7 +35,6 @@ class Verify:
                     f"draft={cfg.draft.name} needs KV that can be rolled back; layer type "
                     f"{type(c).__name__} (kv={cfg.kv.name}) cannot be (sliding-window layers "
                     "are not supported with speculative decoding)")
-        self.recurrent = any(isinstance(c, ArraysCache) for c in probe)
         m = ctx.metrics
         self._proposed = m.spec_proposed.labels(cfg.draft.name)
         self._accepted = m.spec_accepted.labels(cfg.draft.name)
@@ -155,8 +152,8 @@ class Verify:
                 for c in caches:
                     c.trim(drop[0])
                 return
-            _trim_rows(caches, drop)
-            _drop_shared_padding(caches, len(drop))
+            trim_rows(caches, drop)
+            drop_shared_padding(caches, len(drop))
             return
         # recurrent layers: restore their state, trim attention to before the forward,
         # and replay each row's input + accepted drafts (right-padded)
@@ -189,37 +186,5 @@ class Verify:
         if batched and max(padding):
             for c in caches:
                 c.finalize()
-            _drop_shared_padding(caches, len(fed))
+            drop_shared_padding(caches, len(fed))
         mx.eval([c.state for c in caches])
-
-
-SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
-
-
-def _drop_shared_padding(caches: list[Any], rows: int) -> None:
-    """Rows that accept different numbers of drafts gain different left padding; once every
-    row has some, the batch is wider than any row needs: cut the common part (the same as a
-    filter that keeps every row)."""
-    keep = None
-    for c in caches:
-        pad = getattr(c, "left_padding", None)
-        if pad is None or isinstance(pad, list) and not pad:
-            continue
-        shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
-        if shared >= SHARED_PADDING_MAX:
-            keep = mx.arange(rows) if keep is None else keep
-            c.filter(keep)
-
-
-def _trim_rows(caches: list[Any], drop: list[int]) -> None:
-    """Batched attention caches: trim what every row drops, then roll each row's remaining
-    surplus to its left edge, where it becomes masked padding (mlx-lm's right-padding
-    finalize)."""
-    common = min(drop)
-    rest = [d - common for d in drop]
-    for c in caches:
-        if common:
-            c.trim(common)
-        if any(rest):
-            c.prepare(right_padding=rest)
-            c.finalize()

@@ -185,8 +185,7 @@ class ModelProposer(NoDraft):
         req.draft_state = None
 
     def _propose_batched(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
-        from pipeline.kv.batch import _merge
-        from stages.verify import _drop_shared_padding, _trim_rows
+        from pipeline.kv.batch import merge_layer, drop_shared_padding, trim_rows
         b, model = self.batch, self.draft.model
         ctxs = {id(r): context_ids(r) for r in reqs}
         b.keep(set(ctxs))   # rows that stopped drafting leave; the rest keep their order
@@ -195,8 +194,8 @@ class ModelProposer(NoDraft):
             valid = [min(f, len(ctxs[id(r)]) - 1) for r, f in zip(b.rows, b.fed)]
             drop = [f - v for f, v in zip(b.fed, valid)]
             if any(drop):
-                _trim_rows(b.caches, drop)
-                _drop_shared_padding(b.caches, len(drop))
+                trim_rows(b.caches, drop)
+                drop_shared_padding(b.caches, len(drop))
             b.fed = valid
         # newcomers: prefill their context but its last token alone, then join the batch
         present = {id(r) for r in b.rows}
@@ -213,7 +212,7 @@ class ModelProposer(NoDraft):
                     mx.eval([c.state for c in cache])
                 own.append(cache)
                 r.draft_state = b   # marks the row as drafted (usage.speculation)
-            merged = [_merge(list(layer)) for layer in zip(*own)]
+            merged = [merge_layer(list(layer)) for layer in zip(*own)]
             if b.caches is None:
                 b.caches = merged
             else:

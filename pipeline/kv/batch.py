@@ -70,7 +70,7 @@ class RowBatch:
             parts = [(joiners, None)]
         else:
             if self.solo:
-                self.caches = [_merge([layer]) for layer in self.caches]
+                self.caches = [merge_layer([layer]) for layer in self.caches]
                 self.solo = False
             parts = _batched_parts(joiners)
         for rows, caches in parts:
@@ -108,7 +108,8 @@ def _batched_parts(joiners: list[Request]) -> list[tuple[list[Request], list[Any
     plain = [r for r in joiners if r.prefill_group is None]
     parts: list[tuple[list[Request], list[Any]]] = []
     if plain:
-        parts.append((plain, [_merge(list(layer)) for layer in zip(*(r.cache for r in plain))]))
+        merged = [merge_layer(list(layer)) for layer in zip(*(r.cache for r in plain))]
+        parts.append((plain, merged))
     groups: dict[int, PrefillGroup] = {}
     for r in joiners:
         if r.prefill_group is not None:
@@ -130,7 +131,7 @@ def prefill_group(model: Any, members: list[Request], make_cache: Any) -> Prefil
     prompts = [r.prompt_ids[:-1] for r in members]
     lengths = [len(p) for p in prompts]
     width = max(lengths)
-    caches = [_merge(list(layer)) for layer in zip(*(make_cache() for _ in members))]
+    caches = [merge_layer(list(layer)) for layer in zip(*(make_cache() for _ in members))]
     padding = [width - n for n in lengths]
     if max(padding):
         for c in caches:
@@ -147,9 +148,41 @@ def prefill_group(model: Any, members: list[Request], make_cache: Any) -> Prefil
     return group
 
 
-def _merge(layers: list[Any]) -> Any:
+def merge_layer(layers: list[Any]) -> Any:
     """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods)."""
     merge = getattr(type(layers[0]), "merge", None)
     if merge is None:
         raise TypeError(f"{type(layers[0]).__name__} cannot join a shared decode batch")
     return merge(layers)
+
+
+SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
+
+
+def drop_shared_padding(caches: list[Any], rows: int) -> None:
+    """Rows that accept different numbers of drafts gain different left padding; once every
+    row has some, the batch is wider than any row needs: cut the common part (the same as a
+    filter that keeps every row)."""
+    keep = None
+    for c in caches:
+        pad = getattr(c, "left_padding", None)
+        if pad is None or isinstance(pad, list) and not pad:
+            continue
+        shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
+        if shared >= SHARED_PADDING_MAX:
+            keep = mx.arange(rows) if keep is None else keep
+            c.filter(keep)
+
+
+def trim_rows(caches: list[Any], drop: list[int]) -> None:
+    """Batched attention caches: trim what every row drops, then roll each row's remaining
+    surplus to its left edge, where it becomes masked padding (mlx-lm's right-padding
+    finalize)."""
+    common = min(drop)
+    rest = [d - common for d in drop]
+    for c in caches:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
