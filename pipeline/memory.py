@@ -21,9 +21,13 @@ class MemoryModel:
     device_bytes: int                # what the estimate may use (budget, or device share)
     max_context: int                 # the model's (or configured) context limit
     enforced: bool                   # admission=budget with memory_budget_gb
+    kv_granularity: int = 1          # tokens a row's KV is allocated in (kv=paged: a block)
 
     def kv_bytes(self, tokens: int) -> int:
-        """KV of one row holding `tokens` tokens (sliding layers capped at their window)."""
+        """KV of one row holding `tokens` tokens (sliding layers capped at their window), in
+        whole allocation units (a paged row holds whole blocks)."""
+        g = self.kv_granularity
+        tokens = -(-tokens // g) * g
         full = self.kv_bytes_per_token - self.windowed_bytes_per_token
         windowed = min(tokens, self.window_tokens or tokens) * self.windowed_bytes_per_token
         return tokens * full + windowed + self.state_bytes_per_row
@@ -90,4 +94,5 @@ def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
                        window_tokens=window, windowed_bytes_per_token=windowed,
                        state_bytes_per_row=state, prefill_temp_bytes=temp,
                        device_bytes=device, max_context=loaded.max_context,
-                       enforced=budget_gb is not None)
+                       enforced=budget_gb is not None,
+                       kv_granularity=getattr(getattr(layout, "cfg", None), "block_size", 1))

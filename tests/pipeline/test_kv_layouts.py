@@ -262,3 +262,12 @@ def test_sliding_window_layers_stay_dense_with_one_warning(engine_factory, caplo
     assert any(getattr(c, "target_layout", "").endswith("TurboKVCache") for c in caches)
     got = h.generate([5, 6, 7, 8, 9], max_tokens=8, logit_bias={0: -1e9, 1: -1e9, 2: -1e9})
     assert len(got["ids"]) == 8 and got["finish"] == "length"
+
+
+def test_paged_rows_are_billed_in_whole_blocks(engine_factory) -> None:
+    """Admission reserves what a paged row really takes: whole blocks, not exact tokens."""
+    h = engine_factory("kv=paged", "kv.block_size=16", "kv.pool_blocks=64", "cache=off")
+    mem = h.engine.memory
+    assert mem.kv_bytes(17) == mem.kv_bytes(32) == 2 * mem.kv_bytes(16)
+    dense = engine_factory("kv=dense", "cache=off").engine.memory
+    assert dense.kv_bytes(17) < dense.kv_bytes(32)
