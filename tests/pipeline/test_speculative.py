@@ -232,3 +232,24 @@ def test_drafting_pauses_above_a_batch_size(engine_factory) -> None:
     before = counter(capped, "spec_proposed", "ngram")
     run(capped, 1, max_tokens=30)   # alone: drafts again
     assert counter(capped, "spec_proposed", "ngram") > before
+
+
+@pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("model", "tiny"),
+                                            ("model", "hybrid"), ("mtp", "hybrid")])
+def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(
+        engine_factory, model_cache: Path, tmp_path: Path, proposer: str, model: str) -> None:
+    """A drafted request served from a hot prompt cache, then from the SSD tier after a
+    restart, gives the plain cold run's tokens (hybrid: exact stored boundaries)."""
+    plain = engine_factory(f"model={model}", "cache=off")
+    prompt = prompts(plain, 1)[0]
+    expected = plain.generate(prompt, max_tokens=24)["ids"]
+    ssd = ["cache=ssd", f"cache.ssd.dir={tmp_path}"]
+    first = engine_factory(f"model={model}", *ssd, *draft_overrides(proposer, model, model_cache))
+    assert first.generate(prompt, max_tokens=24)["ids"] == expected
+    hot = first.generate(prompt, max_tokens=24)
+    assert hot["cached"] > 0 and hot["ids"] == expected
+    assert first.engine.flush_cache().wait(60)
+    first.close()
+    second = engine_factory(f"model={model}", *ssd, *draft_overrides(proposer, model, model_cache))
+    restored = second.generate(prompt, max_tokens=24)
+    assert restored["cached"] > 0 and restored["ids"] == expected
