@@ -8,6 +8,7 @@ recurrent state is never quantized. Built on the engine thread at load."""
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,13 +111,14 @@ def _affine_bytes(layer: AttentionLayer, k_bits: int, v_bits: int, group: int) -
     return n * (k_bits / 8 + per_group) + n * (v_bits / 8 + per_group)
 
 
-class _Converting(DenseLayout):
+class _Converting(DenseLayout, ABC):
     """Layouts that quantize: rows stay dense until `quantized_start` tokens, then convert."""
 
     grouped_prefill = False
 
-    def target(self, index: int) -> tuple[type, dict[str, Any]]:
-        raise NotImplementedError
+    @abstractmethod
+    def target(self, index: int) -> tuple[type | None, dict[str, Any]]:
+        """The cache class (None: keep the layer dense) and its parameters for one layer."""
 
     def layer_cache(self, index: int, dense: KVCache) -> Any:
         cls, params = self.target(index)

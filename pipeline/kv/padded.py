@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
 
 class LeftPaddedBatch(_BaseCache):
@@ -44,6 +44,18 @@ class LeftPaddedBatch(_BaseCache):
             self.offset = self.offset - mx.array(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
+
+    def finalize(self) -> None:
+        """After a right-padded forward: roll each row's padding to its left edge."""
+        if self._right_padding is None:
+            return
+        pad = self._right_padding[:, None]
+        if self.keys is not None:
+            self.keys = tuple(dynamic_roll(x, pad, axis=2) for x in self.keys)
+            self.values = tuple(dynamic_roll(x, pad, axis=2) for x in self.values)
+        self.offset = self.offset - self._right_padding
+        self.left_padding = self.left_padding + self._right_padding
+        self._right_padding = None
 
     def filter(self, batch_indices: mx.array) -> None:
         """Keep only the rows `batch_indices`, in that order; drop padding they all share."""

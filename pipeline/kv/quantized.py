@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (BatchKVCache, KVCache, _BaseCache, create_attention_mask,
-                                 dynamic_roll)
+from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
 from pipeline.kv.padded import LeftPaddedBatch
 
@@ -216,15 +215,6 @@ class BatchAffineKVCache(LeftPaddedBatch):
         return quantized_attention(queries, keys, values, scale=scale, mask=mask,
                                    group_size=self.group_size, k_bits=self.k_bits,
                                    v_bits=self.v_bits)
-
-    def finalize(self) -> None:
-        if self._right_padding is not None:
-            shift = self._right_padding[:, None]
-            self.keys = tuple(dynamic_roll(x, shift, axis=2) for x in self.keys)
-            self.values = tuple(dynamic_roll(x, shift, axis=2) for x in self.values)
-            self.offset = self.offset - self._right_padding
-            self.left_padding = self.left_padding + self._right_padding
-            self._right_padding = None
 
     @property
     def state(self) -> tuple[Any, ...]:

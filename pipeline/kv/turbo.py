@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask, dynamic_roll
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from pipeline.kv.padded import LeftPaddedBatch
 from pipeline.kv.turbo_codec import (  # the codec; re-exported for callers
@@ -169,18 +169,6 @@ class BatchTurboKVCache(_Turbo, LeftPaddedBatch):
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
         return _view(self.keys, 0, self._idx), _view(self.values, 0, self._idx)
-
-    def finalize(self) -> None:
-        """After a right-padded prefill: roll each row's padding to the left."""
-        if self._right_padding is None:
-            return
-        pad = self._right_padding[:, None]
-        if self.keys is not None:
-            self.keys = tuple(dynamic_roll(p, pad, axis=2) for p in self.keys)
-            self.values = tuple(dynamic_roll(p, pad, axis=2) for p in self.values)
-        self.offset = self.offset - self._right_padding
-        self.left_padding = self.left_padding + self._right_padding
-        self._right_padding = None
 
     @property
     def state(self) -> tuple[Any, ...]:
