@@ -70,7 +70,7 @@ class Verify:
                 self._accepted.inc(a)
                 self._verifies.inc()
                 self._emitted.observe(len(e))
-            proposer.settle(req, batch.width, a)
+            proposer.settle(req)   # after the accounting: the KV length is final
         batch.emitted = emitted
         last = mx.array([e[-1] for e in emitted], dtype=mx.uint32)
         if self.shared:

@@ -34,8 +34,8 @@ class NoDraft:
     def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
         return [[] for _ in reqs]
 
-    def settle(self, req: Request, num_fed: int, num_accepted: int) -> None:
-        pass
+    def settle(self, req: Request) -> None:
+        """After verify (the row's KV length final): drop draft state past what was kept."""
 
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         """The target's hidden states of `req` from `position` on (draft=mtp only)."""
@@ -248,7 +248,7 @@ class ModelProposer(NoDraft):
         by_row = {id(r): d[:limit[id(r)]] for r, d in zip(b.rows, rows)}
         return [by_row[id(r)] for r in reqs]
 
-    def settle(self, req: Request, num_fed: int, num_accepted: int) -> None:
+    def settle(self, req: Request) -> None:
         """After verify: keep the draft KV only for the context the target confirmed."""
         row = req.draft_state
         if not isinstance(row, _DraftRow):
@@ -356,7 +356,7 @@ class MtpProposer(NoDraft):
             return None, None   # the head is behind the input token: no draft this round
         return logits, g
 
-    def settle(self, req: Request, num_fed: int, num_accepted: int) -> None:
+    def settle(self, req: Request) -> None:
         row = req.draft_state
         if isinstance(row, _MtpRow) and row.extra:
             for c in row.cache:
