@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai
+import pytest
+
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk
 
 TEXT = "Tell me about the morning train that left the station at seven. " * 4
@@ -38,3 +41,17 @@ def test_layouts_over_http(server_factory) -> None:
     assert out.usage.completion_tokens == 20
     assert out.usage.model_extra["pipeserve"]["kv_scheme"] == "turbo"
     assert per_token(turbo.base_url) < dense_bytes
+
+
+def test_a_request_larger_than_the_paged_pool_is_refused_and_the_server_goes_on(
+        server_factory) -> None:
+    s = server_factory("kv=paged", "kv.block_size=16", "kv.pool_blocks=8")   # 128 tokens
+    client = sdk(s.base_url)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 200, max_tokens=20)
+    body = e.value.body
+    assert body["type"] == "memory_admission" and body["code"] == "kv_over_budget"
+    assert "128 tokens" in body["message"] and body["param"] == "max_tokens"
+    small = client.completions.create(model="tiny", prompt="hello", max_tokens=8,
+                                      logit_bias=NO_EOS)
+    assert small.usage.completion_tokens == 8
