@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -213,12 +214,18 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))  # lazy init: only shapes/names are used
     mx_dtype = getattr(mx, dtype)
+    params = [(name, tuple(param.shape)) for name, param in sorted(tree_flatten(model.parameters()))
+              # gemma3_text drops lm_head when the checkpoint lacks it
+              if not (name.startswith("lm_head") and config["tie_word_embeddings"])]
+
+    # Each tensor has its own seeded generator and numpy samples outside the GIL, so threads give
+    # the same bytes as a loop; an 8B-shaped model is mostly this sampling. MLX streams belong to
+    # the calling thread, so the conversion stays here.
     weights: dict[str, Any] = {}
-    for name, param in sorted(tree_flatten(model.parameters())):
-        if name.startswith("lm_head") and config["tie_word_embeddings"]:
-            continue  # gemma3_text drops lm_head when the checkpoint lacks it
-        arr = _fill(name, tuple(param.shape), arch, config["hidden_size"])
-        weights[name] = mx.array(arr).astype(mx_dtype)
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        arrays = pool.map(lambda item: _fill(*item, arch, config["hidden_size"]), params)
+        for (name, _), arr in zip(params, arrays):
+            weights[name] = mx.array(arr).astype(mx_dtype)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights, model
     if config.get("num_nextn_predict_layers"):
