@@ -77,6 +77,7 @@ class Row:
     acceptance: float = float("nan")        # accepted / proposed
     kv_bytes_per_token: float = float("nan")  # the server's pipeserve_kv_bytes_per_token gauge
     errors: int = 0                         # requests the server failed (error event)
+    decode_full_tok_s: float = float("nan")  # all streams' tokens while every stream decodes
 
 
 def _free_port() -> int:
@@ -174,6 +175,22 @@ async def _one_try(client: httpx.AsyncClient, url: str, model: str, prompt: str,
             "prompt_tokens": usage.get("prompt_tokens"), "speculation": usage.get("speculation")}
 
 
+def _full_batch_rate(results: list[dict[str, Any]], b: BenchConfig) -> float:
+    """Batched decode rate with every stream decoding: the tokens all streams received between
+    the last stream's first token and the first stream's end, over that window. Unlike
+    decode_agg it leaves out steps that also prefilled someone's prompt. Counted in chunks, one
+    per token, so it is nan when speculation (several tokens per chunk) took part, and when the
+    window holds fewer than two tokens per stream."""
+    firsts = results[::b.requests_per_stream]   # each stream's first request
+    if any(not r["stamps"] or r["end"] != r["end"] or (r.get("speculation") or {}).get("accepted")
+           for r in results):
+        return float("nan")
+    w0 = max(r["stamps"][0] for r in firsts)
+    w1 = min(r["end"] for r in firsts)
+    n = sum(1 for r in results for t in r["stamps"] if w0 < t <= w1)
+    return n / (w1 - w0) if w1 > w0 and n >= 2 * b.streams else float("nan")
+
+
 async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float]) -> dict[str, Any]:
     prompts = _prompts(b)
     url = f"{base_url}/v1/completions"
@@ -216,12 +233,13 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     timed = [r for r in results if r["stamps"] and r["end"] == r["end"]]
     span = (max(r["end"] for r in timed) - min(r["stamps"][0] for r in timed)) if timed else 0.0
     decode_agg = sum(r["tokens"] - 1 for r in timed) / span if span > 0 else float("nan")
+    decode_full = _full_batch_rate(results, b)
     ptoks = [r["prompt_tokens"] for r in results if r["prompt_tokens"] is not None]
     prefill = [r["prompt_tokens"] / (r["stamps"][0] - r["t0"]) for r in results
                if r["prompt_tokens"] is not None and r["stamps"]]
     specs = [r["speculation"] for r in results if r["speculation"]]
     return {"requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
-            "per_stream": per_stream, "decode_agg": decode_agg,
+            "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
             "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
             "prefill": statistics.mean(prefill) if prefill else float("nan"),
             "spec_proposed": sum(int(x.get("proposed", 0)) for x in specs),
@@ -293,7 +311,7 @@ def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: 
                round(m.get("prefill", float("nan")), 1),
                round(m.get("decode_agg", float("nan")), 2), proposed, accepted,
                round(accepted / proposed, 3) if proposed else float("nan"), kv_bytes,
-               m.get("errors", 0))
+               m.get("errors", 0), round(m.get("decode_full", float("nan")), 2))
 
 
 BARE_LOOP = r"""

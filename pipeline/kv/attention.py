@@ -47,6 +47,17 @@ def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scal
     return out.reshape(B, n_q, L, values.shape[-1])
 
 
+def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    mask: Any) -> mx.array:
+    """Attention over dense keys/values held outside mlx-lm's caches (a layout that
+    dequantizes on CUDA, a row still before its conversion boundary): the composed path where
+    `dispatch` would take it, else MLX's fused kernel."""
+    if composed and 1 <= queries.shape[2] <= COMPOSED_MAX_QUERIES and (
+            queries.shape[2] > 1 or mask is not None):
+        return composed_attention(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
              sinks: Any = None) -> Any:
     attend = getattr(cache, "attend", None)
@@ -54,10 +65,8 @@ def dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mas
         if sinks is not None:
             raise ValueError(f"{type(cache).__name__} does not support attention sinks")
         return attend(queries, keys, values, scale=scale, mask=mask)
-    if (composed and sinks is None and not hasattr(cache, "bits")
-            and 1 <= queries.shape[2] <= COMPOSED_MAX_QUERIES
-            and (queries.shape[2] > 1 or mask is not None)):
-        return composed_attention(queries, keys, values, scale, mask)
+    if sinks is None and not hasattr(cache, "bits"):
+        return dense_attention(queries, keys, values, scale, mask)
     return _stock(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

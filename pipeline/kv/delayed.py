@@ -40,6 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
+from pipeline.kv.attention import dense_attention
 
 num_conversions = 0
 on_convert: Callable[[int], None] | None = None
@@ -65,11 +66,6 @@ def _counted(num_tokens: int) -> None:
     num_conversions += 1
     if on_convert is not None:
         on_convert(num_tokens)
-
-
-def _dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     mask: Any) -> mx.array:
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def _batch_layout(name: str, params: tuple[tuple[str, Any], ...]) -> type:
@@ -143,7 +139,7 @@ class DelayedKVCache(_BaseCache):
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float,
                mask: Any) -> mx.array:
         if self.attend_dense:
-            return _dense_attention(queries, keys, values, scale, mask)
+            return dense_attention(queries, keys, values, scale, mask)
         return self._view().attend(queries, keys, values, scale=scale, mask=mask)
 
     @property
@@ -246,11 +242,11 @@ class DelayedBatchKVCache(_BaseCache):
                mask: Any) -> mx.array:
         (dense_k, target_k), (dense_v, target_v) = keys, values
         if target_k is None:
-            return _dense_attention(queries, dense_k, dense_v, scale, mask)
+            return dense_attention(queries, dense_k, dense_v, scale, mask)
         quant = self.target.attend(queries, target_k, target_v, scale=scale, mask=mask)
         if dense_k is None:
             return quant
-        plain = _dense_attention(queries, dense_k, dense_v, scale, mask)
+        plain = dense_attention(queries, dense_k, dense_v, scale, mask)
         return mx.where(mx.array(self.attend_target)[:, None, None, None], quant, plain)
 
     def _inner(self) -> list[Any]:

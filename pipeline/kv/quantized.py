@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
+from pipeline.kv.attention import dense_attention, on_cuda
 from pipeline.kv.padded import LeftPaddedBatch
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -21,29 +22,39 @@ STEP = 256
 Quantized = tuple[mx.array, mx.array, mx.array]   # (packed uint32, scales, biases)
 
 
-def _cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
-
-
 def qmatmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, transpose: bool,
             group_size: int, bits: int) -> mx.array:
     """mx.quantized_matmul, except on CUDA, where MLX 0.32 has no kernel for attention's shapes
     (measured on the H200: none for a 2k-row prefill chunk nor for a one-row decode step against
     8k quantized keys): there the operand is dequantized and multiplied in the activations'
     dtype. CPU and Metal take quantized_matmul (mlx-lm's arithmetic)."""
-    if _cuda():
+    if on_cuda():
         full = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)
         return x @ (full.swapaxes(-1, -2) if transpose else full)
     return mx.quantized_matmul(x, w, scales, biases, transpose=transpose,
                                group_size=group_size, bits=bits)
 
 
+def dequantized_attention(queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
+                          mask: Any, group_size: int, k_bits: int, v_bits: int) -> mx.array:
+    """The CUDA path: keys and values dequantized to the queries' dtype, then the dense
+    attention (MLX's fused kernel, or the composed one for decode/verify steps). It reads the
+    quantized bytes once and writes a transient dense copy, where quantized_attention's
+    fallback multiplied broadcast copies per query head group."""
+    k = mx.dequantize(*keys, group_size=group_size, bits=k_bits).astype(queries.dtype)
+    v = mx.dequantize(*values, group_size=group_size, bits=v_bits).astype(queries.dtype)
+    return dense_attention(queries, k, v, scale, mask)
+
+
 def quantized_attention(queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
                         mask: Any, group_size: int, k_bits: int, v_bits: int) -> mx.array:
     """Attention over quantized keys/values; the same ops, in the same order, as mlx-lm's
     quantized_scaled_dot_product_attention, with separate key and value bit widths. `mask` is
-    None, "causal", a bool array (True = attend) or an additive array."""
+    None, "causal", a bool array (True = attend) or an additive array. On CUDA:
+    dequantized_attention."""
+    if on_cuda():
+        return dequantized_attention(queries, keys, values, scale=scale, mask=mask,
+                                     group_size=group_size, k_bits=k_bits, v_bits=v_bits)
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads

@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from pipeline.kv.attention import dense_attention, on_cuda
 from pipeline.kv.quantized import qmatmul
 
 K_BITS = (2, 4, 5, 8)
@@ -213,6 +214,12 @@ def turbo_attention(queries: mx.array, keys: tuple[mx.array, ...], values: tuple
     """softmax(q·k_quant^T · scale + mask) @ v_rot, rotated back once per query; GQA by
     grouping the query heads over each KV head. keys/values as the caches return them."""
     B, n_q_heads, L, D = queries.shape
+    if on_cuda() and D == _key_dim(D):
+        # CUDA (no quantized_matmul kernel for these shapes): dense keys and rotated values
+        # through the dense attention, one transient copy of each, rotated back once.
+        k = mx.dequantize(*keys, group_size=_key_group(D, group_size), bits=k_bits)
+        v = decode_values(*values, v_bits, D, queries.dtype)
+        return unrotate(dense_attention(queries, k.astype(queries.dtype), v, scale, mask), seed)
     n_kv_heads = keys[0].shape[1]
     rep = n_q_heads // n_kv_heads
     q = queries * scale

@@ -43,3 +43,38 @@ def test_batched_engine_through_composed_attention_gives_the_same_tokens(
     reqs = [h.request(p, max_tokens=12, logit_bias=EOS_OFF) for p in PROMPTS[:4]]
     assert [g["ids"] for g in asyncio.run(h.generate_many(reqs))] == expected
     monkeypatch.setattr(attention, "composed", False)
+
+
+@pytest.mark.parametrize("q_len,mask_kind", [(1, "none"), (6, "causal"), (1, "padded")])
+@pytest.mark.parametrize("layout", ["q8", "q4", "turbo"])
+def test_cuda_dequantized_path_equals_the_quantized_arithmetic(monkeypatch, layout: str,
+                                                               q_len: int, mask_kind: str) -> None:
+    """On CUDA the quantized layouts dequantize once and run the dense attention (MLX has no
+    quantized_matmul kernel for these shapes there); forced here on the CPU, the result equals
+    the quantized arithmetic the CPU and Metal keep."""
+    from pipeline.kv import quantized, turbo_codec
+    B, Hq, Hkv, T, D = 3, 8, 2, 200, 128
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+               enumerate([(B, Hq, q_len, D), (B, Hkv, T, D), (B, Hkv, T, D)]))
+    mask = {"none": None, "causal": "causal",
+            "padded": create_causal_mask(q_len, offset=T - q_len,
+                                         left_padding=mx.array([0, 7, 13]))}[mask_kind]
+    if layout == "turbo":
+        keys, values = turbo_codec.encode_keys(k, 8), turbo_codec.encode_values(v, 3)
+
+        def attend() -> mx.array:
+            return turbo_codec.turbo_attention(q, keys, values, scale=D ** -0.5, mask=mask,
+                                               k_bits=8, v_bits=3, group_size=64)
+    else:
+        bits = int(layout[1])
+        keys, values = (tuple(mx.quantize(x, group_size=64, bits=bits)) for x in (k, v))
+
+        def attend() -> mx.array:
+            return quantized.quantized_attention(q, keys, values, scale=D ** -0.5, mask=mask,
+                                                 group_size=64, k_bits=bits, v_bits=bits)
+    reference = attend()
+    for module in (quantized, turbo_codec):
+        monkeypatch.setattr(module, "on_cuda", lambda: True)
+    for composed in (False, True):
+        monkeypatch.setattr(attention, "composed", composed)
+        assert mx.allclose(attend(), reference, atol=1e-4, rtol=1e-3).item(), composed
