@@ -40,7 +40,8 @@ class BenchConfig:
     workload: str = "single"        # single | concurrent (mixed lengths) | shared_prefix |
     #                                 distinct (long prompts sharing nothing) | cache_ttft |
     #                                 copy (asks to repeat a prose passage) |
-    #                                 repetitive (one short sentence repeated: n-gram lookup hits)
+    #                                 repetitive (one short sentence repeated: n-gram lookup hits) |
+    #                                 steps (no server: one forward per step shape, timed)
     streams: int = 1                # concurrent client streams
     requests_per_stream: int = 1    # requests each stream sends back to back
     prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
@@ -51,6 +52,8 @@ class BenchConfig:
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
     prompt_file: str | None = None  # use this file's text as every prompt (overrides workload text)
+    step_context: int = 1024        # workload=steps: tokens already in the cache
+    step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
 
 
 @dataclass
@@ -336,6 +339,69 @@ print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
 """
 
 
+STEP_PROBE = r"""
+import sys, time, json, statistics
+path, compute, ctx, width, streams = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+from pipeline.config import ModelConfig, ComputeDType   # first: interposes the CPU BLAS
+from pipeline.kv import attention
+from pipeline.loader import _cast_weights
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache
+model, _ = load(path)
+_cast_weights(model, ModelConfig(compute_dtype=ComputeDType(compute)))
+attention.install(model)
+vocab = model.args.vocab_size
+for rows in sorted({1, streams}):
+    for w in sorted({1, width}):
+        for composed in (False, True):
+            attention.composed = composed
+            # rows > 1: left-padded like the engine's batch, so every step carries a mask
+            cache = ([KVCache() for _ in model.layers] if rows == 1 else
+                     [BatchKVCache(left_padding=[(7 * i) % 37 for i in range(rows)])
+                      for _ in model.layers])
+            toks = mx.random.randint(0, vocab, (rows, ctx))
+            for s in range(0, ctx, 2048):
+                model(toks[:, s:s + 2048], cache=cache)
+                mx.eval([c.state for c in cache])
+            times = []
+            for i in range(46):
+                t = mx.random.randint(0, vocab, (rows, w))
+                mx.eval(t)
+                t0 = time.perf_counter()
+                mx.eval(model(t, cache=cache))
+                times.append(time.perf_counter() - t0)
+                if w > 1:
+                    for c in cache:
+                        c.trim(w - 1)   # the key length grows by one per step, as in decode
+            print(json.dumps({"rows": rows, "width": w, "composed": composed,
+                              "ms": statistics.median(times[6:]) * 1e3}), flush=True)
+            del cache
+            mx.clear_cache()
+"""
+
+
+def _step_probe(b: BenchConfig, cfg: ServeConfig, model_dir: Path, out: Path) -> list[Row]:
+    """One forward per step shape (one row or `streams` padded rows; one token or
+    `step_width`), MLX's fused attention against the composed one, at `step_context` tokens:
+    what a decode or verify step costs on this device without the server around it."""
+    res = subprocess.run([sys.executable, "-c", STEP_PROBE, str(model_dir),
+                          cfg.model.compute_dtype.value, str(b.step_context), str(b.step_width),
+                          str(b.streams)], capture_output=True, text=True, check=True, cwd=ROOT,
+                         timeout=b.timeout_s)
+    rows = []
+    for line in res.stdout.strip().splitlines():
+        r = json.loads(line)
+        label = (f"step: {r['rows']} row(s) x {r['width']} token(s), "
+                 f"{'composed' if r['composed'] else 'fused'} attention")
+        rows.append(Row(label, "steps", r["rows"], 1, r["rows"] * r["width"], float("nan"),
+                        round(1000 * r["rows"] / r["ms"], 2), float("nan"), float("nan"),
+                        float("nan"), round(r["ms"], 2), float("nan"), float("nan"),
+                        f"step_context={b.step_context}"))
+    _write(out, rows)
+    return rows
+
+
 def run_bench(raw: DictConfig) -> list[Row]:
     cfg = load_config(raw)            # same checks as serve.py, before anything starts
     b = cfg.bench
@@ -348,6 +414,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
     eos_bias = {str(i): -100.0 for i in eos}
     rows: list[Row] = []
 
+    if b.workload == "steps":
+        return _step_probe(b, cfg, model_dir, out)
     if b.workload == "cache_ttft":
         rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
         _write(out, rows)
