@@ -110,8 +110,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                 "version": _version("pipeserve"), "mlx_version": _version("mlx"),
                 "device": engine.device, "model": cfg.model.name,
                 "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash})
-            log.info("ready: model %s (%d params) on %s, listening on %s:%d", cfg.model.name,
-                     loaded.num_params, engine.device, cfg.server.host, cfg.server.port)
+            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d",
+                     cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
+                     cfg.server.host, cfg.server.port)
         app.add_task(wait())
 
     @app.before_server_stop

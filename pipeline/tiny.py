@@ -238,7 +238,8 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_prefix_space": False,
         "added_tokens_decoder": added, "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "clean_up_tokenization_spaces": False, "errors": "replace", "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "errors": "replace",
+        "model_max_length": config["max_position_embeddings"],
         "split_special_tokens": False, "chat_template": CHAT_TEMPLATE,
     }
     special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
