@@ -117,7 +117,30 @@ def _nbytes(*stores: Quantized | None) -> int:
     return sum(x.nbytes for s in stores if s is not None for x in s)
 
 
-class AffineKVCache(_BaseCache):
+class _Affine(_BaseCache):
+    """What the row and batch caches share: attention over the quantized tuples, size."""
+
+    keys: Quantized | None
+    values: Quantized | None
+    k_bits: int
+    v_bits: int
+    group_size: int
+
+    def attend(self, queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
+               mask: Any) -> mx.array:
+        return quantized_attention(queries, keys, values, scale=scale, mask=mask,
+                                   group_size=self.group_size, k_bits=self.k_bits,
+                                   v_bits=self.v_bits)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.keys, self.values)
+
+
+class AffineKVCache(_Affine):
     """One row's (batch dim 1) affine-quantized keys and values. `offset` is the number of
     tokens held. `update_and_fetch` returns quantized tuples that only `attend` understands."""
 
@@ -138,12 +161,6 @@ class AffineKVCache(_BaseCache):
         self.values = _append(self.values, _quantize(values, self.group_size, self.v_bits), prev)
         self.offset += keys.shape[2]
         return _upto(self.keys, self.offset), _upto(self.values, self.offset)
-
-    def attend(self, queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
-               mask: Any) -> mx.array:
-        return quantized_attention(queries, keys, values, scale=scale, mask=mask,
-                                   group_size=self.group_size, k_bits=self.k_bits,
-                                   v_bits=self.v_bits)
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -167,13 +184,6 @@ class AffineKVCache(_BaseCache):
     def size(self) -> int:
         return self.offset
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.keys, self.values)
-
     @classmethod
     def merge(cls, caches: list[AffineKVCache]) -> BatchAffineKVCache:
         return BatchAffineKVCache.merge(caches)
@@ -190,7 +200,7 @@ class AffineKVCache(_BaseCache):
         return cache
 
 
-class BatchAffineKVCache(LeftPaddedBatch):
+class BatchAffineKVCache(_Affine, LeftPaddedBatch):
     """Rows of AffineKVCache in one left-padded batch, with mlx-lm BatchKVCache's semantics:
     `left_padding` and `offset` are per-row arrays (offset = tokens a row holds), `_idx` is the
     shared write position, and the mask hides each row's left padding."""
@@ -220,12 +230,6 @@ class BatchAffineKVCache(LeftPaddedBatch):
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
         return _upto(self.keys, self._idx), _upto(self.values, self._idx)
-
-    def attend(self, queries: mx.array, keys: Quantized, values: Quantized, *, scale: float,
-               mask: Any) -> mx.array:
-        return quantized_attention(queries, keys, values, scale=scale, mask=mask,
-                                   group_size=self.group_size, k_bits=self.k_bits,
-                                   v_bits=self.v_bits)
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -312,10 +316,3 @@ class BatchAffineKVCache(LeftPaddedBatch):
         right = batch._right_padding
         cache._right_padding = None if right is None else right[...]
         return cache
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.keys, self.values)
