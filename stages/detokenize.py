@@ -3,8 +3,9 @@ the decoded text and never emitted; tool-call and think markers survive decoding
 parsers (pipeline/api/generation.py). Event loop, one TextStream per request; no MLX."""
 from __future__ import annotations
 
+import codecs
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.api.reasoning import THINK_PAIRS
 from pipeline.api.tools import all_markers
@@ -12,21 +13,33 @@ from pipeline.config import ServeConfig
 from pipeline.loader import LoadedModel
 
 # How many already-emitted tokens to re-decode in front of new ones, so tokenizers whose
-# decode depends on the left context (leading-space rules) stay correct.
+# decode depends on the left context (leading-space rules) stay correct. Text path only.
 CONTEXT_TOKENS = 5
+# Text path: the most tokens held back while the decoded text ends in U+FFFD. An incomplete
+# UTF-8 sequence is at most 3 bytes and every token carries at least one, so a U+FFFD that
+# 3 more tokens have not completed is an invalid sequence, emitted as it is.
+MAX_HELD_TOKENS = 3
 
 
 class TextStream:
     """Feed token ids, get printable text. Holds back (a) an incomplete UTF-8 sequence and
     (b) a tail that could still become a stop string. After a stop match, `stopped` is set
-    and nothing more is emitted."""
+    and nothing more is emitted.
 
-    def __init__(self, decode: Any, stop: list[str]) -> None:
+    Byte-level tokenizers (`piece` given: token id → its bytes, b"" for a hidden special
+    token) are decoded byte by byte through an incremental UTF-8 decoder: only a valid
+    incomplete sequence (at most 3 bytes) waits for the next token, invalid bytes come out as
+    U+FFFD at once, and each token costs O(its bytes). Other tokenizers re-decode a bounded
+    window (CONTEXT_TOKENS of left context + at most MAX_HELD_TOKENS held)."""
+
+    def __init__(self, decode: Any, stop: list[str],
+                 piece: Callable[[int], bytes] | None = None) -> None:
         self._decode = decode
+        self._piece = piece
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix = 0   # start of the decode window
+        self._ids: list[int] = []   # text path: the decode window and what is held
         self._read = 0     # ids before this index are already turned into text
         self._pending = ""  # decoded but not yet emitted (a possible stop-string prefix)
         self.stopped = False
@@ -35,25 +48,58 @@ class TextStream:
     def feed(self, token_ids: list[int]) -> str:
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full = self._decode(self._ids[self._prefix:])
-        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for its next bytes
-        self._pending += full[len(prefix_text):]
-        self._read = len(self._ids)
-        self._prefix = max(0, self._read - CONTEXT_TOKENS)
+        if self._piece is not None:
+            self._pending += self._bytes(b"".join(map(self._piece, token_ids)))
+        else:
+            self._ids.extend(token_ids)
+            text = self._window(final=False)
+            if text is None:
+                return ""  # maybe an incomplete character: wait for its next bytes
+            self._pending += text
         return self._release(final=False)
 
     def finish(self) -> str:
-        """At the end of generation: everything still held (a partial stop string is text)."""
+        """At the end of generation: everything still held (a partial stop string is text;
+        an incomplete character is U+FFFD)."""
         if self.stopped:
             return ""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full = self._decode(self._ids[self._prefix:])
-        self._pending += full[len(prefix_text):]
-        self._read = len(self._ids)
+        if self._piece is not None:
+            self._pending += self._utf8.decode(b"", final=True)
+        else:
+            self._pending += self._window(final=True) or ""
         return self._release(final=True)
+
+    def _bytes(self, data: bytes) -> str:
+        text = self._utf8.decode(data)
+        held = self._utf8.getstate()[0]
+        if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:
+            # CPython's incremental decoder waits on a surrogate's first two bytes (for the
+            # surrogatepass handler); they are invalid UTF-8 already, as the full decode says
+            self._utf8.reset()
+            text += "\ufffd\ufffd"
+        return text
+
+    def _window(self, final: bool) -> str | None:
+        """Text path: the new text of the held ids, decoded after CONTEXT_TOKENS of context.
+        While the text ends in U+FFFD, the last MAX_HELD_TOKENS ids may be an incomplete
+        character: text is released up to the latest boundary among them where it does not
+        (None: nothing to release yet); a U+FFFD older than that is invalid and released."""
+        ids, read = self._ids, self._read
+        prefix_text = self._decode(ids[:read])
+        end, full = len(ids), self._decode(ids)
+        if not final and full.endswith("\ufffd"):
+            for cut in range(end - 1, max(read, end - MAX_HELD_TOKENS) - 1, -1):
+                text = self._decode(ids[:cut]) if cut > read else prefix_text
+                if not text.endswith("\ufffd") or cut == read:
+                    end, full = cut, text
+                    break
+            if end == read:
+                return None
+        keep = max(0, end - CONTEXT_TOKENS)
+        self._ids, self._read = ids[keep:], end - keep
+        start = len(prefix_text) if full.startswith(prefix_text) else _common_prefix(
+            prefix_text, full)
+        return full[start:]
 
     def _release(self, final: bool) -> str:
         text = self._pending
@@ -79,14 +125,30 @@ class TextStream:
         return 0
 
 
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Detokenize:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel) -> None:
         self.tokenizer = loaded.tokenizer
         self._byte_level = _byte_level_map(self.tokenizer)
-        self._hidden = _hidden_specials(self.tokenizer)
+        special, markers = _special_ids(self.tokenizer)
+        self._hidden = frozenset(special - markers) if markers else None
+        self._skipped = frozenset(special - markers)   # what decode drops
+        self._piece = self._stream_piece if self._byte_level is not None else None
 
     def open(self, stop: list[str]) -> TextStream:
-        return TextStream(self.decode, stop)
+        return TextStream(self.decode, stop, self._piece)
+
+    def _stream_piece(self, token_id: int) -> bytes:
+        """Byte-level streams: a token's bytes, b"" for a special token decode drops."""
+        return b"" if token_id in self._skipped else _token_bytes(self, token_id)
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` without special tokens — except tool-call and think markers, which
@@ -116,28 +178,26 @@ def _token_bytes(detok: Detokenize, token_id: int) -> bytes:
     return detok.tokenizer.decode([token_id]).encode("utf-8")
 
 
-def _hidden_specials(tokenizer: Any) -> frozenset[int] | None:
-    """Special token ids to drop when some special tokens are output markers (None: no
-    marker is special, so the tokenizer's own skip_special_tokens is right)."""
+def _special_ids(tokenizer: Any) -> tuple[set[int], set[int]]:
+    """(special token ids, those of them that are output markers: tool-call and think
+    markers, which decoding keeps)."""
     try:
         added = tokenizer.added_tokens_decoder
     except AttributeError:
-        return None
+        added = {}
     special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
     special |= set(getattr(tokenizer, "all_special_ids", []) or [])
     markers = all_markers() | {m for pair in THINK_PAIRS for m in pair}
     vocab = tokenizer.get_vocab()
-    keep = {vocab[m] for m in markers if m in vocab} & special
-    return frozenset(special - keep) if keep else None
+    return special, {vocab[m] for m in markers if m in vocab} & special
 
 
 def _byte_level_map(tokenizer: Any) -> dict[str, int] | None:
     """GPT-2 byte↔unicode table when the tokenizer is byte-level BPE, else None."""
-    try:
-        backend = tokenizer._tokenizer.backend_tokenizer
-        if type(backend.decoder).__name__ != "ByteLevel":
-            return None
-    except AttributeError:
+    backend = getattr(tokenizer, "backend_tokenizer", None)   # an HF tokenizer, or
+    if backend is None:                                        # mlx-lm's wrapper of one
+        backend = getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
         return None
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
