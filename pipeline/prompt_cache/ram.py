@@ -1,6 +1,8 @@
 """RamPromptCache: KV prefixes in a token trie (mlx-lm's PromptTrie) with a byte-capped LRU.
-A hit lends the donor's arrays (new array objects over the same buffers, no copy); the
-borrower's first write copies, so the donor stays intact. Engine thread only."""
+An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
+keep a running batch's or a preallocated buffer alive), and counts their bytes. A hit lends the
+entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
+copies, so the entry stays intact. Engine thread only."""
 from __future__ import annotations
 
 import copy
@@ -12,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache
+from mlx_lm.models.cache import KVCache, PromptTrie, QuantizedKVCache, can_trim_prompt_cache
 
 from pipeline.config import ServeConfig
+from pipeline.kv.delayed import DelayedKVCache
+from pipeline.kv.quantized import AffineKVCache
+from pipeline.kv.turbo import TurboKVCache
 from pipeline.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -64,11 +69,48 @@ def lend(layer: Any) -> Any:
     return obj
 
 
+# Per-row layouts whose `keys`/`values` are (B, H, capacity, ·) arrays, or tuples of them, that
+# hold `offset` tokens from the start: capacity past `offset` is preallocated, never content.
+PREFIX_LAYOUTS = (KVCache, QuantizedKVCache, AffineKVCache, TurboKVCache, DelayedKVCache)
+
+
+def own(layer: Any) -> tuple[Any, int]:
+    """(a copy of `layer` holding only its content, the bytes that copy keeps alive).
+
+    A row's cache usually points into something larger than what it holds: a slice of a
+    batched cache B rows wide (`extract`), or a buffer preallocated in steps of 256 tokens. A
+    view keeps that whole buffer alive, and so does a lazy array (its graph holds its inputs).
+    So every array is copied to a buffer of its own (`mx.contiguous` of a view copies it; an
+    array that is a whole buffer is shared as it is) and evaluated (scheduled, not waited for).
+    Layouts that point into a shared block pool (kv=paged) are lent: the pool holds them."""
+    if hasattr(layer, "lend"):
+        return layer.lend(), layer.nbytes
+    obj = copy.copy(layer)
+    offset = getattr(layer, "offset", None) if type(layer) in PREFIX_LAYOUTS else None
+    arrays: list[mx.array] = []
+
+    def keep(arr: mx.array, name: str) -> mx.array:
+        if offset is not None and name in ("keys", "values") and arr.ndim == 4:
+            arr = arr[..., :offset, :]
+        arr = mx.contiguous(arr)
+        arrays.append(arr)
+        return arr
+
+    for name, value in vars(layer).items():
+        if isinstance(value, mx.array):
+            setattr(obj, name, keep(value, name))
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, mx.array) for v in value):
+            setattr(obj, name, type(value)(keep(v, name) if isinstance(v, mx.array) else v
+                                           for v in value))
+    mx.async_eval(arrays)
+    return obj, sum(a.nbytes for a in arrays)
+
+
 @dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]
     caches: list[Any]       # per layer; never written (borrowers get `lend` copies)
-    nbytes: int
+    nbytes: int             # bytes of the arrays `caches` keep alive (see `own`)
     trimmable: bool         # attention-only: any prefix of it can be reused
     last_used_s: float = field(default_factory=time.monotonic)
 
@@ -145,11 +187,12 @@ class RamPromptCache:
         return Lookup(None, 0, reason)
 
     def put(self, tokens: list[int], caches: list[Any]) -> Entry | None:
-        """Keep `caches` (holding exactly `tokens`) for reuse; they are lent, not copied."""
+        """Keep a copy of `caches` (holding exactly `tokens`) for reuse (see `own`)."""
         if self.max_bytes <= 0 or not tokens:
             return None
         key = tuple(tokens)
-        entry = Entry(key, [lend(c) for c in caches], sum(c.nbytes for c in caches),
+        owned = [own(c) for c in caches]
+        entry = Entry(key, [c for c, _ in owned], sum(n for _, n in owned),
                       can_trim_prompt_cache(caches))
         if entry.nbytes > self.max_bytes:
             return None

@@ -76,9 +76,10 @@ def test_concurrent_rows_sharing_a_prefix_are_exact(engine_factory) -> None:
 
 
 def test_byte_cap_evicts_least_recently_used(engine_factory) -> None:
-    # tiny float32 KV: 512 B/token, buffers grow in 256-token steps: 128 kB per entry
-    h = engine_factory("cache.ram_gb=0.0004")   # ~429 kB: three entries fit
-    cap = int(0.0004 * (1 << 30))
+    # tiny float32 KV: 512 B/token; an entry holds (and counts) only its tokens, not the
+    # 256-token steps the row's buffer grew in: 51 prompt + 3 fed outputs = 27.6 kB per entry
+    h = engine_factory("cache.ram_gb=0.0001")   # ~107 kB: three entries fit, four do not
+    cap = int(0.0001 * (1 << 30))
     for i in range(8):
         h.generate([200 + i] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
         assert h.engine.ctx.prompt_cache.nbytes <= cap
