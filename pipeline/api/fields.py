@@ -54,6 +54,9 @@ def stop_list(body: dict[str, Any], name: str = "stop") -> list[str]:
     return list(value)
 
 
+LOGIT_BIAS_LIMIT = 100.0
+
+
 def logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
     value = get(body, "logit_bias", dict)
     if value is None:
@@ -65,10 +68,12 @@ def logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
         except (TypeError, ValueError):
             raise InvalidRequest(f"logit_bias keys must be token ids, got {_short(key)}",
                                  param="logit_bias") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise InvalidRequest(f"logit_bias[{key}] must be a number in [-100, 100], got "
-                                 f"{_short(bias)}", param="logit_bias")
-        out[token] = float(bias)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequest(f"logit_bias[{key}] must be a number, got {_short(bias)}",
+                                 param="logit_bias")
+        # OpenAI documents [-100, 100]; like vLLM, values past it (benchmark clients send
+        # -1e9 to ban a token) are clamped, since ±100 already bans or forces the token
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pipeline.api.reasoning import ReasoningSplitter, ThinkMarkers
 from pipeline.api.record import Record
@@ -25,6 +25,19 @@ class Usage:
     reasoning_tokens: int = 0   # output tokens decoded while inside a think span
     speculation: dict[str, int] | None = None   # {proposed, accepted} draft tokens (draft≠none)
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
+
+    @classmethod
+    def total(cls, usages: list[Usage]) -> Usage:
+        """The usage of n choices of one prompt: the prompt (and what the cache held of it
+        for the first choice) once, the output tokens of all, the first choice's record."""
+        first = usages[0]
+        out = cls(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                  completion_tokens=sum(u.completion_tokens for u in usages),
+                  reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record)
+        specs = [u.speculation for u in usages if u.speculation is not None]
+        if specs:
+            out.speculation = {k: sum(s.get(k, 0) for s in specs) for k in specs[0]}
+        return out
 
 
 @dataclass(slots=True)
@@ -195,3 +208,62 @@ class Generation:
         """Consume the whole output (non-streaming callers)."""
         async for _ in self.deltas():
             pass
+
+
+class Choices:
+    """The n generations of one request (`n` > 1), merged into one stream of (choice index,
+    Delta). Choice 0 runs first; the others are submitted (`submit_rest`) once its first
+    token is out — its prompt is then in the prompt cache, so their prefill is a cache hit
+    and the rows share the prompt's KV. Each choice has its own sampling stream. `close()`
+    (always, in a finally) stops the pumps; aborting unfinished rows is the caller's."""
+
+    def __init__(self, first: Generation, submit_rest: Callable[[], list[Generation]],
+                 wait_first: bool = True) -> None:
+        self.gens = [first]
+        self._wait_first = wait_first
+        self._submit_rest: Callable[[], list[Generation]] | None = submit_rest
+        self._queue: asyncio.Queue[tuple[int, Delta | None, BaseException | None]] = \
+            asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _pump(self, index: int, gen: Generation) -> None:
+        async def run() -> None:
+            try:
+                async for delta in gen.deltas():
+                    self._queue.put_nowait((index, delta, None))
+            except Exception as e:   # noqa: BLE001 — re-raised by deltas() in the caller
+                self._queue.put_nowait((index, None, e))
+                return
+            self._queue.put_nowait((index, None, None))
+        self._tasks.append(asyncio.get_running_loop().create_task(run()))
+
+    def _start_rest(self) -> None:
+        submit, self._submit_rest = self._submit_rest, None
+        if submit is not None:
+            for gen in submit():
+                self.gens.append(gen)
+                self._pump(len(self.gens) - 1, gen)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta | None]]:
+        """(choice, delta) as they come; (choice, None) once that choice has ended."""
+        self._pump(0, self.gens[0])
+        if not self._wait_first:
+            self._start_rest()
+        ended = 0
+        while ended < len(self.gens):
+            index, delta, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                ended += 1
+                if index == 0:
+                    self._start_rest()
+                yield index, None
+                continue
+            if index == 0 and delta.tokens:
+                self._start_rest()
+            yield index, delta
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()

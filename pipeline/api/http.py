@@ -70,16 +70,29 @@ class Scope:
         self.t0 = time.perf_counter()
         self.request: Request | None = None
         self.gen: Generation | None = None
+        self.more: list[Generation] = []   # choices 1.. of an n > 1 request
         self.failed = False   # a stream that ended with an error event
 
     async def start(self, request: Request, parse_output: bool = True) -> Generation:
-        front = ready_front(self.app)
-        self.request = request = await front.prepare(request)
+        return self.submit(await self.prepare(request), parse_output)
+
+    async def prepare(self, request: Request) -> Request:
+        """The request stages (tokenize, admission); `submit` sends the result to the engine."""
+        request = await ready_front(self.app).prepare(request)
+        if self.request is None:
+            self.request = request
+        return request
+
+    def submit(self, request: Request, parse_output: bool = True) -> Generation:
         stream = RequestStream(asyncio.get_running_loop())
         self.ctx.engine.submit(request, stream)
-        self.gen = Generation(self.ctx, request, stream, parse_output)
-        self.http.ctx.generation = self.gen   # its record goes into the response header
-        return self.gen
+        gen = Generation(self.ctx, request, stream, parse_output)
+        if self.gen is None:
+            self.gen = gen
+            self.http.ctx.generation = gen   # its record goes into the response header
+        else:
+            self.more.append(gen)
+        return gen
 
     async def __aenter__(self) -> Scope:
         return self
@@ -88,8 +101,9 @@ class Scope:
                         tb: TracebackType | None) -> bool:
         outcome = self._outcome(exc)
         gen, req = self.gen, self.request
-        if gen is not None and req is not None and not gen.stream.finished:
-            self.ctx.engine.abort(req.request_id)   # client left, stop string, or an error
+        for g in ([gen] if gen is not None else []) + self.more:
+            if not g.stream.finished:
+                self.ctx.engine.abort(g.request.request_id)   # client left, stop, or an error
         self.ctx.metrics.requests.labels(self.endpoint, outcome).inc()
         elapsed = time.perf_counter() - self.t0
         if req is not None and gen is not None:
@@ -113,7 +127,8 @@ class Scope:
             "endpoint": self.endpoint, "outcome": outcome,
             "prompt_tokens": req.num_prompt_tokens if req is not None else None,
             "cached_tokens": gen.usage.cached_tokens if gen is not None else None,
-            "generated_tokens": gen.usage.completion_tokens if gen is not None else None,
+            "generated_tokens": sum(g.usage.completion_tokens for g in [gen, *self.more])
+                                if gen is not None else None,
             "ttft_s": round(ttft, 4) if ttft is not None else None,
             "total_s": round(elapsed, 4),
             "finish": gen.finish_reason if gen is not None else None}

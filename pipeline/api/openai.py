@@ -18,6 +18,7 @@ from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 128   # OpenAI's bound on `n`
 
 
 @dataclass
@@ -28,10 +29,21 @@ class Parsed:
     include_usage: bool = False
     echo: bool = False
     constraint: Constraint | None = None   # response_format / guided_* (structured output)
+    n: int = 1   # choices to generate, each its own row and random stream
 
 
-def sampling_fields(body: dict[str, Any], stop_field: str = "stop") -> dict[str, Any]:
-    """Sampling fields shared by every endpoint (OpenAI's plus mlx-lm/vLLM extensions)."""
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with `seed`: choice 0 keeps it (n=1 and
+    choice 0 of n>1 agree); the others get distinct, deterministic seeds."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
+                    max_n: int = 1) -> dict[str, Any]:
+    """Sampling fields shared by every endpoint (OpenAI's plus mlx-lm/vLLM extensions); `n`
+    is checked against `max_n` (1 where the protocol has one output per request)."""
     out = {
         "temperature": F.get(body, "temperature", float),
         "top_p": F.get(body, "top_p", float),
@@ -48,9 +60,11 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop") -> dict[str,
         "stop": F.stop_list(body, stop_field),
     }
     n = F.get(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequest(f"n is {n}; this server returns one choice per request (n=1)",
+    if max_n == 1 and n != 1:
+        raise InvalidRequest(f"n is {n}; this endpoint returns one output per request (n=1)",
                              param="n")
+    if not 1 <= n <= max_n:
+        raise InvalidRequest(f"n is {n}; allowed range is [1, {max_n}]", param="n")
     return out
 
 
@@ -69,7 +83,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     if not messages:
         raise InvalidRequest("messages must be a non-empty array of chat messages",
                              param="messages")
-    requested = sampling_fields(body)
+    requested = sampling_fields(body, max_n=MAX_CHOICES)
     max_tokens = F.get(body, "max_completion_tokens", int)
     requested["max_tokens"] = max_tokens if max_tokens is not None else F.get(body, "max_tokens", int)
     logprobs = F.get(body, "logprobs", bool, False)
@@ -91,7 +105,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
                               tools=tools or None, template_kwargs=kwargs,
                               tool_choice=choice, tool_name=name),
-                  requested, stream, include, constraint=constraint)
+                  requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -175,9 +189,10 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
         if body.get(name) is not None:
             raise InvalidRequest(f"{name} is not supported", param=name)
     best_of = F.get(body, "best_of", int, 1)
-    if best_of != 1:
-        raise InvalidRequest(f"best_of is {best_of}; only 1 is supported", param="best_of")
-    requested = sampling_fields(body)
+    if best_of not in (1, F.get(body, "n", int, 1)):
+        raise InvalidRequest(f"best_of is {best_of}; only best_of equal to n (or 1) is "
+                             "supported: every generated choice is returned", param="best_of")
+    requested = sampling_fields(body, max_n=MAX_CHOICES)
     requested["max_tokens"] = F.get(body, "max_tokens", int, 16)  # OpenAI's default here
     logprobs = F.get(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= 5:
@@ -186,7 +201,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
     requested["top_logprobs"] = logprobs or 0
     stream, include = _stream_flags(body)
     return Parsed(inputs, requested, stream, include, echo=F.get(body, "echo", bool, False),
-                  constraint=structured.from_body(body))
+                  constraint=structured.from_body(body), n=F.get(body, "n", int, 1))
 
 
 # -- responses -------------------------------------------------------------------------
@@ -248,11 +263,12 @@ class ChatShape:
                 "refusal": None}
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None,
-              lps: list[TokenLogprob] | None = None, usage: Usage | None = None) -> dict[str, Any]:
+              lps: list[TokenLogprob] | None = None, usage: Usage | None = None,
+              index: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
             "model": self.model, "system_fingerprint": self.fingerprint,
-            "choices": [{"index": 0, "delta": delta,
+            "choices": [{"index": index, "delta": delta,
                          "logprobs": self.logprobs(lps) if lps else None,
                          "finish_reason": finish}]}
         if usage is not None:
@@ -264,20 +280,22 @@ class ChatShape:
                 "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": [], "usage": usage_body(usage)}
 
-    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None, usage: Usage,
-             reasoning: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+    def choice(self, index: int, text: str, finish: str, lps: list[TokenLogprob] | None,
+               reasoning: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
             message["content"] = text or None
             message["tool_calls"] = [tool_call_body(c) for c in calls]
+        return {"index": index, "message": message,
+                "logprobs": self.logprobs(lps) if lps is not None else None,
+                "finish_reason": finish}
+
+    def body(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         return {"id": self.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": self.fingerprint,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": self.logprobs(lps) if lps is not None else None,
-                             "finish_reason": finish}],
-                "usage": usage_body(usage)}
+                "choices": choices, "usage": usage_body(usage)}
 
 
 @dataclass
@@ -289,10 +307,11 @@ class CompletionShape:
     token_info: TokenInfo
     fingerprint: str
     created: int = field(default_factory=lambda: int(time.time()))
-    offset: int = 0   # characters emitted so far, for text_offset
+    offsets: dict[int, int] = field(default_factory=dict)   # per choice: characters so far
 
-    def logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def logprobs(self, lps: list[TokenLogprob], index: int = 0) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
         for t in lps:
             text, _ = self.token_info(t.token_id)
             tokens.append(text)
@@ -301,18 +320,19 @@ class CompletionShape:
             for i, v in t.top:   # tokens sharing a text (byte pieces): keep the likeliest
                 top.setdefault(self.token_info(i)[0], v)
             tops.append(top)
-            offsets.append(self.offset)
-            self.offset += len(text)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def chunk(self, text: str, finish: str | None = None, lps: list[TokenLogprob] | None = None,
-              usage: Usage | None = None) -> dict[str, Any]:
+              usage: Usage | None = None, index: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.response_id, "object": "text_completion", "created": self.created,
             "model": self.model, "system_fingerprint": self.fingerprint,
-            "choices": [{"index": 0, "text": text,
-                         "logprobs": self.logprobs(lps) if lps else None,
+            "choices": [{"index": index, "text": text,
+                         "logprobs": self.logprobs(lps, index) if lps else None,
                          "finish_reason": finish}]}
         if usage is not None:
             out["usage"] = usage_body(usage)
@@ -323,12 +343,16 @@ class CompletionShape:
                 "model": self.model, "system_fingerprint": self.fingerprint, "choices": [],
                 "usage": usage_body(usage)}
 
-    def body(self, text: str, finish: str, lps: list[TokenLogprob] | None,
-             usage: Usage) -> dict[str, Any]:
-        out = self.chunk(text, finish, lps, usage)
-        if lps is not None and not lps:
-            out["choices"][0]["logprobs"] = self.logprobs([])
-        return out
+    def choice(self, index: int, text: str, finish: str,
+               lps: list[TokenLogprob] | None) -> dict[str, Any]:
+        return {"index": index, "text": text,
+                "logprobs": self.logprobs(lps, index) if lps is not None else None,
+                "finish_reason": finish}
+
+    def body(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "system_fingerprint": self.fingerprint,
+                "choices": choices, "usage": usage_body(usage)}
 
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:

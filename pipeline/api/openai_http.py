@@ -2,14 +2,15 @@
 chunks (reasoning_content, content, tool_calls deltas; usage last). Event loop."""
 from __future__ import annotations
 
+import copy
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeline.api import openai as oa
-from pipeline.api.generation import Generation
+from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_data
 from pipeline.errors import ServeError
 from pipeline.request import Request
@@ -23,55 +24,102 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         body = read_body(http)
         chat = endpoint == "chat"
         parsed = oa.parse_chat(body) if chat else oa.parse_completion(body)
-        req = Request(request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                      endpoint=endpoint, inputs=parsed.inputs, requested=parsed.requested,
-                      constraint=parsed.constraint)
-        gen = await scope.start(req, parse_output=chat)
-        req = gen.request
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # every choice is its own row: tokenized and admitted now (errors before any output)
+        reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i))
+                for i in range(parsed.n)]
+        gen = scope.submit(reqs[0], parse_output=chat)
+        choices = _choices(scope, gen, reqs[1:], chat)
         fp = f"fp_{ctx.config_hash}"
         shape: Any = (oa.ChatShape if chat else oa.CompletionShape)(
-            req.request_id, ctx.cfg.model.name, front.token_info, fp)
-        if parsed.stream:
-            scope.failed = not await _stream(http, gen, shape, parsed, chat)
-            return None
-        await gen.run()
-        lps = gen.all_logprobs if req.sampling.logprobs else None
-        if chat:
-            return json_response(shape.body(gen.content, gen.finish_reason, lps, gen.usage,
-                                            gen.reasoning, gen.tool_calls))
-        prompt_text = front.detokenize.decode(req.prompt_ids) if parsed.echo else ""
-        return json_response(shape.body(prompt_text + gen.content, gen.finish_reason, lps,
-                                        gen.usage))
+            rid, ctx.cfg.model.name, front.token_info, fp)
+        try:
+            if parsed.stream:
+                gens = choices.gens if choices is not None else [gen]
+                scope.failed = not await _stream(http, gens, choices, shape, parsed, chat)
+                return None
+            async for _ in choices.deltas() if choices is not None else _one(gen):
+                pass
+        finally:
+            if choices is not None:
+                choices.close()
+        gens = choices.gens if choices is not None else [gen]
+        usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gen.usage
+        prompt_text = front.detokenize.decode(reqs[0].prompt_ids) if parsed.echo else ""
+        out = []
+        for i, g in enumerate(gens):
+            lps = g.all_logprobs if g.request.sampling.logprobs else None
+            out.append(shape.choice(i, g.content, g.finish_reason, lps, g.reasoning,
+                                    g.tool_calls) if chat else
+                       shape.choice(i, prompt_text + g.content, g.finish_reason, lps))
+        return json_response(shape.body(out, usage))
 
 
-async def _stream(http: sanic.Request, gen: Generation, shape: Any, parsed: oa.Parsed,
-                  chat: bool) -> bool:
-    """Send the SSE stream; False when it ended with an error event."""
+def _choice_request(parsed: oa.Parsed, rid: str, endpoint: str, index: int) -> Request:
+    requested = dict(parsed.requested)
+    if index:
+        requested["seed"] = oa.choice_seed(requested.get("seed"), index)
+    return Request(request_id=rid if index == 0 else f"{rid}-{index}", endpoint=endpoint,
+                   inputs=copy.deepcopy(parsed.inputs) if index else parsed.inputs,
+                   requested=requested, constraint=parsed.constraint)
+
+
+def _choices(scope: Scope, first: Generation, rest: list[Request],
+             chat: bool) -> Choices | None:
+    """n > 1: the choices after the first start once its prompt is prefilled and so in the
+    prompt cache (with cache=off there is nothing to share: all start at once)."""
+    if not rest:
+        return None
+    return Choices(first, lambda: [scope.submit(r, parse_output=chat) for r in rest],
+                   wait_first=scope.ctx.cfg.cache.name != "off")
+
+
+async def _one(gen: Generation) -> AsyncIterator[tuple[int, Delta | None]]:
+    async for delta in gen.deltas():
+        yield 0, delta
+    yield 0, None
+
+
+async def _stream(http: sanic.Request, gens: list[Generation], choices: Choices | None,
+                  shape: Any, parsed: oa.Parsed, chat: bool) -> bool:
+    """Send the SSE stream; False when it ended with an error event. Each chunk carries its
+    choice's `index`; each choice ends with its own finish_reason chunk."""
     response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
     if chat:
-        await response.send(sse_data(shape.chunk({"role": "assistant", "content": ""})))
+        for i in range(parsed.n):
+            await response.send(sse_data(shape.chunk({"role": "assistant", "content": ""},
+                                                     index=i)))
+    ended = 0
     try:
-        async for delta in gen.deltas():
+        async for i, delta in choices.deltas() if choices is not None else _one(gens[0]):
+            if delta is None:   # choice i ended: its finish chunk (the last one: usage too)
+                ended += 1
+                usage = None
+                if ended == parsed.n and not parsed.include_usage:
+                    usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
+                last: Any = {} if chat else ""
+                await response.send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i,
+                                                         usage=usage)))
+                continue
             if not delta:
                 await response.send(b": keep-alive\n\n")
                 continue
             if not chat:
-                await response.send(sse_data(shape.chunk(delta.content, lps=delta.logprobs)))
-                continue
-            parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
-            for i, part in enumerate(parts):
-                lps = delta.logprobs if i == 0 else None
-                await response.send(sse_data(shape.chunk(part, lps=lps)))
+                await response.send(sse_data(shape.chunk(delta.content, lps=delta.logprobs,
+                                                         index=i)))
+            else:
+                parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
+                for j, part in enumerate(parts):
+                    lps = delta.logprobs if j == 0 else None
+                    await response.send(sse_data(shape.chunk(part, lps=lps, index=i)))
     except ServeError as e:
         await response.send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
         await response.send(b"data: [DONE]\n\n")
         await response.eof()
         return False
-    final_usage = None if parsed.include_usage else gen.usage
-    last = {} if chat else ""
-    await response.send(sse_data(shape.chunk(last, gen.finish_reason, usage=final_usage)))
     if parsed.include_usage:
-        await response.send(sse_data(shape.usage_chunk(gen.usage)))
+        usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
+        await response.send(sse_data(shape.usage_chunk(usage)))
     await response.send(b"data: [DONE]\n\n")
     await response.eof()
     return True

@@ -68,8 +68,10 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": [_flat(t) for t in tools], "metadata": F.get(body, "metadata", dict) or {},
-            "reasoning": {"effort": effort, "summary": None}, "user": F.get(body, "user", str),
-            "text": {"format": fmt}}
+            "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
+    user = F.get(body, "user", str)
+    if user is not None:   # OpenAI's Response omits `user` when none was given
+        echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),

@@ -296,7 +296,7 @@ def test_completions_legacy_logprobs_shape(client: openai.OpenAI) -> None:
     ({"max_tokens": 0}, "max_tokens", ["max_tokens"]),
     ({"messages": []}, "messages", ["messages"]),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", ["robot"]),
-    ({"n": 2}, "n", ["n"]),
+    ({"n": 0}, "n", ["n", "[1, 128]"]),
     ({"top_logprobs": 3}, "top_logprobs", ["logprobs"]),
     ({"logit_bias": {"abc": 1}}, "logit_bias", ["logit_bias"]),
     ({"max_tokens": 5000}, "max_tokens", ["max_tokens", "4096"]),
