@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,10 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     prefill = [r["prompt_tokens"] / (r["stamps"][0] - r["t0"]) for r in results
                if r["prompt_tokens"] is not None and r["stamps"]]
     specs = [r["speculation"] for r in results if r["speculation"]]
-    return {"requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+    per_request = [{"start_s": r["t0"] - t0, "ttft_s": r["stamps"][0] - r["t0"],
+                    "latency_s": r["end"] - r["t0"], "tokens": r["tokens"]}
+                   for r in results if r["stamps"] and r["end"] == r["end"]]
+    return {"per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
             "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
             "prefill": statistics.mean(prefill) if prefill else float("nan"),
@@ -431,6 +434,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
         kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
         rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides), kv))
         _write(out, rows[-1:])
+        _plot_run(out, "pipeserve", m, rows[-1])
     finally:
         ours.stop()
 
@@ -444,6 +448,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
             m = asyncio.run(drive(f"http://127.0.0.1:{port}", str(model_dir), b, eos_bias))
             rows.append(_row("mlx_lm.server", b, m, _peak_rss_mb(peer.proc.pid), ""))
             _write(out, rows[-1:])
+            _plot_run(out, "mlx_lm.server", m, None)
         finally:
             peer.stop()
 
@@ -506,6 +511,32 @@ def _eos_ids(model_dir: Path) -> list[int]:
             v = json.loads(p.read_text()).get("eos_token_id")
             ids.update(v if isinstance(v, list) else [v] if v is not None else [])
     return sorted(ids)
+
+
+def _plot_run(out: Path, target: str, m: dict[str, Any], ours: Row | None) -> None:
+    """Plots next to the table: a single run's per-request latency (latency.png); in a -m
+    sweep, each job adds its pipeserve row to sweep.csv and sweep.png is redrawn from it."""
+    import bench_plots
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
+    if not sweep:
+        if target == "pipeserve":
+            (out / "requests.csv").unlink(missing_ok=True)
+        bench_plots.write_requests(out, target, m["per_request"])
+        print(f"bench: plot {bench_plots.plot_latency(out)}", flush=True)
+    elif ours is not None:   # all of the job's overrides, bench.* too: any may be swept
+        ours = replace(ours, overrides=" ".join(hc.overrides.task))
+        table = out / "sweep.csv"
+        if hc.job.num == 0:
+            table.unlink(missing_ok=True)
+        new = not table.exists()
+        with open(table, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(asdict(ours).keys()))
+            if new:
+                w.writeheader()
+            w.writerow(asdict(ours))
+        print(f"bench: plot {bench_plots.plot_sweep(out)}", flush=True)
 
 
 def _write(out: Path, rows: list[Row]) -> None:

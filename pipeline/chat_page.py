@@ -1,0 +1,24 @@
+"""GET /: the browser chat page (one self-contained HTML file in the package: no build step, no
+CDN). It talks to /v1/models and /v1/chat/completions like any client, so it needs no route of
+its own beyond serving the file. `server.chat_page=false` leaves / unrouted (404)."""
+from __future__ import annotations
+
+from importlib.resources import files
+
+import sanic
+from sanic import HTTPResponse, Sanic
+
+PAGE = files("pipeline").joinpath("static/chat.html")
+
+
+def add_chat_page(app: Sanic, enabled: bool) -> None:
+    if not enabled:
+        return
+    body = PAGE.read_bytes()   # read once at startup; a few KB
+
+    @app.get("/")
+    async def chat_page(http: sanic.Request) -> HTTPResponse:
+        return HTTPResponse(body, content_type="text/html; charset=utf-8",
+                            headers={"Cache-Control": "no-cache",
+                                     "Content-Security-Policy": "default-src 'self'; "
+                                     "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})

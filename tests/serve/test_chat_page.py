@@ -1,0 +1,137 @@
+"""GET / — the chat page, driven in a real headless Chromium (Debian's package) by Playwright:
+text streams in over several steps, Stop cancels the generation server-side, a 400 is shown,
+an API-key server asks for the key. The screenshot goes to the test's tmp dir."""
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+if not Path(CHROMIUM).exists():
+    if shutil.which("apt-get") is None:
+        pytest.skip("no chromium and no apt-get to install it (Debian's `chromium` package)",
+                    allow_module_level=True)
+    raise RuntimeError("chromium is missing: .ci/run installs Debian's `chromium` package")
+
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        print(f"chromium {b.version}")
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page_server(server_factory: Any) -> Any:
+    return server_factory()
+
+
+def open_page(browser: Any, base_url: str) -> Page:
+    page = browser.new_page(viewport={"width": 1100, "height": 720})
+    page.goto(base_url + "/")
+    # Record every length the answer's text takes on screen, as it changes.
+    page.evaluate("""() => {
+        window.__lengths = [];
+        new MutationObserver(() => {
+            const c = document.querySelector('.msg.assistant:last-of-type .content');
+            if (c) window.__lengths.push(c.textContent.length);
+        }).observe(document.getElementById('conversation'),
+                   {subtree: true, childList: true, characterData: true});
+    }""")
+    return page
+
+
+def cancelled(base_url: str) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    m = re.search(r'pipeserve_requests_total\{endpoint="chat",outcome="cancelled"\} ([0-9.e+]+)',
+                  text)
+    return float(m.group(1)) if m else 0.0
+
+
+def send(page: Page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.click("#send")
+
+
+def test_page_streams_text_in_several_steps(browser: Any, page_server: Any, tmp_path: Path) -> None:
+    page = open_page(browser, page_server.base_url)
+    page.fill("#max-tokens", "96")
+    page.fill("#temperature", "0")
+    send(page, "Tell me a story about a train.")
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    lengths = page.evaluate("window.__lengths")
+    grew = sorted({n for n in lengths if n > 0})
+    assert len(grew) >= 3, f"the answer arrived in {len(grew)} visible step(s): {lengths}"
+    usage = page.inner_text(".msg.assistant .usage")
+    assert re.search(r"prompt \d+ · cached \d+ · completion \d+ · TTFT \d+ ms", usage), usage
+    assert page.get_attribute(".msg.assistant", "data-done") in ("length", "stop")
+    shot = tmp_path / "chat-page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+    page.close()
+
+
+def test_stop_cancels_the_generation_on_the_server(browser: Any, page_server: Any) -> None:
+    before = cancelled(page_server.base_url)
+    page = open_page(browser, page_server.base_url)
+    page.fill("#max-tokens", "3000")
+    send(page, "Count to a thousand.")
+    page.wait_for_function("window.__lengths.some(n => n > 0)", timeout=60_000)
+    page.click("#stop")
+    page.wait_for_selector('.msg.assistant[data-done="stopped"]', timeout=10_000)
+    deadline = time.monotonic() + 15
+    while cancelled(page_server.base_url) <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled(page_server.base_url) == before + 1, "the server did not abort the row"
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+    page.close()
+
+
+def test_a_400_is_shown_as_an_error(browser: Any, page_server: Any) -> None:
+    page = open_page(browser, page_server.base_url)
+    page.fill("#temperature", "7")
+    send(page, "hello")
+    err = page.wait_for_selector(".msg.error", timeout=30_000)
+    text = err.inner_text()
+    assert "temperature" in text and "400" in text, text
+    assert page.query_selector(".msg.assistant") is None
+    page.close()
+
+
+def test_the_page_asks_for_the_api_key(browser: Any, server_factory: Any) -> None:
+    locked = server_factory("server.api_key=page-secret")
+    page = browser.new_page()
+    page.goto(locked.base_url + "/")
+    page.wait_for_selector("#keybar.shown", timeout=10_000)
+    page.fill("#key", "page-secret")
+    page.click("#key-save")
+    page.fill("#max-tokens", "8")
+    send(page, "hi")
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    assert page.query_selector(".msg.error") is None
+    # The key lives in this tab only: a fresh context (a new tab) has to ask again.
+    other = browser.new_context().new_page()
+    other.goto(locked.base_url + "/")
+    other.wait_for_selector("#keybar.shown", timeout=10_000)
+    page.close()
+    other.close()
+
+
+def test_chat_page_can_be_turned_off(server_factory: Any) -> None:
+    off = server_factory("server.chat_page=false")
+    assert httpx.get(off.base_url + "/").status_code == 404

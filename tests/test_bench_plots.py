@@ -1,0 +1,71 @@
+"""bench.py writes PNG plots from its own numbers: a -m sweep draws sweep.png from the sweep's
+rows, a single run draws latency.png from its requests (real servers on the tiny model)."""
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench_plots
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["model=tiny", "bench.max_tokens=6", "bench.prompt_words=8", "bench.warmup=false",
+         "bench.bare_loop=false"]
+
+
+def run_bench(out: Path, model_cache: Path, *args: str) -> str:
+    res = subprocess.run([sys.executable, "bench.py", *args, *QUICK, f"bench.out={out}",
+                          f"model.cache_dir={model_cache}", f"hydra.sweep.dir={out}/sweep",
+                          f"hydra.run.dir={out}/run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    import matplotlib.image as mpimg
+    img = mpimg.imread(path)
+    return img.shape[1], img.shape[0]
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_sweep_writes_a_plot_of_its_own_numbers(tmp_path: Path, model_cache: Path) -> None:
+    run_bench(tmp_path, model_cache, "-m", "bench.streams=1,2", "scheduler.max_batch=2,4")
+    png = tmp_path / "sweep.png"
+    w, h = png_size(png)
+    assert w > 600 and h > 300
+    table = rows(tmp_path / "sweep.csv")
+    assert len(table) == 4
+    x_key, order, lines = bench_plots.sweep_series(table)
+    assert x_key in ("bench.streams", "scheduler.max_batch") and len(order) == 2
+    assert len(lines) == 2
+    # every drawn point is a number from the run's own table, and every row is drawn
+    drawn = sorted(v for line in lines.values() for v in line["agg_tok_s"])
+    assert drawn == sorted(float(r["agg_tok_s"]) for r in table)
+    assert all(v > 0 and not math.isnan(v) for v in drawn)
+    # the sweep's rows are also in the cumulative table
+    assert {r["agg_tok_s"] for r in table} <= {r["agg_tok_s"] for r in rows(tmp_path / "results.csv")}
+
+
+@pytest.mark.slow
+def test_single_run_writes_a_per_request_latency_plot(tmp_path: Path, model_cache: Path) -> None:
+    out = run_bench(tmp_path, model_cache, "bench.streams=3")
+    assert "latency.png" in out
+    png_size(tmp_path / "latency.png")
+    reqs = rows(tmp_path / "requests.csv")
+    assert len(reqs) == 3 and {r["target"] for r in reqs} == {"pipeserve"}
+    summary = rows(tmp_path / "results.csv")[-1]
+    ttfts = sorted(float(r["ttft_s"]) for r in reqs)
+    assert float(summary["ttft_p50_s"]) == pytest.approx(ttfts[1], abs=1e-3)
+    assert all(float(r["latency_s"]) >= float(r["ttft_s"]) > 0 for r in reqs)
