@@ -48,6 +48,8 @@ class BenchConfig:
     max_tokens: int = 128           # output tokens per request (EOS suppressed)
     mlx_lm: bool = False            # also run mlx_lm.server on the same model and load
     bare_loop: bool = True          # also time the bare mlx-lm decode loop (single stream ceiling)
+    batch_generator: bool = False   # also run the same prompts through mlx-lm's BatchGenerator
+    #                                 (the library, no server: the batched ceiling)
     warmup: bool = True             # one short request per target before timing
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
@@ -342,6 +344,50 @@ print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
 """
 
 
+BATCH_GEN = r"""
+import sys, time, json
+path, prompts, n, mode = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if mode == "served":
+    from pipeline.config import ModelConfig, ComputeDType
+    from pipeline.loader import _cast_weights
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+model, tok = load(path)
+if mode == "served":
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[5])))
+ids = [tok.encode(p) for p in prompts]
+def run(batch, max_tokens):
+    # no stop tokens: every row runs to max_tokens, as bench.py's clients do (EOS suppressed)
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(len(batch), 1))
+    t0 = time.perf_counter()
+    uids = gen.insert(batch, [max_tokens] * len(batch))
+    first, end, count, stamps = {}, {}, {u: 0 for u in uids}, []
+    while len(end) < len(uids):
+        out = gen.next_generated()
+        if not out:
+            break
+        now = time.perf_counter()
+        for r in out:
+            first.setdefault(r.uid, now)
+            count[r.uid] += 1
+            stamps.append(now)
+            if r.finish_reason is not None:
+                end[r.uid] = now
+    gen.close()
+    return t0, first, end, count, stamps
+run([i[:16] for i in ids], 8)                      # warm-up: compile the kernels
+t0, first, end, count, stamps = run(ids, n)
+wall = max(end.values()) - t0
+w0, w1 = max(first.values()), min(end.values())
+full = sum(1 for t in stamps if w0 < t <= w1) / (w1 - w0) if w1 > w0 else float("nan")
+ttft = sorted(v - t0 for v in first.values())
+print(json.dumps({"tokens": sum(count.values()), "wall": wall, "full": full,
+                  "ttft_p50": ttft[len(ttft) // 2], "ttft_p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+                  "prompt_tokens": sum(map(len, ids)) / len(ids)}))
+"""
+
+
 STEP_PROBE = r"""
 import sys, time, json, statistics
 path, compute, ctx, width, streams = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
@@ -452,6 +498,10 @@ def run_bench(raw: DictConfig) -> list[Row]:
         finally:
             peer.stop()
 
+    if b.batch_generator:
+        rows.append(_batch_generator(b, cfg, model_dir))
+        _write(out, rows[-1:])
+
     if b.bare_loop:
         prompt = _prompts(b)[0]
         for mode, label in (("plain", "bare mlx-lm loop"),
@@ -466,6 +516,24 @@ def run_bench(raw: DictConfig) -> list[Row]:
                             float("nan"), float("nan")))
             _write(out, rows[-1:])
     return rows
+
+
+def _batch_generator(b: BenchConfig, cfg: ServeConfig, model_dir: Path) -> Row:
+    """The same prompts, all at once, through mlx-lm's BatchGenerator in one process: the
+    library's batched rate with no server, HTTP or detokenizing around it, computing in the
+    dtype pipeserve serves (model.compute_dtype; on a GPU that is the checkpoint's)."""
+    prompts = _prompts(b)
+    res = subprocess.run([sys.executable, "-c", BATCH_GEN, str(model_dir), json.dumps(prompts),
+                          str(b.max_tokens), "served", cfg.model.compute_dtype.value],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=b.timeout_s)
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    row = Row("mlx-lm BatchGenerator", b.workload, b.streams, len(prompts), r["tokens"],
+              round(r["wall"], 2), round(r["tokens"] / r["wall"], 2), float("nan"),
+              round(r["ttft_p50"], 3), round(r["ttft_p95"], 3), float("nan"), float("nan"),
+              float("nan"))
+    row.prompt_tokens = round(r["prompt_tokens"], 1)
+    row.decode_full_tok_s = round(r["full"], 2)
+    return row
 
 
 def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Path, out: Path,

@@ -60,12 +60,16 @@ def test_sweep_writes_a_plot_of_its_own_numbers(tmp_path: Path, model_cache: Pat
 
 @pytest.mark.slow
 def test_single_run_writes_a_per_request_latency_plot(tmp_path: Path, model_cache: Path) -> None:
-    out = run_bench(tmp_path, model_cache, "bench.streams=3")
+    out = run_bench(tmp_path, model_cache, "bench.streams=3", "bench.batch_generator=true")
     assert "latency.png" in out
     png_size(tmp_path / "latency.png")
     reqs = rows(tmp_path / "requests.csv")
     assert len(reqs) == 3 and {r["target"] for r in reqs} == {"pipeserve"}
-    summary = rows(tmp_path / "results.csv")[-1]
+    table = rows(tmp_path / "results.csv")
+    summary = table[0]
+    # the library's own batched loop ran the same prompts to the same length
+    library = [r for r in table if r["target"] == "mlx-lm BatchGenerator"]
+    assert len(library) == 1 and int(library[0]["output_tokens"]) == 3 * 6
     ttfts = sorted(float(r["ttft_s"]) for r in reqs)
     assert float(summary["ttft_p50_s"]) == pytest.approx(ttfts[1], abs=1e-3)
     assert all(float(r["latency_s"]) >= float(r["ttft_s"]) > 0 for r in reqs)
