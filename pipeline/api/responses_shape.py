@@ -64,14 +64,16 @@ class ResponseShape:
              status: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
         incomplete = gen is not None and gen.finish_reason == "length"
         status = status or ("incomplete" if incomplete else "completed")
-        return {"id": self.response_id, "object": "response", "created_at": self.created_at,
-                "status": status, "model": self.model, "output": output,
-                "error": error,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "usage": usage_body(gen.usage) if gen is not None and status != "in_progress" else None,
-                "parallel_tool_calls": True, "temperature": self.sampling.temperature,
-                "top_p": self.sampling.top_p, "text": {"format": {"type": "text"}},
-                "truncation": "disabled", "store": self.store, **self.echo}
+        out = {"id": self.response_id, "object": "response", "created_at": self.created_at,
+               "status": status, "model": self.model, "output": output,
+               "error": error,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "parallel_tool_calls": True, "temperature": self.sampling.temperature,
+               "top_p": self.sampling.top_p, "text": {"format": {"type": "text"}},
+               "truncation": "disabled", "store": self.store, **self.echo}
+        if gen is not None and status != "in_progress":   # the schema's usage is never null
+            out["usage"] = usage_body(gen.usage)
+        return out
 
     def output(self, gen: Generation) -> list[dict[str, Any]]:
         """All output items of a finished generation: reasoning, message, function calls."""
