@@ -101,8 +101,8 @@ class Metrics:
         self.engine_up = Gauge(
             f"{PREFIX}_engine_up", "1 while the engine thread is ready to serve, else 0",
             registry=r)
-        self.build = Info(f"{PREFIX}_build", "Version, MLX version, device, model, config hash",
-                          registry=r)
+        self.build = Info(f"{PREFIX}_build",
+                          "Version, MLX version, device, model, config hash, CPU BLAS", registry=r)
         self.memory_budget = Gauge(
             f"{PREFIX}_admission_memory_budget_bytes",
             "admission.memory_budget_gb in bytes (MLX's memory limit); NaN if none", registry=r)

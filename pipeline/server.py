@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
+from pipeline import blas
 from pipeline.api import anthropic, openai_http, responses
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
@@ -109,7 +110,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
             metrics.build.info({
                 "version": _version("pipeserve"), "mlx_version": _version("mlx"),
                 "device": engine.device, "model": cfg.model.name,
-                "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash})
+                "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
+                "blas": blas.name or "bundled"})
+            log.info("CPU BLAS: %s", blas.describe())
             log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d",
                      cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
                      cfg.server.host, cfg.server.port)
