@@ -25,6 +25,7 @@ class Arch(Enum):
     llama = "llama"
     gemma3 = "gemma3"
     qwen3_next = "qwen3_next"
+    qwen3_5 = "qwen3_5"    # Qwen3.5 (text decoder of the multimodal release), with an MTP head
 
 
 class ModelSize(Enum):

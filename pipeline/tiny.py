@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next")
+ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next", "qwen3_5")
 SIZES = ("tiny", "small", "base", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMAT_VERSION = 1
@@ -127,6 +127,8 @@ def build_tokenizer() -> Any:
 
 
 def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
+    """config.json of a generated model; a Qwen3.5 one nests its decoder under text_config,
+    as the released (multimodal) Qwen3.5 checkpoints do."""
     dims = {  # layers, hidden, heads, kv heads, head_dim, intermediate
         "tiny": (2, 64, 4, 2, 16, 128),
         "small": (8, 512, 8, 4, 64, 2048),
@@ -135,6 +137,8 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
         "large": (36, 4096, 32, 8, 128, 12288),    # Qwen3-8B's shape
     }[size]
     layers, hidden, heads, kv_heads, head_dim, inter = dims
+    if arch == "qwen3_5":   # every KV layout works: affine groups of 64, turbo's power of two
+        head_dim = 64
     cfg: dict[str, Any] = {
         "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -163,6 +167,20 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
                    num_experts_per_tok=1, decoder_sparse_step=1, mlp_only_layers=[],
                    shared_expert_intermediate_size=inter, moe_intermediate_size=inter,
                    num_nextn_predict_layers=1)  # the MTP depth vLLM's qwen3_next_mtp reads
+    elif arch == "qwen3_5":
+        # Qwen3.5's decoder (GatedDeltaNet + gated attention, both with the qwen3_next layer
+        # code) at the tiny width; attention every 2nd layer so two layers hold KV.
+        text = {k: v for k, v in cfg.items() if k != "rope_theta"}
+        text.update(model_type="qwen3_5_text", num_hidden_layers=4, full_attention_interval=2,
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                     "partial_rotary_factor": 0.25},
+                    tie_word_embeddings=False,   # the MTP head's guess needs its own output head
+                    mtp_num_hidden_layers=1)   # the MTP depth vLLM's qwen3_5_mtp reads
+        cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "tie_word_embeddings": False, "bos_token_id": None,
+               "pad_token_id": eos[1], "eos_token_id": eos, "text_config": text}
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cfg
@@ -170,8 +188,16 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
 
 EMBED_SCALE = 4.0  # tied logits are norm(h) @ E.T: std EMBED_SCALE/sqrt(hidden) -> logit std ~4
 # Residual branches outweigh the token embedding, so greedy text does not just repeat the last token.
-BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0}
+# qwen3_5's output head maps a token to its successor instead (below), so its branches only need
+# to pull the target off that successor some of the time: at 0.6 about one greedy step in five
+# (its MTP head's first draft is accepted ~80% of the time; 0.5 gives ~90%, 1.0 ~35%).
+BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0, "qwen3_5": 0.6}
 _BRANCH_OUT = ("o_proj", "down_proj", "out_proj")
+# The Qwen3.5 stand-in's MTP head: fc passes the next token's embedding through (plus a little
+# of the trunk's hidden state) and its layer's branches are weak, so it guesses the successor
+# of the token it is given; the target's context moves it off that guess now and then, so
+# drafts are accepted about as often as a trained head's, and rejected too.
+MTP_EMBED_GAIN, MTP_HIDDEN_GAIN, MTP_BRANCH_GAIN = 1.0, 0.25, 0.25
 GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
@@ -191,12 +217,24 @@ def _fill(name: str, shape: tuple[int, ...], arch: str, hidden: int) -> np.ndarr
         return np.ones(shape, np.float32)
     if leaf == "bias":
         return np.zeros(shape, np.float32)
-    if "embed_tokens" in name or name.startswith("lm_head"):
+    if arch == "qwen3_5" and name == "mtp.fc.weight":   # (H, 2H): [embedding | hidden] inputs
+        fc = rng.standard_normal(shape, dtype=np.float32) * np.float32(MTP_HIDDEN_GAIN / np.sqrt(hidden))
+        fc[:, :hidden] = np.eye(hidden, dtype=np.float32) * np.float32(MTP_EMBED_GAIN)
+        return fc
+    if arch == "qwen3_5" and name.endswith("lm_head.weight"):
+        # the embedding's rows in a seeded 512-cycle order: norm(e_t) @ lm_head.T peaks at
+        # succ(t), so without its branches the model walks the whole vocabulary
+        embed = _fill(name.replace("lm_head", "model.embed_tokens"), shape, arch, hidden)
+        order = np.random.default_rng([SEED, zlib.crc32(b"successor")]).permutation(shape[0])
+        pred = np.empty_like(order)
+        pred[np.roll(order, -1)] = order   # pred[succ(t)] = t
+        return embed[pred]
+    if "embed_tokens" in name or "lm_head" in name:
         std = EMBED_SCALE / np.sqrt(hidden)
     else:  # fan-in scaled: keeps activations O(1); branch outputs get BRANCH_GAIN (not gemma: see norms)
         std = 1.0 / np.sqrt(int(np.prod(shape[1:])))
         if arch != "gemma3" and any(k in name for k in _BRANCH_OUT):
-            std *= BRANCH_GAIN[arch]
+            std *= MTP_BRANCH_GAIN if arch == "qwen3_5" and name.startswith("mtp.") else BRANCH_GAIN[arch]
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
 
@@ -211,25 +249,32 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
     config = _model_config(arch, size, eos)
     config["torch_dtype"] = dtype
+    text = config.get("text_config", config)
     model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))  # lazy init: only shapes/names are used
+    # lazy init: only shapes/names are used (on a copy: qwen3_5's args rewrite nested dicts)
+    model = model_cls(args_cls.from_dict(json.loads(json.dumps(config))))
     mx_dtype = getattr(mx, dtype)
     params = [(name, tuple(param.shape)) for name, param in sorted(tree_flatten(model.parameters()))
               # gemma3_text drops lm_head when the checkpoint lacks it
               if not (name.startswith("lm_head") and config["tie_word_embeddings"])]
+    mtp_layers = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")
 
     # Each tensor has its own seeded generator and numpy samples outside the GIL, so threads give
     # the same bytes as a loop; an 8B-shaped model is mostly this sampling. MLX streams belong to
     # the calling thread, so the conversion stays here.
     weights: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        arrays = pool.map(lambda item: _fill(*item, arch, config["hidden_size"]), params)
+        arrays = pool.map(lambda item: _fill(*item, arch, text["hidden_size"]), params)
         for (name, _), arr in zip(params, arrays):
             weights[name] = mx.array(arr).astype(mx_dtype)
+    if mtp_layers and arch == "qwen3_5":
+        # beside the trunk, as in the released Qwen3.5 shards (mlx-lm's sanitize drops mtp.*)
+        weights.update(_mtp_weights(model.language_model.args, mtp_layers, arch, mx_dtype))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    del weights, model
-    if config.get("num_nextn_predict_layers"):
-        _write_mtp(out, args_cls.from_dict(config), config["num_nextn_predict_layers"], arch, mx_dtype)
+    del weights
+    if mtp_layers and arch == "qwen3_next":
+        _write_mtp(out, model.args, mtp_layers, arch, mx_dtype)
+    del model
     tok.save(str(out / "tokenizer.json"))
     added = {str(vocab[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                              "single_word": False, "special": t in SPECIAL_TOKENS}
@@ -239,7 +284,7 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
         "added_tokens_decoder": added, "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "clean_up_tokenization_spaces": False, "errors": "replace",
-        "model_max_length": config["max_position_embeddings"],
+        "model_max_length": text["max_position_embeddings"],
         "split_special_tokens": False, "chat_template": CHAT_TEMPLATE,
     }
     special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
@@ -251,21 +296,29 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
         (out / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_mtp(out: Path, args: Any, num_layers: int, arch: str, mx_dtype: Any) -> None:
-    """The multi-token-prediction head under the released checkpoints' `mtp.*` names, in its own
-    file: mlx-lm reads only model*.safetensors, and its qwen3_next sanitize keeps mtp.* for a
-    model without experts, so they would break its strict load. Values come from `_fill`, whose
-    per-name seeds leave every other tensor unchanged; norms are stored as the trunk's are."""
+def _mtp_weights(args: Any, num_layers: int, arch: str, mx_dtype: Any) -> dict[str, Any]:
+    """The multi-token-prediction head under the released checkpoints' `mtp.*` names. Values
+    come from `_fill`, whose per-name seeds leave every other tensor unchanged; norms are
+    stored as the trunk's are (mlx-lm layout)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from pipeline.draft.mtp import MtpBlock
 
     block = MtpBlock(args, num_layers=num_layers, moe=args.num_experts > 0)
-    weights = {f"mtp.{name}": mx.array(_fill(f"mtp.{name}", tuple(p.shape), arch, args.hidden_size)
-                                       ).astype(mx_dtype)
-               for name, p in sorted(tree_flatten(block.parameters()))}
-    mx.save_safetensors(str(out / "mtp.safetensors"), weights, metadata={"format": "mlx"})
+    return {f"mtp.{name}": mx.array(_fill(f"mtp.{name}", tuple(p.shape), arch, args.hidden_size)
+                                    ).astype(mx_dtype)
+            for name, p in sorted(tree_flatten(block.parameters()))}
+
+
+def _write_mtp(out: Path, args: Any, num_layers: int, arch: str, mx_dtype: Any) -> None:
+    """Qwen3-Next's head in its own file: mlx-lm reads only model*.safetensors, and its
+    qwen3_next sanitize keeps mtp.* for a model without experts, so they would break its
+    strict load."""
+    import mlx.core as mx
+
+    mx.save_safetensors(str(out / "mtp.safetensors"), _mtp_weights(args, num_layers, arch, mx_dtype),
+                        metadata={"format": "mlx"})
 
 
 def model_dir_name(arch: str, size: str, dtype: str) -> str:

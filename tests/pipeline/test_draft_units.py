@@ -1,9 +1,10 @@
 """Speculative-decoding building blocks: n-gram proposer, greedy and sampling acceptance
-(chi-square against the target distribution), and the Qwen3-Next MTP head on the tiny model."""
+(chi-square against the target distribution), and the MTP heads of Qwen3-Next (model=hybrid) and Qwen3.5 (model=qwen) on the tiny models."""
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +264,7 @@ def test_mtp_raw_hugging_face_layout_matches_mlx_layout(tmp_path: Path) -> None:
     block = MtpBlock(args, num_layers=1, moe=True)
     converted = {}
     for i, (name, value) in enumerate(sorted(tree_flatten(block.parameters()))):
-        if name.endswith("norm.weight"):
+        if value.ndim == 1 and "norm" in name:   # pre_fc_norm_* too
             value = mx.full(value.shape, 1.0 + 0.125 * (i % 5))
         converted[f"mtp.{name}"] = value
     raw = {}
@@ -272,7 +273,145 @@ def test_mtp_raw_hugging_face_layout_matches_mlx_layout(tmp_path: Path) -> None:
             for e in range(4):
                 raw[name.replace("switch_mlp.", f"experts.{e}.")] = value[e]
         else:
-            raw[name] = value - 1.0 if name.endswith("norm.weight") else value
+            raw[name] = _to_hf_norms(name, value)
+    for sub, tensors in (("converted", converted), ("raw", raw)):
+        (tmp_path / sub).mkdir()
+        mx.save_safetensors(str(tmp_path / sub / "model-00002-of-00002.safetensors"), tensors)
+    hidden = mx.random.normal((1, 5, 64), key=mx.random.key(3))
+    ids = mx.array([[5, 9, 17, 33, 2]])
+    heads = [load_mtp(tmp_path / sub, model) for sub in ("converted", "raw")]
+    a, _ = heads[0](hidden, ids, heads[0].make_cache())
+    b, _ = heads[1](hidden, ids, heads[1].make_cache())
+    assert mx.array_equal(a, b)
+
+
+# -- Qwen3.5 (model=qwen's stand-in and the released layout) -------------------------------------
+@pytest.fixture(scope="module")
+def qwen35(model_cache: Path) -> tuple[Path, Any, Any]:
+    path = ensure_model("qwen3_5", "tiny", "float32", model_cache)
+    model, tok = mlx_lm.load(str(path))
+    return path, model, tok
+
+
+def test_qwen35_stand_in_ships_its_head_beside_the_trunk(qwen35: tuple[Path, Any, Any]) -> None:
+    """As in the released Qwen3.5 shards: mtp.* (Qwen3-Next's names) sit in model.safetensors,
+    mlx-lm's sanitize drops them, draft=mtp reads them; the depth is text_config's."""
+    path, model, tok = qwen35
+    assert not (path / "mtp.safetensors").exists()
+    tensors = mx.load(str(path / "model.safetensors"))
+    assert {k for k in tensors if k.startswith("mtp.")} == REAL_MTP_NAMES
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["mtp_num_hidden_layers"] == 1
+    assert config["text_config"]["head_dim"] == 64   # every KV layout can quantize it
+    head = load_mtp(path, model)
+    assert head is not None and head.num_layers == 1
+    ids = _prompt(tok)
+    logits, hidden = target_forward(model, ids)
+    assert mx.array_equal(logits, model(ids)) and hidden.shape == (1, ids.shape[1], 64)
+
+
+def test_qwen35_stand_in_head_is_right_often_but_not_always(qwen35: tuple[Path, Any, Any]) -> None:
+    """The head's first draft (from h[t] and token[t+1]) against the target's greedy token[t+2]
+    on a greedy continuation: accepted most of the time, rejected some of the time, so verify
+    exercises full, partial and no acceptance."""
+    path, model, tok = qwen35
+    head = load_mtp(path, model)
+    ids = _prompt(tok)[0].tolist()
+    cache = model.make_cache()
+    logits = model(mx.array(ids)[None], cache=cache)
+    for _ in range(64):
+        ids.append(mx.argmax(logits[0, -1]).item())
+        logits = model(mx.array([[ids[-1]]]), cache=cache)
+    _, hidden = target_forward(model, mx.array(ids)[None])
+    drafts, _ = head(hidden[:, :-1], mx.array(ids[1:])[None], head.make_cache())
+    guess = mx.argmax(drafts[0], axis=-1).tolist()
+    start = len(ids) - 64 - 1
+    agree = sum(guess[t] == ids[t + 2] for t in range(start, len(ids) - 2)) / (len(ids) - 2 - start)
+    assert 0.5 <= agree < 1.0, agree
+    assert len(set(ids[-64:])) > 32   # the target does not loop
+
+
+def _to_hf_norms(name: str, value: mx.array) -> mx.array:
+    """mlx-lm layout -> Hugging Face's: zero-centred RMSNorm weights (not the gated norm)."""
+    shifted = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+               ".q_norm.weight", ".k_norm.weight", "pre_fc_norm_embedding.weight",
+               "pre_fc_norm_hidden.weight", "mtp.norm.weight")
+    return value - 1.0 if value.ndim == 1 and name.endswith(shifted) else value
+
+
+def test_qwen35_released_layout_loads_the_same_head(qwen35: tuple[Path, Any, Any],
+                                                     tmp_path: Path) -> None:
+    """A released Qwen3.5 checkpoint (trunk under model.language_model., conv1d (C, 1, K),
+    zero-centred norms, sharded with an index, mtp.* in a shard) gives the same trunk and the
+    same MTP head as the converted layout; a depth mismatch in text_config is refused."""
+    path, _, tok = qwen35
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    for i, name in enumerate(sorted(k for k in weights if k.startswith("mtp.") and "norm" in k)):
+        weights[name] = mx.full(weights[name].shape, 1.0 + 0.125 * (i % 5))   # not all ones
+    converted, raw = tmp_path / "converted", tmp_path / "raw"
+    for d in (converted, raw):
+        shutil.copytree(path, d)
+    mx.save_safetensors(str(converted / "model.safetensors"), weights)
+    hf = {}
+    for name, value in weights.items():
+        if "conv1d.weight" in name:
+            value = value.moveaxis(2, 1)
+        value = _to_hf_norms(name, value)
+        name = name.replace("language_model.model.", "model.language_model.")
+        hf[name.replace("language_model.lm_head.", "lm_head.")] = value
+    (raw / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in hf.items() if k.startswith("model.")},
+              "model-00002-of-00002.safetensors": {k: v for k, v in hf.items()
+                                                   if not k.startswith("model.")}}
+    for fname, part in shards.items():
+        mx.save_safetensors(str(raw / fname), part)
+    (raw / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, part in shards.items() for k in part}}))
+
+    ids = _prompt(tok)
+    outs = []
+    for d in (converted, raw):
+        model, _ = mlx_lm.load(str(d))
+        logits, hidden = target_forward(model, ids)
+        head = load_mtp(d, model)
+        drafts, _ = head(hidden, mx.concatenate([ids[:, 1:], mx.array([[7]])], axis=1),
+                         head.make_cache())
+        outs.append((logits, drafts))
+    assert mx.allclose(outs[0][0], outs[1][0], atol=1e-5).item()
+    assert mx.allclose(outs[0][1], outs[1][1], atol=1e-5).item()
+
+    cfg = json.loads((raw / "config.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 2
+    (raw / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="text_config.mtp_num_hidden_layers=2 but the checkpoint has 1"):
+        load_mtp(raw, model)
+
+
+def test_qwen35_moe_fused_experts_match_the_stacked_layout(qwen35: tuple[Path, Any, Any],
+                                                            tmp_path: Path) -> None:
+    """Qwen3.5-MoE stores the head's experts fused (experts.gate_up_proj (E, 2I, H),
+    experts.down_proj (E, H, I)) with zero-centred norms; they load to the same head as
+    mlx-lm's switch_mlp layout."""
+    from mlx_lm.models import qwen3_5
+
+    from pipeline.draft.mtp import text_args
+    cfg = json.loads((qwen35[0] / "config.json").read_text())
+    cfg["model_type"] = "qwen3_5_moe"
+    cfg["text_config"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(cfg))
+    mx.eval(model.parameters())
+    block = MtpBlock(text_args(model), num_layers=1, moe=True)
+    converted = {}
+    for i, (name, value) in enumerate(sorted(tree_flatten(block.parameters()))):
+        if value.ndim == 1 and "norm" in name:
+            value = mx.full(value.shape, 1.0 + 0.125 * (i % 5))
+        converted[f"mtp.{name}"] = value
+    raw = {k: _to_hf_norms(k, v) for k, v in converted.items() if ".switch_mlp." not in k}
+    sw = "mtp.layers.0.mlp.switch_mlp."
+    raw["mtp.layers.0.mlp.experts.gate_up_proj"] = mx.concatenate(
+        [converted[sw + "gate_proj.weight"], converted[sw + "up_proj.weight"]], axis=-2)
+    raw["mtp.layers.0.mlp.experts.down_proj"] = converted[sw + "down_proj.weight"]
     for sub, tensors in (("converted", converted), ("raw", raw)):
         (tmp_path / sub).mkdir()
         mx.save_safetensors(str(tmp_path / sub / "model-00002-of-00002.safetensors"), tensors)
