@@ -141,7 +141,11 @@ class Detokenize:
         special, markers = _special_ids(self.tokenizer)
         self._hidden = frozenset(special - markers) if markers else None
         self._skipped = frozenset(special - markers)   # what decode drops
-        self._piece = self._stream_piece if self._byte_level is not None else None
+        # byte by byte where that is the tokenizer's own decode: byte-level BPE with no
+        # clean-up pass (HF's clean_up_tokenization_spaces rewrites " ." and the like)
+        bytewise = (self._byte_level is not None
+                    and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False))
+        self._piece = self._stream_piece if bytewise else None
 
     def open(self, stop: list[str]) -> TextStream:
         return TextStream(self.decode, stop, self._piece)
