@@ -11,10 +11,11 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import check_overrides, register_configs, load_config
 from pipeline.errors import ConfigError
+from pipeline.run_files import write_run_files
 
 log = logging.getLogger("pipeserve")
 register_configs()
@@ -22,8 +23,11 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")
 def main(raw: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     try:
-        check_overrides(list(HydraConfig.get().overrides.task))
+        # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
+        check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
         cfg = load_config(raw)
     except ConfigError as e:
         log.error("config error: %s", e)

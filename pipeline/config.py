@@ -3,11 +3,13 @@ ConfigStore, and load_config() which turns a composed DictConfig into checked ob
 Runs at launch on the main thread, before any model load."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -206,6 +208,9 @@ class ServerConfig:
     port: int = 8080
     api_key: Optional[str] = None     # when set, requests need `Authorization: Bearer <key>`
     admin_key: Optional[str] = None   # guards /admin/* when set
+    api_key_file: Optional[str] = None    # read api_key from this file at launch (stripped)
+    admin_key_file: Optional[str] = None  # read admin_key from this file at launch (stripped)
+    metrics_auth: bool = False        # /metrics needs admin_key (api_key when no admin_key)
     max_body_mb: float = 16.0         # request bodies above this get 413
     shutdown_timeout_s: float = 120.0  # how long SIGTERM waits for active requests
     cors_origins: list[str] = field(default_factory=list)  # Access-Control-Allow-Origin values
@@ -224,6 +229,33 @@ class ServerConfig:
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
         _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
+        self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
+        self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)
+        if self.metrics_auth and not (self.admin_key or self.api_key):
+            raise ConfigError("server.metrics_auth=true needs server.admin_key or server.api_key "
+                              "(or their _file forms): /metrics would have no key to check")
+
+
+# Server fields that hold or locate a key: never hashed, never written literally to run files.
+SECRET_FIELDS = ("api_key", "admin_key", "api_key_file", "admin_key_file")
+
+
+def _read_key(name: str, value: Optional[str], path: Optional[str]) -> Optional[str]:
+    """server.<name>, or the stripped contents of server.<name>_file (read at launch)."""
+    if value is not None and path is not None:
+        raise ConfigError(f"server.{name} and server.{name}_file are both set; set one")
+    if path is not None:
+        file = Path(path).expanduser()
+        try:
+            value = file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"server.{name}_file {str(file)!r} cannot be read: "
+                              f"{e.strerror or e}") from e
+        if not value:
+            raise ConfigError(f"server.{name}_file {str(file)!r} is empty")
+    elif value is not None and not value.strip():
+        raise ConfigError(f"server.{name} is empty; unset it to serve without a key")
+    return value
 
 
 @dataclass
@@ -378,6 +410,26 @@ def _check_keys(node: Any, path: str) -> None:
         _check_keys(node._get_node(key), f"{path}.{key}" if path else str(key))
 
 
+def _check_key_refs(cfg: DictConfig) -> None:
+    """A key given as a reference (`server.api_key=${oc.env:VAR}`) that does not resolve
+    fails here with the reference named (never the value)."""
+    server = cfg.get("server") if isinstance(cfg, DictConfig) else None
+    if not isinstance(server, DictConfig):
+        return
+    for name in SECRET_FIELDS:
+        if name not in server or not OmegaConf.is_interpolation(server, name):
+            continue
+        ref = server._get_node(name)._value()
+        try:
+            server[name]
+        except Exception as e:  # oc.env's unset variable, a missing node, a resolver error
+            msg = str(e).splitlines()[0].removeprefix("KeyError raised while resolving "
+                                                       "interpolation: ").strip('"')
+            raise ConfigError(f"server.{name}={ref} cannot be resolved: {msg}; set it before "
+                              f"launch, or use server.{name.removesuffix('_file')}_file=<path>"
+                              ) from e
+
+
 def _import_target(target: str, where: str) -> None:
     module, _, name = target.rpartition(".")
     try:
@@ -389,6 +441,7 @@ def _import_target(target: str, where: str) -> None:
 def load_config(cfg: DictConfig) -> ServeConfig:
     """Composed DictConfig → checked ServeConfig. Raises ConfigError naming key and value."""
     _check_keys(cfg, "")
+    _check_key_refs(cfg)
     try:
         typed = OmegaConf.to_object(cfg)
     except ConfigError:
@@ -433,8 +486,15 @@ def _check_combination(cfg: ServeConfig) -> None:
 
 
 def config_hash(cfg: DictConfig | ServeConfig) -> str:
-    """Short stable hash of the resolved config, for build info and reproducibility."""
-    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    """Short stable hash of the resolved config, for build info and reproducibility. The
+    server's keys (SECRET_FIELDS) are left out: the hash is public (/metrics, every response's
+    record), so it must not be an oracle for them."""
+    node = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    server = node.get("server")
+    if isinstance(server, DictConfig):
+        for name in SECRET_FIELDS:
+            if name in server:
+                server[name] = None
     text = OmegaConf.to_yaml(node, resolve=True, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -3,7 +3,10 @@ Handlers run on the event loop and never call MLX; the engine thread does."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import signal
 import time
 from importlib.metadata import PackageNotFoundError, version
 
@@ -22,11 +25,12 @@ from pipeline.api.record import base_record
 from pipeline.api.store import ResponseStore
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import AdmissionRejected, ServeError, Unauthorized
+from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
 from pipeline.metrics import Metrics
 from pipeline.request import Request
 
 log = logging.getLogger("pipeserve")
+RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
 
 
 def _version(pkg: str) -> str:
@@ -67,6 +71,16 @@ def _presented_key(http: sanic.Request) -> str | None:
     """The key a client sent: `Authorization: Bearer <key>` or `x-api-key` (Anthropic)."""
     auth = http.headers.get("authorization", "")
     return auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
+
+
+def _key_ok(http: sanic.Request, key: str) -> bool:
+    """Constant time: digests of equal length compared with hmac.compare_digest, so neither
+    a right prefix nor the key's length shows in the timing."""
+    presented = _presented_key(http)
+    if presented is None:
+        return False
+    return hmac.compare_digest(hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest(),
+                               hashlib.sha256(key.encode("utf-8")).digest())
 
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
@@ -118,11 +132,22 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                      cfg.server.host, cfg.server.port)
         app.add_task(wait())
 
+    app.ctx.draining = False
+    app.ctx.drain_task = None
+
+    @app.after_server_start
+    async def _signals(app: Sanic) -> None:
+        # Replaces Sanic's handlers (installed just before this event), which stop the
+        # listener at once: drain with the listener open instead (see _drain).
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, _on_signal, app, sig)
+
     @app.before_server_stop
-    async def _drain(app: Sanic) -> None:
-        app.ctx.draining = True   # new requests get 503; those in flight go on
-        log.info("shutting down: %d request(s) in flight; waiting up to %.0f s",
-                 engine.num_inflight, cfg.server.shutdown_timeout_s)
+    async def _stopping(app: Sanic) -> None:
+        if not app.ctx.draining:   # stopped without a signal (engine failed to start)
+            app.ctx.draining = True
+            log.info("shutting down: %d request(s) in flight", engine.num_inflight)
 
     @app.after_server_stop
     async def _stop(app: Sanic) -> None:
@@ -142,6 +167,37 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
     return app
 
 
+def _on_signal(app: Sanic, sig: signal.Signals) -> None:
+    """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
+    if app.ctx.draining:
+        log.warning("%s again: stopping now, %d request(s) in flight are cut off",
+                    sig.name, app.ctx.engine.num_inflight)
+        if app.ctx.drain_task is not None:
+            app.ctx.drain_task.cancel()
+        app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
+        app.stop(terminate=False)
+        return
+    app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
+    timeout = app.ctx.cfg.server.shutdown_timeout_s
+    log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
+             sig.name, app.ctx.engine.num_inflight, timeout)
+    app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
+
+
+async def _drain(app: Sanic, timeout: float) -> None:
+    """The listener stays open while the engine finishes what it holds (or the timeout hits);
+    then Sanic's own shutdown gets what is left of the timeout to finish writing responses
+    still open (a stream's last chunks, a request that was still being tokenized)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while app.ctx.engine.num_inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
+    log.info("drained: %d request(s) left in the engine; stopping the listener",
+             app.ctx.engine.num_inflight)
+    app.stop(terminate=False)
+
+
 def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     origins = cfg.server.cors_origins
 
@@ -151,9 +207,14 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             return HTTPResponse(status=204)
         key = cfg.server.api_key
         if key and http.path.startswith("/v1/"):
-            if _presented_key(http) != key:
+            if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
+        if app.ctx.draining and http.path.startswith("/v1/"):
+            if http.stream is not None:
+                http.stream.keep_alive = False
+            raise EngineUnavailable("the server is shutting down; retry after Retry-After "
+                                    "seconds or send this request elsewhere")
         return None
 
     @app.on_response
@@ -178,7 +239,9 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
-        headers = {"Retry-After": str(e.retry_after_s)} if isinstance(e, AdmissionRejected) else None
+        headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, AdmissionRejected)
+                   else {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, EngineUnavailable)
+                   else None)
         return _error(http, e.message, e.error_type, e.param, e.code, e.status, headers)
 
     @app.exception(SanicException)
@@ -213,7 +276,7 @@ def _add_routes(app: Sanic) -> None:
         """Returns once every dirty prompt-cache entry is on disk."""
         key = app.ctx.cfg.server.admin_key
         if key:
-            if _presented_key(http) != key:
+            if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
                                    "<server.admin_key>")
         t0 = time.perf_counter()
@@ -225,6 +288,12 @@ def _add_routes(app: Sanic) -> None:
 
     @app.get("/metrics")
     async def metrics(http: sanic.Request) -> HTTPResponse:
+        server = app.ctx.cfg.server
+        if server.metrics_auth:   # the admin key guards /metrics; the API key when none is set
+            name = "admin_key" if server.admin_key else "api_key"
+            if not _key_ok(http, getattr(server, name)):
+                raise Unauthorized(f"/metrics needs a key (server.metrics_auth=true); send "
+                                   f"Authorization: Bearer <server.{name}>")
         return HTTPResponse(generate_latest(app.ctx.registry), content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
