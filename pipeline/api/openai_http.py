@@ -12,7 +12,8 @@ from sanic import HTTPResponse, Sanic
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_data
-from pipeline.errors import ServeError
+from pipeline.errors import AdmissionRejected, ServeError
+from pipeline.offload import off_loop
 from pipeline.request import Request
 
 
@@ -21,10 +22,12 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
     ctx = app.ctx
     async with Scope(app, endpoint, http) as scope:
         front = ready_front(app)
-        body = read_body(http)
         chat = endpoint == "chat"
-        parsed = oa.parse_chat(body) if chat else oa.parse_completion(body)
+        parse = oa.parse_chat if chat else oa.parse_completion
+        parsed = await off_loop(len(http.body or b""), lambda: parse(read_body(http)))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if parsed.n > 1:
+            _check_room(app, parsed.n)
         # every choice is its own row: tokenized and admitted now (errors before any output)
         reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i))
                 for i in range(parsed.n)]
@@ -53,6 +56,20 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
                                     g.tool_calls) if chat else
                        shape.choice(i, prompt_text + g.content, g.finish_reason, lps))
         return json_response(shape.body(out, usage))
+
+
+def _check_room(app: Sanic, n: int) -> None:
+    """n choices are n rows: refuse (429) when the last of them would find the queue full,
+    as admission refuses one request, so one large `n` cannot crowd out other clients."""
+    engine, cap = app.ctx.engine, app.ctx.cfg.admission.max_queue
+    sched = engine.scheduler
+    ahead = max(0, engine.num_waiting + n - 1 - max(0, sched.max_batch - len(sched.running)))
+    if ahead >= cap:
+        app.ctx.metrics.admission.labels("rejected", "queue_full").inc()
+        raise AdmissionRejected(
+            f"n is {n}: its choices would queue {ahead} rows ahead of the last one, and "
+            f"admission.max_queue is {cap} (scheduler.max_batch {sched.max_batch} run at "
+            "once); lower n or retry shortly", retry_after_s=1, code="queue_full")
 
 
 def _choice_request(parsed: oa.Parsed, rid: str, endpoint: str, index: int) -> Request:
