@@ -23,6 +23,15 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")
 def main(raw: DictConfig) -> None:
+    try:
+        serve(raw)
+    except Exception:
+        # reported here, not by Hydra: its report echoes the overrides, literal keys included
+        log.exception("serve.py failed")
+        _exit(1)
+
+
+def serve(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     try:
@@ -38,12 +47,17 @@ def main(raw: DictConfig) -> None:
     app.ctx.exit_code = 0
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
             motd=False)
-    # The engine has stopped and the prompt cache is flushed and closed by now. Exit without
-    # interpreter teardown: destroying MLX's C++ thread state during it can abort (SIGABRT).
+    # The engine has stopped and the prompt cache is flushed and closed by now.
+    _exit(app.ctx.exit_code)
+
+
+def _exit(code: int) -> None:
+    """Exit without interpreter teardown: destroying MLX's C++ thread state during it can
+    abort (SIGABRT)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(app.ctx.exit_code)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,16 @@ def test_a_missing_key_source_fails_at_launch(tmp_path: Path, overrides: list[st
     assert grep(run, LIT_BESIDE) == [] and LIT_BESIDE not in done.stdout + done.stderr
     written = (run / ".hydra" / "config.yaml").read_text()
     assert ("<redacted>" in written) == any(LIT_BESIDE in o for o in overrides)
+
+
+def test_a_failed_launch_does_not_echo_a_literal_key(tmp_path: Path) -> None:
+    """Hydra reports a job's exception with its overrides; serve.py reports it itself."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = launch(tmp_path, f"server.port={taken.getsockname()[1]}",
+                      f"server.api_key={LIT_BESIDE}")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Address already in use" in done.stdout + done.stderr
+    assert LIT_BESIDE not in done.stdout + done.stderr
+    assert grep(tmp_path / "run", LIT_BESIDE) == []
