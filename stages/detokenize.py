@@ -30,7 +30,8 @@ class TextStream:
     token) are decoded byte by byte through an incremental UTF-8 decoder: only a valid
     incomplete sequence (at most 3 bytes) waits for the next token, invalid bytes come out as
     U+FFFD at once, and each token costs O(its bytes). Other tokenizers re-decode a bounded
-    window (CONTEXT_TOKENS of left context + at most MAX_HELD_TOKENS held)."""
+    window (CONTEXT_TOKENS of left context, up to MAX_HELD_TOKENS more to start it on a
+    character boundary, + at most MAX_HELD_TOKENS held)."""
 
     def __init__(self, decode: Any, stop: list[str],
                  piece: Callable[[int], bytes] | None = None) -> None:
@@ -41,6 +42,7 @@ class TextStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []   # text path: the decode window and what is held
         self._read = 0     # ids before this index are already turned into text
+        self._prefix_text = ""   # text path: decode of self._ids[:self._read]
         self._pending = ""  # decoded but not yet emitted (a possible stop-string prefix)
         self.stopped = False
         self.matched_stop: str | None = None
@@ -84,8 +86,7 @@ class TextStream:
         While the text ends in U+FFFD, the last MAX_HELD_TOKENS ids may be an incomplete
         character: text is released up to the latest boundary among them where it does not
         (None: nothing to release yet); a U+FFFD older than that is invalid and released."""
-        ids, read = self._ids, self._read
-        prefix_text = self._decode(ids[:read])
+        ids, read, prefix_text = self._ids, self._read, self._prefix_text
         end, full = len(ids), self._decode(ids)
         if not final and full.endswith("\ufffd"):
             for cut in range(end - 1, max(read, end - MAX_HELD_TOKENS) - 1, -1):
@@ -95,8 +96,17 @@ class TextStream:
                     break
             if end == read:
                 return None
+        # the next window: CONTEXT_TOKENS of context, started on a character boundary (a
+        # window opening inside a character decodes to U+FFFD there; with byte-fallback
+        # decoders a whole run of byte tokens then does), found within MAX_HELD_TOKENS more
         keep = max(0, end - CONTEXT_TOKENS)
-        self._ids, self._read = ids[keep:], end - keep
+        context = self._decode(ids[keep:end])
+        for _ in range(MAX_HELD_TOKENS):
+            if keep == 0 or not context.startswith("\ufffd"):
+                break
+            keep -= 1
+            context = self._decode(ids[keep:end])
+        self._ids, self._read, self._prefix_text = ids[keep:], end - keep, context
         start = len(prefix_text) if full.startswith(prefix_text) else _common_prefix(
             prefix_text, full)
         return full[start:]
