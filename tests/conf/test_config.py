@@ -135,8 +135,8 @@ def test_known_schema_classes_and_defaults() -> None:
     assert cfg.scheduler.prefill_chunk == 2048
     assert cfg.scheduler.max_batch == 8
     assert cfg.admission.max_queue == 64
-    assert cfg.model.name == "tiny"
-    assert cfg.model.arch is pc.Arch.qwen3 and cfg.model.dtype is pc.DType.float32
+    assert cfg.model.name == "smollm2" and cfg.model.source is pc.ModelSource.smollm2
+    assert cfg.model.path is None and cfg.model.arch is pc.Arch.llama
     assert cfg.server.log_format is pc.LogFormat.text
     assert cfg.sampling.temperature is None
     assert cfg.pipeline.sample._target_ == "stages.sample.Sample"
