@@ -14,10 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import config_hash
-from tests.conftest import ROOT, make_config
+from tests.conftest import ROOT, free_port, make_config
+from tests.serve.test_monitoring import Prometheus, _install_prometheus
 
 LIT_API = "lit-api-Q7xw93k"       # given on the command line
 ENV_API = "env-api-Zr4m21p"       # from $PIPESERVE_TEST_API_KEY
@@ -245,3 +247,44 @@ def test_a_failed_launch_does_not_echo_a_literal_key(tmp_path: Path) -> None:
     assert "Address already in use" in done.stdout + done.stderr
     assert LIT_BESIDE not in done.stdout + done.stderr
     assert grep(tmp_path / "run", LIT_BESIDE) == []
+
+
+# -- a real Prometheus scraping /metrics behind the key ------------------------------------
+class KeyedPrometheus(Prometheus):
+    """Two scrape jobs of one server: `with_key` sends the admin key from its file, as
+    dashboards/prometheus.yml documents; `without_key` sends none."""
+
+    def __init__(self, target: str, key_file: Path, work: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        auth = {"type": "Bearer", "credentials_file": str(key_file)}
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [
+                      {"job_name": "with_key", "authorization": auth,
+                       "static_configs": [{"targets": [target]}]},
+                      {"job_name": "without_key", "static_configs": [{"targets": [target]}]}]}
+        (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+        check = subprocess.run(["promtool", "check", "config", str(work / "prometheus.yml")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+        self.log_path = work / "prometheus.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={work / 'prometheus.yml'}",
+             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+             "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+
+
+def test_prometheus_scrapes_with_the_key_from_a_file(launches: dict[str, Any],
+                                                     tmp_path: Path) -> None:
+    _install_prometheus()
+    prom = KeyedPrometheus(f"127.0.0.1:{launches['port']}", launches["key_file"], tmp_path)
+    try:
+        prom.wait_ready()
+        prom.wait_for('up{job="with_key"}', 1)
+        prom.wait_for('count(up{job="without_key"})', 1)   # scraped (and refused) at least once
+        assert prom.value('up{job="without_key"}') == 0
+        assert prom.value('count(pipeserve_build_info{job="with_key"})') == 1
+        assert prom.query('pipeserve_build_info{job="without_key"}')["result"] == []
+    finally:
+        prom.stop()
