@@ -193,8 +193,12 @@ async def _drain(app: Sanic, timeout: float) -> None:
     while app.ctx.engine.num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
-    log.info("drained: %d request(s) left in the engine; stopping the listener",
-             app.ctx.engine.num_inflight)
+    left = app.ctx.engine.num_inflight
+    if left:
+        log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
+                    left, timeout)
+    else:
+        log.info("drained: no request in flight; stopping the listener")
     app.stop(terminate=False)
 
 
@@ -256,8 +260,12 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
 
     @app.exception(Exception)
     async def _fault(http: sanic.Request, e: Exception) -> HTTPResponse:
-        log.exception("unhandled error on %s %s", http.method, http.path)
-        return _error(http, f"internal error: {e!r}", "server_error", None, None, 500)
+        # the exception goes to the log only; the client gets an id to quote
+        gen = getattr(http.ctx, "generation", None)
+        rid = gen.request.request_id if gen is not None else f"req_{http.id}"
+        log.exception("unhandled error on %s %s (request %s)", http.method, http.path, rid)
+        return _error(http, f"internal error (request {rid}); the server log has the details",
+                      "server_error", None, None, 500)
 
 
 def _add_routes(app: Sanic) -> None:

@@ -107,6 +107,7 @@ def _turn(m: Any, where: str) -> list[dict[str, Any]]:
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                 raise InvalidRequest(f"{at} needs a string name and an object input",
                                      param="messages")
+            F.check_depth(block.get("input", {}), f"{at}.input", "messages")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -131,7 +132,8 @@ def _result_text(content: Any, where: str) -> str:
 
 def _tool_choice(value: dict[str, Any] | None, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
     kind = (value or {}).get("type", "auto")
-    choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}.get(kind)
+    choice = ({"auto": "auto", "any": "required", "tool": "named", "none": "none"}.get(kind)
+              if isinstance(kind, str) else None)
     if choice is None:
         raise InvalidRequest(f"tool_choice.type is {kind!r}; allowed: auto, any, tool, none",
                              param="tool_choice")

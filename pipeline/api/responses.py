@@ -67,7 +67,8 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     requested["max_tokens"] = F.get(body, "max_output_tokens", int)
     echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": [_flat(t) for t in tools], "metadata": F.get(body, "metadata", dict) or {},
+            "tools": [_flat(t) for t in tools],
+            "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
             "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
@@ -154,10 +155,10 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
     name, args = item.get("name"), item.get("arguments", "{}")
     if not isinstance(name, str) or not isinstance(args, str):
         raise InvalidRequest(f"{where} needs a string name and string arguments", param="input")
-    try:
-        arguments = json.loads(args) if args.strip() else {}
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"{where}.arguments is not valid JSON: {e}", param="input") from e
+    arguments = F.json_text(args, f"{where}.arguments", "input") if args.strip() else {}
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.arguments must hold a JSON object, got "
+                             f"{F.short(arguments)}", param="input")
     return {"id": item.get("call_id"), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 

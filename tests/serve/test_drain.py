@@ -100,7 +100,7 @@ def test_sigterm_drains_with_the_listener_open(server_factory: Any) -> None:
     assert s.proc.wait(TIMEOUT) == 0
     log = s.log()
     assert "SIGTERM: draining; 1 request(s) in flight" in log
-    assert "drained: 0 request(s) left" in log and "cut off" not in log
+    assert "drained: no request in flight" in log and "cut off" not in log
 
 
 def test_past_the_timeout_what_is_left_is_cut_off(server_factory: Any) -> None:
@@ -117,4 +117,5 @@ def test_past_the_timeout_what_is_left_is_cut_off(server_factory: Any) -> None:
     assert b"[DONE]" not in stream.lines      # cut off, not finished
     assert 1 <= took < 15, took
     log = s.log()
+    assert "drain timeout: 1 request(s) still in flight after 1 s" in log
     assert "shutdown timeout: 1 request(s) were cut off" in log
