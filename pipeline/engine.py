@@ -223,6 +223,8 @@ class Engine:
                 except Exception as e:  # a step failure fails that batch only
                     self._fail_batch(batch, e)
                     batch = None
+            if batch is not None and batch.failed:   # rows that failed on their own
+                self._fail_rows(batch)
             if pending is not None:
                 self._update(pending)
             if batch is not None and batch.sync:   # structured output (Batch.sync): the next
@@ -392,25 +394,48 @@ class Engine:
         self.metrics.queue_depth.set(waiting)
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
+    def _fail_rows(self, batch: Batch) -> None:
+        """Rows a step stage failed on their own (their sampling settings, grammar or draft;
+        `Batch.failed`): each request fails alone, the rest of the step goes on, and the
+        failed rows' outputs (placeholders) are never read."""
+        for row, cause in batch.failed.items():
+            req = batch.requests[row]
+            if isinstance(cause, ServeError):   # a client-facing reason (a grammar that broke)
+                log.warning("request %s failed in its step: %s", req.request_id, cause.message)
+                err = cause
+            else:
+                log.error("request %s failed in its step", req.request_id, exc_info=cause)
+                err = StageError("step", [req.request_id], cause)
+            self._fail_request(req, err)
+        self._free_row_kv()
+
     def _fail_batch(self, batch: Batch, cause: Exception) -> None:
+        """The step itself failed (the forward, or work shared by its rows): none of its rows
+        can be trusted, so each fails with a 503 its client may retry; the loop goes on."""
         ids = [r.request_id for r in batch.requests]
-        log.exception("step failed for %d request(s): %s", len(ids), ", ".join(ids))
-        err = StageError("step", ids, cause)
+        log.error("step failed for %d request(s): %s", len(ids), ", ".join(ids), exc_info=cause)
         if self.ctx.row_batch is not None:
             # a half-applied step leaves the shared KV unusable: its rows are in this batch
             self.ctx.row_batch.reset()
         for req in batch.requests:
-            if self.scheduler.abort(req.request_id) is not None:
-                req.finish_reason = FinishReason.ERROR   # its KV is not kept
-                if self.ctx.proposer is not None:
-                    self.ctx.proposer.release(req)
-                self.scheduler.release(req)
-                self._post(req.request_id, Failed(req.request_id, err))
+            self._fail_request(req, EngineUnavailable(
+                f"the engine step computing request {req.request_id} failed (an internal "
+                "error, logged by the server); nothing after the tokens already sent was "
+                "produced — retry the request", code="step_failed"))
         self._free_row_kv()
+
+    def _fail_request(self, req: Request, err: ServeError) -> None:
+        if self.scheduler.abort(req.request_id) is not None:
+            req.finish_reason = FinishReason.ERROR   # its KV is not kept
+            if self.ctx.proposer is not None:
+                self.ctx.proposer.release(req)
+            self.scheduler.release(req)
+            self._post(req.request_id, Failed(req.request_id, err))
 
     def _die(self, cause: Exception) -> None:
         self.state = EngineState.DEAD
-        err = EngineUnavailable(f"engine died: {cause!r}")
+        err = EngineUnavailable("the engine stopped after an internal error (logged by the "
+                                "server); retry when /health answers 200")
         for req in self.scheduler.fail_all():
             self.scheduler.release(req)
             self._post(req.request_id, Failed(req.request_id, err))

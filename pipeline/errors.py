@@ -80,6 +80,8 @@ class StageError(ServeError):
     error_type = "server_error"
 
     def __init__(self, stage: str, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"stage {stage} failed for {len(request_ids)} request(s): {cause!r}")
+        # the cause goes to the server log, never to a client
+        super().__init__(f"internal error in the {stage} stage (request "
+                         f"{', '.join(request_ids)}); the server log has the details")
         self.stage = stage
         self.request_ids = request_ids

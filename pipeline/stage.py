@@ -29,6 +29,23 @@ class StepStage(Protocol):
     def __call__(self, batch: Batch) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Engine facts the request stages check against, fixed once the model is loaded (they
+    never touch the model itself)."""
+
+    max_context: int   # tokens of prompt + output: the model's, capped by admission.max_context
+    vocab_size: int    # width of the model's logits: token ids are < this
+
+    @classmethod
+    def of(cls, cfg: ServeConfig, loaded: LoadedModel) -> EngineLimits:
+        text = loaded.config.get("text_config") or {}
+        vocab = int(loaded.config.get("vocab_size") or text.get("vocab_size")
+                    or len(loaded.tokenizer))
+        native = loaded.max_context
+        return cls(min(cfg.admission.max_context or native, native), vocab)
+
+
 @dataclass
 class EngineContext:
     """What step stages are built with, on the engine thread after the model loads."""
@@ -74,6 +91,10 @@ class Batch:
     emitted: list[list[int]] | None = None        # set by verify: host tokens per sample row
     emitted_logprobs: list[list[float]] | None = None  # set by verify, when rows ask
     emitted_top: list[list[list[tuple[int, float]]]] | None = None  # set by verify
+    failed: dict[int, BaseException] = field(default_factory=dict)  # set by draft/sample/
+                                         # verify: row index → why that row alone failed; its
+                                         # entries in the outputs are placeholders, and the
+                                         # engine fails just those requests
 
     @property
     def size(self) -> int:

@@ -12,18 +12,25 @@ from pipeline.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionEr
 from pipeline.grammar import GrammarCompiler, Matcher
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
+from pipeline.stage import EngineLimits
 
 if TYPE_CHECKING:
     from pipeline.engine import Engine
 
-# field → (lowest, highest) inclusive; None = unbounded on that side.
+# field → (lowest, highest) inclusive; None = unbounded on that side. top_k is checked
+# against the vocabulary (see _top_k).
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, None), "min_p": (0.0, 1.0),
+    "temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
     "repetition_penalty": (0.0, 10.0), "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0), "xtc_probability": (0.0, 1.0),
     "xtc_threshold": (0.0, 0.5), "penalty_context_size": (1, 1 << 16), "max_tokens": (1, None),
-    "top_logprobs": (0, None), "seed": (-(1 << 63), (1 << 64) - 1),
+    "top_logprobs": (0, None), "seed": (0, (1 << 64) - 1),   # seed: an unsigned 64-bit value
 }
+EXCLUSIVE_LOW = {"repetition_penalty"}   # 0 would divide the logits by zero
+TOP_K_OFF = (-1, 0)   # top_k values that mean "no top-k" (-1: vLLM's, 0: mlx-lm's)
+# A temperature this low samples the argmax anyway, and 1/T overflows float32 below ~3e-39:
+# treated as greedy, as vLLM does (its _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
 PROTOCOL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
@@ -32,12 +39,12 @@ class Admission:
         self.cfg = cfg.admission
         self.server_defaults = {k: v for k, v in vars(cfg.sampling).items() if v is not None}
         self.model_defaults = loaded.generation_defaults
-        self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
-        self.vocab_size = int(loaded.config.get("vocab_size")
-                              or loaded.config.get("text_config", {}).get("vocab_size") or 0)
+        self.limits = EngineLimits.of(cfg, loaded)
+        self.max_context = self.limits.max_context
+        self.vocab_size = self.limits.vocab_size
         self.engine = engine
         self.metrics = engine.metrics
-        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size or len(loaded.tokenizer),
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size,
                                         loaded.tokenizer.eos_token_ids)
 
     async def __call__(self, request: Request) -> Request:
@@ -90,6 +97,10 @@ class Admission:
         merged.update({k: v for k, v in given.items() if v is not None})
         for name, value in merged.items():
             self._check_range(name, value, given.get(name) is not None)
+        if "top_k" in merged:
+            merged["top_k"] = self._top_k(merged["top_k"], given.get("top_k") is not None)
+        if 0 < merged["temperature"] < MIN_TEMPERATURE:
+            merged["temperature"] = 0.0
         room = self.max_context - len(request.prompt_ids)
         if room < 1:
             raise InvalidRequest(
@@ -106,12 +117,13 @@ class Admission:
         if len(stop) > self.cfg.max_stop:
             raise InvalidRequest(f"stop has {len(stop)} strings; the limit is {self.cfg.max_stop}",
                                  param="stop")
-        if merged.get("top_logprobs", 0) > self.cfg.max_top_logprobs:
+        top_limit = min(self.cfg.max_top_logprobs, self.vocab_size)
+        if merged.get("top_logprobs", 0) > top_limit:
             raise InvalidRequest(
-                f"top_logprobs is {merged['top_logprobs']}; the limit is "
-                f"{self.cfg.max_top_logprobs}", param="top_logprobs")
+                f"top_logprobs is {merged['top_logprobs']}; the limit is {top_limit}",
+                param="top_logprobs")
         for token_id in (merged.get("logit_bias") or {}):
-            if self.vocab_size and not 0 <= token_id < self.vocab_size:
+            if not 0 <= token_id < self.vocab_size:
                 raise InvalidRequest(
                     f"logit_bias names token {token_id}, outside the vocabulary "
                     f"[0, {self.vocab_size})", param="logit_bias")
@@ -133,6 +145,20 @@ class Admission:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.grammars.matcher, c)
 
+    def _top_k(self, value: Any, from_request: bool) -> int:
+        """top_k → what the sample stage uses: 0 = no top-k. -1 and 0 mean off; a k at or
+        above the vocabulary size keeps every token, so it is off too (as in vLLM and
+        llama.cpp)."""
+        where = "" if from_request else " (server/model default)"
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidRequest(f"top_k must be an integer, got {value!r:.40}{where}",
+                                 param="top_k")
+        if value < TOP_K_OFF[0]:
+            raise InvalidRequest(
+                f"top_k is {value}{where}; allowed: -1 or 0 (off) or a positive integer (from "
+                f"{self.vocab_size}, the vocabulary size, up, every token is kept)", param="top_k")
+        return 0 if value in TOP_K_OFF or value >= self.vocab_size else value
+
     @staticmethod
     def _check_range(name: str, value: Any, from_request: bool) -> None:
         bounds = RANGES.get(name)
@@ -141,8 +167,12 @@ class Admission:
         low, high = bounds
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number, got {value}", param=name)
-        if (low is not None and value < low) or (high is not None and value > high):
-            span = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+        exclusive = name in EXCLUSIVE_LOW
+        if ((low is not None and (value < low or exclusive and value == low))
+                or (high is not None and value > high)):
+            opening = "(" if exclusive else "["
+            span = (f"{opening}{low if low is not None else '-inf'}, "
+                    f"{high if high is not None else 'inf'}]")
             where = "" if from_request else " (server/model default)"
             raise InvalidRequest(f"{name} is {value}{where}; allowed range is {span}", param=name)
 

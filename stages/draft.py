@@ -4,11 +4,14 @@ next token depends on host state per position (repetition/presence/frequency pen
 structured-output grammars) decode one token as usual in the same batch. Engine thread."""
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 from pipeline.config import ServeConfig, build
 from pipeline.request import Request
 from pipeline.stage import Batch, EngineContext
+
+log = logging.getLogger("pipeserve")
 
 
 def can_draft(req: Request) -> bool:
@@ -53,11 +56,34 @@ class Draft:
                 limits.append(limit)
         if not rows:
             return
-        proposals = self.proposer.propose([batch.requests[r] for r in rows], limits)
+        proposals = self._propose(batch, rows, limits)
         for i, r in enumerate(rows):
             grammar = batch.requests[r].grammar
             if grammar is not None and proposals[i]:
-                grammar.advance(batch.requests[r].output_ids)
-                proposals[i] = proposals[i][:grammar.valid_prefix(proposals[i])]
+                try:
+                    grammar.advance(batch.requests[r].output_ids)
+                    proposals[i] = proposals[i][:grammar.valid_prefix(proposals[i])]
+                except Exception as e:   # this row's grammar: the row fails, alone
+                    batch.failed.setdefault(r, e)
+                    proposals[i] = []
         drafts = {r: d for r, d in zip(rows, proposals) if d}
         batch.drafts = drafts or None
+
+    def _propose(self, batch: Batch, rows: list[int], limits: list[int]) -> list[list[int]]:
+        """Drafts for `rows`, in one call; if that raises, row by row, so only the rows whose
+        own proposal fails are failed (a draft is only ever a guess: verify keeps the output
+        exactly the target's whatever the proposer's state)."""
+        reqs = [batch.requests[r] for r in rows]
+        try:
+            return self.proposer.propose(reqs, limits)
+        except Exception:
+            log.warning("draft proposal for %d row(s) failed; retrying row by row", len(rows),
+                        exc_info=True)
+            out: list[list[int]] = []
+            for r, req, limit in zip(rows, reqs, limits):
+                try:
+                    out.append(self.proposer.propose([req], [limit])[0])
+                except Exception as e:
+                    batch.failed.setdefault(r, e)
+                    out.append([])
+            return out

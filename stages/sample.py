@@ -1,24 +1,25 @@
 """Sample: last-position logits → one token per sampling row, with per-row temperature,
 top_p/top_k/min_p/XTC, penalties, logit_bias, structured-output masks, request-local seeds and
-logprobs. Engine thread."""
+logprobs. A fault in one row's own work (its state, penalties, grammar, draw) fails that row
+alone (`Batch.failed`); the other rows' tokens do not depend on it. Engine thread."""
 from __future__ import annotations
 
-import logging
+import functools
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, apply_xtc,
-                                 make_logits_processors)
+from mlx_lm.sample_utils import make_logits_processors
 
 from pipeline.config import ServeConfig
-from pipeline.grammar import Matcher, fill_bitmask
+from pipeline.errors import InvalidRequest
+from pipeline.grammar import fill_bitmask
 from pipeline.request import Request, SamplingParams
 from pipeline.stage import Batch, EngineContext
 
-log = logging.getLogger("pipeserve")
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 
@@ -53,22 +54,23 @@ class Sample:
         if not batch.sample_rows:
             return
         reqs = [batch.requests[r] for r in batch.sample_rows]
-        states = [r.row_state if r.row_state is not None else self._init_state(r) for r in reqs]
+        states = [r.row_state if r.row_state is not None else self._init_state(batch, i, r)
+                  for i, r in enumerate(reqs)]
         if batch.width > 1:
             self._verify_distributions(batch, reqs, states)
             return
         logits = self._apply_bias(batch.logits, reqs, states)
         if any(s.processors for s in states):
-            logits = mx.concatenate([self._process(s, logits[i:i + 1])
+            logits = mx.concatenate([self._process(batch, i, s, logits[i:i + 1])
                                      for i, s in enumerate(states)], axis=0)
         if any(r.grammar is not None for r in reqs):
-            logits = self._constrain(logits, reqs)
+            logits = self._constrain(batch, logits, reqs)
             batch.sync = True   # the next mask needs this step's token on the host
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.sampling.greedy for r in reqs):
             tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         else:
-            tokens = mx.concatenate([self._draw(r, s, logprobs[i:i + 1])
+            tokens = mx.concatenate([self._draw(batch, i, r, s, logprobs[i:i + 1])
                                      for i, (r, s) in enumerate(zip(reqs, states))])
         for i, (req, state) in enumerate(zip(reqs, states)):
             if state.history is not None:
@@ -106,9 +108,12 @@ class Sample:
         batch.target_logprobs = logprobs
         probs = {}
         for i, req in enumerate(reqs):
-            sp = req.sampling
-            if not sp.greedy:
-                scaled = _filter(logprobs[i], sp, self.eos_ids) * (1 / sp.temperature)
+            if not req.sampling.greedy:
+                try:
+                    scaled = sampling_logits(logprobs[i], req.sampling, self.eos_ids)
+                except Exception as e:   # this row's settings: fail it, keep the others
+                    _fail(batch, i, e)
+                    scaled = logprobs[i]
                 probs[i] = mx.softmax(scaled, axis=-1)
         batch.target_probs = probs
 
@@ -122,12 +127,19 @@ class Sample:
         for i, req in enumerate(reqs):
             if req.grammar is None:
                 continue
-            req.grammar.advance(req.output_ids)
-            drafts = (batch.drafts or {}).get(batch.sample_rows[i], [])
-            req.grammar.draft_masks(drafts, host[i])
-            bits = host[i].view(np.uint32)
-            for j in range(width):
-                if not bits[j].any():   # a failed matcher: let the row stop
+            try:
+                _advance(req)
+                drafts = (batch.drafts or {}).get(batch.sample_rows[i], [])
+                req.grammar.draft_masks(drafts, host[i])
+                bits = host[i].view(np.uint32)
+                if not bits[0].any():
+                    raise _grammar_failed(req)
+            except Exception as e:   # this row's grammar: fail it; its mask lets all through
+                _fail(batch, i, e)
+                host[i] = -1
+                continue
+            for j in range(1, width):
+                if not bits[j].any():   # past a draft that ends the grammar: let it stop
                     for t in self.eos_ids:
                         bits[j, t // 32] |= np.uint32(1 << (t % 32))
         shifted = mx.right_shift(mx.array(host)[..., None], self._shifts) & 1
@@ -153,48 +165,62 @@ class Sample:
         rows_idx, cols_idx, vals = self._bias
         return logits.at[rows_idx, cols_idx].add(vals.astype(logits.dtype))
 
-    def _constrain(self, logits: mx.array, reqs: list[Request]) -> mx.array:
+    def _constrain(self, batch: Batch, logits: mx.array, reqs: list[Request]) -> mx.array:
         """Constrained rows: tokens their grammar does not allow get -inf. Each matcher first
         accepts the tokens emitted since the last step (the engine read them back: Batch.sync).
-        Free rows get an all-ones mask, so their logits pass through unchanged."""
+        Free rows get an all-ones mask, so their logits pass through unchanged. A matcher that
+        fails (its grammar hit a parser limit, or nothing is allowed) fails its row."""
         rows, vocab = logits.shape
         words = (vocab + 31) // 32
         host = np.full((rows, words), -1, dtype=np.int32)
-        matchers: list[tuple[int, Matcher]] = []
         for i, req in enumerate(reqs):
             if req.grammar is not None:
-                if not req.grammar.advance(req.output_ids):
-                    log.warning("request %s: structured output failed (%s); only a stop token "
-                                "may follow", req.request_id, req.grammar.error)
-                matchers.append((i, req.grammar))
-        fill_bitmask(matchers, host)
-        bitmask = host.view(np.uint32)
-        for i, _ in matchers:
-            if not bitmask[i].any():   # nothing allowed (a failed matcher): let the row stop
-                for t in self.eos_ids:
-                    bitmask[i, t // 32] |= np.uint32(1 << (t % 32))
+                try:
+                    _advance(req)
+                    fill_bitmask([(i, req.grammar)], host)
+                    if not host[i].any():
+                        raise _grammar_failed(req)
+                except Exception as e:   # this row's grammar: fail it; its mask lets all through
+                    _fail(batch, i, e)
+                    host[i] = -1
         bits = mx.right_shift(mx.array(host)[:, :, None], self._shifts) & 1
         allowed = bits.reshape(rows, words * 32)[:, :vocab].astype(mx.bool_)
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
     @staticmethod
-    def _process(state: RowSampling, logits: mx.array) -> mx.array:
-        for proc in state.processors:
-            logits = proc(state.history, logits)
+    def _process(batch: Batch, i: int, state: RowSampling, logits: mx.array) -> mx.array:
+        try:
+            for proc in state.processors:
+                logits = proc(state.history, logits)
+        except Exception as e:   # this row's penalties: fail it, its logits pass through
+            _fail(batch, i, e)
         return logits
 
-    def _draw(self, req: Request, state: RowSampling, logprobs: mx.array) -> mx.array:
+    def _draw(self, batch: Batch, i: int, req: Request, state: RowSampling,
+              logprobs: mx.array) -> mx.array:
         sp = req.sampling
         if sp.greedy:
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        try:
+            scaled = sampling_logits(logprobs, sp, self.eos_ids)
+        except Exception as e:   # this row's settings: fail it; argmax stands in
+            _fail(batch, i, e)
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         state.prev_key = state.key
         state.key, sub = mx.random.split(state.key)
-        token = mx.random.categorical(_filter(logprobs, sp, self.eos_ids) * (1 / sp.temperature),
-                                      key=sub)
-        return token.astype(mx.uint32)
+        return mx.random.categorical(scaled, key=sub).astype(mx.uint32)
+
+    @classmethod
+    def _init_state(cls, batch: Batch, i: int, req: Request) -> RowSampling:
+        try:
+            return cls._new_state(req)
+        except Exception as e:   # this row's settings: fail it; a neutral state stands in
+            _fail(batch, i, e)
+            return RowSampling(key=mx.random.key(0), processors=[], history=None,
+                               bias_ids=[], bias_values=[])
 
     @staticmethod
-    def _init_state(req: Request) -> RowSampling:
+    def _new_state(req: Request) -> RowSampling:
         sp = req.sampling
         processors = make_logits_processors(
             repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
@@ -214,14 +240,95 @@ class Sample:
         return req.row_state
 
 
-def _filter(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) -> mx.array:
-    """mlx-lm's truncation order: top_p, min_p, XTC, top_k."""
-    if 0 < sp.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, sp.top_p)
+def _fail(batch: Batch, i: int, cause: BaseException) -> None:
+    """Sample row `i` failed on its own: the engine fails that request alone."""
+    batch.failed.setdefault(batch.sample_rows[i], cause)
+
+
+def _advance(req: Request) -> None:
+    """The row's matcher accepts the tokens emitted since the last step."""
+    assert req.grammar is not None
+    if not req.grammar.advance(req.output_ids):
+        raise _grammar_failed(req)
+
+
+def _grammar_failed(req: Request) -> InvalidRequest:
+    """The row's grammar could not go on (it hit a parser limit, or allows nothing): a
+    client error naming the constraint's field, with the grammar library's reason."""
+    c, m = req.constraint, req.grammar
+    assert m is not None
+    param = c.param if c is not None else "grammar"
+    reason = " | ".join(ln.strip() for ln in (m.error or "no token is allowed").splitlines()[:2])
+    return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
+                          f"tokens: {reason[:300]}", param=param, code="constraint_failed")
+
+
+def sampling_logits(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) -> mx.array:
+    """The logits a T > 0 row samples from: mlx-lm's truncation order (top_p, min_p, XTC,
+    top_k), then temperature. XTC (with probability p, drop every token above the threshold
+    but the least likely of them) enters as its exact mixture, log((1 - p) * plain + p * cut),
+    so the draw needs no second random number and a verify forward gets the same distribution
+    as one-token sampling."""
+    lp = logprobs
+    if sp.top_p < 1.0:
+        lp = _top_p(lp, sp.top_p)
     if sp.min_p > 0:
-        logprobs = apply_min_p(logprobs, sp.min_p)
-    if sp.xtc_probability > 0:
-        logprobs = apply_xtc(logprobs, sp.xtc_probability, sp.xtc_threshold, eos_ids)
-    if sp.top_k > 0:
-        logprobs = apply_top_k(logprobs, sp.top_k)
-    return logprobs
+        lp = _min_p(lp, sp.min_p)
+    vocab = lp.shape[-1]
+    top_k = sp.top_k if 0 < sp.top_k < vocab else 0   # k >= vocab keeps every token
+    # relative to the best token, which stays 0 however large 1/T is (no -inf everywhere)
+    scale = 1 / sp.temperature
+    best = mx.max(lp, axis=-1, keepdims=True)
+    scaled = (_top_k(lp, top_k) - best) * scale
+    if sp.xtc_probability <= 0:
+        return scaled
+    cut = (_top_k(_xtc(lp, sp.xtc_threshold, eos_ids), top_k) - best) * scale
+    p = sp.xtc_probability
+    return mx.log((1 - p) * mx.softmax(scaled, axis=-1) + p * mx.softmax(cut, axis=-1))
+
+
+# The filters below are mlx-lm's (sample_utils) without mx.compile: compiled, every distinct
+# top_p / top_k / min_p value a client sends is a new compiled graph, kept for the process.
+_NEG_INF = -float("inf")
+
+
+def _top_p(lp: mx.array, top_p: float) -> mx.array:
+    sorted_lp = mx.sort(lp, axis=-1)
+    sorted_p = mx.exp(sorted_lp.astype(mx.float32))
+    mass_above = mx.cumsum(sorted_p, axis=-1, reverse=True, inclusive=False)
+    total = mass_above[..., :1] + sorted_p[..., :1]
+    # at least the best token stays (top_p 0 keeps just it)
+    num_dropped = mx.minimum((mass_above >= top_p * total).sum(axis=-1, keepdims=True),
+                             lp.shape[-1] - 1)
+    threshold = mx.take_along_axis(sorted_lp, num_dropped, axis=-1)
+    return mx.where(lp < threshold, _NEG_INF, lp)
+
+
+def _min_p(lp: mx.array, min_p: float) -> mx.array:
+    floor = mx.max(lp, axis=-1, keepdims=True) + math.log(min_p)
+    return mx.where(lp < floor, _NEG_INF, lp)
+
+
+def _xtc(lp: mx.array, threshold: float, eos_ids: list[int]) -> mx.array:
+    """XTC's cut: tokens more likely than the least likely token above `threshold` go (stop
+    tokens never do); with fewer than two tokens above it, nothing goes."""
+    probs = mx.exp(lp)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    mask = probs > least
+    if eos_ids:
+        mask = mask & _can_cut(tuple(eos_ids), lp.shape[-1])
+    return mx.where(mask, _NEG_INF, lp)
+
+
+@functools.lru_cache(maxsize=4)
+def _can_cut(eos_ids: tuple[int, ...], vocab: int) -> mx.array:
+    keep = np.ones(vocab, dtype=np.bool_)
+    keep[[t for t in eos_ids if t < vocab]] = False
+    return mx.array(keep)
+
+
+def _top_k(lp: mx.array, k: int) -> mx.array:
+    if not k:
+        return lp
+    drop = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., k:]
+    return mx.put_along_axis(lp, drop, mx.array(_NEG_INF, lp.dtype), axis=-1)

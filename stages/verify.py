@@ -6,7 +6,7 @@ shared batch a row's surplus becomes left padding), snapshot + replay for recurr
 Engine thread; reads the acceptance back to the host (a verify step is never pipelined)."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
@@ -17,7 +17,6 @@ from pipeline.errors import ConfigError
 from pipeline.kv.batch import drop_shared_padding, trim_rows
 from pipeline.request import Request
 from pipeline.stage import Batch, EngineContext
-
 
 
 class Verify:
@@ -49,7 +48,8 @@ class Verify:
             if batch.hidden is not None:
                 for i, r in enumerate(batch.sample_rows):
                     req = batch.requests[r]
-                    proposer.capture(req, req.num_computed_tokens - 1, batch.hidden[i:i + 1])
+                    self._row(batch, i, proposer.capture, req, req.num_computed_tokens - 1,
+                              batch.hidden[i:i + 1])
             return
         batch.sync = True
         reqs = [batch.requests[r] for r in batch.sample_rows]
@@ -59,7 +59,8 @@ class Verify:
         self._rollback(batch, reqs, [len(e) - 1 for e in emitted])
         for i, (req, d, a, e) in enumerate(zip(reqs, drafts, num_accepted, emitted)):
             if batch.hidden is not None:   # the positions the target kept: input + accepted
-                proposer.capture(req, req.num_computed_tokens - 1, batch.hidden[i:i + 1, :a + 1])
+                self._row(batch, i, proposer.capture, req, req.num_computed_tokens - 1,
+                          batch.hidden[i:i + 1, :a + 1])
             req.num_computed_tokens += a     # the accepted drafts' KV stays
             req.num_scheduled_outputs += a
             if d:
@@ -70,7 +71,7 @@ class Verify:
                 self._accepted.inc(a)
                 self._verifies.inc()
                 self._emitted.observe(len(e))
-            proposer.settle(req)   # after the accounting: the KV length is final
+            self._row(batch, i, proposer.settle, req)   # after the accounting: KV length final
         batch.emitted = emitted
         last = mx.array([e[-1] for e in emitted], dtype=mx.uint32)
         if self.shared:
@@ -78,6 +79,14 @@ class Verify:
         else:
             for i, req in enumerate(reqs):
                 req.next_input = last[i:i + 1]
+
+    @staticmethod
+    def _row(batch: Batch, i: int, work: Callable[..., None], *args: Any) -> None:
+        """One sample row's proposer bookkeeping; a fault there fails that row alone."""
+        try:
+            work(*args)
+        except Exception as e:
+            batch.failed.setdefault(batch.sample_rows[i], e)
 
     # -- acceptance -------------------------------------------------------------------
     def _accept(self, batch: Batch, reqs: list[Request],

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from pipeline.errors import InvalidRequest
+
+# Nesting of arrays and objects a JSON schema, tool-call arguments or metadata may have. Far
+# past any real schema (OpenAI's strict mode allows 10 levels of objects), and far below what
+# the recursive code that handles them (the chat template's tojson, the grammar compiler,
+# orjson's 255-level writer) can take.
+MAX_DEPTH = 64
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
                list: "an array", dict: "an object"}
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """A value as a client sent it, cut to fit an error message."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+_short = short
 
 
 def get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
@@ -40,6 +52,45 @@ def _matches(value: Any, kind: type) -> bool:
     if kind is float:
         return isinstance(value, (int, float))
     return isinstance(value, kind)
+
+
+def check_depth(value: Any, where: str, param: str, limit: int = MAX_DEPTH) -> Any:
+    """`value` (returned) unless its arrays/objects nest deeper than `limit`: a 400 naming
+    the field. Iterative, so it never recurses itself."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, list) else None)
+        if children is None:
+            continue
+        if depth > limit:
+            raise InvalidRequest(f"{where} nests arrays/objects deeper than {limit} levels, "
+                                 f"the limit", param=param)
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def json_text(text: str, where: str, param: str) -> Any:
+    """A JSON document sent as a string (tool-call arguments, a schema): parsed (orjson: a
+    document nested past its limit is an error, not a RecursionError) and depth-checked."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        if "depth" in str(e):   # orjson stops at 1024 levels
+            raise InvalidRequest(f"{where} nests arrays/objects deeper than {MAX_DEPTH} "
+                                 "levels, the limit", param=param) from None
+        raise InvalidRequest(f"{where} is not valid JSON: {e}", param=param) from None
+    return check_depth(value, where, param)
+
+
+def seed(body: dict[str, Any]) -> int | None:
+    """`seed`: an unsigned 64-bit integer. JSON integers past 2^64 arrive as floats."""
+    value = body.get("seed")
+    if isinstance(value, float) and value.is_integer():
+        raise InvalidRequest(f"seed is {value:.0f}; allowed range is [0, {(1 << 64) - 1}] "
+                             "(an unsigned 64-bit integer)", param="seed")
+    return get(body, "seed", int)
 
 
 def stop_list(body: dict[str, Any], name: str = "stop") -> list[str]:
@@ -98,6 +149,7 @@ def _function_spec(fn: dict[str, Any], schema_key: str, where: str, param: str) 
     if schema is not None and not isinstance(schema, dict):
         raise InvalidRequest(f"{where}.{schema_key} must be a JSON schema object, got "
                              f"{_short(schema)}", param=param)
+    check_depth(schema, f"{where}.{schema_key}", param)
     out: dict[str, Any] = {"name": fn["name"],
                            "parameters": schema or {"type": "object", "properties": {}}}
     if isinstance(fn.get("description"), str):

@@ -3,7 +3,6 @@ pieces of output → response bodies and stream chunks shaped as OpenAI's API re
 Event loop; pure Python."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,7 +54,7 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
         "frequency_penalty": F.get(body, "frequency_penalty", float),
         "xtc_probability": F.get(body, "xtc_probability", float),
         "xtc_threshold": F.get(body, "xtc_threshold", float),
-        "seed": F.get(body, "seed", int),
+        "seed": F.seed(body),
         "logit_bias": F.logit_bias(body),
         "stop": F.stop_list(body, stop_field),
     }
@@ -135,6 +134,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if isinstance(m.get(key), str):
             out[key] = m[key]
     calls = m.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise InvalidRequest(f"{where}.tool_calls must be an array of tool calls, got "
+                             f"{F.short(calls)}", param="messages")
     if calls:
         out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
     return out
@@ -162,11 +164,11 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         raise InvalidRequest(f"{where} needs function.name", param="messages")
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {e}",
-                                 param="messages") from e
+        args = F.json_text(args, f"{where}.function.arguments", "messages") if args.strip() else {}
+    if not isinstance(args, dict):
+        raise InvalidRequest(f"{where}.function.arguments must be a JSON object (or a string "
+                             f"holding one), got {F.short(args)}", param="messages")
+    F.check_depth(args, f"{where}.function.arguments", "messages")
     return {"id": call.get("id"), "type": "function",
             "function": {"name": fn["name"], "arguments": args}}
 

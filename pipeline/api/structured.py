@@ -4,7 +4,6 @@
 constraints in one request, is a 400 naming the field. Event loop; pure Python."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pipeline.api import fields as F
@@ -71,7 +70,7 @@ def _schema(spec: dict[str, Any], where: str, param: str) -> Constraint:
                             ("description", str, "a string")):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
             raise InvalidRequest(f"{where}.{key} must be {what}", param=param)
-    return Constraint.json_schema(schema, param)
+    return Constraint.json_schema(F.check_depth(schema, f"{where}.schema", param), param)
 
 
 def _guided(body: dict[str, Any], name: str) -> Constraint | None:
@@ -80,13 +79,10 @@ def _guided(body: dict[str, Any], name: str) -> Constraint | None:
         return None
     if name == "guided_json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise InvalidRequest(f"guided_json is not valid JSON: {e}", param=name) from e
+            value = F.json_text(value, name, name)
         if not isinstance(value, dict):
             raise InvalidRequest("guided_json must be a JSON schema object", param=name)
-        return Constraint.json_schema(value, name)
+        return Constraint.json_schema(F.check_depth(value, name, name), name)
     if name == "guided_choice":
         if (not isinstance(value, list) or not value
                 or not all(isinstance(v, str) and v for v in value)):

@@ -9,7 +9,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.api.fields import check_depth
 from pipeline.api.tool_formats import FORMATS, RawCall, ToolFormat
+from pipeline.errors import InvalidRequest
 
 log = logging.getLogger("pipeserve.tools")
 
@@ -127,6 +129,10 @@ def decode_arguments(raw: RawCall, tools: list[dict[str, Any]]) -> tuple[str, di
     """Check a parsed call against the request's tools: the name must be one of them, the
     required arguments present, and top-level argument values of the declared types."""
     name, args = raw
+    try:   # the response echoes the arguments: keep them within what it can serialise
+        check_depth(args, f"the arguments of the call to '{name}'", "tools")
+    except InvalidRequest as e:
+        raise ValueError(e.message) from None
     specs = {t["function"]["name"]: t["function"] for t in tools if isinstance(t.get("function"), dict)}
     if name not in specs:
         raise ValueError(f"the model called '{name}', which is not among the request's tools "
@@ -219,7 +225,7 @@ class ToolCallParser:
         body, rest = (self._body[:j], self._body[j + len(end or ""):]) if j >= 0 else (self._body, "")
         try:
             calls = [decode_arguments(raw, self.tools) for raw in self.fmt.parse(body)]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:   # model text: any shape
             log.info("request %s: %s tool call kept as text: %s", self.request_id,
                      self.fmt.name, e)
             closing = end if (j >= 0 and end) else ""
