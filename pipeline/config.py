@@ -239,6 +239,8 @@ class ServerConfig:
     keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
     responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
+    allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
+    request_template_timeout_s: float = 2.0  # CPU/wall seconds a request's template may render
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -250,6 +252,8 @@ class ServerConfig:
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
         _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
+        _positive("server.request_template_timeout_s", self.request_template_timeout_s,
+                  allow_none=False)
         self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
         self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)
         if self.metrics_auth and not (self.admin_key or self.api_key):

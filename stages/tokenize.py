@@ -1,6 +1,7 @@
 """Tokenize: chat template (tools, chat_template_kwargs, thinking on/off) or raw prompt →
 token ids, plus the tokenizer's stop ids and the assistant-turn prefix that output parsing
-starts from. Event loop, once per request; never touches MLX."""
+starts from. Called on the event loop, once per request; large inputs render and encode on the
+preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
 import logging
@@ -8,14 +9,27 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from pipeline import template_sandbox
 from pipeline.api.reasoning import infer_markers, open_span
 from pipeline.api.tools import resolve_format
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
 from pipeline.loader import LoadedModel
+from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
+from pipeline.token_bound import char_bound
 
 log = logging.getLogger("pipeserve")
+
+# apply_chat_template's own parameters (and `messages`, which the server fills): they change the
+# call, not what the template sees, so they are not template variables. (`chat_template`, the
+# template itself, is opt-in: see Tokenize._request_template.)
+CALL_PARAMS = frozenset({"conversation", "messages", "add_generation_prompt",
+                         "continue_final_message", "tokenize", "padding", "truncation",
+                         "max_length", "return_tensors", "return_dict",
+                         "return_assistant_tokens_mask", "tokenizer_kwargs"})
+TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeError,
+                   ArithmeticError, RecursionError)
 
 
 class Tokenize:
@@ -31,35 +45,93 @@ class Tokenize:
         self.tool_format = resolve_format(cfg.model.tool_call_format.value, self.tokenizer)
         self.think = infer_markers(self.tokenizer)
         self.enable_thinking = cfg.model.enable_thinking
+        self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
+        self.allow_templates = cfg.server.allow_request_templates
+        self.template_timeout_s = cfg.server.request_template_timeout_s
+        self.backend = _backend(self.tokenizer)
+        self.bound = char_bound(self.backend) if self.backend is not None else None
         log.info("output markup: tool calls %s, think markers %s",
                  self.tool_format.name if self.tool_format else "not parsed",
                  f"{self.think.start}…{self.think.end}" if self.think else "none")
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
-        if inputs.messages is not None:
-            if request.constraint is not None:   # structured output: the answer starts at once
-                inputs.template_kwargs.setdefault("enable_thinking", False)
-            text = self.render_text(inputs)
-            request.output_prefix = open_span(text, self.think)
-            forced = self._forced_call(inputs, request.output_prefix)
-            request.output_prefix = forced or request.output_prefix
-            request.prompt_ids = self.encode_rendered(text + forced)
-        elif inputs.text is not None:
-            request.prompt_ids = self.encode(inputs.text)
+        if inputs.token_ids is not None:
+            request.prompt_ids = self._checked_ids(inputs.token_ids)
         else:
-            assert inputs.token_ids is not None
-            bad = [t for t in inputs.token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                    param="prompt")
-            request.prompt_ids = list(inputs.token_ids)
+            template = self._request_template(inputs)
+            small = template is None and _small(inputs)
+            await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
             raise InvalidRequest("prompt is empty after tokenization; send at least one token",
                                  param="prompt" if inputs.messages is None else "messages")
         request.stop_token_ids = self.stop_ids
         return request
+
+    def _prepare(self, request: Request, template: str | None) -> None:
+        """Render and encode (inline for small inputs, else on the preparation pool)."""
+        inputs = request.inputs
+        if inputs.messages is not None:
+            if request.constraint is not None:   # structured output: the answer starts at once
+                inputs.template_kwargs.setdefault("enable_thinking", False)
+            text = self.render_text(inputs, template)
+            self._check_length(text, "messages")
+            request.output_prefix = open_span(text, self.think)
+            forced = self._forced_call(inputs, request.output_prefix)
+            request.output_prefix = forced or request.output_prefix
+            request.prompt_ids = self.encode_rendered(text + forced)
+        else:
+            assert inputs.text is not None
+            self._check_length(inputs.text, "prompt")
+            request.prompt_ids = self.encode(inputs.text)
+
+    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+        if len(token_ids) > self.max_context:
+            raise InvalidRequest(f"prompt has {len(token_ids)} tokens; the context limit is "
+                                 f"{self.max_context} — shorten the prompt", param="prompt",
+                                 code="context_length_exceeded")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param="prompt")
+        return list(token_ids)
+
+    def _request_template(self, inputs: PromptInput) -> str | None:
+        """A template sent in chat_template_kwargs (refused unless server.allow_request_templates);
+        the other keys must be template variables, not apply_chat_template's own parameters."""
+        kwargs = inputs.template_kwargs
+        for key in kwargs:
+            if key in CALL_PARAMS:
+                raise InvalidRequest(
+                    f"chat_template_kwargs.{key} is a parameter of the template call, not a "
+                    "template variable; the server sets it", param=f"chat_template_kwargs.{key}")
+        if "chat_template" not in kwargs or inputs.messages is None:
+            return None
+        template = kwargs["chat_template"]
+        if not self.allow_templates:
+            raise InvalidRequest(
+                "chat_template_kwargs.chat_template would replace the server's chat template; "
+                "this server does not accept templates from requests "
+                "(server.allow_request_templates=false)", param="chat_template_kwargs.chat_template")
+        if not isinstance(template, str) or not template:
+            raise InvalidRequest("chat_template_kwargs.chat_template must be a non-empty string "
+                                 f"(a Jinja chat template), got {template!r:.60}",
+                                 param="chat_template_kwargs.chat_template")
+        return template
+
+    def _check_length(self, text: str, field: str) -> None:
+        """Refuse, before tokenizing, a text too long for any tokenization to fit the context."""
+        if self.bound is None:
+            return
+        least = self.bound.min_tokens(text)
+        if least > self.max_context:
+            size = ("messages render to" if field == "messages" else f"{field} is")
+            raise InvalidRequest(
+                f"{size} {len(text)} characters; no token of this tokenizer spells more than "
+                f"{self.bound.max_token_chars}, so that is at least {least} tokens and the "
+                f"context limit is {self.max_context} — shorten the prompt",
+                param=field, code="context_length_exceeded")
 
     def _forced_call(self, inputs: PromptInput, open_think: str) -> str:
         """tool_choice required / named: start the assistant turn with the call's opening
@@ -76,31 +148,94 @@ class Tokenize:
             return ""
         return self.tool_format.forced(inputs.tool_name if inputs.tool_choice == "named" else None)
 
-    def encode(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        bos = tok.bos_token
-        add_special = bos is None or not text.startswith(bos)
-        return list(tok.encode(text, add_special_tokens=add_special))
+    def encode(self, text: str, field: str = "prompt") -> list[int]:
+        bos = self.tokenizer.bos_token
+        return self._encode(text, bos is None or not text.startswith(bos), field)
 
     def encode_rendered(self, text: str) -> list[int]:
         if not self.tokenizer.has_chat_template:
-            return self.encode(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self.encode(text, "messages")
+        return self._encode(text, False, "messages")
 
-    def render_text(self, inputs: PromptInput) -> str:
-        """The chat as the model's template writes it, generation prompt included."""
+    def _encode(self, text: str, add_special: bool, field: str) -> list[int]:
+        """Through the Rust tokenizer directly when there is one: it releases the GIL while it
+        works, and a count past the context is refused before its ids become Python ints."""
+        if self.backend is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
+            num = len(ids)
+        else:
+            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            encoding = encode([text], add_special_tokens=add_special)[0]
+            num = len(encoding)
+        if num > self.max_context:
+            raise InvalidRequest(f"prompt has {num} tokens; the context limit is "
+                                 f"{self.max_context} — shorten the prompt", param=field,
+                                 code="context_length_exceeded")
+        return ids if self.backend is None else encoding.ids
+
+    def render_text(self, inputs: PromptInput, template: str | None = None) -> str:
+        """The chat as the model's template (or the request's, when allowed) writes it,
+        generation prompt included."""
         tok, messages = self.tokenizer, inputs.messages or []
-        if not tok.has_chat_template:
+        if template is None and not tok.has_chat_template:
             return "".join(str(m.get("content") or "") + "\n" for m in messages)
-        kwargs: dict[str, Any] = dict(inputs.template_kwargs)
+        kwargs = {k: v for k, v in inputs.template_kwargs.items() if k != "chat_template"}
         if "enable_thinking" not in kwargs:
             default = self.enable_thinking
             kwargs["enable_thinking"] = (self.think is not None) if default is None else default
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
+        if template is not None:
+            return self._render_sandboxed(template, messages, kwargs)
         try:
             return tok.apply_chat_template(messages, add_generation_prompt=True,
                                            tokenize=False, **kwargs)
-        except (TemplateError, TypeError, ValueError, KeyError) as e:
-            raise InvalidRequest(f"the chat template rejected these messages: {e}",
-                                 param="messages") from e
+        except TEMPLATE_ERRORS as e:
+            raise InvalidRequest(f"the chat template rejected these messages: "
+                                 f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
+
+    def _render_sandboxed(self, template: str, messages: list[dict[str, Any]],
+                          kwargs: dict[str, Any]) -> str:
+        special = {k: v for k, v in self.tokenizer.special_tokens_map.items()
+                   if isinstance(v, (str, list))}
+        context = {**special, **kwargs, "messages": messages, "add_generation_prompt": True}
+        # past this many characters the prompt cannot fit the context (or, with no sound bound,
+        # is far past any real prompt): the sandbox stops writing it
+        max_chars = self.max_context * (self.bound.max_token_chars * self.bound.shrink
+                                        if self.bound is not None else 256)
+        try:
+            return template_sandbox.render(template, context, self.template_timeout_s, max_chars)
+        except template_sandbox.TemplateRejected as e:
+            raise InvalidRequest(f"chat_template_kwargs.chat_template {e}",
+                                 param="chat_template_kwargs.chat_template") from e
+
+
+def _small(inputs: PromptInput) -> bool:
+    """Whether the strings a chat request's template sees add up to at most INLINE_LIMIT
+    characters; looks at no more than a few thousand values, so it is cheap on the loop."""
+    budget, seen = INLINE_LIMIT, 0
+    stack: list[Any] = [inputs.messages, inputs.tools, inputs.template_kwargs]
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > 4096:
+            return False
+        if isinstance(value, str):
+            budget -= len(value)
+            if budget < 0:
+                return False
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return True
+
+
+def _backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` under a fast Hugging Face tokenizer, when it encodes exactly
+    as `tokenizer.encode` does (no truncation or padding configured), else None."""
+    backend = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    return backend

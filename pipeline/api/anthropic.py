@@ -15,6 +15,7 @@ from pipeline.api.generation import Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
 from pipeline.api.openai import sampling_fields
 from pipeline.errors import InvalidRequest, ServeError
+from pipeline.offload import off_loop
 from pipeline.request import PromptInput, Request
 
 # our error types → Anthropic's (the rest are shared names)
@@ -234,8 +235,8 @@ class BlockStream:
 async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "messages", http) as scope:
         ready_front(app)
-        body = read_body(http)
-        inputs, requested = parse(body)
+        body = await off_loop(len(http.body or b""), read_body, http)
+        inputs, requested = await off_loop(len(http.body or b""), parse, body)
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
                       inputs=inputs, requested=requested,
                       constraint=structured.from_body(body, format_field=None))   # guided_*
@@ -250,7 +251,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
 
 async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     front = ready_front(app)
-    inputs, _ = parse(read_body(http), count_only=True)
+    inputs, _ = await off_loop(len(http.body or b""), lambda: parse(read_body(http), True))
     req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",
                                        endpoint="count_tokens", inputs=inputs))
     return json_response({"input_tokens": req.num_prompt_tokens})

@@ -22,6 +22,7 @@ from pipeline.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.api.store import ResponseStore
 from pipeline.errors import InvalidRequest, NotFound, ServeError
 from pipeline.grammar import Constraint
+from pipeline.offload import off_loop
 from pipeline.request import PromptInput, Request
 
 log = logging.getLogger("pipeserve")
@@ -167,7 +168,8 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
         ready_front(app)
-        parsed = parse(read_body(http), app.ctx.responses)
+        # the JSON off the loop when large; parse reads the response store, so it stays here
+        parsed = parse(await off_loop(len(http.body or b""), read_body, http), app.ctx.responses)
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
                       inputs=parsed.inputs, requested=parsed.requested,
                       constraint=parsed.constraint)

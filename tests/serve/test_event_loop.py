@@ -1,0 +1,338 @@
+"""Nothing a client sends stalls the event loop (issue 15 items 2-3), on a real serve.py on
+127.0.0.1: 10 MB bodies to every endpoint while a second client polls /health every 20 ms, a
+stream that keeps its pace beside a long tokenization, and client templates (refused unless
+server.allow_request_templates; then sandboxed, time-bounded, their errors 400s)."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import unicodedata
+from typing import Any
+
+import httpx
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from pipeline.token_bound import NFC_SHRINK, NFKC_SHRINK, char_bound
+
+NO_EOS = {"0": -100, "2": -100}   # <|endoftext|>, <|im_end|> of the tiny tokenizer
+WORST_HEALTH_S = 0.25   # generous for a shared 2-core CI box; the p99 printed is the real figure
+TEXT = "hello world "
+TEN_MB = 10_000_000
+TEMPLATE_FIELD = "chat_template_kwargs.chat_template"
+
+
+POLLER = """
+import json, sys, threading, time, httpx
+stop, lat, errors = threading.Event(), [], []
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+with httpx.Client(timeout=10) as c:
+    print("polling", flush=True)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            c.get(sys.argv[1] + "/health")
+        except httpx.HTTPError as e:
+            errors.append(repr(e))
+        lat.append(time.perf_counter() - t0)
+        stop.wait(0.02)
+print(json.dumps({"latencies": lat, "errors": errors}), flush=True)
+"""
+
+
+class HealthPoller:
+    """GET /health every 20 ms from another process (so this one's GIL and collector never
+    delay it) while the block runs; `latencies` in seconds."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+
+    def __enter__(self) -> HealthPoller:
+        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, self.base_url],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "polling"
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        time.sleep(0.1)
+        out, _ = self.proc.communicate("", timeout=30)
+        result = json.loads(out.strip().splitlines()[-1])
+        self.latencies, self.errors = result["latencies"], result["errors"]
+
+    def check(self, what: str) -> None:
+        lat = sorted(self.latencies)
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+        print(f"\n/health during {what}: n={len(lat)} p99={p99 * 1e3:.1f} ms "
+              f"worst={lat[-1] * 1e3:.1f} ms")
+        assert not self.errors, self.errors[:3]
+        assert len(lat) >= 5, "the poller hardly ran"
+        assert lat[-1] < WORST_HEALTH_S, f"/health took {lat[-1] * 1e3:.0f} ms during {what}"
+
+
+def post(base_url: str, path: str, body: bytes | dict[str, Any], timeout: float = 120) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(base_url + path, content=data, timeout=timeout,
+                      headers={"content-type": "application/json", "x-api-key": "none"})
+
+
+def big_bodies(size: int) -> dict[str, tuple[str, bytes]]:
+    text = TEXT * (size // len(TEXT))
+    chat = [{"role": "user", "content": text}]
+    bodies = {
+        "chat": ("/v1/chat/completions", {"model": "tiny", "messages": chat, "max_tokens": 2}),
+        "completions": ("/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 2}),
+        "count_tokens": ("/v1/messages/count_tokens", {"model": "tiny", "messages": chat}),
+        "messages": ("/v1/messages", {"model": "tiny", "messages": chat, "max_tokens": 2}),
+        "responses": ("/v1/responses", {"model": "tiny", "input": text, "max_output_tokens": 2})}
+    return {k: (path, json.dumps(b).encode()) for k, (path, b) in bodies.items()}
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    """The error object of either protocol's error body."""
+    return r.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory: Any) -> Any:
+    return server_factory()
+
+
+@pytest.fixture(scope="module")
+def open_srv(server_factory: Any) -> Any:
+    """Request templates on (1 s bound) and a context long enough that a 1.5 MB prompt passes
+    the character bound, so it really is tokenized (for seconds) before it is refused."""
+    return server_factory("server.allow_request_templates=true",
+                          "server.request_template_timeout_s=1", "model.max_context=400000")
+
+
+# -- 10 MB bodies ----------------------------------------------------------------------------
+def test_ten_mb_bodies_are_refused_before_tokenizing_and_health_stays_fast(srv: Any) -> None:
+    bodies = big_bodies(TEN_MB)
+    with HealthPoller(srv.base_url) as poller:
+        for name, (path, data) in bodies.items():
+            assert len(data) >= TEN_MB
+            t0 = time.perf_counter()
+            r = post(srv.base_url, path, data)
+            took = time.perf_counter() - t0
+            assert r.status_code == 400, (name, r.text[:300])
+            err = error_of(r)
+            assert "at least" in err["message"] and "context limit is 4096" in err["message"], err
+            if not path.startswith("/v1/messages"):
+                assert err["param"] == ("prompt" if name == "completions" else "messages"), err
+                assert err["code"] == "context_length_exceeded"
+            # tokenizing 10 MB takes 5-20 s here; the character bound refuses it at once
+            assert took < 8, f"{name}: {took:.1f} s"
+    poller.check("five 10 MB bodies")
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+
+
+def test_long_tokenization_runs_off_the_loop_beside_a_stream(open_srv: Any) -> None:
+    """1.5 MB prompts pass the character bound at max_context 400000 and are tokenized (Rust,
+    on the preparation pool) before the count refuses them; a stream beside them keeps going."""
+    bodies = big_bodies(1_500_000)
+    arrivals: list[float] = []
+    streamed, done = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4000, "temperature": 0,
+                "logit_bias": NO_EOS, "stream": True}
+        with httpx.stream("POST", open_srv.base_url + "/v1/completions", json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+                    streamed.set()
+                if done.is_set():
+                    return   # leaving closes the connection: the server aborts the stream
+    with HealthPoller(open_srv.base_url) as poller:
+        th = threading.Thread(target=stream, daemon=True)
+        th.start()
+        assert streamed.wait(60), "the stream never started"
+        t0 = time.perf_counter()
+        for name in ("chat", "count_tokens"):
+            path, data = bodies[name]
+            r = post(open_srv.base_url, path, data)
+            assert r.status_code == 400, (name, r.text[:300])
+            msg = error_of(r)["message"]
+            assert "tokens; the context limit is 400000" in msg, msg
+        t1 = time.perf_counter()
+        done.set()
+        th.join(60)
+    poller.check(f"tokenizing two 1.5 MB prompts ({t1 - t0:.1f} s)")
+    during = [t for t in arrivals if t0 <= t <= t1]
+    gaps = [b - a for a, b in zip(during, during[1:])] or [t1 - t0]
+    print(f"stream: {len(during)} tokens while the prompts were prepared ({t1 - t0:.1f} s), "
+          f"worst gap {max(gaps) * 1e3:.0f} ms")
+    assert len(during) >= 20, "the stream hardly moved while the big prompts were prepared"
+    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s"
+
+
+def test_count_tokens_of_a_large_prompt_within_the_context(open_srv: Any,
+                                                           tiny_tokenizer: Tokenizer) -> None:
+    big, small = TEXT * 20_000, TEXT   # 240 kB: rendered and counted on the preparation pool
+    counts = [post(open_srv.base_url, "/v1/messages/count_tokens",
+                   {"model": "tiny", "messages": [{"role": "user", "content": t}]})
+              for t in (big, small)]
+    assert [c.status_code for c in counts] == [200, 200], counts[0].text[:300]
+    n_big, n_small = (c.json()["input_tokens"] for c in counts)
+    # the same template around each: the difference is the texts' own token counts
+    assert n_big - n_small == (len(tiny_tokenizer.encode(big).ids)
+                               - len(tiny_tokenizer.encode(small).ids))
+
+
+# -- client templates ----------------------------------------------------------------------
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def test_request_template_is_refused_by_default(srv: Any) -> None:
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "X"}}
+    r = post(srv.base_url, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == TEMPLATE_FIELD and "allow_request_templates" in err["message"], err
+    r = post(srv.base_url, "/v1/messages", body)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert TEMPLATE_FIELD in error_of(r)["message"]
+    r = post(srv.base_url, "/v1/messages/count_tokens", body)
+    assert r.status_code == 400 and TEMPLATE_FIELD in error_of(r)["message"], r.text
+    r = post(srv.base_url, "/v1/responses", {"model": "tiny", "input": "hi",
+                                             "chat_template_kwargs": {"chat_template": "X"}})
+    assert r.status_code == 400 and error_of(r)["param"] == TEMPLATE_FIELD, r.text
+
+
+def test_template_variables_are_accepted_and_call_parameters_refused(srv: Any) -> None:
+    ok = post(srv.base_url, "/v1/chat/completions",
+              {"model": "tiny", "messages": CHAT, "max_tokens": 2,
+               "chat_template_kwargs": {"enable_thinking": False, "custom_flag": 3}})
+    assert ok.status_code == 200, ok.text
+    r = post(srv.base_url, "/v1/chat/completions",
+             {"model": "tiny", "messages": CHAT, "max_tokens": 2,
+              "chat_template_kwargs": {"tokenize": True}})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == "chat_template_kwargs.tokenize", r.text
+
+
+def count(base_url: str, template: str, messages: list[dict[str, Any]] = CHAT) -> httpx.Response:
+    return post(base_url, "/v1/messages/count_tokens",
+                {"model": "tiny", "messages": messages,
+                 "chat_template_kwargs": {"chat_template": template}})
+
+
+def test_allowed_request_template_renders_the_prompt(open_srv: Any) -> None:
+    r = post(open_srv.base_url, "/v1/completions",
+             {"model": "tiny", "prompt": TEXT * 3, "max_tokens": 1})
+    plain = r.json()["usage"]["prompt_tokens"]
+    body = {"model": "tiny", "max_tokens": 1,
+            "messages": [{"role": "user", "content": TEXT * 3}],
+            "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}
+    r = post(open_srv.base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    # the prompt is exactly what the request's template wrote: the bare text
+    assert r.json()["usage"]["prompt_tokens"] == plain
+    loops = "{% for m in messages %}{% generation %}{{ m.role }}{% endgeneration %}{% endfor %}"
+    assert count(open_srv.base_url, loops).status_code == 200
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ range(100001)|list }}", "sandbox limit"),
+    ("{% for m in messages %}{{ m.content }", "does not compile"),
+    ("{{ raise_exception('no system role') }}", "no system role"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", None),
+    ("{{ 'x' * 3000000000 }}", "MiB"),
+])
+def test_request_template_errors_are_400s_naming_the_field(open_srv: Any, template: str,
+                                                           words: str | None) -> None:
+    r = count(open_srv.base_url, template)
+    assert r.status_code == 400, r.text
+    msg = error_of(r)["message"]
+    assert msg.startswith(TEMPLATE_FIELD), msg
+    if words is not None:
+        assert words in msg, msg
+
+
+def test_slow_request_template_is_cut_off_and_health_stays_fast(open_srv: Any) -> None:
+    slow = ("{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}"
+            "{{ messages[0].content }}")
+    with HealthPoller(open_srv.base_url) as poller:
+        t0 = time.perf_counter()
+        r = post(open_srv.base_url, "/v1/chat/completions",
+                 {"model": "tiny", "messages": CHAT, "max_tokens": 2,
+                  "chat_template_kwargs": {"chat_template": slow}})
+        took = time.perf_counter() - t0
+    poller.check("a slow request template")
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == TEMPLATE_FIELD and "within 1 s" in err["message"], err
+    assert took < 1 + 10, f"cut off after {took:.1f} s"   # the bound plus the sandbox's start
+    ok = post(open_srv.base_url, "/v1/chat/completions",
+              {"model": "tiny", "messages": CHAT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+# -- the character bound, no server ----------------------------------------------------------
+def test_composition_constants_match_unicodedata() -> None:
+    """NFC/NFKC turn at most this many characters into one (the longest NFD/NFKD expansion)."""
+    longest = {"NFD": 1, "NFKD": 1}
+    for cp in range(sys.maxunicode + 1):
+        ch = chr(cp)
+        if unicodedata.decomposition(ch):
+            for form in longest:
+                longest[form] = max(longest[form], len(unicodedata.normalize(form, ch)))
+    assert (longest["NFD"], longest["NFKD"]) == (NFC_SHRINK, NFKC_SHRINK)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(model_cache: Any, srv: Any) -> Tokenizer:
+    paths = list(model_cache.glob("*/tokenizer.json"))
+    assert paths, "the tiny model was not generated"
+    return Tokenizer.from_file(str(paths[0]))
+
+
+def test_bound_never_exceeds_the_real_count(tiny_tokenizer: Tokenizer) -> None:
+    bound = char_bound(tiny_tokenizer)
+    assert bound is not None and bound.max_token_chars >= 8
+    rng = random.Random(15)
+    vocab = list(tiny_tokenizer.get_vocab(with_added_tokens=True))
+    for _ in range(300):
+        # text made of the vocabulary's longest pieces, the worst case for the bound
+        pieces = sorted(vocab, key=len)[-40:] + ["é", "🙂", " ", "\n", "<|im_start|>"]
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 200)))
+        assert bound.min_tokens(text) <= len(tiny_tokenizer.encode(text).ids), text
+
+
+def _tokenizer(normalizer: Any = None, pre: Any = None, **bpe: Any) -> Tokenizer:
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "<unk>": 2}, merges=[], **bpe))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    if pre is not None:
+        tok.pre_tokenizer = pre
+    return tok
+
+
+@pytest.mark.parametrize("tok, sound", [
+    (_tokenizer(unk_token="<unk>", fuse_unk=False), True),
+    (_tokenizer(unk_token="<unk>", fuse_unk=True), False),        # a run of unknowns → 1 token
+    (_tokenizer(), False),                                         # unknowns dropped
+    (_tokenizer(byte_fallback=True), True),
+    (_tokenizer(normalizers.Strip(), byte_fallback=True), False),  # deletes text
+    (_tokenizer(normalizers.NFC(), byte_fallback=True), True),
+    (_tokenizer(pre=pre_tokenizers.Whitespace(), byte_fallback=True), False),
+    (_tokenizer(pre=pre_tokenizers.Metaspace(), byte_fallback=True), True),
+])
+def test_bound_only_where_it_is_sound(tok: Tokenizer, sound: bool) -> None:
+    assert (char_bound(tok) is not None) == sound
+
+
+def test_nfc_bound_is_looser_for_non_ascii() -> None:
+    bound = char_bound(_tokenizer(normalizers.NFC(), byte_fallback=True))
+    assert bound is not None
+    assert bound.min_tokens("a" * 4000) == 4000 // bound.max_token_chars
+    assert bound.min_tokens("é" * 4000) == 4000 // (bound.max_token_chars * NFC_SHRINK)
