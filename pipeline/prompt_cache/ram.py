@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, PromptTrie, QuantizedKVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import (CacheList, KVCache, PromptTrie, QuantizedKVCache,
+                                  can_trim_prompt_cache)
 
 from pipeline.config import ServeConfig
 from pipeline.kv.delayed import DelayedKVCache
@@ -85,6 +86,9 @@ def own(layer: Any) -> tuple[Any, int]:
     Layouts that point into a shared block pool (kv=paged) are lent: the pool holds them."""
     if hasattr(layer, "lend"):
         return layer.lend(), layer.nbytes
+    if isinstance(layer, CacheList):   # caches of caches (mlx-lm's composite layers)
+        owned = [own(c) for c in layer.caches]
+        return CacheList(*(c for c, _ in owned)), sum(n for _, n in owned)
     obj = copy.copy(layer)
     offset = getattr(layer, "offset", None) if type(layer) in PREFIX_LAYOUTS else None
     arrays: list[mx.array] = []
