@@ -240,7 +240,7 @@ class ServerConfig:
     responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
-    request_template_timeout_s: float = 2.0  # CPU/wall seconds a request's template may render
+    request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -3,17 +3,19 @@ server.allow_request_templates) renders in a child process: Jinja's immutable sa
 globals Hugging Face templates use, a CPU-time alarm, an address-space cap and an output cap inside,
 and a kill from the parent past the wall-clock bound. A thread could not be stopped (nested loops
 or `"x" * 10**9` run on, holding the GIL); a process can. Parent side: any thread but the loop.
-This file is also the child's program (stdlib + jinja2 only, so it starts in a fraction of a second)."""
+This file is also the child's program (stdlib + jinja2 only: it starts in a fraction of a second)."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import subprocess
 import sys
 import time
 from typing import Any
 
 MEMORY_BYTES = 1 << 30      # the child's address-space cap: a template cannot balloon the host
-STARTUP_S = 10.0            # interpreter start allowance before the parent's kill (loaded hosts)
+STARTUP_S = 10.0            # how long the child may take to start (a loaded host); not rendering
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # as transformers aliases them
 
 
@@ -24,28 +26,41 @@ class TemplateRejected(Exception):
 def render(template: str, context: dict[str, Any], timeout_s: float, max_chars: int) -> str:
     """`template` rendered with `context` (messages, tools, special tokens, kwargs). Blocks the
     calling thread for at most about `timeout_s` plus the child's start."""
-    payload = json.dumps({"template": template, "context": context, "timeout_s": timeout_s,
-                          "max_chars": max_chars}, ensure_ascii=False).encode("utf-8", "surrogatepass")
-    t0 = time.perf_counter()
+    job = {"template": template, "context": context, "timeout_s": timeout_s, "max_chars": max_chars}
+    payload = json.dumps(job, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    # an empty environment: nothing of the server's (keys included) is in the child's reach
+    proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={})
     try:
-        done = subprocess.run([sys.executable, "-I", __file__], input=payload, capture_output=True,
-                              timeout=timeout_s + STARTUP_S, check=False)
-    except subprocess.TimeoutExpired as e:   # stuck in C code past the alarm: killed by run()
+        assert proc.stdout is not None
+        ready = (select.select([proc.stdout], [], [], STARTUP_S)[0]
+                 and os.read(proc.stdout.fileno(), 1) == b"r")
+        if not ready:
+            raise TemplateRejected(f"could not be rendered: the sandbox did not start within "
+                                   f"{STARTUP_S:g} s")
+        t0 = time.perf_counter()
+        # the child's timer stops Python code at timeout_s; this stops it stuck in one C call
+        out, _ = proc.communicate(payload, timeout=timeout_s + 1)
+    except subprocess.TimeoutExpired as e:
         raise TemplateRejected(f"did not finish rendering within {timeout_s:g} s "
-                               f"(server.request_template_timeout_s); it was stopped") from e
-    head, _, body = done.stdout.partition(b"\n")
+                               "(server.request_template_timeout_s); it was stopped") from e
+    finally:
+        if proc.poll() is None:
+            proc.kill()   # our own child, by its handle
+        proc.wait()
+    head, _, body = out.partition(b"\n")
     if head == b"ok":
         return body.decode("utf-8", "surrogatepass")
     if head == b"error":
         raise TemplateRejected(body.decode("utf-8", "replace"))
-    raise TemplateRejected(f"the rendering process ended with status {done.returncode} after "
-                           f"{time.perf_counter() - t0:.1f} s without a result (a template that "
-                           f"needs more than {MEMORY_BYTES >> 20} MiB is refused)")
+    raise TemplateRejected(f"ended after {time.perf_counter() - t0:.1f} s without a result "
+                           f"(status {proc.returncode}: past the sandbox's CPU or "
+                           f"{MEMORY_BYTES >> 20} MiB memory limit)")
 
 
 # -- the child -----------------------------------------------------------------------------
 def _environment() -> Any:
-    """Jinja's ImmutableSandboxedEnvironment set up as transformers sets it up for chat templates."""
+    """Jinja's ImmutableSandboxedEnvironment, set up as transformers sets it up for templates."""
     from datetime import datetime
 
     import jinja2
@@ -135,8 +150,15 @@ def _child() -> None:
     import jinja2
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))   # writes no file
+    _environment()   # imports and sets up Jinja before the parent's clock starts
+    sys.stdout.buffer.write(b"r")
+    sys.stdout.buffer.flush()
     job = json.loads(sys.stdin.buffer.read().decode("utf-8", "surrogatepass"))
     timeout_s = float(job["timeout_s"])
+    # CPU past the timer (stuck in one C call the alarm cannot interrupt): SIGXCPU ends it
+    cpu = int(timeout_s) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 
     def alarm(signum: int, frame: Any) -> None:
         raise TimeoutError

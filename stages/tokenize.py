@@ -113,7 +113,8 @@ class Tokenize:
             raise InvalidRequest(
                 "chat_template_kwargs.chat_template would replace the server's chat template; "
                 "this server does not accept templates from requests "
-                "(server.allow_request_templates=false)", param="chat_template_kwargs.chat_template")
+                "(server.allow_request_templates=false)",
+                param="chat_template_kwargs.chat_template")
         if not isinstance(template, str) or not template:
             raise InvalidRequest("chat_template_kwargs.chat_template must be a non-empty string "
                                  f"(a Jinja chat template), got {template!r:.60}",
