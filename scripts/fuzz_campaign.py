@@ -40,6 +40,7 @@ from tests.serve import test_fuzz as fz  # noqa: E402
 def poll_health(base_url: str, interval_s: float, stop: Any, out: Any) -> None:
     """Child process: GET /health every `interval_s` until `stop`; send back latencies."""
     lat: list[float] = []
+    slow: list[tuple[float, float]] = []   # (latency, wall time sent), the 10 slowest
     failures: list[str] = []
     with httpx.Client(base_url=base_url) as client:
         out.send("ready")
@@ -52,11 +53,13 @@ def poll_health(base_url: str, interval_s: float, stop: Any, out: Any) -> None:
             except httpx.HTTPError as e:
                 failures.append(f"/health: {e!r}")
             lat.append(time.perf_counter() - t0)
+            slow.append((lat[-1], time.time() - lat[-1]))
+            slow = sorted(slow, reverse=True)[:10]
             stop.wait(interval_s)
     out.send({"polls": len(lat), "worst_s": max(lat, default=0.0),
               "p99_s": sorted(lat)[int(0.99 * (len(lat) - 1))] if lat else 0.0,
               "p50_s": sorted(lat)[len(lat) // 2] if lat else 0.0, "failures": failures[:20],
-              "num_failures": len(failures)})
+              "num_failures": len(failures), "slowest": slow})
 
 
 class HealthProcess:
@@ -162,6 +165,13 @@ def main() -> int:
             "wall_s": round(time.monotonic() - t0, 1),
         }
         print(fz.report(campaign), flush=True)
+        # the calls in flight while each of the slowest /health polls waited
+        for lat, sent in results["fuzz"]["health"].get("slowest", [])[:5]:
+            busy = [o for o in campaign.outcomes
+                    if o.started <= sent + lat and o.started + o.seconds >= sent]
+            print(f"/health {lat * 1e3:.0f} ms at {sent:.2f}; in flight: " + "; ".join(
+                f"{o.call.endpoint}/{o.status} {o.seconds:.2f}s {len(o.call.body or b'')}B"
+                for o in busy[:6]), flush=True)
         h = results["fuzz"]["health"]
         print(f"/health (own process): {h.get('polls')} polls, worst {h.get('worst_s', 0) * 1e3:.1f}"
               f" ms, p99 {h.get('p99_s', 0) * 1e3:.1f} ms, {h.get('num_failures')} failures",

@@ -359,9 +359,17 @@ class Outcome:
     status: int            # HTTP status; 599 for a transport failure or timeout
     problem: str | None    # why this answer breaks the contract, or None
     seconds: float = 0.0
+    started: float = 0.0   # time.time() when it was sent
 
 
 def send(client: httpx.Client, call: Call, timeout_s: float = 60.0) -> Outcome:
+    started = time.time()
+    o = _send(client, call, timeout_s)
+    o.started = started
+    return o
+
+
+def _send(client: httpx.Client, call: Call, timeout_s: float) -> Outcome:
     t0 = time.perf_counter()
     try:
         r = client.request(call.method, call.path, content=call.body, timeout=timeout_s,
