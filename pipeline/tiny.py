@@ -169,11 +169,13 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
                    num_nextn_predict_layers=1)  # the MTP depth vLLM's qwen3_next_mtp reads
     elif arch == "qwen3_5":
         # Qwen3.5's decoder (GatedDeltaNet + gated attention, both with the qwen3_next layer
-        # code) at the tiny width; attention every 2nd layer so two layers hold KV.
+        # code) at the generated widths; attention every 2nd layer, so tiny has two KV layers.
         text = {k: v for k, v in cfg.items() if k != "rope_theta"}
-        text.update(model_type="qwen3_5_text", num_hidden_layers=4, full_attention_interval=2,
-                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        lin = (4, 2, 16) if size == "tiny" else (heads, kv_heads, head_dim)   # v heads, k heads, dim
+        text.update(model_type="qwen3_5_text", num_hidden_layers=max(layers, 4),
+                    full_attention_interval=2, linear_num_value_heads=lin[0],
+                    linear_num_key_heads=lin[1], linear_key_head_dim=lin[2],
+                    linear_value_head_dim=lin[2], linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                      "partial_rotary_factor": 0.25},
                     tie_word_embeddings=False,   # the MTP head's guess needs its own output head
@@ -338,8 +340,9 @@ def ensure_model(arch: str = "qwen3", size: str = "tiny", dtype: str = "float32"
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
-    if size != "tiny" and arch != "qwen3":
-        raise ValueError(f"size {size!r} exists only for arch 'qwen3', not {arch!r}")
+    if size != "tiny" and arch != "qwen3" and not (arch == "qwen3_5" and size == "small"):
+        raise ValueError(f"size {size!r} exists only for arch 'qwen3' (and 'small' for "
+                         f"'qwen3_5'), not {arch!r}")
     if cache_dir is None:
         cache_dir = os.environ.get("PIPESERVE_CACHE") or Path.home() / ".cache" / "pipeserve" / "models"
     root = Path(cache_dir).expanduser()

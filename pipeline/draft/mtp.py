@@ -11,7 +11,8 @@ families use the same top-level names, also when Qwen3.5's trunk sits under
                        MoE; Qwen3-Next stores experts one tensor each, Qwen3.5 fused as
                        mlp.experts.gate_up_proj (E, 2I, H) and mlp.experts.down_proj (E, H, I))
 Depth: config.json `num_nextn_predict_layers` (Qwen3-Next) or text_config
-`mtp_num_hidden_layers` (Qwen3.5). embed_tokens and lm_head are the target's. One step, at position t:
+`mtp_num_hidden_layers` (Qwen3.5). embed_tokens and lm_head are the target's.
+One step, at position t:
     x = fc(concat([pre_fc_norm_embedding(embed(token[t+1])), pre_fc_norm_hidden(h[t])]))
     g = norm(layers[step % n](x))          logits = lm_head(g) predict token[t+2]
 h[t] is the target trunk's output AFTER its final norm at position t (what `model.model(...)`

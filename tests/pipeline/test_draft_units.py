@@ -1,5 +1,6 @@
 """Speculative-decoding building blocks: n-gram proposer, greedy and sampling acceptance
-(chi-square against the target distribution), and the MTP heads of Qwen3-Next (model=hybrid) and Qwen3.5 (model=qwen) on the tiny models."""
+(chi-square against the target distribution), and the MTP heads of Qwen3-Next (model=hybrid)
+and Qwen3.5 (model=qwen) on the tiny models."""
 from __future__ import annotations
 
 import json
