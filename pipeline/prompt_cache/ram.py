@@ -75,29 +75,32 @@ def lend(layer: Any) -> Any:
 PREFIX_LAYOUTS = (KVCache, QuantizedKVCache, AffineKVCache, TurboKVCache, DelayedKVCache)
 
 
-def own(layer: Any) -> tuple[Any, int]:
-    """(a copy of `layer` holding only its content, the bytes that copy keeps alive).
+def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
+    """(a copy of `layer` holding only its content, the bytes that copy keeps alive); the new
+    arrays are appended to `pending`, for the caller to evaluate.
 
     A row's cache usually points into something larger than what it holds: a slice of a
     batched cache B rows wide (`extract`), or a buffer preallocated in steps of 256 tokens. A
     view keeps that whole buffer alive, and so does a lazy array (its graph holds its inputs).
     So every array is copied to a buffer of its own (`mx.contiguous` of a view copies it; an
-    array that is a whole buffer is shared as it is) and evaluated (scheduled, not waited for).
-    Layouts that point into a shared block pool (kv=paged) are lent: the pool holds them."""
+    array that is a whole buffer is shared as it is). Layouts that point into a shared block
+    pool (kv=paged) are lent: the pool holds them."""
     if hasattr(layer, "lend"):
         return layer.lend(), layer.nbytes
     if isinstance(layer, CacheList):   # caches of caches (mlx-lm's composite layers)
-        owned = [own(c) for c in layer.caches]
+        owned = [own(c, pending) for c in layer.caches]
         return CacheList(*(c for c, _ in owned)), sum(n for _, n in owned)
     obj = copy.copy(layer)
     offset = getattr(layer, "offset", None) if type(layer) in PREFIX_LAYOUTS else None
-    arrays: list[mx.array] = []
+    nbytes = 0
 
     def keep(arr: mx.array, name: str) -> mx.array:
+        nonlocal nbytes
         if offset is not None and name in ("keys", "values") and arr.ndim == 4:
             arr = arr[..., :offset, :]
         arr = mx.contiguous(arr)
-        arrays.append(arr)
+        pending.append(arr)
+        nbytes += arr.nbytes
         return arr
 
     for name, value in vars(layer).items():
@@ -106,8 +109,7 @@ def own(layer: Any) -> tuple[Any, int]:
         elif isinstance(value, (list, tuple)) and any(isinstance(v, mx.array) for v in value):
             setattr(obj, name, type(value)(keep(v, name) if isinstance(v, mx.array) else v
                                            for v in value))
-    mx.async_eval(arrays)
-    return obj, sum(a.nbytes for a in arrays)
+    return obj, nbytes
 
 
 @dataclass(eq=False)
@@ -195,7 +197,9 @@ class RamPromptCache:
         if self.max_bytes <= 0 or not tokens:
             return None
         key = tuple(tokens)
-        owned = [own(c) for c in caches]
+        pending: list[mx.array] = []
+        owned = [own(c, pending) for c in caches]
+        mx.async_eval(pending)   # the copies run on the device; nothing waits for them
         entry = Entry(key, [c for c, _ in owned], sum(n for _, n in owned),
                       can_trim_prompt_cache(caches))
         if entry.nbytes > self.max_bytes:
