@@ -212,10 +212,10 @@ class Tokenize:
 
 
 def _small(inputs: PromptInput) -> bool:
-    """Whether the strings a chat request's template sees add up to at most INLINE_LIMIT
-    characters; looks at no more than a few thousand values, so it is cheap on the loop."""
+    """Whether the prompt text, or the strings a chat template sees, add up to at most
+    INLINE_LIMIT characters; looks at a few thousand values at most, so it is cheap on the loop."""
     budget, seen = INLINE_LIMIT, 0
-    stack: list[Any] = [inputs.messages, inputs.tools, inputs.template_kwargs]
+    stack: list[Any] = [inputs.text, inputs.messages, inputs.tools, inputs.template_kwargs]
     while stack:
         value = stack.pop()
         seen += 1

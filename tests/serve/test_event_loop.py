@@ -157,7 +157,7 @@ def test_long_tokenization_runs_off_the_loop_beside_a_stream(open_srv: Any) -> N
         th.start()
         assert streamed.wait(60), "the stream never started"
         t0 = time.perf_counter()
-        for name in ("chat", "count_tokens"):
+        for name in ("chat", "completions", "count_tokens"):
             path, data = bodies[name]
             r = post(open_srv.base_url, path, data)
             assert r.status_code == 400, (name, r.text[:300])
@@ -166,7 +166,7 @@ def test_long_tokenization_runs_off_the_loop_beside_a_stream(open_srv: Any) -> N
         t1 = time.perf_counter()
         done.set()
         th.join(60)
-    poller.check(f"tokenizing two 1.5 MB prompts ({t1 - t0:.1f} s)")
+    poller.check(f"tokenizing three 1.5 MB prompts ({t1 - t0:.1f} s)")
     during = [t for t in arrivals if t0 <= t <= t1]
     gaps = [b - a for a, b in zip(during, during[1:])] or [t1 - t0]
     print(f"stream: {len(during)} tokens while the prompts were prepared ({t1 - t0:.1f} s), "
