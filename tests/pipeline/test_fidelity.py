@@ -11,8 +11,9 @@ from mlx_lm.generate import generate_step
 
 from pipeline.tiny import ensure_model
 
-ARCHS = ["qwen3", "llama", "gemma3", "qwen3_next"]
-MODEL_OPTION = {"qwen3": "tiny", "llama": "llama", "gemma3": "gemma", "qwen3_next": "hybrid"}
+ARCHS = ["qwen3", "llama", "gemma3", "qwen3_next", "qwen3_5"]
+MODEL_OPTION = {"qwen3": "tiny", "llama": "llama", "gemma3": "gemma", "qwen3_next": "hybrid",
+                "qwen3_5": "qwen"}
 
 
 def reference_ids(path: Path, prompt_ids: list[int], max_tokens: int, prefill_step: int) -> list[int]:
