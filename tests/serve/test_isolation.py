@@ -216,3 +216,23 @@ def test_a_grammar_that_breaks_fails_only_its_own_row(server: Any) -> None:
     text = "".join(c["text"] for e in events[:-1] for c in e["choices"])
     assert text and set(text) == {"a"}   # what the grammar allowed, until it broke
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_with_drafts_a_breaking_grammar_fails_only_its_row(server_factory: Any) -> None:
+    """draft=ngram: rows draft and verify (the breaking row drafts its own repeated "a"s until
+    its grammar breaks); the failing row leaves the shared batch and the greedy stream in
+    the same steps still matches its run alone token for token."""
+    spec = server_factory("draft=ngram", "cache=off")
+    reference = alone(spec.base_url)
+    breaking = {"prompt": [67] * 12, "max_tokens": 60,   # 67: "a" in the tiny vocabulary "temperature": 0,
+                "guided_grammar": BREAKS, "logit_bias": NO_EOS}
+    pieces, batch, answers = asyncio.run(beside(spec.base_url, [breaking]))
+    assert pieces == reference
+    assert batch >= 2
+    for r in answers:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "constraint_failed"
+    metrics = httpx.get(f"{spec.base_url}/metrics").text
+    verifies = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                if ln.startswith("pipeserve_speculation_verifies_total")]
+    assert verifies and verifies[0] > 0, "no verify forward ran"
