@@ -39,8 +39,7 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 
-# Pre-tokenizer regexes (llama.cpp's names in `tokenizer.ggml.pre`), as Hugging Face writes them.
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Pre-tokenizers (llama.cpp's names in `tokenizer.ggml.pre`); gpt-2's split is ByteLevel's own regex.
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "llama-bpe")
@@ -232,12 +231,12 @@ def _unpermute(x: Any, n_heads: int) -> Any:
     return x.reshape(n_heads, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _weights(path: Path, header: Header, cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _weights(path: Path, header: Header, raw: dict[str, Any],
+             cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """mlx-lm parameter name -> array, and the mlx-lm `quantization` entry (or {})."""
     import mlx.core as mx
     import numpy as np
 
-    raw = mx.load(str(path))
     out: dict[str, Any] = {}
     for name, arr in raw.items():
         # mx.load names a quantized tensor's parts `<base>.weight`, `<base>.scales`, `<base>.biases`
@@ -324,7 +323,6 @@ def _eos_ids(meta: dict[str, Any]) -> list[int]:
 
 
 def _tokenizer_files(meta: dict[str, Any], tok: Any, max_len: int) -> dict[str, dict[str, Any]]:
-    tokens = meta["tokenizer.ggml.tokens"]
     names = {w: _token(meta, w) for w in ("bos", "eos", "padding", "unknown")}
     added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": t.special}
@@ -346,7 +344,6 @@ def _tokenizer_files(meta: dict[str, Any], tok: Any, max_len: int) -> dict[str, 
     for key, which in (("bos_token_id", "bos"), ("pad_token_id", "padding")):
         if f"tokenizer.ggml.{which}_token_id" in meta:
             gen[key] = _int(meta, f"tokenizer.ggml.{which}_token_id")
-    del tokens
     return {"tokenizer_config.json": tok_cfg, "special_tokens_map.json": special_map,
             "generation_config.json": gen}
 
@@ -359,7 +356,7 @@ def convert(src: Path, out: Path) -> None:
     t0 = time.perf_counter()
     header = read_header(src)
     check_supported(src, header)
-    _, meta = mx.load(str(src), return_metadata=True)
+    raw, meta = mx.load(str(src), return_metadata=True)
     rows = header.tensors["token_embd.weight"][1][0]
     if len(meta["tokenizer.ggml.tokens"]) > rows:
         raise ConfigError(f"model.path '{src}': {len(meta['tokenizer.ggml.tokens'])} tokens but "
@@ -367,7 +364,8 @@ def convert(src: Path, out: Path) -> None:
     tied = "output.weight" not in header.tensors
     has_bias = "blk.0.attn_q.bias" in header.tensors
     cfg = model_config(meta, rows, tied, has_bias)
-    weights, quant = _weights(src, header, cfg)
+    weights, quant = _weights(src, header, raw, cfg)
+    del raw
     if quant:
         cfg["quantization"] = quant
     gen_ids = _eos_ids(meta)
@@ -375,10 +373,9 @@ def convert(src: Path, out: Path) -> None:
     if "tokenizer.ggml.bos_token_id" in meta:
         cfg["bos_token_id"] = _int(meta, "tokenizer.ggml.bos_token_id")
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    widths = sorted({v["bits"] for v in (quant, *quant.values()) if isinstance(v, dict) and v})
     log.info("converting %s: %d tensors written (%s) in %.1f s", src.name, len(weights),
-             "quantized " + ", ".join(f"{b}-bit" for b in sorted({quant["bits"], *(
-                 v["bits"] for v in quant.values() if isinstance(v, dict))}))
-             if quant else "float", time.perf_counter() - t0)
+             "/".join(f"{b}-bit" for b in widths) or "float", time.perf_counter() - t0)
     tok = build_tokenizer(meta)
     tok.save(str(out / "tokenizer.json"))
     files = {"config.json": cfg, **_tokenizer_files(meta, tok, cfg["max_position_embeddings"])}
