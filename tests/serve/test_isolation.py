@@ -224,7 +224,8 @@ def test_with_drafts_a_breaking_grammar_fails_only_its_row(server_factory: Any) 
     the same steps still matches its run alone token for token."""
     spec = server_factory("draft=ngram", "cache=off")
     reference = alone(spec.base_url)
-    breaking = {"prompt": [67] * 12, "max_tokens": 60,   # 67: "a" in the tiny vocabulary "temperature": 0,
+    # 67 is "a" in the tiny vocabulary
+    breaking = {"prompt": [67] * 12, "max_tokens": 60, "temperature": 0,
                 "guided_grammar": BREAKS, "logit_bias": NO_EOS}
     pieces, batch, answers = asyncio.run(beside(spec.base_url, [breaking]))
     assert pieces == reference
