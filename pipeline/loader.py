@@ -134,7 +134,7 @@ def load(cfg: ModelConfig) -> LoadedModel:
         fingerprint=_fingerprint(path),
         max_context=cfg.max_context or native,
         generation_defaults=_generation_defaults(path) if cfg.use_generation_config else {},
-        num_params=sum(v.size for _, v in params),
+        num_params=_num_params(model, params),
         weight_bytes=sum(v.nbytes for _, v in params),
         compute_dtype=compute,
     )
@@ -171,6 +171,20 @@ def _cast_weights(model: Any, cfg: ModelConfig) -> str:
     name = str(floats[0]).removeprefix("mlx.core.") if floats else "none"
     bits = _quantized_bits(model)
     return name + "".join(f"+q{b}" for b in bits)
+
+
+def _num_params(model: Any, params: list[tuple[str, Any]]) -> int:
+    """Parameters as the unquantized model counts them (a packed uint32 word holds 32/bits)."""
+    import mlx.nn as nn
+    bits = {name: m.bits for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    total = 0
+    for name, v in params:
+        base, _, leaf = name.rpartition(".")
+        if base in bits and leaf in ("scales", "biases"):
+            continue
+        total += v.size * 32 // bits[base] if base in bits and leaf == "weight" else v.size
+    return total
 
 
 def _quantized_bits(model: Any) -> list[int]:
