@@ -356,6 +356,8 @@ def convert(src: Path, out: Path) -> None:
     t0 = time.perf_counter()
     header = read_header(src)
     check_supported(src, header)
+    if "token_embd.weight" not in header.tensors:
+        raise ConfigError(f"model.path '{src}' has no token_embd.weight tensor")
     raw, meta = mx.load(str(src), return_metadata=True)
     rows = header.tensors["token_embd.weight"][1][0]
     if len(meta["tokenizer.ggml.tokens"]) > rows:
