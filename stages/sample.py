@@ -215,9 +215,10 @@ class Sample:
         try:
             return cls._new_state(req)
         except Exception as e:   # this row's settings: fail it; a neutral state stands in
-            _fail(batch, i, e)
-            return RowSampling(key=mx.random.key(0), processors=[], history=None,
-                               bias_ids=[], bias_values=[])
+            _fail(batch, i, e)   # (kept on the row: verify reads it later in this step)
+            req.row_state = RowSampling(key=mx.random.key(0), processors=[], history=None,
+                                        bias_ids=[], bias_values=[])
+            return req.row_state
 
     @staticmethod
     def _new_state(req: Request) -> RowSampling:

@@ -93,3 +93,19 @@ def test_edge_values_stay_finite() -> None:
     assert np.isfinite(np.array(only)).sum() == 1 and np.isfinite(np.array(only))[0, best]
     cold = np.array(sampling_logits(lp, SamplingParams(temperature=1e-30), []))
     assert cold[0, best] == 0 and np.isfinite(cold).sum() >= 1
+
+
+def test_with_drafts_a_failing_row_leaves_the_verify_steps_exact(engine_factory: Any) -> None:
+    """draft=ngram: the bystanders' drafts are verified in the same forwards as the failing
+    row (sample's verify distributions, then verify's acceptance read its state)."""
+    h = engine_factory("cache=off", "draft=ngram")
+    loop = [5, 17, 99, 3] * 6   # a repeating prompt: the n-gram proposer drafts from it
+    alone = [h.generate(p, max_tokens=32, logit_bias=NO_EOS)["ids"] for p in (loop, PROMPTS[1])]
+    verified = h.metrics.spec_verifies.labels("ngram")._value.get()
+    assert verified > 0
+    bad = h.request(PROMPTS[2], max_tokens=24, temperature=1.0, repetition_penalty=-1.0)
+    got = outcome(h, [h.request(loop, max_tokens=32, logit_bias=NO_EOS),
+                      h.request(PROMPTS[1], max_tokens=32, logit_bias=NO_EOS), bad])
+    assert got[:2] == alone
+    assert isinstance(got[2], StageError) and got[2].request_ids == [bad.request_id]
+    assert h.metrics.spec_verifies.labels("ngram")._value.get() > verified
