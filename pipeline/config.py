@@ -239,6 +239,7 @@ class ServerConfig:
     keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
     responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
+    chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
     request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
 

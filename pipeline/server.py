@@ -24,6 +24,7 @@ from pipeline.api.http import json_response
 from pipeline.api.record import HEADER as RECORD_HEADER
 from pipeline.api.record import base_record
 from pipeline.api.store import ResponseStore
+from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
 from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
@@ -169,6 +170,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
 
     _add_middleware(app, cfg)
     _add_routes(app)
+    add_chat_page(app, cfg.server.chat_page)
     return app
 
 
