@@ -4,8 +4,6 @@ logprobs. A fault in one row's own work (its state, penalties, grammar, draw) fa
 alone (`Batch.failed`); the other rows' tokens do not depend on it. Engine thread."""
 from __future__ import annotations
 
-import functools
-import math
 import random
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -17,7 +15,8 @@ from mlx_lm.sample_utils import make_logits_processors
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import fill_bitmask
-from pipeline.request import Request, SamplingParams
+from pipeline.request import Request
+from pipeline.sampling import sampling_logits
 from pipeline.stage import Batch, EngineContext
 
 Processor = Callable[[mx.array, mx.array], mx.array]
@@ -262,74 +261,3 @@ def _grammar_failed(req: Request) -> InvalidRequest:
     reason = " | ".join(ln.strip() for ln in (m.error or "no token is allowed").splitlines()[:2])
     return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
                           f"tokens: {reason[:300]}", param=param, code="constraint_failed")
-
-
-def sampling_logits(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) -> mx.array:
-    """The logits a T > 0 row samples from: mlx-lm's truncation order (top_p, min_p, XTC,
-    top_k), then temperature. XTC (with probability p, drop every token above the threshold
-    but the least likely of them) enters as its exact mixture, log((1 - p) * plain + p * cut),
-    so the draw needs no second random number and a verify forward gets the same distribution
-    as one-token sampling."""
-    lp = logprobs
-    if sp.top_p < 1.0:
-        lp = _top_p(lp, sp.top_p)
-    if sp.min_p > 0:
-        lp = _min_p(lp, sp.min_p)
-    vocab = lp.shape[-1]
-    top_k = sp.top_k if 0 < sp.top_k < vocab else 0   # k >= vocab keeps every token
-    # relative to the best token, which stays 0 however large 1/T is (no -inf everywhere)
-    scale = 1 / sp.temperature
-    best = mx.max(lp, axis=-1, keepdims=True)
-    scaled = (_top_k(lp, top_k) - best) * scale
-    if sp.xtc_probability <= 0:
-        return scaled
-    cut = (_top_k(_xtc(lp, sp.xtc_threshold, eos_ids), top_k) - best) * scale
-    p = sp.xtc_probability
-    return mx.log((1 - p) * mx.softmax(scaled, axis=-1) + p * mx.softmax(cut, axis=-1))
-
-
-# The filters below are mlx-lm's (sample_utils) without mx.compile: compiled, every distinct
-# top_p / top_k / min_p value a client sends is a new compiled graph, kept for the process.
-_NEG_INF = -float("inf")
-
-
-def _top_p(lp: mx.array, top_p: float) -> mx.array:
-    sorted_lp = mx.sort(lp, axis=-1)
-    sorted_p = mx.exp(sorted_lp.astype(mx.float32))
-    mass_above = mx.cumsum(sorted_p, axis=-1, reverse=True, inclusive=False)
-    total = mass_above[..., :1] + sorted_p[..., :1]
-    # at least the best token stays (top_p 0 keeps just it)
-    num_dropped = mx.minimum((mass_above >= top_p * total).sum(axis=-1, keepdims=True),
-                             lp.shape[-1] - 1)
-    threshold = mx.take_along_axis(sorted_lp, num_dropped, axis=-1)
-    return mx.where(lp < threshold, _NEG_INF, lp)
-
-
-def _min_p(lp: mx.array, min_p: float) -> mx.array:
-    floor = mx.max(lp, axis=-1, keepdims=True) + math.log(min_p)
-    return mx.where(lp < floor, _NEG_INF, lp)
-
-
-def _xtc(lp: mx.array, threshold: float, eos_ids: list[int]) -> mx.array:
-    """XTC's cut: tokens more likely than the least likely token above `threshold` go (stop
-    tokens never do); with fewer than two tokens above it, nothing goes."""
-    probs = mx.exp(lp)
-    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-    mask = probs > least
-    if eos_ids:
-        mask = mask & _can_cut(tuple(eos_ids), lp.shape[-1])
-    return mx.where(mask, _NEG_INF, lp)
-
-
-@functools.lru_cache(maxsize=4)
-def _can_cut(eos_ids: tuple[int, ...], vocab: int) -> mx.array:
-    keep = np.ones(vocab, dtype=np.bool_)
-    keep[[t for t in eos_ids if t < vocab]] = False
-    return mx.array(keep)
-
-
-def _top_k(lp: mx.array, k: int) -> mx.array:
-    if not k:
-        return lp
-    drop = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., k:]
-    return mx.put_along_axis(lp, drop, mx.array(_NEG_INF, lp.dtype), axis=-1)

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from pipeline.errors import StageError
 from pipeline.request import SamplingParams
-from stages.sample import _min_p, _top_k, _top_p, sampling_logits
+from pipeline.sampling import min_p, sampling_logits, top_k, top_p
 
 NO_EOS = {0: -100.0, 2: -100.0}
 PROMPTS = [[5, 17, 99, 3], [44, 8, 250, 7, 61], [300, 12]]
@@ -60,11 +60,11 @@ def _lp(seed: int, vocab: int = 300) -> mx.array:
 def test_the_filters_equal_mlx_lm(seed: int) -> None:
     lp = _lp(seed)
     for p in (0.1, 0.5, 0.9, 0.99):
-        assert mx.array_equal(_top_p(lp, p), apply_top_p(lp, p)).item()
+        assert mx.array_equal(top_p(lp, p), apply_top_p(lp, p)).item()
     for p in (0.01, 0.2, 0.9):
-        assert mx.array_equal(_min_p(lp, p), apply_min_p(lp, p)).item()
+        assert mx.array_equal(min_p(lp, p), apply_min_p(lp, p)).item()
     for k in (1, 5, 299):
-        assert mx.array_equal(_top_k(lp, k), apply_top_k(lp, k)).item()
+        assert mx.array_equal(top_k(lp, k), apply_top_k(lp, k)).item()
 
 
 def test_xtc_is_the_exact_mixture_of_mlx_lms_two_outcomes() -> None:
