@@ -91,7 +91,7 @@ def test_stop_cancels_the_generation_on_the_server(browser: Any, page_server: An
     page = open_page(browser, page_server.base_url)
     page.fill("#max-tokens", "3000")
     send(page, "Count to a thousand.")
-    page.wait_for_function("window.__lengths.some(n => n > 0)", timeout=60_000)
+    page.wait_for_function("() => window.__lengths.some(n => n > 0)", timeout=60_000)
     page.click("#stop")
     page.wait_for_selector('.msg.assistant[data-done="stopped"]', timeout=10_000)
     deadline = time.monotonic() + 15
