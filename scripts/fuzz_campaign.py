@@ -124,6 +124,38 @@ def memory(base_url: str, pid: int | None) -> dict[str, Any]:
             "rss_mb": round(rss(pid) / 1e6, 1) if pid is not None else None}
 
 
+def fuzz_run(args: argparse.Namespace, base_url: str, results: dict[str, Any]) -> None:
+    health = HealthProcess(base_url)
+    t0 = time.monotonic()
+    campaign = fz.fuzz(base_url, args.per_endpoint, args.seconds, seed=args.seed)
+    results["fuzz"] = {
+        "calls": len(campaign.outcomes), "seconds": round(campaign.seconds, 1),
+        "statuses": {str(k): v for k, v in sorted(campaign.statuses().items())},
+        "by_endpoint": {e: dict(Counter(str(o.status) for o in campaign.outcomes
+                                        if o.call.endpoint == e)) for e in fz.ENDPOINTS},
+        "num_5xx": sum(v for k, v in campaign.statuses().items() if k >= 500),
+        "problems": [{"endpoint": o.call.endpoint, "status": o.status, "problem": o.problem,
+                      "call": o.call.show(600)} for o in campaign.problems()],
+        "bystander": {"runs": campaign.bystander.runs,
+                      "failures": len(campaign.bystander.failures),
+                      "first_failures": campaign.bystander.failures[:10]},
+        "health": health.result(),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print(fz.report(campaign), flush=True)
+    # the calls in flight while each of the slowest /health polls waited
+    for lat, sent in results["fuzz"]["health"].get("slowest", [])[:5]:
+        busy = [o for o in campaign.outcomes
+                if o.started <= sent + lat and o.started + o.seconds >= sent]
+        print(f"/health {lat * 1e3:.0f} ms at {sent:.2f}; in flight: " + "; ".join(
+            f"{o.call.endpoint}/{o.status} {o.seconds:.2f}s {len(o.call.body or b'')}B"
+            for o in busy[:6]), flush=True)
+    h = results["fuzz"]["health"]
+    print(f"/health (own process): {h.get('polls')} polls, worst {h.get('worst_s', 0) * 1e3:.1f}"
+          f" ms, p99 {h.get('p99_s', 0) * 1e3:.1f} ms, {h.get('num_failures')} failures",
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="an already running server (else serve.py is started)")
@@ -147,37 +179,10 @@ def main() -> int:
         print(f"serve.py pid {pid} at {base_url}, log {log_path}", flush=True)
     results: dict[str, Any] = {"url": base_url}
     try:
-        health = HealthProcess(base_url)
-        t0 = time.monotonic()
-        campaign = fz.fuzz(base_url, args.per_endpoint, args.seconds, seed=args.seed)
-        results["fuzz"] = {
-            "calls": len(campaign.outcomes), "seconds": round(campaign.seconds, 1),
-            "statuses": {str(k): v for k, v in sorted(campaign.statuses().items())},
-            "by_endpoint": {e: dict(Counter(str(o.status) for o in campaign.outcomes
-                                            if o.call.endpoint == e)) for e in fz.ENDPOINTS},
-            "num_5xx": sum(v for k, v in campaign.statuses().items() if k >= 500),
-            "problems": [{"endpoint": o.call.endpoint, "status": o.status, "problem": o.problem,
-                          "call": o.call.show(600)} for o in campaign.problems()],
-            "bystander": {"runs": campaign.bystander.runs,
-                          "failures": len(campaign.bystander.failures),
-                          "first_failures": campaign.bystander.failures[:10]},
-            "health": health.result(),
-            "wall_s": round(time.monotonic() - t0, 1),
-        }
-        print(fz.report(campaign), flush=True)
-        # the calls in flight while each of the slowest /health polls waited
-        for lat, sent in results["fuzz"]["health"].get("slowest", [])[:5]:
-            busy = [o for o in campaign.outcomes
-                    if o.started <= sent + lat and o.started + o.seconds >= sent]
-            print(f"/health {lat * 1e3:.0f} ms at {sent:.2f}; in flight: " + "; ".join(
-                f"{o.call.endpoint}/{o.status} {o.seconds:.2f}s {len(o.call.body or b'')}B"
-                for o in busy[:6]), flush=True)
-        h = results["fuzz"]["health"]
-        print(f"/health (own process): {h.get('polls')} polls, worst {h.get('worst_s', 0) * 1e3:.1f}"
-              f" ms, p99 {h.get('p99_s', 0) * 1e3:.1f} ms, {h.get('num_failures')} failures",
-              flush=True)
+        if args.per_endpoint > 0:
+            fuzz_run(args, base_url, results)
         if args.storm:
-            before = storms.settled(base_url)
+            storms.settled(base_url)
             before = memory(base_url, pid)
             t1 = time.monotonic()
             got = storms.storm(base_url, args.storm) if args.storm <= 200 else [
@@ -196,8 +201,8 @@ def main() -> int:
             stop_server(proc)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    f = results.get("fuzz", {})
-    bad = f.get("num_5xx", 1) or f.get("problems") or f.get("bystander", {}).get("failures", 1)
+    f = results.get("fuzz")
+    bad = f is not None and (f["num_5xx"] or f["problems"] or f["bystander"]["failures"])
     return 1 if bad else 0
 
 
