@@ -157,7 +157,9 @@ RESPONSES = {"model": "m", "instructions": "be", "max_output_tokens": 1,
              "text": {"format": {"type": "json_object"}}, "metadata": {"k": "v"}, "store": False}
 BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS,
           "/v1/messages": MESSAGES, "/v1/responses": RESPONSES}
-VALUES = [5, True, None, "s", [], {}]   # one of each JSON type
+# a number, a boolean, null, an array, an object, and an object nested 300 deep (strings are
+# handled as numbers are wherever structure is expected)
+VALUES = [5, True, None, [], {}, json.loads(deep_args(300))]
 
 
 def places(obj: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
