@@ -26,9 +26,10 @@ def sampling_logits(logprobs: mx.array, sp: SamplingParams, eos_ids: list[int]) 
         lp = min_p(lp, sp.min_p)
     vocab = lp.shape[-1]
     k = sp.top_k if 0 < sp.top_k < vocab else 0   # k >= vocab keeps every token
-    # relative to the best token, which stays 0 however large 1/T is (no -inf everywhere)
     scale = 1 / sp.temperature
-    best = mx.max(lp, axis=-1, keepdims=True)
+    # a cold row: relative to the best token, which stays 0 however large 1/T is (in float16,
+    # the best token's logprob times 1/T would overflow to -inf from about T < 2e-4)
+    best = mx.max(lp, axis=-1, keepdims=True) if scale > 100 else 0.0
     scaled = (top_k(lp, k) - best) * scale
     if sp.xtc_probability <= 0:
         return scaled
