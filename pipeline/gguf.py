@@ -11,11 +11,8 @@ import hashlib
 import json
 import logging
 import mmap
-import os
 import re
-import shutil
 import struct
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
+from pipeline.model_cache import cache_root, publish
 
 log = logging.getLogger(__name__)
 
@@ -390,34 +388,6 @@ def convert(src: Path, out: Path) -> None:
     }, indent=2) + "\n")
     log.info("converting %s: tokenizer (%d tokens) and config written (%.1f s total)", src.name,
              len(meta["tokenizer.ggml.tokens"]), time.perf_counter() - t0)
-
-
-def cache_root(cache_dir: str | Path | None) -> Path:
-    """model.cache_dir, else $PIPESERVE_CACHE, else ~/.cache/pipeserve/models (as tiny.py)."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("PIPESERVE_CACHE") or Path.home() / ".cache" / "pipeserve" / "models"
-    return Path(cache_dir).expanduser()
-
-
-def publish(final: Path, write: Any) -> Path:
-    """Run `write(tmp_dir)` and rename the result to `final` atomically (two processes racing
-    publish one copy); a failed write leaves nothing behind."""
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def ensure_converted(src: Path, cache_dir: str | Path | None = None) -> Path:

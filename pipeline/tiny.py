@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pipeline.model_cache import cache_root, publish
 
 ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next", "qwen3_5")
 SIZES = ("tiny", "small", "base", "medium", "large")
@@ -343,23 +343,5 @@ def ensure_model(arch: str = "qwen3", size: str = "tiny", dtype: str = "float32"
     if size != "tiny" and arch != "qwen3" and not (arch == "qwen3_5" and size == "small"):
         raise ValueError(f"size {size!r} exists only for arch 'qwen3' (and 'small' for "
                          f"'qwen3_5'), not {arch!r}")
-    if cache_dir is None:
-        cache_dir = os.environ.get("PIPESERVE_CACHE") or Path.home() / ".cache" / "pipeserve" / "models"
-    root = Path(cache_dir).expanduser()
-    final = root / model_dir_name(arch, size, dtype)
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        _write_model(tmp, arch, size, dtype)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)  # atomic; fails if another process already published it
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = cache_root(cache_dir) / model_dir_name(arch, size, dtype)
+    return publish(final, lambda tmp: _write_model(tmp, arch, size, dtype))

@@ -1,0 +1,37 @@
+"""The model cache: where generated (tiny.py), converted (gguf.py) and fetched (embedded.py)
+model directories live, and the one way each is published there."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """model.cache_dir, else $PIPESERVE_CACHE, else ~/.cache/pipeserve/models."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("PIPESERVE_CACHE") or Path.home() / ".cache" / "pipeserve" / "models"
+    return Path(cache_dir).expanduser()
+
+
+def publish(final: Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp_dir)` and rename the result to `final` atomically (two processes racing
+    publish one copy); a failed write leaves nothing behind."""
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)   # fails if another process already published it
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
