@@ -258,6 +258,7 @@ def _grammar_failed(req: Request) -> InvalidRequest:
     c, m = req.constraint, req.grammar
     assert m is not None
     param = c.param if c is not None else "grammar"
-    reason = " | ".join(ln.strip() for ln in (m.error or "no token is allowed").splitlines()[:2])
+    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
+    reason = lines[0][:300] if lines else "no token is allowed"   # the rest: parser state
     return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
-                          f"tokens: {reason[:300]}", param=param, code="constraint_failed")
+                          f"tokens: {reason}", param=param, code="constraint_failed")
