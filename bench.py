@@ -586,6 +586,11 @@ def _plot_run(out: Path, target: str, m: dict[str, Any], ours: Row | None) -> No
     sweep, each job adds its pipeserve row to sweep.csv and sweep.png is redrawn from it."""
     import bench_plots
     from hydra.types import RunMode
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("bench: no plots (matplotlib is not installed: pip install -e '.[bench]')", flush=True)
+        return
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     if not sweep:
