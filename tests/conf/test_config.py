@@ -24,7 +24,8 @@ from pipeline.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 # conf/hydra/ holds options of Hydra's own groups (job_logging), not of ServeConfig
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+# conf/bench/ holds bench.py's overlays (its model shapes), not a serve.py group
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "bench"))
 
 pc.register_configs()
 
