@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pipeline import embedded
+from pipeline.model_cache import cache_root
 from pipeline.errors import ConfigError
 from tests.conftest import ServerProcess
 
@@ -30,7 +31,7 @@ KV_LAYOUTS = ("q8", "q4", "turbo", "paged")
 def smollm2_dir(model_cache: Path) -> Path:
     """The converted model inside the session's model cache (what the servers are pointed at)."""
     target = model_cache / embedded.DIR_NAME
-    user = model_cache.cache_root(None) / embedded.DIR_NAME
+    user = cache_root(None) / embedded.DIR_NAME
     if not target.exists() and (user / "config.json").is_file():
         target.symlink_to(user, target_is_directory=True)
     return embedded.ensure_smollm2(model_cache)
