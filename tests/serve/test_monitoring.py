@@ -181,11 +181,8 @@ class Prometheus:
     def __init__(self, target: str, work: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(DASHBOARDS / "alerts.yml")],
-            "scrape_configs": [{"job_name": "pipeserve",
-                                "static_configs": [{"targets": [target]}]}]}
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  **self.jobs(target)}
         (work / "prometheus.yml").write_text(yaml.safe_dump(config))
         check = subprocess.run(["promtool", "check", "config", str(work / "prometheus.yml")],
                                capture_output=True, text=True, timeout=60)
@@ -196,6 +193,12 @@ class Prometheus:
             ["prometheus", f"--config.file={work / 'prometheus.yml'}",
              f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
              "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def jobs(self, target: str) -> dict[str, Any]:
+        """The config's rules and scrape jobs: one job on `target`, with the repo's alerts."""
+        return {"rule_files": [str(DASHBOARDS / "alerts.yml")],
+                "scrape_configs": [{"job_name": "pipeserve",
+                                    "static_configs": [{"targets": [target]}]}]}
 
     def log(self) -> str:
         self._log.flush()

@@ -14,12 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import config_hash
 from pipeline.errors import ConfigError
-from tests.conftest import ROOT, free_port, make_config
+from tests.conftest import ROOT, make_config
 from tests.serve.test_monitoring import Prometheus, _install_prometheus
 
 LIT_API = "lit-api-Q7xw93k"       # given on the command line
@@ -271,24 +270,15 @@ class KeyedPrometheus(Prometheus):
     dashboards/prometheus.yml documents; `without_key` sends none."""
 
     def __init__(self, target: str, key_file: Path, work: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        auth = {"type": "Bearer", "credentials_file": str(key_file)}
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "scrape_configs": [
-                      {"job_name": "with_key", "authorization": auth,
-                       "static_configs": [{"targets": [target]}]},
-                      {"job_name": "without_key", "static_configs": [{"targets": [target]}]}]}
-        (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-        check = subprocess.run(["promtool", "check", "config", str(work / "prometheus.yml")],
-                               capture_output=True, text=True, timeout=60)
-        assert check.returncode == 0, check.stdout + check.stderr
-        self.log_path = work / "prometheus.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--log.level=warn"], stdout=self._log, stderr=subprocess.STDOUT)
+        self.key_file = key_file
+        super().__init__(target, work)
+
+    def jobs(self, target: str) -> dict[str, Any]:
+        auth = {"type": "Bearer", "credentials_file": str(self.key_file)}
+        return {"scrape_configs": [
+            {"job_name": "with_key", "authorization": auth,
+             "static_configs": [{"targets": [target]}]},
+            {"job_name": "without_key", "static_configs": [{"targets": [target]}]}]}
 
 
 def test_prometheus_scrapes_with_the_key_from_a_file(launches: dict[str, Any],
