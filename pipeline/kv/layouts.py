@@ -53,6 +53,7 @@ class DenseLayout:
     """kv=dense: mlx-lm's own caches, untouched (the reference every layout is tested against)."""
 
     grouped_prefill = True   # prompts of similar length may share one padded prefill forward
+    quantizes = False        # full-attention layers convert to quantized KV
 
     def __init__(self, cfg: KvConfig) -> None:
         self.cfg = cfg
@@ -63,7 +64,7 @@ class DenseLayout:
         """At load: learn the attention layers, refuse what cannot work, warn once."""
         layers, sliding = attention_layers(model)
         self.layers = {a.index: a for a in layers}
-        if sliding and self.name != "dense" and self.name != "paged":
+        if sliding and self.quantizes:
             log.warning("kv=%s: %d sliding-window layer(s) stay dense; only the %d "
                         "full-attention layer(s) use the %s layout", self.name, sliding,
                         len(layers), self.name)
@@ -115,6 +116,7 @@ class _Converting(DenseLayout, ABC):
     """Layouts that quantize: rows stay dense until `quantized_start` tokens, then convert."""
 
     grouped_prefill = False
+    quantizes = True
 
     @abstractmethod
     def target(self, index: int) -> tuple[type | None, dict[str, Any]]:
