@@ -28,6 +28,7 @@ from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
 from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
+from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
 
@@ -43,14 +44,18 @@ def _version(pkg: str) -> str:
 
 
 class Front:
-    """The request stages, built once the model (and so the tokenizer) is loaded."""
+    """The request stages, built once the model (and so the tokenizer) is loaded, and the
+    model's output markup, inferred here once and handed to tokenize, detokenize and the
+    output path (pipeline/api/generation.py reads `front.markup`)."""
 
     def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
         assert engine.loaded is not None
         loaded = engine.loaded
-        self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded)
+        self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value)
+        log.info("output markup: %s", self.markup.describe())
+        self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
         self.admission = build(cfg.admission._target_, cfg, loaded, engine)
-        self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded)
+        self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
 
     async def prepare(self, request: Request) -> Request:
         request = await self.tokenize(request)

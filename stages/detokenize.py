@@ -1,16 +1,16 @@
 """Detokenize: token ids → text, incrementally and UTF-8 safe, with stop strings matched on
-the decoded text and never emitted; tool-call and think markers survive decoding for the output
-parsers (pipeline/api/generation.py). Event loop, one TextStream per request; no MLX."""
+the decoded text and never emitted; tool-call and think markers (the output markup's `kept`,
+pipeline.markup) survive decoding for the output parsers (pipeline/api/generation.py). Event
+loop, one TextStream per request; no MLX."""
 from __future__ import annotations
 
 import codecs
 from functools import lru_cache
 from typing import Any, Callable
 
-from pipeline.api.reasoning import THINK_PAIRS
-from pipeline.api.tools import all_markers
 from pipeline.config import ServeConfig
 from pipeline.loader import LoadedModel
+from pipeline.markup import OutputMarkup
 
 # How many already-emitted tokens to re-decode in front of new ones, so tokenizers whose
 # decode depends on the left context (leading-space rules) stay correct. Text path only.
@@ -145,10 +145,10 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 class Detokenize:
-    def __init__(self, cfg: ServeConfig, loaded: LoadedModel) -> None:
+    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, markup: OutputMarkup) -> None:
         self.tokenizer = loaded.tokenizer
         self._byte_level = _byte_level_map(self.tokenizer)
-        special, markers = _special_ids(self.tokenizer)
+        special, markers = _special_ids(self.tokenizer, markup.kept)
         self._hidden = frozenset(special - markers) if markers else None
         self._skipped = frozenset(special - markers)   # what decode drops
         # byte by byte where that is the tokenizer's own decode: byte-level BPE with no
@@ -192,8 +192,8 @@ def _token_bytes(detok: Detokenize, token_id: int) -> bytes:
     return detok.tokenizer.decode([token_id]).encode("utf-8")
 
 
-def _special_ids(tokenizer: Any) -> tuple[set[int], set[int]]:
-    """(special token ids, those of them that are output markers: tool-call and think
+def _special_ids(tokenizer: Any, kept: frozenset[str]) -> tuple[set[int], set[int]]:
+    """(special token ids, those of them that are `kept` output markers: tool-call and think
     markers, which decoding keeps)."""
     try:
         added = tokenizer.added_tokens_decoder
@@ -201,9 +201,8 @@ def _special_ids(tokenizer: Any) -> tuple[set[int], set[int]]:
         added = {}
     special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
     special |= set(getattr(tokenizer, "all_special_ids", []) or [])
-    markers = all_markers() | {m for pair in THINK_PAIRS for m in pair}
     vocab = tokenizer.get_vocab()
-    return special, {vocab[m] for m in markers if m in vocab} & special
+    return special, {vocab[m] for m in kept if m in vocab} & special
 
 
 def _byte_level_map(tokenizer: Any) -> dict[str, int] | None:

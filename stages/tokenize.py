@@ -4,22 +4,18 @@ starts from. Called on the event loop, once per request; large inputs render and
 preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from jinja2 import TemplateError
 
 from pipeline import template_sandbox
-from pipeline.api.reasoning import infer_markers, open_span
-from pipeline.api.tools import resolve_format
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
 from pipeline.loader import LoadedModel
+from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
-
-log = logging.getLogger("pipeserve")
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -33,26 +29,23 @@ TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeE
 
 
 class Tokenize:
-    """Owns how prompts are rendered and what the model's output markup is: `tool_format`
-    (model.tool_call_format, or inferred from the chat template) and `think` markers."""
+    """Owns how prompts are rendered. `markup` (built once at load, pipeline.markup) says
+    whether the model thinks, where a prompt leaves a think span open, and how a forced tool
+    call opens."""
 
-    def __init__(self, cfg: ServeConfig, loaded: LoadedModel) -> None:
+    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, markup: OutputMarkup) -> None:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = int(loaded.config.get("vocab_size")
                               or loaded.config.get("text_config", {}).get("vocab_size")
                               or len(self.tokenizer))
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
-        self.tool_format = resolve_format(cfg.model.tool_call_format.value, self.tokenizer)
-        self.think = infer_markers(self.tokenizer)
+        self.markup = markup
         self.enable_thinking = cfg.model.enable_thinking
         self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
         self.allow_templates = cfg.server.allow_request_templates
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
-        log.info("output markup: tool calls %s, think markers %s",
-                 self.tool_format.name if self.tool_format else "not parsed",
-                 f"{self.think.start}…{self.think.end}" if self.think else "none")
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -76,7 +69,7 @@ class Tokenize:
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)
             self._check_length(text, "messages")
-            request.output_prefix = open_span(text, self.think)
+            request.output_prefix = self.markup.open_span(text)
             forced = self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
             request.prompt_ids = self.encode_rendered(text + forced)
@@ -140,14 +133,15 @@ class Tokenize:
         think span open: the model reasons first, and the call is then up to it."""
         if inputs.tool_choice not in ("required", "named") or not inputs.tools:
             return ""
-        if self.tool_format is None:
+        fmt = self.markup.tool_format
+        if fmt is None:
             raise InvalidRequest(
                 f"tool_choice {inputs.tool_choice!r} needs a tool-call format, but "
                 "model.tool_call_format is none or could not be inferred from the chat "
                 "template; set model.tool_call_format", param="tool_choice")
         if open_think:
             return ""
-        return self.tool_format.forced(inputs.tool_name if inputs.tool_choice == "named" else None)
+        return fmt.forced(inputs.tool_name if inputs.tool_choice == "named" else None)
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         bos = self.tokenizer.bos_token
@@ -183,7 +177,8 @@ class Tokenize:
         kwargs = {k: v for k, v in inputs.template_kwargs.items() if k != "chat_template"}
         if "enable_thinking" not in kwargs:
             default = self.enable_thinking
-            kwargs["enable_thinking"] = (self.think is not None) if default is None else default
+            thinks = self.markup.think is not None
+            kwargs["enable_thinking"] = thinks if default is None else default
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:

@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from pipeline.api.reasoning import ReasoningSplitter, ThinkMarkers
+from pipeline.api.reasoning import ReasoningSplitter
 from pipeline.api.record import Record
-from pipeline.api.tool_formats import ToolFormat
 from pipeline.api.tools import ToolCall, ToolCallParser
 from pipeline.events import Failed, Finished, TokenDelta
+from pipeline.markup import OutputMarkup
 from pipeline.request import FinishReason, Request, TokenLogprob
 from pipeline.stream import RequestStream
 
@@ -75,9 +75,8 @@ class OutputChain:
             self.feed(prefix)   # markup only: what it would emit is the prompt's, not output
 
     @classmethod
-    def for_request(cls, request: Request, think: ThinkMarkers | None,
-                    fmt: ToolFormat | None) -> OutputChain:
-        inputs = request.inputs
+    def for_request(cls, request: Request, markup: OutputMarkup) -> OutputChain:
+        inputs, fmt, think = request.inputs, markup.tool_format, markup.think
         tools = None
         # a constrained output (structured output) is the answer itself, never a tool call
         if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
@@ -134,9 +133,7 @@ class Generation:
     def _chain(self) -> OutputChain:
         if not self.parse_output:
             return OutputChain(None, None)
-        tokenize = self.app_ctx.front.tokenize
-        return OutputChain.for_request(self.request, getattr(tokenize, "think", None),
-                                       getattr(tokenize, "tool_format", None))
+        return OutputChain.for_request(self.request, self.app_ctx.front.markup)
 
     def _record(self, delta: Delta) -> Delta:
         self.content += delta.content

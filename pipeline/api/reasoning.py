@@ -1,46 +1,13 @@
-"""Reasoning spans: which think markers a model uses, whether its prompt already opened one,
-and a streaming splitter of output text into (reasoning, content). Event loop; pure Python."""
+"""Reasoning spans: a streaming splitter of output text into (reasoning, content) by the
+model's think markers (pipeline.markup), and reasoning-effort values. Event loop; pure Python."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import InvalidRequest
+from pipeline.markup import ThinkMarkers
 
-THINK_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"),
-               ("<|think:start|>", "<|think:end|>"))
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-
-
-@dataclass(frozen=True)
-class ThinkMarkers:
-    start: str
-    end: str
-
-
-def infer_markers(tokenizer: Any) -> ThinkMarkers | None:
-    """The tokenizer's think markers (mlx-lm knows single-token ones), else a pair the chat
-    template writes, else None."""
-    start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-    if isinstance(start, str) and isinstance(end, str):
-        return ThinkMarkers(start, end)
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str):
-        for start, end in THINK_PAIRS:
-            if start in template and end in template:
-                return ThinkMarkers(start, end)
-    return None
-
-
-def open_span(prompt_text: str, markers: ThinkMarkers | None) -> str:
-    """The opened think span when the rendered prompt ends inside one (templates that write
-    `<think>` into the generation prompt), else ''. The model then emits only the end marker."""
-    if markers is None:
-        return ""
-    tail = prompt_text.rstrip()
-    if not tail.endswith(markers.start):
-        return ""
-    return prompt_text[prompt_text.rindex(markers.start):]
 
 
 def thinking_from_effort(effort: Any, param: str) -> bool:

@@ -1,5 +1,5 @@
-"""Tool calls in model output: which format a model uses, a streaming extractor that holds
-call markup back from the text, and arguments decoded against the tool's JSON schema.
+"""Tool calls in model output, in the format pipeline.markup resolved: a streaming extractor
+that holds call markup back from the text, and arguments decoded against the tool's JSON schema.
 Event loop, one ToolCallParser per request; pure Python."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.api.fields import check_depth
-from pipeline.api.tool_formats import FORMATS, RawCall, ToolFormat
 from pipeline.errors import InvalidRequest
+from pipeline.tool_formats import RawCall, ToolFormat
 
 log = logging.getLogger("pipeserve.tools")
 
@@ -28,39 +28,6 @@ class ToolCall:
     @property
     def arguments_json(self) -> str:
         return json.dumps(self.arguments, ensure_ascii=False)
-
-
-def infer_format(chat_template: Any, vocab: dict[str, int]) -> str | None:
-    """The format a chat template renders tool calls in (mirrors mlx-lm's inference)."""
-    text = chat_template if isinstance(chat_template, str) else (
-        "\n".join(map(str, chat_template.values())) if isinstance(chat_template, dict) else "")
-    if "<tool_call>\n<function=" in text or "<tool_call>\\n<function=" in text:
-        return "qwen3_coder"
-    if "<|tool_call>" in text and "<tool_call|>" in text:
-        return "gemma4"
-    if "<start_function_call>" in text:
-        return "function_gemma"
-    if "<tool_call>" in text:
-        return "hermes"
-    if "<|python_tag|>" in text:
-        return "llama3"
-    if "tool_code" in text:
-        return "gemma"
-    return None
-
-
-def resolve_format(setting: str, tokenizer: Any) -> ToolFormat | None:
-    """`model.tool_call_format` (auto | none | a format name) → the format, or None."""
-    if setting == "none":
-        return None
-    if setting != "auto":
-        return FORMATS[setting]
-    name = infer_format(getattr(tokenizer, "chat_template", None), tokenizer.get_vocab())
-    return FORMATS[name] if name else None
-
-
-def all_markers() -> set[str]:
-    return {m for f in FORMATS.values() for m in f.markers}
 
 
 # -- arguments against the schema ----------------------------------------------------------

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.api.generation import Delta, OutputChain
-from pipeline.api.reasoning import (ReasoningSplitter, ThinkMarkers, infer_markers, open_span,
-                                    thinking_from_effort)
-from pipeline.api.tool_formats import FORMATS
+from pipeline.api.reasoning import ReasoningSplitter, thinking_from_effort
 from pipeline.api.tools import ToolCallParser
 from pipeline.errors import InvalidRequest
+from pipeline.markup import OutputMarkup, ThinkMarkers, infer_think
+from pipeline.tool_formats import FORMATS
 
 THINK = ThinkMarkers("<think>", "</think>")
 TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
@@ -70,18 +70,18 @@ def test_reasoning_streams_before_the_span_ends() -> None:
     ("earlier <think>x</think> turn<|im_start|>assistant\n<think>", "<think>"),
 ])
 def test_open_span_is_found_at_the_end_of_the_prompt(prompt: str, opened: str) -> None:
-    assert open_span(prompt, THINK) == opened
-    assert open_span(prompt, None) == ""
+    assert OutputMarkup(think=THINK).open_span(prompt) == opened
+    assert OutputMarkup().open_span(prompt) == ""
 
 
 def test_markers_come_from_the_tokenizer_then_the_template() -> None:
     tok = SimpleNamespace(think_start="<think>", think_end="</think>", chat_template=None)
-    assert infer_markers(tok) == THINK
+    assert infer_think(tok) == THINK
     tok = SimpleNamespace(think_start=None, think_end=None,
                           chat_template="{{ '<think>\\n' }}...{{ '</think>' }}")
-    assert infer_markers(tok) == THINK
+    assert infer_think(tok) == THINK
     tok = SimpleNamespace(think_start=None, think_end=None, chat_template="{{ x }}")
-    assert infer_markers(tok) is None
+    assert infer_think(tok) is None
 
 
 def test_reasoning_effort_values() -> None:

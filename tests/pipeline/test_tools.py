@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.api.tool_formats import FORMATS
-from pipeline.api.tools import ToolCallParser, decode_arguments, infer_format
+from pipeline.api.tools import ToolCallParser, decode_arguments
+from pipeline.markup import infer_tool_format
 from pipeline.tiny import CHAT_TEMPLATE
+from pipeline.tool_formats import FORMATS
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -189,7 +190,7 @@ def test_arguments_that_do_not_fit_the_schema_are_refused(prop: dict[str, Any], 
     ("{{ messages[0].content }}", None),
 ])
 def test_format_is_inferred_from_the_chat_template(template: str, want: str | None) -> None:
-    assert infer_format(template, {}) == want
+    assert infer_tool_format(template, {}) == want
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

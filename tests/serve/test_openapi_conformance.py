@@ -19,6 +19,7 @@ import pytest
 from jsonschema import Draft202012Validator
 from mlx_lm.utils import load_tokenizer
 
+from pipeline.markup import OutputMarkup
 from pipeline.tiny import CHAT_TEMPLATE, ensure_model
 from stages.detokenize import Detokenize
 
@@ -342,7 +343,7 @@ def test_n_choices_share_the_prompt_through_the_prompt_cache(srv: Any,
 @pytest.fixture(scope="module")
 def detok(model_cache: Path) -> Detokenize:
     tok = load_tokenizer(ensure_model("qwen3", "tiny", "float32", model_cache))
-    return Detokenize(None, SimpleNamespace(tokenizer=tok))
+    return Detokenize(None, SimpleNamespace(tokenizer=tok), OutputMarkup())
 
 
 def test_logit_bias_out_of_range_and_fractional_values_are_clamped(client: openai.OpenAI,

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from pipeline.markup import OutputMarkup
 from pipeline.tiny import ensure_model
 from stages.detokenize import Detokenize
 
@@ -16,7 +17,7 @@ TEXT = "Plain words, café and naïve, 日本語 and emoji 😀🚀 at the end. 
 @pytest.fixture(scope="module")
 def detok(model_cache: Path) -> Detokenize:
     tok = load_tokenizer(ensure_model("qwen3", "tiny", "float32", model_cache))
-    return Detokenize(None, SimpleNamespace(tokenizer=tok))
+    return Detokenize(None, SimpleNamespace(tokenizer=tok), OutputMarkup())
 
 
 def stream_all(detok: Detokenize, ids: list[int], stop: list[str]) -> tuple[list[str], str, bool]:
@@ -70,7 +71,7 @@ def test_output_markers_survive_where_the_tokenizer_marks_them_special(model_cac
         "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]})
     ids = tok.encode("Hi<tool_call>{}</tool_call><|im_end|>", add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == "Hi{}"
-    detok = Detokenize(None, SimpleNamespace(tokenizer=tok))
+    detok = Detokenize(None, SimpleNamespace(tokenizer=tok), OutputMarkup())
     assert detok.decode(ids) == "Hi<tool_call>{}</tool_call>"
     assert stream_all(detok, ids, [])[1] == "Hi<tool_call>{}</tool_call>"
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from pipeline.markup import OutputMarkup
 from pipeline.tiny import ensure_model
 from stages.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, Detokenize
 
@@ -31,7 +32,7 @@ class CountingDecode:
 @pytest.fixture(scope="module")
 def bpe(model_cache: Path) -> Detokenize:
     tok = load_tokenizer(ensure_model("qwen3", "tiny", "float32", model_cache))
-    return Detokenize(None, SimpleNamespace(tokenizer=tok))
+    return Detokenize(None, SimpleNamespace(tokenizer=tok), OutputMarkup())
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def spm() -> Detokenize:
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                  eos_token="</s>")
-    detok = Detokenize(None, SimpleNamespace(tokenizer=hf))
+    detok = Detokenize(None, SimpleNamespace(tokenizer=hf), OutputMarkup())
     assert detok._piece is None   # not byte-level: the text path
     return detok
 
