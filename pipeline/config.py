@@ -15,11 +15,11 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pipeline.draft.config import (DraftConfig, MtpDraftConfig, ModelDraftConfig,
-                                   NgramDraftConfig, NoDraftConfig)
+from pipeline import registry
+from pipeline.draft.config import DraftConfig
 from pipeline.errors import ConfigError, check_positive as _positive
-from pipeline.kv.config import (DenseKvConfig, KvConfig, MixedKvConfig, PagedKvConfig,
-                                QuantizedKvConfig, TurboKvConfig)
+from pipeline.kv.config import KvConfig
+from pipeline.registry import register
 
 
 class Arch(Enum):
@@ -187,6 +187,11 @@ class AdmissionConfig:
     memory_budget_gb: Optional[float] = None  # decimal GB; opt-in enforced budget
     kv_budget_gb: Optional[float] = None      # decimal GB of KV across rows
 
+    @property
+    def name(self) -> str:
+        """The option (`admission=<name>`)."""
+        return registry.name_of(self)
+
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ConfigError(f"admission.max_queue must be >= 0, got {self.max_queue}")
@@ -196,6 +201,7 @@ class AdmissionConfig:
         _positive("admission.kv_budget_gb", self.kv_budget_gb)
 
 
+@register("admission", "advisory")
 @dataclass
 class AdvisoryAdmissionConfig(AdmissionConfig):
     _target_: str = "stages.admission.Admission"
@@ -210,6 +216,7 @@ class AdvisoryAdmissionConfig(AdmissionConfig):
                 "to set admission.memory_budget_gb or admission.kv_budget_gb")
 
 
+@register("admission", "budget")
 @dataclass
 class BudgetAdmissionConfig(AdmissionConfig):
     _target_: str = "stages.admission.BudgetAdmission"
@@ -301,7 +308,8 @@ class CacheConfig:
 
     @property
     def name(self) -> str:
-        return "off"
+        """The option (`cache=<name>`)."""
+        return registry.name_of(self)
 
     def __post_init__(self) -> None:
         if self.ram_gb < 0:
@@ -313,23 +321,17 @@ class CacheConfig:
                 f"live on disk), got cache={self.name}")
 
 
+@register("cache", "ram")
 @dataclass
 class RamCacheConfig(CacheConfig):
     _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
 
-    @property
-    def name(self) -> str:
-        return "ram"
 
-
+@register("cache", "ssd")
 @dataclass
 class SsdCacheConfig(CacheConfig):
     _target_: str = "pipeline.prompt_cache.tiered.TieredPromptCache"
     ssd: SsdConfig = field(default_factory=SsdConfig)
-
-    @property
-    def name(self) -> str:
-        return "ssd"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -338,6 +340,7 @@ class SsdCacheConfig(CacheConfig):
         _positive("cache.ssd.demote_idle_s", self.ssd.demote_idle_s, allow_none=False)
 
 
+@register("cache", "off")
 @dataclass
 class OffCacheConfig(CacheConfig):
     _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
@@ -396,18 +399,16 @@ class ServeConfig:
     draft: DraftConfig = MISSING
 
 
+# group → option → schema, stored as schema/<group>/<option>. The groups of interchangeable
+# options (admission, cache, kv, draft) are live views of pipeline/registry.py, where each
+# option is declared once, by `@register` on its schema.
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"model": ModelConfig},
     "scheduler": {"serial": SerialSchedulerConfig, "continuous": ContinuousSchedulerConfig},
     "sampling": {"sampling": SamplingConfig},
-    "admission": {"advisory": AdvisoryAdmissionConfig, "budget": BudgetAdmissionConfig},
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
-    "cache": {"ram": RamCacheConfig, "ssd": SsdCacheConfig, "off": OffCacheConfig},
-    "kv": {"dense": DenseKvConfig, "q4": QuantizedKvConfig, "q8": QuantizedKvConfig,
-           "turbo": TurboKvConfig, "mixed": MixedKvConfig, "paged": PagedKvConfig},
-    "draft": {"none": NoDraftConfig, "ngram": NgramDraftConfig, "model": ModelDraftConfig,
-              "mtp": MtpDraftConfig},
+    **{group: registry.schemas(group) for group in registry.SCHEMA_MODULES},
 }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from pipeline import registry
+
 PREFIX = "pipeserve"
 
 # Known label values. Each labelled family is initialised with them, so its series exist (at 0)
@@ -21,7 +23,7 @@ CACHE_TIERS = ("ram", "ssd")
 # fingerprint / KV scheme / MLX version; the SSD entry failed its header or tensor hash.
 CACHE_MISS_REASONS = ("no_prefix", "no_snapshot", "evicted", "incompatible", "corrupt")
 SPILL_REASONS = ("eviction", "idle")   # RAM → SSD: on RAM eviction, after cache.demote_idle_s
-PROPOSERS = ("ngram", "model", "mtp")
+# The speculation families' `proposer` values are the draft options but none: registry.labels.
 
 # 1 ms .. ~10 min: LLM-shaped latency buckets.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -216,7 +218,7 @@ class Metrics:
             self.cache_spills.labels(reason)
         for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies,
                        self.spec_emitted):
-            for name in PROPOSERS:
+            for name in registry.labels("draft"):
                 family.labels(name)
         for state in ("used", "free", "shared"):
             self.kv_pool_blocks.labels(state)

@@ -1,4 +1,6 @@
-"""The `draft` config group (SPEC §3, §4): one schema per proposer option. Launch time, main
+"""The `draft` config group (SPEC §3, §4): one schema per proposer option, each declared once
+by `@register` (pipeline/registry.py); its `_target_` names the proposer class, and every
+option but `none` is a value of the speculation metrics' `proposer` label. Launch time, main
 thread; no mlx import."""
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from pipeline.errors import ConfigError, check_positive as _positive
+from pipeline.registry import name_of, register
 
 
 @dataclass
@@ -22,7 +25,8 @@ class DraftConfig:
 
     @property
     def name(self) -> str:
-        return "none"
+        """The option (`draft=<name>`): the `proposer` metric label, the name in messages."""
+        return name_of(self)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 64:
@@ -35,21 +39,19 @@ class DraftConfig:
                 "does not load a draft model")
 
 
+@register("draft", "none", labelled=False)
 @dataclass
 class NoDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.NoDraft"
 
 
+@register("draft", "ngram")
 @dataclass
 class NgramDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.NgramProposer"
     num_draft_tokens: int = 10
     ngram_min: int = 1
     ngram_max: int = 3
-
-    @property
-    def name(self) -> str:
-        return "ngram"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,20 +60,14 @@ class NgramDraftConfig(DraftConfig):
                               f"draft.ngram_max ({self.ngram_max})")
 
 
+@register("draft", "model")
 @dataclass
 class ModelDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.ModelProposer"
     path: Optional[str] = MISSING
 
-    @property
-    def name(self) -> str:
-        return "model"
 
-
+@register("draft", "mtp")
 @dataclass
 class MtpDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.MtpProposer"
-
-    @property
-    def name(self) -> str:
-        return "mtp"

@@ -1,5 +1,6 @@
-"""The `kv` config group (SPEC §3, §7): one schema per KV layout option. Launch time, main
-thread; no mlx import."""
+"""The `kv` config group (SPEC §3, §7): one schema per KV layout option, each declared once
+by `@register` (pipeline/registry.py); its `_target_` names the layout class. Launch time,
+main thread; no mlx import."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from pipeline.errors import ConfigError, check_positive as _positive
+from pipeline.registry import name_of, register
 
 
 TURBO_K_BITS = (2, 4, 5, 8)
@@ -23,12 +25,14 @@ class KvConfig:
 
     @property
     def name(self) -> str:
-        return "dense"
+        """The option (`kv=<name>`): the metric label, the name in logs and messages."""
+        return name_of(self)
 
     def __post_init__(self) -> None:
         pass
 
 
+@register("kv", "dense")
 @dataclass
 class DenseKvConfig(KvConfig):
     _target_: str = "pipeline.kv.layouts.DenseLayout"
@@ -44,6 +48,7 @@ def _check_group(group_size: int) -> None:
         raise ConfigError(f"kv.group_size must be one of 32, 64, 128, got {group_size}")
 
 
+@register("kv", "q4", "q8")
 @dataclass
 class QuantizedKvConfig(KvConfig):
     """Uniform affine quantization (mlx-lm's QuantizedKVCache scheme)."""
@@ -64,6 +69,7 @@ class QuantizedKvConfig(KvConfig):
         _check_start(self.name, self.quantized_start)
 
 
+@register("kv", "turbo")
 @dataclass
 class TurboKvConfig(KvConfig):
     """TurboQuant: affine keys, Hadamard-rotated Lloyd-Max values."""
@@ -73,10 +79,6 @@ class TurboKvConfig(KvConfig):
     v_bits: int = 3
     group_size: int = 64
     quantized_start: int = 0
-
-    @property
-    def name(self) -> str:
-        return "turbo"
 
     def __post_init__(self) -> None:
         if self.k_bits not in TURBO_K_BITS:
@@ -89,6 +91,7 @@ class TurboKvConfig(KvConfig):
         _check_start(self.name, self.quantized_start)
 
 
+@register("kv", "mixed")
 @dataclass
 class MixedKvConfig(KvConfig):
     """Per-layer key/value bits from a kv_config.json (format: README, KV layouts)."""
@@ -97,14 +100,11 @@ class MixedKvConfig(KvConfig):
     config_path: str = MISSING
     quantized_start: int = 0
 
-    @property
-    def name(self) -> str:
-        return "mixed"
-
     def __post_init__(self) -> None:
         _check_start(self.name, self.quantized_start)
 
 
+@register("kv", "paged")
 @dataclass
 class PagedKvConfig(KvConfig):
     """Fixed-size blocks in one pool per layer; rows sharing a cached prefix share its blocks."""
@@ -113,10 +113,6 @@ class PagedKvConfig(KvConfig):
     block_size: int = 256
     pool_blocks: Optional[int] = None   # blocks per layer; unset: from pool_gb, else from memory
     pool_gb: Optional[float] = None     # GiB for all layers' pools together
-
-    @property
-    def name(self) -> str:
-        return "paged"
 
     def __post_init__(self) -> None:
         _positive("kv.block_size", self.block_size, allow_none=False)
