@@ -4,7 +4,6 @@ scheme, draft method, scheduling lane, and the batch size it decoded at. Sent in
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from enum import Enum
 from typing import Any
 
 from pipeline.config import SerialSchedulerConfig, ServeConfig
@@ -16,8 +15,8 @@ HEADER = "x-pipeserve-record"
 class Record:
     config_hash: str
     model_fingerprint: str | None   # None until the model is loaded
-    kv_scheme: str                  # kv group option ("dense" until that group exists)
-    draft: str                      # draft group option ("none" until that group exists)
+    kv_scheme: str                  # kv group option (cfg.kv.name)
+    draft: str                      # draft group option (cfg.draft.name)
     lane: str                       # serial | continuous
     batch_size: int | None = None   # most rows decoded together while this request decoded
 
@@ -32,23 +31,8 @@ class Record:
         return replace(self, batch_size=batch_size)
 
 
-def _option(cfg: ServeConfig, group: str, default: str) -> str:
-    """The option a config group runs: its `name` field or property when it has one, else its
-    schema's class name without the group and `Config` (DenseKVConfig → dense)."""
-    node = getattr(cfg, group, None)
-    if node is None:
-        return default
-    name = getattr(node, "name", None)
-    if isinstance(name, Enum):
-        name = name.value
-    if isinstance(name, str) and name:
-        return name
-    cls = type(node).__name__.removesuffix("Config")
-    return cls.lower().removesuffix(group.lower()) or default
-
-
 def base_record(cfg: ServeConfig, config_hash: str, fingerprint: str | None) -> Record:
     lane = "serial" if isinstance(cfg.scheduler, SerialSchedulerConfig) else "continuous"
     return Record(config_hash=config_hash, model_fingerprint=fingerprint,
-                  kv_scheme=_option(cfg, "kv", "dense"), draft=_option(cfg, "draft", "none"),
+                  kv_scheme=cfg.kv.name, draft=cfg.draft.name,
                   lane=lane)
