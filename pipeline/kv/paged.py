@@ -47,8 +47,9 @@ class _Table:
 
 class PagedKVCache(_BaseCache):
     """One row (batch 1) of one layer: a block table and `offset` tokens. Behaves as mlx-lm's
-    KVCache (same fetched values and shapes, trim, mask, merge). `lend()`, `copy.copy` and
-    `copy.deepcopy` share the blocks (no copy; the first write into a shared block copies it)."""
+    KVCache (same fetched values and shapes, trim, mask, merge). `lend()`, `copy.copy`,
+    `copy.deepcopy` and `from_state(state)` share the blocks (no copy; the first write into a
+    shared block copies it)."""
 
     def __init__(self, pool: BlockPool, *, table: _Table | None = None, offset: int = 0) -> None:
         self.pool = pool
@@ -91,14 +92,16 @@ class PagedKVCache(_BaseCache):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     @property
-    def state(self) -> list[mx.array]:
-        """Arrays to evaluate after a write: this layer's pool."""
-        return [] if self.pool.keys is None else [self.pool.keys, self.pool.values]
+    def state(self) -> tuple[Any, ...]:
+        """(pool keys, pool values, block table, offset): the arrays a write changes (so
+        `mx.eval(state)` completes it) and what `from_state` rebuilds the row from. The table
+        is bound to its pool, so state is lent, never stored: the SSD tier stores portable()."""
+        return self.pool.keys, self.pool.values, self.table, self.offset
 
     @state.setter
-    def state(self, v: Any) -> None:
-        raise TypeError("PagedKVCache cannot be rebuilt from state: store portable() and "
-                        "restore with PagedKVCache.from_portable(kv, pool)")
+    def state(self, v: tuple[Any, ...]) -> None:
+        _, _, table, offset = v   # the pool's arrays: the table's pool holds them
+        self.pool, self.table, self.offset = table.pool, table.lend(), offset   # own reference
 
     @property
     def nbytes(self) -> int:
@@ -255,13 +258,19 @@ class BatchPagedKVCache(_BaseCache):
         return batch
 
     @property
-    def state(self) -> list[mx.array]:
-        return [] if self.pool.keys is None else [self.pool.keys, self.pool.values]
+    def state(self) -> tuple[Any, ...]:
+        """(pool keys, pool values, block tables, left paddings, _idx); as PagedKVCache's.
+        Pending right padding (between prepare and finalize) is not kept, as in mlx-lm."""
+        return self.pool.keys, self.pool.values, tuple(self.tables), tuple(self.lefts), self._idx
 
     @state.setter
-    def state(self, v: Any) -> None:
-        raise TypeError("BatchPagedKVCache cannot be rebuilt from state; extract rows and "
-                        "store their portable() caches")
+    def state(self, v: tuple[Any, ...]) -> None:
+        _, _, tables, lefts, idx = v
+        if not tables:
+            raise ValueError("an empty BatchPagedKVCache has no pool to be rebuilt in")
+        self.pool = tables[0].pool
+        self.tables = [t.lend() for t in tables]   # own references to the rows' blocks
+        self.lefts, self._idx, self._right = list(lefts), idx, None
 
     @property
     def nbytes(self) -> int:

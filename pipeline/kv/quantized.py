@@ -233,7 +233,14 @@ class BatchAffineKVCache(_Affine, LeftPaddedBatch):
 
     @property
     def state(self) -> tuple[Any, ...]:
-        return self.keys, self.values, self.offset, self.left_padding, self._idx
+        return (self.keys, self.values, self.offset, self.left_padding, self._idx, self.k_bits,
+                self.v_bits, self.group_size)
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        (self.keys, self.values, self.offset, self.left_padding, self._idx, self.k_bits,
+         self.v_bits, self.group_size) = v
+        self._right_padding = None   # as mlx-lm's BatchKVCache, pending right padding is not kept
 
     def extend(self, other: BatchAffineKVCache) -> None:
         """Append `other`'s rows after this batch's; both are right-aligned at the larger `_idx`."""
