@@ -16,11 +16,10 @@ Target layout protocol (AffineKVCache in quantized.py; TurboQuant in turbo.py):
 - Per-row class T: `T(**params)` is an empty row; `T.from_dense(kv: KVCache, **params)`
   quantizes all `kv.offset` tokens of a dense row (leaving it as it was). Methods:
   update_and_fetch(keys, values) -> (k, v); attend(queries, k, v, *, scale, mask) taking
-  exactly what update_and_fetch returned; trim, is_trimmable, size, empty, nbytes, state,
-  make_mask; int `offset`; classmethod merge(list[T]) -> TB. No __slots__; its instance
-  attributes are flat (mx arrays, tuples/lists of arrays, scalars, str, None) and none is named
-  like DelayedKVCache's own (`_OWN`): a converted DelayedKVCache holds them directly and runs
-  T's methods on a T sharing its attribute dict.
+  exactly what update_and_fetch returned; trim, is_trimmable, size, empty, nbytes, make_mask;
+  int `offset`; mlx-lm's `state` / `from_state` round trip (settings included); classmethod
+  merge(list[T]) -> TB. A DelayedKVCache holds its T (or, before converting, its KVCache) as
+  `inner` and delegates to it.
 - Batch class TB = type(T.merge([T(**params)])), built as `TB.from_dense(batch: BatchKVCache,
   **params)` keeping the batch's row layout (new objects for left_padding, offset and pending
   _right_padding; same _idx). BatchKVCache's semantics: update_and_fetch, attend, make_mask
@@ -30,8 +29,10 @@ Target layout protocol (AffineKVCache in quantized.py; TurboQuant in turbo.py):
   [n, m) stores exactly what from_dense of [0, m) stores. The batch relies on it: its target
   storage holds every row (dense rows included) once any row has converted.
 
-Conversions are counted: `num_conversions` (module-level) counts converted layer caches, and
-`on_convert(num_tokens)`, when set, is called once per converted layer cache of a row."""
+Conversions are reported to `on_convert(num_tokens)`, given to the cache (the KV layout passes
+its own; pipeline/kv/layouts.py): called once per converted layer cache of a row, with the
+row's token count. It is not state: a cache rebuilt by `from_state` has none until the layout
+adopts it."""
 from __future__ import annotations
 
 import importlib
@@ -42,11 +43,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
 from pipeline.kv.attention import dense_attention
 
-num_conversions = 0
-on_convert: Callable[[int], None] | None = None
+OnConvert = Callable[[int], None]
 
-_OWN = frozenset({"quantized_start", "target_layout", "target_params", "converted_at",
-                  "dense_dims", "dense_dtype", "attend_dense"})
 _classes: dict[str, type] = {}
 
 
@@ -61,13 +59,6 @@ def _layout(name: str) -> type:
     return _classes[name]
 
 
-def _counted(num_tokens: int) -> None:
-    global num_conversions
-    num_conversions += 1
-    if on_convert is not None:
-        on_convert(num_tokens)
-
-
 def _batch_layout(name: str, params: tuple[tuple[str, Any], ...]) -> type:
     """The target's batch class: what its per-row class's `merge` builds."""
     key = f"{name}/batch"
@@ -77,112 +68,149 @@ def _batch_layout(name: str, params: tuple[tuple[str, Any], ...]) -> type:
     return _classes[key]
 
 
-_SETTINGS = ("quantized_start", "target_layout", "target_params", "dense_dims", "dense_dtype")
+class _Settings:
+    """What a delayed row and a delayed batch share: the boundary, the target layout and its
+    parameters, and the dense shape learnt from the first write."""
+
+    quantized_start: int
+    target_layout: str                          # "module:Class" of the per-row target
+    target_params: tuple[tuple[str, Any], ...]
+    dense_dims: tuple[int, int, int] | None     # (kv heads, key dim, value dim)
+    dense_dtype: str | None
+    on_convert: OnConvert | None
+
+    def _set_settings(self, start: int, layout: str, params: Any, dims: Any,
+                      dtype: str | None) -> None:
+        self.quantized_start = start
+        self.target_layout = layout
+        self.target_params = tuple((str(k), v) for k, v in params)
+        self.dense_dims = None if dims is None else tuple(dims)
+        self.dense_dtype = dtype
+
+    def _settings(self) -> tuple[Any, ...]:
+        """The arguments of `_set_settings`, as stored in `state`."""
+        return (self.quantized_start, self.target_layout, self.target_params, self.dense_dims,
+                self.dense_dtype)
+
+    def _same_kind(self) -> tuple[Any, ...]:
+        """What rows must agree on to share a batch (start, layout, params)."""
+        return self.quantized_start, self.target_layout, self.target_params
+
+    def _learn_dims(self, keys: mx.array, values: mx.array) -> None:
+        if self.dense_dims is None:
+            self.dense_dims = (keys.shape[1], keys.shape[3], values.shape[3])
+            self.dense_dtype = str(keys.dtype).removeprefix("mlx.core.")
+
+    def _counted(self, num_tokens: int) -> None:
+        if self.on_convert is not None:
+            self.on_convert(num_tokens)
 
 
-class DelayedKVCache(_BaseCache):
-    """One row: dense (mlx-lm KVCache arithmetic, the attributes keys/values/offset) until it
-    holds `start` tokens, then the target layout `target_cls(**params)`, whose attributes then
-    live on this object (every attribute stays plain, so the prompt cache can lend and store it).
-    `converted_at` is the token count at which the row converted, or None while dense."""
+class DelayedKVCache(_Settings, _BaseCache):
+    """One row: `inner` is a dense mlx-lm KVCache until the row holds `start` tokens, then the
+    target layout's row cache (`target_cls.from_dense` of it); every cache method delegates to
+    `inner`. `converted_at` is the token count at which the row converted, or None while dense.
+    `state` is (inner's state, settings, converted_at), so `from_state` rebuilds the row."""
 
-    def __init__(self, start: int, target_cls: type, **params: Any) -> None:
+    def __init__(self, start: int, target_cls: type, *, on_convert: OnConvert | None = None,
+                 **params: Any) -> None:
         if start < 0:
             raise ValueError(f"quantized_start must be >= 0 tokens, got {start}")
-        self.quantized_start = start
-        self.target_layout = _layout_name(target_cls)
-        self.target_params = tuple(sorted(params.items()))
-        self.dense_dims: tuple[int, int, int] | None = None   # (kv heads, key dim, value dim)
-        self.dense_dtype: str | None = None
-        self._reset()
-
-    def _reset(self) -> None:
+        self._set_settings(start, _layout_name(target_cls), sorted(params.items()), None, None)
+        self.on_convert = on_convert
+        self.inner: Any = KVCache()
         self.converted_at: int | None = None
         self.attend_dense = True          # whether the last update_and_fetch returned dense arrays
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
 
-    def _view(self) -> Any:
-        """KVCache (dense) or the target class over this object's own attributes (one dict)."""
-        cls = KVCache if self.converted_at is None else _layout(self.target_layout)
-        view = cls.__new__(cls)
-        view.__dict__ = self.__dict__
-        return view
+    @classmethod
+    def _like(cls, settings: _Settings, inner: Any, converted_at: int | None) -> DelayedKVCache:
+        """A row with the settings (and conversion callback) of `settings` holding `inner`."""
+        row = cls.__new__(cls)
+        row._set_settings(*settings._settings())
+        row.on_convert = settings.on_convert
+        row.inner, row.converted_at = inner, converted_at
+        row.attend_dense = converted_at is None
+        return row
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if self.converted_at is not None:
             self.attend_dense = False
-            return self._view().update_and_fetch(keys, values)
-        if self.dense_dims is None:
-            self.dense_dims = (keys.shape[1], keys.shape[3], values.shape[3])
-            self.dense_dtype = str(keys.dtype).removeprefix("mlx.core.")
+            return self.inner.update_and_fetch(keys, values)
+        self._learn_dims(keys, values)
         self.attend_dense = True
-        fetched = self._view().update_and_fetch(keys, values)
-        if self.offset >= self.quantized_start:   # this forward stays dense; later ones do not
-            dense = KVCache()
-            dense.keys, dense.values, dense.offset = self.keys, self.values, self.offset
-            self._host(_layout(self.target_layout).from_dense(dense, **dict(self.target_params)),
-                       self.offset)
-            _counted(self.offset)
+        fetched = self.inner.update_and_fetch(keys, values)
+        if self.inner.offset >= self.quantized_start:   # this forward stays dense; later not
+            target = _layout(self.target_layout).from_dense(self.inner,
+                                                            **dict(self.target_params))
+            self.inner, self.converted_at = target, target.offset
+            self._counted(target.offset)
         return fetched
-
-    def _host(self, target: Any, converted_at: int) -> None:
-        """Replace the dense attributes by the target layout's."""
-        clash = _OWN & set(vars(target))
-        assert not clash, f"{type(target).__name__} attributes clash with DelayedKVCache's: {clash}"
-        for name in [n for n in vars(self) if n not in _OWN]:
-            delattr(self, name)
-        self.__dict__.update(vars(target))
-        self.converted_at = converted_at
 
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float,
                mask: Any) -> mx.array:
         if self.attend_dense:
             return dense_attention(queries, keys, values, scale, mask)
-        return self._view().attend(queries, keys, values, scale=scale, mask=mask)
+        return self.inner.attend(queries, keys, values, scale=scale, mask=mask)
 
     @property
-    def state(self) -> Any:
-        return self._view().state
+    def state(self) -> tuple[Any, ...]:
+        return (self.inner.state, *self._settings(), self.converted_at)
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        inner, *settings, converted_at = v
+        self._set_settings(*settings)
+        self.converted_at = converted_at
+        cls = KVCache if converted_at is None else _layout(self.target_layout)
+        self.inner = cls.from_state(inner)
+        self.attend_dense = converted_at is None
+
+    @classmethod
+    def from_state(cls, state: tuple[Any, ...]) -> DelayedKVCache:
+        obj = cls.__new__(cls)
+        obj.on_convert = None   # not state: the layout gives it back (adopt)
+        obj.state = state
+        return obj
+
+    @property
+    def offset(self) -> int:
+        return self.inner.offset
 
     def is_trimmable(self) -> bool:
-        return self._view().is_trimmable()
+        return self.inner.is_trimmable()
 
     def trim(self, n: int) -> int:
-        return self._view().trim(n)
+        return self.inner.trim(n)
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return self._view().make_mask(*args, **kwargs)
+        return self.inner.make_mask(*args, **kwargs)
 
     def size(self) -> int:
-        return self.offset
+        return self.inner.offset
 
     def empty(self) -> bool:
-        return self._view().empty()
+        return self.inner.empty()
 
     @property
     def nbytes(self) -> int:
-        return self._view().nbytes
+        return self.inner.nbytes
 
     @classmethod
     def merge(cls, caches: list[DelayedKVCache]) -> DelayedBatchKVCache:
         return DelayedBatchKVCache.merge(caches)
 
 
-class DelayedBatchKVCache(_BaseCache):
+class DelayedBatchKVCache(_Settings, _BaseCache):
     """DelayedKVCache rows in one left-padded batch (BatchKVCache semantics). `dense`
     (BatchKVCache) exists while any row is dense, `target` (the target's batch class) once any
     row has converted; while both exist both hold every row, in the same layout (converted rows'
     dense slots are zeros), and a forward computes both attentions and picks per row, so each
     row gets what it would get alone. `lengths` is the host copy of the per-row `offset`."""
 
-    def __init__(self, start: int, target_cls: type, num_rows: int = 0, **params: Any) -> None:
-        self.quantized_start = start
-        self.target_layout = _layout_name(target_cls)
-        self.target_params = tuple(sorted(params.items()))
-        self.dense_dims: tuple[int, int, int] | None = None
-        self.dense_dtype: str | None = None
+    def __init__(self, start: int, target_cls: type, num_rows: int = 0, *,
+                 on_convert: OnConvert | None = None, **params: Any) -> None:
+        self._set_settings(start, _layout_name(target_cls), sorted(params.items()), None, None)
+        self.on_convert = on_convert
         self.dense: BatchKVCache | None = BatchKVCache([0] * num_rows)
         self.target: Any = None
         self.converted_at: list[int | None] = [None] * num_rows
@@ -209,9 +237,7 @@ class DelayedBatchKVCache(_BaseCache):
 
     # -- forward ------------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        if self.dense_dims is None:
-            self.dense_dims = (keys.shape[1], keys.shape[3], values.shape[3])
-            self.dense_dtype = str(keys.dtype).removeprefix("mlx.core.")
+        self._learn_dims(keys, values)
         self.attend_target = [c is not None for c in self.converted_at]
         dense_kv = target_kv = (None, None)
         if self.dense is not None:
@@ -234,7 +260,7 @@ class DelayedBatchKVCache(_BaseCache):
             self.target = self._from_dense(self.dense)
         for i in due:
             self.converted_at[i] = self.lengths[i]
-            _counted(self.lengths[i])
+            self._counted(self.lengths[i])
         if all(c is not None for c in self.converted_at):
             self.dense = None   # arrays fetched for this forward stay alive until it ends
 
@@ -249,15 +275,15 @@ class DelayedBatchKVCache(_BaseCache):
         plain = dense_attention(queries, dense_k, dense_v, scale, mask)
         return mx.where(mx.array(self.attend_target)[:, None, None, None], quant, plain)
 
-    def _inner(self) -> list[Any]:
+    def _storages(self) -> list[Any]:
         return [c for c in (self.dense, self.target) if c is not None]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
-        return self._inner()[0].make_mask(N, return_array=return_array, **kwargs)
+        return self._storages()[0].make_mask(N, return_array=return_array, **kwargs)
 
     def prepare(self, *, left_padding: list[int] | None = None, lengths: list[int] | None = None,
                 right_padding: list[int] | None = None) -> None:
-        for inner in self._inner():
+        for inner in self._storages():
             inner.prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
         if left_padding is not None:
             self.lengths = [m - p for m, p in zip(self.lengths, left_padding)]
@@ -265,7 +291,7 @@ class DelayedBatchKVCache(_BaseCache):
             self.right_padding = list(right_padding)
 
     def finalize(self) -> None:
-        for inner in self._inner():
+        for inner in self._storages():
             inner.finalize()
         if self.right_padding is not None:
             self.lengths = [m - p for m, p in zip(self.lengths, self.right_padding)]
@@ -275,7 +301,7 @@ class DelayedBatchKVCache(_BaseCache):
     # -- rows ---------------------------------------------------------------------------------
     def filter(self, batch_indices: mx.array) -> None:
         keep = batch_indices.tolist()
-        for inner in self._inner():
+        for inner in self._storages():
             inner.filter(batch_indices)
         self.converted_at = [self.converted_at[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
@@ -287,11 +313,11 @@ class DelayedBatchKVCache(_BaseCache):
 
     def extend(self, other: DelayedBatchKVCache) -> None:
         """Append `other`'s rows; each side gains the storage the other has first."""
-        mine = tuple(getattr(self, n) for n in _SETTINGS[:3])
-        if tuple(getattr(other, n) for n in _SETTINGS[:3]) != mine:
+        if other._same_kind() != self._same_kind():
             raise ValueError("cannot extend a delayed batch by one with another start or layout")
         self.dense_dims = self.dense_dims or other.dense_dims
         self.dense_dtype = self.dense_dtype or other.dense_dtype
+        self.on_convert = self.on_convert or other.on_convert
         sides = (self, other)
         need_dense = any(s.dense is not None for s in sides)
         need_target = any(s.target is not None for s in sides)
@@ -311,26 +337,24 @@ class DelayedBatchKVCache(_BaseCache):
 
     def extract(self, i: int) -> DelayedKVCache:
         """Row `i` as a per-row cache in its own phase (copied, without padding)."""
-        row = DelayedKVCache.__new__(DelayedKVCache)
-        row.__dict__.update({n: getattr(self, n) for n in _SETTINGS})
-        row._reset()
         if self.converted_at[i] is not None:
-            row._host(self.target.extract(i), self.converted_at[i])
-            row.attend_dense = False
+            inner = self.target.extract(i)
         elif self.dense.keys is not None:
-            kv = self.dense.extract(i)
-            row.keys, row.values, row.offset = kv.keys, kv.values, kv.offset
-        return row
+            inner = self.dense.extract(i)
+        else:
+            inner = KVCache()
+        return DelayedKVCache._like(self, inner, self.converted_at[i])
 
     @classmethod
     def merge(cls, caches: list[DelayedKVCache]) -> DelayedBatchKVCache:
         """Per-row caches (any phases) → one batch, each row right-aligned (left-padded)."""
-        settings = {tuple(getattr(c, n) for n in _SETTINGS[:3]) for c in caches}
-        if len(settings) != 1:
+        kinds = {c._same_kind() for c in caches}
+        if len(kinds) != 1:
             raise ValueError(f"cannot merge delayed rows with different settings "
-                             f"(start, layout, params): {sorted(settings)}")
+                             f"(start, layout, params): {sorted(kinds)}")
         batch = cls.__new__(cls)
-        batch.__dict__.update({n: getattr(caches[0], n) for n in _SETTINGS})
+        batch._set_settings(*caches[0]._settings())
+        batch.on_convert = next((c.on_convert for c in caches if c.on_convert is not None), None)
         shaped = next((c for c in caches if c.dense_dims is not None), None)
         if shaped is not None:
             batch.dense_dims, batch.dense_dtype = shaped.dense_dims, shaped.dense_dtype
@@ -345,13 +369,13 @@ class DelayedBatchKVCache(_BaseCache):
             target_cls = _layout(batch.target_layout)
             params = dict(batch.target_params)
             batch.target = target_cls.merge([
-                c._view() if c.converted_at is not None
-                else target_cls.from_dense(c._view(), **params) for c in caches])
+                c.inner if c.converted_at is not None
+                else target_cls.from_dense(c.inner, **params) for c in caches])
         return batch
 
     def _dense_row(self, row: DelayedKVCache) -> KVCache:
         if row.converted_at is None:
-            return row._view()
+            return row.inner
         heads, k_dim, v_dim = self.dense_dims
         dtype = getattr(mx, self.dense_dtype)
         kv = KVCache()
@@ -363,30 +387,56 @@ class DelayedBatchKVCache(_BaseCache):
     # -- bookkeeping --------------------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
-        return self._inner()[0].offset
+        return self._storages()[0].offset
 
     @property
     def left_padding(self) -> mx.array:
-        return self._inner()[0].left_padding
+        return self._storages()[0].left_padding
 
     @property
-    def state(self) -> list[Any]:
-        return [inner.state for inner in self._inner()]
+    def state(self) -> tuple[Any, ...]:
+        """(dense storage's state or None, target storage's state or None, settings,
+        converted_at, lengths). A batch between prepare(right_padding=...) and finalize() is
+        not kept, as mlx-lm's BatchKVCache keeps no pending right padding."""
+        return (None if self.dense is None else self.dense.state,
+                None if self.target is None else self.target.state,
+                *self._settings(), tuple(self.converted_at), tuple(self.lengths))
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        dense, target, *settings, converted_at, lengths = v
+        self._set_settings(*settings)
+        self.dense = self.target = None
+        if dense is not None:
+            self.dense = BatchKVCache.from_state(dense)
+            self.dense._right_padding = None   # not part of mlx-lm's state
+        if target is not None:
+            self.target = _batch_layout(self.target_layout, self.target_params).from_state(target)
+        self.converted_at, self.lengths = list(converted_at), list(lengths)
+        self.attend_target = [c is not None for c in self.converted_at]
+        self.right_padding = None
+
+    @classmethod
+    def from_state(cls, state: tuple[Any, ...]) -> DelayedBatchKVCache:
+        obj = cls.__new__(cls)
+        obj.on_convert = None   # not state: the layout gives it back (adopt)
+        obj.state = state
+        return obj
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        trimmed = [inner.trim(n) for inner in self._inner()][0]
+        trimmed = [inner.trim(n) for inner in self._storages()][0]
         self.lengths = [m - trimmed for m in self.lengths]
         return trimmed
 
     def size(self) -> int:
-        return self._inner()[0].size()
+        return self._storages()[0].size()
 
     def empty(self) -> bool:
-        return all(inner.empty() for inner in self._inner())
+        return all(inner.empty() for inner in self._storages())
 
     @property
     def nbytes(self) -> int:
-        return sum(inner.nbytes for inner in self._inner())
+        return sum(inner.nbytes for inner in self._storages())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ class DenseLayout:
 
     grouped_prefill = True   # prompts of similar length may share one padded prefill forward
     quantizes = False        # full-attention layers convert to quantized KV
+    # on_convert(rows): rows' caches converted to the quantized layout, in shares of a row (one
+    # layer cache of a row is 1 / its converting layers); set by build_layout
+    on_convert: Callable[[float], None] | None = None
 
     def __init__(self, cfg: KvConfig) -> None:
         self.cfg = cfg
@@ -122,6 +126,10 @@ class _Converting(DenseLayout, ABC):
     def target(self, index: int) -> tuple[type | None, dict[str, Any]]:
         """The cache class (None: keep the layer dense) and its parameters for one layer."""
 
+    def prepare(self, model: Any) -> None:
+        super().prepare(model)
+        self.converting = sum(self.target(i)[0] is not None for i in self.layers)
+
     def layer_cache(self, index: int, dense: KVCache) -> Any:
         cls, params = self.target(index)
         if cls is None:
@@ -129,7 +137,21 @@ class _Converting(DenseLayout, ABC):
         # even at quantized_start=0 the first forward attends densely and converts after it,
         # which is exactly mlx-lm's quantized_kv_start timing (and its results)
         from pipeline.kv.delayed import DelayedKVCache
-        return DelayedKVCache(getattr(self.cfg, "quantized_start", 0), cls, **params)
+        return DelayedKVCache(getattr(self.cfg, "quantized_start", 0), cls,
+                              on_convert=self._converted, **params)
+
+    def adopt(self, caches: list[Any]) -> list[Any]:
+        """Restored rows report their conversions too (a callback is not part of `state`)."""
+        from pipeline.kv.delayed import DelayedKVCache
+        for c in caches:
+            if isinstance(c, DelayedKVCache):
+                c.on_convert = self._converted
+        return caches
+
+    def _converted(self, num_tokens: int) -> None:
+        """One layer cache of a row converted: that share of a row."""
+        if self.on_convert is not None:
+            self.on_convert(1 / max(1, self.converting))
 
     def check(self) -> None:
         group = getattr(self.cfg, "group_size", 64)
@@ -336,8 +358,13 @@ class PagedLayout(DenseLayout):
         return out
 
 
-def build_layout(cfg: KvConfig, model: Any) -> DenseLayout:
+def build_layout(cfg: KvConfig, model: Any,
+                 on_convert: Callable[[float], None] | None = None) -> DenseLayout:
+    """The layout `cfg` names, prepared for `model`. `on_convert(rows)` is called as rows
+    convert to a quantized layout (see DenseLayout.on_convert; the calls for one row add up
+    to 1), for every row whose caches the layout makes or adopts."""
     from pipeline.config import build
     layout = build(cfg._target_, cfg)
+    layout.on_convert = on_convert
     layout.prepare(model)
     return layout

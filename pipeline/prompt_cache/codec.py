@@ -1,6 +1,8 @@
 """Entry codec for the SSD tier: per-layer cache objects ⇄ bytes, with a header hash that is
-always checked and per-tensor hashes checked when asked. `encode` reads MLX arrays (engine
-thread); `decode` builds MLX arrays (engine thread); the bytes themselves go anywhere."""
+always checked and per-tensor hashes checked when asked. A layer is stored as its class and its
+mlx-lm `state` (without preallocated capacity) and rebuilt by the class's `from_state`.
+`encode` reads MLX arrays (engine thread); `decode` builds MLX arrays (engine thread); the
+bytes themselves go anywhere."""
 from __future__ import annotations
 
 import hashlib
@@ -10,22 +12,15 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
-MAGIC = b"PSKV1\n"
+from pipeline.prompt_cache.protocol import content_state
+
+MAGIC = b"PSKV2\n"   # 2: layers stored as their mlx-lm `state` (1 stored their attributes)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class CorruptEntry(ValueError):
     """The bytes are not a whole, intact entry (truncated, altered, or another format)."""
-
-
-def _attrs(layer: Any) -> dict[str, Any]:
-    attrs = dict(vars(layer))
-    if type(layer) is KVCache and layer.keys is not None:   # drop the unused tail capacity
-        attrs["keys"] = layer.keys[..., :layer.offset, :]
-        attrs["values"] = layer.values[..., :layer.offset, :]
-    return attrs
 
 
 class Staged:
@@ -81,7 +76,7 @@ def stage(tokens: list[int], caches: list[Any]) -> Staged:
         raise TypeError(f"cannot store {type(v).__name__} in a prompt-cache entry")
 
     layers = [{"class": f"{type(c).__module__}:{type(c).__qualname__}",
-               "attrs": {k: value(v) for k, v in _attrs(c).items()}} for c in caches]
+               "state": value(content_state(c))} for c in caches]
     arrays = [mx.contiguous(a) for a in arrays]
     mx.eval(arrays)
     return Staged(list(tokens), layers, arrays, dtypes)
@@ -126,13 +121,13 @@ def decode(blob: bytes, verify: bool) -> tuple[list[int], list[Any]]:
         return v["v"]
 
     caches = []
-    for layer in meta["layers"]:
-        module, _, name = layer["class"].partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        obj = cls.__new__(cls)
-        for k, v in layer["attrs"].items():
-            setattr(obj, k, value(v))
-        caches.append(obj)
+    for i, layer in enumerate(meta["layers"]):
+        try:   # a state this version's class cannot take (another format) is not an entry
+            module, _, name = layer["class"].partition(":")
+            cls = getattr(importlib.import_module(module), name)
+            caches.append(cls.from_state(value(layer["state"])))
+        except (KeyError, TypeError, ValueError, AttributeError, ImportError) as e:
+            raise CorruptEntry(f"layer {i} cannot be rebuilt: {e!r}") from e
     return meta["tokens"], caches
 
 

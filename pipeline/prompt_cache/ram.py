@@ -2,10 +2,10 @@
 An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
 keep a running batch's or a preallocated buffer alive), and counts their bytes. A hit lends the
 entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
-copies, so the entry stays intact. Engine thread only."""
+copies, so the entry stays intact. Both go through the caches' `state` / `from_state`
+(pipeline/prompt_cache/protocol.py). Engine thread only."""
 from __future__ import annotations
 
-import copy
 import logging
 from collections import OrderedDict
 import time
@@ -14,14 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (CacheList, KVCache, PromptTrie, QuantizedKVCache,
-                                  can_trim_prompt_cache)
+from mlx_lm.models.cache import CacheList, PromptTrie, can_trim_prompt_cache
 
 from pipeline.config import ServeConfig
-from pipeline.kv.delayed import DelayedKVCache
-from pipeline.kv.quantized import AffineKVCache
-from pipeline.kv.turbo import TurboKVCache
 from pipeline.metrics import Metrics
+from pipeline.prompt_cache.protocol import content_state, lend, rebuild
 
 log = logging.getLogger(__name__)
 TRIE_KEY = "model"   # one model per server: a single trie root
@@ -57,24 +54,6 @@ class GhostIndex:
         return max(found.common_prefix, len(found.shorter) if found.shorter else 0)
 
 
-def lend(layer: Any) -> Any:
-    """A new cache object over the same buffers: writes to it (MLX slice updates rebind the
-    array object) never reach `layer`, and nothing is copied until one happens."""
-    obj = copy.copy(layer)
-    for name, value in vars(layer).items():
-        if isinstance(value, mx.array):
-            setattr(obj, name, value[...])
-        elif isinstance(value, (list, tuple)):
-            setattr(obj, name, type(value)(v[...] if isinstance(v, mx.array) else v
-                                           for v in value))
-    return obj
-
-
-# Per-row layouts whose `keys`/`values` are (B, H, capacity, ·) arrays, or tuples of them, that
-# hold `offset` tokens from the start: capacity past `offset` is preallocated, never content.
-PREFIX_LAYOUTS = (KVCache, QuantizedKVCache, AffineKVCache, TurboKVCache, DelayedKVCache)
-
-
 def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
     """(a copy of `layer` holding only its content, the bytes that copy keeps alive); the new
     arrays are appended to `pending`, for the caller to evaluate.
@@ -82,34 +61,25 @@ def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
     A row's cache usually points into something larger than what it holds: a slice of a
     batched cache B rows wide (`extract`), or a buffer preallocated in steps of 256 tokens. A
     view keeps that whole buffer alive, and so does a lazy array (its graph holds its inputs).
-    So every array is copied to a buffer of its own (`mx.contiguous` of a view copies it; an
-    array that is a whole buffer is shared as it is). Layouts that point into a shared block
-    pool (kv=paged) are lent: the pool holds them."""
-    if hasattr(layer, "lend"):
-        return layer.lend(), layer.nbytes
+    So every array of its state is copied to a buffer of its own (`mx.contiguous` of a view
+    copies it; an array that is a whole buffer is shared as it is), and the copy is rebuilt
+    with `from_state`. Layouts that point into a shared block pool (kv=paged) are lent: the
+    pool holds them."""
+    if hasattr(layer, "portable"):
+        return lend(layer), layer.nbytes
     if isinstance(layer, CacheList):   # caches of caches (mlx-lm's composite layers)
         owned = [own(c, pending) for c in layer.caches]
         return CacheList(*(c for c, _ in owned)), sum(n for _, n in owned)
-    obj = copy.copy(layer)
-    offset = getattr(layer, "offset", None) if type(layer) in PREFIX_LAYOUTS else None
     nbytes = 0
 
-    def keep(arr: mx.array, name: str) -> mx.array:
+    def keep(arr: mx.array) -> mx.array:
         nonlocal nbytes
-        if offset is not None and name in ("keys", "values") and arr.ndim == 4:
-            arr = arr[..., :offset, :]
         arr = mx.contiguous(arr)
         pending.append(arr)
         nbytes += arr.nbytes
         return arr
 
-    for name, value in vars(layer).items():
-        if isinstance(value, mx.array):
-            setattr(obj, name, keep(value, name))
-        elif isinstance(value, (list, tuple)) and any(isinstance(v, mx.array) for v in value):
-            setattr(obj, name, type(value)(keep(v, name) if isinstance(v, mx.array) else v
-                                           for v in value))
-    return obj, nbytes
+    return rebuild(layer, keep, content_state(layer)), nbytes
 
 
 @dataclass(eq=False)

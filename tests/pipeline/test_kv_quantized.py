@@ -22,7 +22,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import _get_classes
 
-from pipeline.kv import attention, delayed
+from pipeline.kv import attention
 from pipeline.kv.delayed import DelayedBatchKVCache, DelayedKVCache
 from pipeline.kv.quantized import AffineKVCache, BatchAffineKVCache
 from pipeline.prompt_cache import codec
@@ -135,8 +135,10 @@ def affine(k_bits: int, v_bits: int | None = None) -> Callable[[], AffineKVCache
     return lambda: AffineKVCache(k_bits, k_bits if v_bits is None else v_bits, 64)
 
 
-def late(start: int, bits: int) -> Callable[[], DelayedKVCache]:
-    return lambda: DelayedKVCache(start, AffineKVCache, k_bits=bits, v_bits=bits, group_size=64)
+def late(start: int, bits: int,
+         on_convert: Callable[[int], None] | None = None) -> Callable[[], DelayedKVCache]:
+    return lambda: DelayedKVCache(start, AffineKVCache, on_convert=on_convert, k_bits=bits,
+                                  v_bits=bits, group_size=64)
 
 
 # -- per-row equals mlx-lm ------------------------------------------------------------------
@@ -158,11 +160,11 @@ def test_per_row_greedy_equals_mlx_lm_quantized_cache(models, corpus_ids, arch, 
 def test_delayed_equals_mlx_lm_quantized_kv_start(models, corpus_ids, arch, bits, start) -> None:
     model = models[arch]
     prompt = corpus_ids[900:1200]
-    before = delayed.num_conversions
-    ours = solo(model, late(start, bits), prompt, 24)
+    conversions: list[int] = []
+    ours = solo(model, late(start, bits, conversions.append), prompt, 24)
     assert ours == mlx_lm_tokens(model, prompt, 24, kv_bits=bits, kv_group_size=64,
                                  quantized_kv_start=start)
-    assert delayed.num_conversions - before == len(model.layers)
+    assert len(conversions) == len(model.layers)
 
 
 def test_delayed_row_stays_dense_below_its_start(models, corpus_ids) -> None:
@@ -180,18 +182,14 @@ def test_conversion_happens_after_the_forward_that_reaches_start(models, corpus_
     model = models["llama"]
     prompt = corpus_ids[900:1200]
     seen: list[int] = []
-    delayed.on_convert = seen.append
-    try:
-        caches = [late(305, 4)() for _ in model.layers]
-        prefill(model, caches, prompt)            # 299 tokens: still dense
-        assert [c.converted_at for c in caches] == [None, None]
-        decode(model, caches, prompt[-1], 6)      # offsets 300..305
-        assert [c.converted_at for c in caches] == [305, 305]
-        assert seen == [305, 305]
-        # k+v, 2 heads, 305 tokens: 64 4-bit codes (32 bytes) + f32 scale and bias (8 bytes)
-        assert caches[0].nbytes == 2 * 2 * 305 * (32 + 8)
-    finally:
-        delayed.on_convert = None
+    caches = [late(305, 4, seen.append)() for _ in model.layers]
+    prefill(model, caches, prompt)            # 299 tokens: still dense
+    assert [c.converted_at for c in caches] == [None, None]
+    decode(model, caches, prompt[-1], 6)      # offsets 300..305
+    assert [c.converted_at for c in caches] == [305, 305]
+    assert seen == [305, 305]
+    # k+v, 2 heads, 305 tokens: 64 4-bit codes (32 bytes) + f32 scale and bias (8 bytes)
+    assert caches[0].nbytes == 2 * 2 * 305 * (32 + 8)
 
 
 # -- batched equals solo ------------------------------------------------------------------
