@@ -1,0 +1,138 @@
+"""A third-party stage with the documented signature replaces a slot from the config: here
+`pipeline.sample`, filled by a class of this module built as `Cls(cfg, deps)` and called as
+`(logits: Logits, rows) -> Sampled`, using only public names of pipeline.plan/pipeline.stage.
+Its effect is visible in the output: it always picks the second most likely token, and the
+served tokens equal mlx-lm's own loop with that sampler."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import generate_step
+
+from pipeline.config import ServeConfig
+from pipeline.plan import Logits, Sampled
+from pipeline.request import Request
+from pipeline.stage import StageDeps
+from pipeline.tiny import ensure_model
+from tests.conftest import startup_error
+
+HERE = "tests.pipeline.test_stage_contract"
+PROMPTS = [[11, 12, 13, 14, 15], [40 + i for i in range(37)]]
+
+
+def second_best(logits: mx.array) -> mx.array:
+    """Per row, the id of the second-highest logit."""
+    return mx.argsort(-logits, axis=-1)[:, 1].astype(mx.uint32)
+
+
+class SecondBest:
+    """A user's sampler: the runner-up token, always. Keeps what it was called with."""
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.vocab = deps.loaded.config.get("vocab_size")
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    def __call__(self, logits: Logits, rows: Sequence[Request]) -> Sampled:
+        self.calls.append((list(logits.order), [r.request_id for r in rows]))
+        if not rows:
+            return Sampled(list(logits.order), None)
+        return Sampled(list(logits.order), second_best(logits.logits))
+
+
+class NoDeps:
+    """Wrong constructor: takes neither the config nor the deps."""
+
+    def __init__(self) -> None: ...
+
+    def __call__(self, logits: Logits, rows: Sequence[Request]) -> Sampled: ...
+
+
+class WrongCall:
+    """Right constructor, wrong call: only the logits."""
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None: ...
+
+    def __call__(self, logits: Logits) -> Sampled:
+        raise AssertionError("never called with one argument")
+
+
+def reference(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own loop with the same choice of token, stopped at EOS."""
+    model, tokenizer = mlx_load(str(path))
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                  sampler=second_best):
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+def test_a_third_party_sample_stage_replaces_the_builtin(engine_factory, model_cache) -> None:
+    builtin = engine_factory("scheduler=serial")
+    mine = engine_factory("scheduler=serial", f"pipeline.sample._target_={HERE}.SecondBest")
+    stage = mine.engine.step.sample
+    assert type(stage).__name__ == "SecondBest" and stage.vocab
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    for prompt in PROMPTS:
+        plain = builtin.generate(prompt, max_tokens=12)["ids"]
+        got = mine.generate(prompt, max_tokens=12)["ids"]
+        assert got == reference(path, prompt, 12)   # exactly what the class decides
+        assert got != plain and len(got) > 3
+    # called with the rows that sample, in the logits' order, one call per sampled token
+    sampled = [c for c in stage.calls if c[1]]
+    assert all(order == rows for order, rows in sampled)
+    assert len(sampled) >= len(PROMPTS) * 4
+
+
+def test_a_third_party_sample_stage_serves_batched_rows(engine_factory) -> None:
+    """In continuous batching the class gets every decoding row at once, and each row's
+    output is the same as that row served alone."""
+    solo = engine_factory("scheduler=serial", f"pipeline.sample._target_={HERE}.SecondBest")
+    expected = [solo.generate(p, max_tokens=10)["ids"] for p in PROMPTS]
+    h = engine_factory("scheduler=continuous", "scheduler.max_batch=4",
+                       f"pipeline.sample._target_={HERE}.SecondBest")
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=10) for p in PROMPTS]))
+    assert [g["ids"] for g in got] == expected
+    assert max(len(rows) for _, rows in h.engine.step.sample.calls) == len(PROMPTS)
+
+
+def test_a_third_party_sample_stage_is_honoured_with_drafts(engine_factory) -> None:
+    """With draft=ngram the verify step picks the tokens of the steps that verify drafts:
+    the configured sample stage must still decide them (or the combination be refused at
+    launch), never the built-in sampler behind the user's back."""
+    plain = engine_factory("scheduler=serial", f"pipeline.sample._target_={HERE}.SecondBest")
+    spec = engine_factory("scheduler=serial", "draft=ngram", "draft.num_draft_tokens=4",
+                          f"pipeline.sample._target_={HERE}.SecondBest")
+    prompt = [5, 6, 7, 8] * 6   # repeats: the n-gram proposer has drafts to offer
+    assert spec.generate(prompt, max_tokens=16)["ids"] == \
+        plain.generate(prompt, max_tokens=16)["ids"]
+
+
+def test_a_sample_class_with_the_wrong_constructor_fails_at_launch(model_cache) -> None:
+    msg = startup_error(model_cache, f"pipeline.sample._target_={HERE}.NoDeps")
+    assert "NoDeps" in msg and "positional argument" in msg
+
+
+def test_an_unimportable_sample_target_fails_at_config_time() -> None:
+    from pipeline.errors import ConfigError
+    from tests.conftest import make_config
+    with pytest.raises(ConfigError, match="pipeline.sample._target_"):
+        make_config(f"pipeline.sample._target_={HERE}.Missing")
+
+
+def test_a_sample_class_with_the_wrong_call_fails_its_request(engine_factory, caplog) -> None:
+    """Not checked at launch (only the constructor runs there): each step that samples fails
+    its requests with a retryable 503 (the TypeError in the server log); the engine goes on."""
+    from pipeline.errors import EngineUnavailable
+    h = engine_factory("scheduler=serial", f"pipeline.sample._target_={HERE}.WrongCall")
+    for _ in range(2):
+        with pytest.raises(EngineUnavailable, match="step .* failed"):
+            h.generate([1, 2, 3], max_tokens=4, timeout_s=60)
+    assert "WrongCall.__call__() takes 2 positional arguments" in caplog.text
+    assert h.engine.scheduler.running == [] and h.engine.step.kv.num_rows == 0
