@@ -119,22 +119,33 @@ class ModelConfig:
 
 @dataclass
 class SchedulerConfig:
-    _target_: str = MISSING
-    max_batch: int = 1          # rows decoded together; a cap, not a minimum
-    prefill_chunk: int = 2048   # prompt tokens per prefill chunk; each chunk is evaluated before the next
-    prefill_budget: Optional[int] = None  # prompt tokens of prefill per step (unset = one chunk)
-    shared_decode: ClassVar[bool] = True    # decode rows share one batched forward and KV
+    _target_: str = "pipeline.scheduler.Scheduler"
+    # rows running together; a cap, not a minimum (unset: fits the device — 8 on a CPU,
+    # 256 on a GPU)
+    max_batch: Optional[int] = None
+    # tokens one step computes over all its rows: decode tokens, drafts and prompt chunks
+    # (unset: 2048 on a CPU, 16384 on a GPU); at least max_batch
+    max_num_batched_tokens: Optional[int] = None
+    prefill_chunk: int = 2048   # most prompt tokens one request computes in a step
 
     def __post_init__(self) -> None:
-        _positive("scheduler.max_batch", self.max_batch, allow_none=False)
+        _positive("scheduler.max_batch", self.max_batch)
+        _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("scheduler.prefill_chunk", self.prefill_chunk, allow_none=False)
-        _positive("scheduler.prefill_budget", self.prefill_budget)
+        if (self.max_batch is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_batch):
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least scheduler.max_batch ({self.max_batch}): every decoding row needs one "
+                "token per step")
 
 
 @dataclass
 class SerialSchedulerConfig(SchedulerConfig):
-    _target_: str = "pipeline.scheduler.SerialScheduler"
-    shared_decode: ClassVar[bool] = False  # each row decodes with its own cache, as mlx-lm does
+    """One request at a time: the continuous scheduler with one row, whose lone row decodes
+    with plain caches (arrival-independent numerics, mlx-lm's arithmetic)."""
+
+    max_batch: Optional[int] = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,8 +156,7 @@ class SerialSchedulerConfig(SchedulerConfig):
 
 @dataclass
 class ContinuousSchedulerConfig(SchedulerConfig):
-    _target_: str = "pipeline.scheduler.ContinuousScheduler"
-    max_batch: int = 8
+    pass
 
 
 @dataclass
@@ -510,6 +520,13 @@ def _check_combination(cfg: ServeConfig) -> None:
     if cfg.kv.name == "paged" and cfg.draft.name == "model":
         raise ConfigError("kv=paged with draft=model is not supported: the draft model's KV "
                           "would live outside the block pool; use kv=dense (or q4/q8/turbo)")
+    sample = cfg.pipeline.sample._target_
+    if cfg.draft.name != "none" and sample != PipelineConfig().sample._target_:
+        raise ConfigError(
+            f"pipeline.sample._target_={sample} with draft={cfg.draft.name} is not supported: "
+            "verify accepts drafts against the built-in sampler's distribution (that is what "
+            "keeps speculation lossless), which a replaced sample stage does not give; use "
+            "draft=none with a custom sample stage")
 
 
 def config_hash(cfg: DictConfig | ServeConfig) -> str:

@@ -3,9 +3,12 @@ temporaries, measured once on the engine thread at load (`probe`), then used as 
 by admission (event loop) and the scheduler (engine thread)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEVICE_FRACTION = 0.75   # share of device memory the advisory estimate assumes is usable
 
@@ -96,3 +99,29 @@ def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
                        device_bytes=device, max_context=loaded.max_context,
                        enforced=budget_gb is not None,
                        kv_granularity=getattr(getattr(layout, "cfg", None), "block_size", 1))
+
+
+def setup_memory(cfg: Any, loaded: Any, layout: Any, metrics: Any, prefill_chunk: int
+                 ) -> tuple[MemoryModel, int | None, int | None]:
+    """Apply admission's memory budget, probe the model's KV cost and publish it: returns the
+    memory model, the KV budget rows may reserve (kv=paged: at most its pool) and the pool."""
+    import mlx.core as mx
+    adm = cfg.admission
+    if adm.memory_budget_gb is not None:
+        mx.set_memory_limit(int(adm.memory_budget_gb * 1e9))
+    memory = probe(loaded, prefill_chunk, adm.memory_budget_gb, layout)
+    kv_budget = int(adm.kv_budget_gb * 1e9) if adm.kv_budget_gb is not None else None
+    pool = layout.pool_bytes
+    if pool is not None:   # kv=paged: rows wait in the queue rather than exhaust the pool
+        kv_budget = pool if kv_budget is None else min(kv_budget, pool)
+    m = metrics
+    m.weight_bytes.set(memory.weight_bytes)
+    m.kv_bytes_per_token.set(memory.kv_bytes_per_token)
+    m.max_safe_context.set(memory.max_safe_context)
+    m.context_cap.set(memory.max_safe_context if memory.enforced else float("nan"))
+    m.kv_budget.set(kv_budget if kv_budget is not None else float("nan"))
+    m.kv_reserved.set(0)
+    log.info("memory: weights %.1f MB, KV %d B/token, max safe context %d tokens (%s)",
+             memory.weight_bytes / 1e6, memory.kv_bytes_per_token, memory.max_safe_context,
+             "enforced" if memory.enforced else "advisory")
+    return memory, kv_budget, pool

@@ -95,14 +95,10 @@ class Request:
     # engine state
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0      # tokens whose KV is in `cache`
+    num_computed_tokens: int = 0      # tokens whose KV is computed (moved by scheduler.update)
     num_cached_tokens: int = 0        # prompt tokens taken from the prompt cache
-    num_scheduled_outputs: int = 0    # decode steps queued (may run one ahead of output_ids)
     finish_reason: FinishReason | None = None
-    cache: Any = None                 # per-layer KV list of this row; owned by the engine
-    prefill_group: Any = None         # the PrefillGroup whose batched KV holds this row's prompt
-    row_state: Any = None             # per-row sampling state (rng key, history), set by sample
-    next_input: Any = None            # mx.array of the token to feed next; set by sample
+    row_state: Any = None             # the sampler's state of this row (rng key, history)
     kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb
     batch_size_max: int = 0           # largest engine step this row ran in (for the record)
     checkpointed_tokens: int = 0      # output tokens covered by this row's latest checkpoint
@@ -118,8 +114,3 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def in_prefill(self) -> bool:
-        """True until every prompt token but the last is in the cache."""
-        return self.num_computed_tokens < self.num_prompt_tokens - 1

@@ -1,15 +1,18 @@
-"""Draft: before the forward, the proposer (draft.*) offers up to `num_draft_tokens` tokens for
-each decode row, so the target verifies them in the same forward it decodes with. Rows whose
-next token depends on host state per position (repetition/presence/frequency penalties,
-structured-output grammars) decode one token as usual in the same batch. Engine thread."""
+"""Draft: before the forward, the proposer (draft.*) offers up to each decoding row's planned
+room (`PlannedRow.max_drafts`, counted against the step's token budget) so the target verifies
+them in the same forward it decodes with. Rows whose next token depends on host state per
+position (repetition/presence/frequency penalties) decode one token as usual in the same batch;
+grammar rows draft what their grammar accepts. Engine thread."""
 from __future__ import annotations
 
 import logging
 from typing import ClassVar
 
 from pipeline.config import ServeConfig, build
+from pipeline.kv.rows import RowStore
+from pipeline.plan import Drafts, Logits, PlannedRow, StepOutput, StepPlan
 from pipeline.request import Request
-from pipeline.stage import Batch, EngineContext
+from pipeline.stage import StageDeps
 
 log = logging.getLogger("pipeserve")
 
@@ -24,66 +27,89 @@ def can_draft(req: Request) -> bool:
 class Draft:
     name: ClassVar[str] = "draft"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.k = cfg.draft.num_draft_tokens
-        self.max_rows = cfg.draft.disable_by_batch_size
-        self.proposer = build(cfg.draft._target_, cfg, ctx)
-        ctx.proposer = self.proposer
-        self.metrics = ctx.metrics
-        self.max_context = ctx.loaded.max_context
+        self.proposer = build(cfg.draft._target_, cfg, deps)
+        self.max_context = deps.loaded.max_context
 
-    def __call__(self, batch: Batch) -> None:
-        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests)
-        if self.max_rows is not None and decoding > self.max_rows:
-            return   # a busy batch decodes plainly (and pipelined): drafts would cost more
-        rows: list[int] = []
+    def __call__(self, plan: StepPlan, kv: RowStore) -> Drafts:
+        rows: list[PlannedRow] = []
         limits: list[int] = []
-        for row, req in enumerate(batch.requests):
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                continue   # a prefill chunk
-            # proposals continue the row's host tokens: no step may run ahead of them
-            batch.sync = True
-            if not can_draft(req):
-                continue
-            # never draft past max_tokens or the context: the row emits at most k + 1 tokens;
+        contexts: list[list[int]] = []
+        decoding = plan.decode
+        if not any(r.max_drafts for r in decoding):
+            return Drafts(sync=False)   # a busy batch decodes plainly (and pipelined)
+        for row in decoding:
+            req = row.request
+            if not can_draft(req) or row.known_input() is None:
+                continue   # its input is still on the device: no proposal continues it
             # a row whose drafts keep failing proposes fewer (a verify forward is as wide as
             # its longest draft, and on a compute-bound device every drafted position costs)
             adaptive = max(1, min(self.k, round(self.k * req.spec_rate) + 1))
-            limit = min(adaptive, req.sampling.max_tokens - req.num_scheduled_outputs,
-                        self.max_context - req.num_computed_tokens - 1)
+            limit = min(adaptive, row.max_drafts, self.max_context - row.start - 2)
             if limit > 0:
                 rows.append(row)
                 limits.append(limit)
+                contexts.append((req.prompt_ids + req.output_ids)[:row.start + 1])
+        # proposals continue the rows' host tokens: no step may run ahead of them
         if not rows:
-            return
-        proposals = self._propose(batch, rows, limits)
-        for i, r in enumerate(rows):
-            grammar = batch.requests[r].grammar
+            return Drafts(sync=True)
+        proposals = self._propose(rows, contexts, limits)
+        failed: dict[str, BaseException] = {}
+        for i, row in enumerate(rows):
+            grammar = row.request.grammar
             if grammar is not None and proposals[i]:
                 try:
-                    grammar.advance(batch.requests[r].output_ids)
+                    grammar.advance(row.request.output_ids)
                     proposals[i] = proposals[i][:grammar.valid_prefix(proposals[i])]
-                except Exception as e:   # this row's grammar: the row fails, alone
-                    batch.failed.setdefault(r, e)
+                except Exception as e:   # a draft is only a guess: this row drafts nothing
+                    log.warning("grammar could not check drafts of %s: %s",
+                                row.request_id, e)
                     proposals[i] = []
-        drafts = {r: d for r, d in zip(rows, proposals) if d}
-        batch.drafts = drafts or None
+        return Drafts({r.request_id: d for r, d in zip(rows, proposals) if d}, sync=True)
 
-    def _propose(self, batch: Batch, rows: list[int], limits: list[int]) -> list[list[int]]:
-        """Drafts for `rows`, in one call; if that raises, row by row, so only the rows whose
-        own proposal fails are failed (a draft is only ever a guess: verify keeps the output
+    def _propose(self, rows: list[PlannedRow], contexts: list[list[int]],
+                 limits: list[int]) -> list[list[int]]:
+        """Drafts for `rows`, in one call; if that raises, row by row, so a row whose own
+        proposal fails drafts nothing (a draft is only ever a guess: verify keeps the output
         exactly the target's whatever the proposer's state)."""
-        reqs = [batch.requests[r] for r in rows]
+        reqs = [r.request for r in rows]
         try:
-            return self.proposer.propose(reqs, limits)
+            return self.proposer.propose(reqs, contexts, limits)
         except Exception:
             log.warning("draft proposal for %d row(s) failed; retrying row by row", len(rows),
                         exc_info=True)
             out: list[list[int]] = []
-            for r, req, limit in zip(rows, reqs, limits):
+            for req, ctx, limit in zip(reqs, contexts, limits):
                 try:
-                    out.append(self.proposer.propose([req], [limit])[0])
-                except Exception as e:
-                    batch.failed.setdefault(r, e)
+                    out.append(self.proposer.propose([req], [ctx], [limit])[0])
+                except Exception:
+                    log.warning("draft proposal for %s failed", req.request_id, exc_info=True)
+                    self.proposer.release(req)
                     out.append([])
             return out
+
+    def settle(self, plan: StepPlan, logits: Logits, output: StepOutput | None) -> None:
+        """After the step is applied (counters final): the proposer keeps what the target
+        kept — draft=mtp the hidden states of the positions it kept, draft=model its KV."""
+        kept = output.rows if output is not None else {}
+        for row in plan.rows:
+            req = row.request
+            got = logits.hidden.get(row.request_id)
+            try:
+                if got is not None:
+                    start, hidden = got
+                    if row.samples:
+                        out = kept.get(row.request_id)
+                        if out is None:
+                            continue
+                        hidden = hidden[:, :out.num_accepted + 1]
+                    self.proposer.capture(req, start, hidden)
+                if row.samples:
+                    self.proposer.settle(req)
+            except Exception:   # its draft state is unusable: start it over
+                log.warning("draft state of %s reset", row.request_id, exc_info=True)
+                self.proposer.release(req)
+
+    def release(self, req: Request) -> None:
+        self.proposer.release(req)

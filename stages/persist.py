@@ -1,65 +1,87 @@
 """Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
-done, and each finished request's prompt + output before its KV is freed. Engine thread."""
+done, each finished request's prompt + output before its KV is freed, and (cache.
+checkpoint_every) a checkpoint of each running row that emitted N more tokens. It asks the
+row store for a row's caches; it never looks for them. Engine thread."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 from pipeline.config import ServeConfig
+from pipeline.kv.rows import RowStore
+from pipeline.plan import StepPlan
+from pipeline.prompt_cache.ram import lend
 from pipeline.request import FinishReason, Request
-from pipeline.stage import Batch, EngineContext
+from pipeline.stage import StageDeps
 
 
 class Persist:
     name: ClassVar[str] = "persist"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
-        self.cache = ctx.prompt_cache
-        self.ctx = ctx
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.cache = deps.prompt_cache
+        self.checkpoints = getattr(self.cache, "checkpoints", None)
+        # the scheduler's ledger: tokens of a row planned but not applied (their KV exists)
+        self.tokens_ahead: Callable[[str], int] = lambda _rid: 0
+        self.outputs_ahead: Callable[[str], int] = lambda _rid: 0
 
-    def __call__(self, batch: Batch) -> None:
-        """After a step: snapshot the prompts whose prefill finished in it (the prefix every
+    def prompts(self, plan: StepPlan, kv: RowStore) -> None:
+        """Right after the forward: the prompts whose prefill finished in it (the prefix every
         request with the same system prompt or conversation shares)."""
         if self.cache is None:
             return
-        sampling = set(batch.sample_rows)
-        for row, req in enumerate(batch.requests):
-            done = req.num_computed_tokens == req.num_prompt_tokens - 1
-            if row not in sampling and done and req.num_cached_tokens < req.num_computed_tokens:
-                caches = self.row_caches(req)
+        for row in plan.prefill:
+            req = row.request
+            done = row.start + row.num_tokens
+            if done == req.num_prompt_tokens - 1 and req.num_cached_tokens < done:
+                caches = kv.caches_of(row.request_id)
                 if caches is not None:
                     self.cache.put(req.prompt_ids[:-1], caches)
 
-    def finished(self, requests: list[Request]) -> None:
-        """Before their KV is freed: keep what each finished (or cancelled) row computed."""
+    def __call__(self, finished: Sequence[Request], running: Sequence[Request],
+                 kv: RowStore) -> None:
+        """After a step is applied: finished rows (before their KV is freed), checkpoints."""
         if self.cache is None:
             return
-        for req in requests:
-            if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
-                continue
-            caches = self.row_caches(req)
-            if caches is None:
-                continue
-            known = req.prompt_ids + req.output_ids
-            fed = req.num_computed_tokens   # tokens whose KV is in the caches
-            if fed > len(known):            # e.g. the stop token was fed one step ahead
-                if not all(c.is_trimmable() for c in caches):
-                    continue
-                for c in caches:
-                    c.trim(fed - len(known))
-                fed = len(known)
-            self.cache.put(known[:fed], caches)
+        for req in finished:
+            self._finished(req, kv)
+        if self.checkpoints is not None:
+            for req in running:
+                self._checkpoint(req, kv)
 
-    def row_caches(self, req: Request) -> list[Any] | None:
-        """This row's per-layer caches wherever they live now (own, prefill group, batch)."""
-        if req.cache is not None:
-            return req.cache
-        if req.prefill_group is not None:
-            i = req.prefill_group.members.index(req)
-            return [layer.extract(i) for layer in req.prefill_group.caches]
-        rows = self.ctx.row_batch
-        if rows is None or req not in rows.rows:
-            return None
-        if rows.solo:
-            return rows.caches
-        i = rows.rows.index(req)
-        return [layer.extract(i) for layer in rows.caches]
+    def _finished(self, req: Request, kv: RowStore) -> None:
+        """Before its KV is freed: keep what the finished (or cancelled) row computed; a
+        completed row's checkpoint is no longer needed (a client cancel keeps it)."""
+        if self.checkpoints is not None and req.checkpointed_tokens and req.finish_reason in (
+                FinishReason.STOP, FinishReason.LENGTH):
+            self.checkpoints.drop(req)
+        if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
+            return
+        caches = kv.caches_of(req.request_id)
+        if caches is None:
+            return
+        known = req.prompt_ids + req.output_ids
+        fed = req.num_computed_tokens + self.tokens_ahead(req.request_id)   # KV held
+        if fed > len(known):            # e.g. the stop token was fed one step ahead
+            if not all(c.is_trimmable() for c in caches):
+                return
+            for c in caches:
+                c.trim(fed - len(known))
+            fed = len(known)
+        self.cache.put(known[:fed], caches)
+
+    def _checkpoint(self, req: Request, kv: RowStore) -> None:
+        """Host copies here, disk writes on the SSD writer thread."""
+        if req.num_computed_tokens < req.num_prompt_tokens or not self.checkpoints.due(req):
+            return
+        caches = kv.caches_of(req.request_id)
+        if caches is None:
+            return
+        state = req.row_state
+        key = None
+        if state is not None:   # the key the next unseen token will be sampled with
+            ahead = self.outputs_ahead(req.request_id) > 0
+            key = (state.prev_key if ahead and state.prev_key is not None
+                   else state.key).tolist()
+        self.checkpoints.save(req, [lend(c) for c in caches], key,
+                              req.num_computed_tokens + self.tokens_ahead(req.request_id))

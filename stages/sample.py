@@ -1,11 +1,12 @@
 """Sample: last-position logits → one token per sampling row, with per-row temperature,
 top_p/top_k/min_p/XTC, penalties, logit_bias, structured-output masks, request-local seeds and
 logprobs. A fault in one row's own work (its state, penalties, grammar, draw) fails that row
-alone (`Batch.failed`); the other rows' tokens do not depend on it. Engine thread."""
+alone (`Sampled.failed`); the other rows' tokens do not depend on it. Engine thread."""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable, ClassVar
 
 import mlx.core as mx
@@ -17,7 +18,8 @@ from pipeline.errors import InvalidRequest
 from pipeline.grammar import fill_bitmask
 from pipeline.request import Request
 from pipeline.sampling import sampling_logits
-from pipeline.stage import Batch, EngineContext
+from pipeline.plan import Logits, Sampled
+from pipeline.stage import StageDeps
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -41,111 +43,50 @@ class Sample:
 
     name: ClassVar[str] = "sample"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
-        self.eos_ids = sorted(ctx.loaded.tokenizer.eos_token_ids)
-        self.shared = cfg.scheduler.shared_decode
-        self.ctx = ctx
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.eos_ids = sorted(deps.loaded.tokenizer.eos_token_ids)
         self._bias_key: tuple[str, ...] = ()
         self._bias: tuple[mx.array, mx.array, mx.array] | None = None
         self._shifts = mx.arange(32, dtype=mx.int32)
 
-    def __call__(self, batch: Batch) -> None:
-        if not batch.sample_rows:
-            return
-        reqs = [batch.requests[r] for r in batch.sample_rows]
-        states = [r.row_state if r.row_state is not None else self._init_state(batch, i, r)
-                  for i, r in enumerate(reqs)]
-        if batch.width > 1:
-            self._verify_distributions(batch, reqs, states)
-            return
-        logits = self._apply_bias(batch.logits, reqs, states)
+    def __call__(self, logits: Logits, rows: Sequence[Request]) -> Sampled:
+        out = Sampled(logits.order, None)
+        if not rows:
+            return out
+        reqs = list(rows)
+        states = self.states(reqs, out.failed)
+        x = self.apply_bias(logits.logits, reqs, states)
         if any(s.processors for s in states):
-            logits = mx.concatenate([self._process(batch, i, s, logits[i:i + 1])
-                                     for i, s in enumerate(states)], axis=0)
+            x = mx.concatenate([self._process(out.failed, r, s, x[i:i + 1])
+                                for i, (r, s) in enumerate(zip(reqs, states))], axis=0)
         if any(r.grammar is not None for r in reqs):
-            logits = self._constrain(batch, logits, reqs)
-            batch.sync = True   # the next mask needs this step's token on the host
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            x = self._constrain(out.failed, x, reqs)
+            out.sync = True   # the next mask needs this step's token on the host
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
         if all(r.sampling.greedy for r in reqs):
             tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         else:
-            tokens = mx.concatenate([self._draw(batch, i, r, s, logprobs[i:i + 1])
+            tokens = mx.concatenate([self._draw(out.failed, r, s, logprobs[i:i + 1])
                                      for i, (r, s) in enumerate(zip(reqs, states))])
-        for i, (req, state) in enumerate(zip(reqs, states)):
+        for i, state in enumerate(states):
             if state.history is not None:
                 state.history = mx.concatenate([state.history, tokens[i:i + 1]])
-            if not self.shared:
-                req.next_input = tokens[i:i + 1]
-        batch.sampled_ids = tokens
-        if self.shared:
-            self.ctx.row_batch.tokens = tokens   # sample rows follow the row batch's order
+        out.token_ids = tokens
         if any(r.sampling.logprobs for r in reqs):
-            batch.logprobs = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32),
-                                                axis=-1)[:, 0]
+            out.logprobs = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32),
+                                              axis=-1)[:, 0]
             k = max(r.sampling.top_logprobs for r in reqs)
             if k:
-                top = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-                vals = mx.take_along_axis(logprobs, top, axis=-1)
-                order = mx.argsort(-vals, axis=-1)
-                batch.top_ids = mx.take_along_axis(top, order, axis=-1)
-                batch.top_logprobs = mx.take_along_axis(vals, order, axis=-1)
+                out.top_ids, out.top_logprobs = top_k(logprobs, k)
+        return out
 
-    def _verify_distributions(self, batch: Batch, reqs: list[Request],
-                              states: list[RowSampling]) -> None:
-        """A verify forward (drafts): the target's distribution at every position, with the
-        same transforms as one-token sampling — logit_bias, then logprobs (reported), then
-        truncation and temperature for rows that sample. The verify stage accepts or rejects
-        drafts against them. (Rows with penalties or grammars never draft: stages/draft.py.)"""
-        logits = batch.logits
-        rows, width, vocab = logits.shape
-        if any(s.bias_ids for s in states):
-            bias = self._apply_bias(mx.zeros((rows, vocab), dtype=logits.dtype), reqs, states)
-            logits = logits + bias[:, None, :]
-        if any(r.grammar is not None for r in reqs):
-            logits = self._constrain_drafts(batch, logits, reqs)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        batch.target_logprobs = logprobs
-        probs = {}
-        for i, req in enumerate(reqs):
-            if not req.sampling.greedy:
-                try:
-                    scaled = sampling_logits(logprobs[i], req.sampling, self.eos_ids)
-                except Exception as e:   # this row's settings: fail it, keep the others
-                    _fail(batch, i, e)
-                    scaled = logprobs[i]
-                probs[i] = mx.softmax(scaled, axis=-1)
-        batch.target_probs = probs
+    def states(self, reqs: list[Request], failed: dict[str, BaseException]
+               ) -> list[RowSampling]:
+        """Each row's sampling state (made on its first step)."""
+        return [r.row_state if r.row_state is not None else self._init_state(failed, r)
+                for r in reqs]
 
-    def _constrain_drafts(self, batch: Batch, logits: mx.array,
-                          reqs: list[Request]) -> mx.array:
-        """Grammar rows in a verify forward: position j is masked by the grammar's state after
-        the row's first j drafts (free rows pass through)."""
-        rows, width, vocab = logits.shape
-        words = (vocab + 31) // 32
-        host = np.full((rows, width, words), -1, dtype=np.int32)
-        for i, req in enumerate(reqs):
-            if req.grammar is None:
-                continue
-            try:
-                _advance(req)
-                drafts = (batch.drafts or {}).get(batch.sample_rows[i], [])
-                req.grammar.draft_masks(drafts, host[i])
-                bits = host[i].view(np.uint32)
-                if not bits[0].any():
-                    raise _grammar_failed(req)
-            except Exception as e:   # this row's grammar: fail it; its mask lets all through
-                _fail(batch, i, e)
-                host[i] = -1
-                continue
-            for j in range(1, width):
-                if not bits[j].any():   # past a draft that ends the grammar: let it stop
-                    for t in self.eos_ids:
-                        bits[j, t // 32] |= np.uint32(1 << (t % 32))
-        shifted = mx.right_shift(mx.array(host)[..., None], self._shifts) & 1
-        allowed = shifted.reshape(rows, width, words * 32)[..., :vocab].astype(mx.bool_)
-        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
-
-    def _apply_bias(self, logits: mx.array, reqs: list[Request],
+    def apply_bias(self, logits: mx.array, reqs: list[Request],
                     states: list[RowSampling]) -> mx.array:
         """Every row's logit_bias in one scatter-add; the index arrays are rebuilt only when
         the rows change."""
@@ -164,9 +105,10 @@ class Sample:
         rows_idx, cols_idx, vals = self._bias
         return logits.at[rows_idx, cols_idx].add(vals.astype(logits.dtype))
 
-    def _constrain(self, batch: Batch, logits: mx.array, reqs: list[Request]) -> mx.array:
+    def _constrain(self, failed: dict[str, BaseException], logits: mx.array,
+                   reqs: list[Request]) -> mx.array:
         """Constrained rows: tokens their grammar does not allow get -inf. Each matcher first
-        accepts the tokens emitted since the last step (the engine read them back: Batch.sync).
+        accepts the tokens emitted since the last step (the engine read them back: sync).
         Free rows get an all-ones mask, so their logits pass through unchanged. A matcher that
         fails (its grammar hit a parser limit, or nothing is allowed) fails its row."""
         rows, vocab = logits.shape
@@ -175,27 +117,28 @@ class Sample:
         for i, req in enumerate(reqs):
             if req.grammar is not None:
                 try:
-                    _advance(req)
+                    advance(req)
                     fill_bitmask([(i, req.grammar)], host)
                     if not host[i].any():
-                        raise _grammar_failed(req)
+                        raise grammar_failed(req)
                 except Exception as e:   # this row's grammar: fail it; its mask lets all through
-                    _fail(batch, i, e)
+                    failed.setdefault(req.request_id, e)
                     host[i] = -1
         bits = mx.right_shift(mx.array(host)[:, :, None], self._shifts) & 1
         allowed = bits.reshape(rows, words * 32)[:, :vocab].astype(mx.bool_)
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
     @staticmethod
-    def _process(batch: Batch, i: int, state: RowSampling, logits: mx.array) -> mx.array:
+    def _process(failed: dict[str, BaseException], req: Request, state: RowSampling,
+                 logits: mx.array) -> mx.array:
         try:
             for proc in state.processors:
                 logits = proc(state.history, logits)
         except Exception as e:   # this row's penalties: fail it, its logits pass through
-            _fail(batch, i, e)
+            failed.setdefault(req.request_id, e)
         return logits
 
-    def _draw(self, batch: Batch, i: int, req: Request, state: RowSampling,
+    def _draw(self, failed: dict[str, BaseException], req: Request, state: RowSampling,
               logprobs: mx.array) -> mx.array:
         sp = req.sampling
         if sp.greedy:
@@ -203,18 +146,18 @@ class Sample:
         try:
             scaled = sampling_logits(logprobs, sp, self.eos_ids)
         except Exception as e:   # this row's settings: fail it; argmax stands in
-            _fail(batch, i, e)
+            failed.setdefault(req.request_id, e)
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         state.prev_key = state.key
         state.key, sub = mx.random.split(state.key)
         return mx.random.categorical(scaled, key=sub).astype(mx.uint32)
 
     @classmethod
-    def _init_state(cls, batch: Batch, i: int, req: Request) -> RowSampling:
+    def _init_state(cls, failed: dict[str, BaseException], req: Request) -> RowSampling:
         try:
             return cls._new_state(req)
         except Exception as e:   # this row's settings: fail it; a neutral state stands in
-            _fail(batch, i, e)   # (kept on the row: verify reads it later in this step)
+            failed.setdefault(req.request_id, e)   # (kept on the row: verify reads it)
             req.row_state = RowSampling(key=mx.random.key(0), processors=[], history=None,
                                         bias_ids=[], bias_values=[])
             return req.row_state
@@ -240,19 +183,22 @@ class Sample:
         return req.row_state
 
 
-def _fail(batch: Batch, i: int, cause: BaseException) -> None:
-    """Sample row `i` failed on its own: the engine fails that request alone."""
-    batch.failed.setdefault(batch.sample_rows[i], cause)
+def top_k(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k best ids and their logprobs along the last axis, best first."""
+    top = mx.argpartition(-logprobs, k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
-def _advance(req: Request) -> None:
+def advance(req: Request) -> None:
     """The row's matcher accepts the tokens emitted since the last step."""
     assert req.grammar is not None
     if not req.grammar.advance(req.output_ids):
-        raise _grammar_failed(req)
+        raise grammar_failed(req)
 
 
-def _grammar_failed(req: Request) -> InvalidRequest:
+def grammar_failed(req: Request) -> InvalidRequest:
     """The row's grammar could not go on (it hit a parser limit, or allows nothing): a
     client error naming the constraint's field, with the grammar library's reason."""
     c, m = req.constraint, req.grammar

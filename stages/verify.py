@@ -1,97 +1,133 @@
-"""Verify: after a forward that fed each decode row its input token plus its drafts, accept the
-longest prefix of drafts the target agrees with (greedy: equal to its argmax; sampling: the
+"""Verify: after a forward that fed each decoding row its input token plus its drafts, accept
+the longest prefix of drafts the target agrees with (greedy: equal to its argmax; sampling: the
 speculative-sampling rule, so the output is distributed exactly as the target's), emit those
-plus the target's own next token, and roll back the rest: KV trim for attention layers (in the
-shared batch a row's surplus becomes left padding), snapshot + replay for recurrent layers.
-Engine thread; reads the acceptance back to the host (a verify step is never pipelined)."""
+plus the target's own next token, and roll the row store back to what was kept: KV trim for
+attention layers (a batched row's surplus becomes left padding), snapshot + replay for
+recurrent layers. Engine thread; reads the acceptance back to the host (never pipelined)."""
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from pipeline.config import ServeConfig
 from pipeline.draft.accept import accept_greedy, accept_sampling, emitted_lists
 from pipeline.errors import ConfigError
-from pipeline.kv.batch import drop_shared_padding, trim_rows
+from pipeline.kv.rows import RowStore, drop_shared_padding
+from pipeline.plan import Logits, RowOutput, StepOutput, StepPlan
 from pipeline.request import Request
-from pipeline.stage import Batch, EngineContext
+from pipeline.sampling import sampling_logits
+from pipeline.stage import StageDeps
+from stages.sample import Sample, advance, grammar_failed, top_k
 
 
 class Verify:
     name: ClassVar[str] = "verify"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        self.model = ctx.model
-        self.shared = cfg.scheduler.shared_decode
-        probe = ctx.layout.make_cache(ctx.model)
-        for c in probe:
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.model = deps.model
+        self.sampler = Sample(cfg, deps)   # the same logit transforms as one-token sampling
+        self.eos_ids = self.sampler.eos_ids
+        self._shifts = mx.arange(32, dtype=mx.int32)
+        m, label = deps.metrics, cfg.draft.name
+        self._proposed = m.spec_proposed.labels(label)
+        self._accepted = m.spec_accepted.labels(label)
+        self._verifies = m.spec_verifies.labels(label)
+        self._emitted = m.spec_emitted.labels(label)
+        for c in deps.layout.make_cache(deps.model):
             if isinstance(c, RotatingKVCache) or not (c.is_trimmable() or
                                                       isinstance(c, ArraysCache)):
                 raise ConfigError(
                     f"draft={cfg.draft.name} needs KV that can be rolled back; layer type "
                     f"{type(c).__name__} (kv={cfg.kv.name}) cannot be (sliding-window layers "
                     "are not supported with speculative decoding)")
-        m = ctx.metrics
-        self._proposed = m.spec_proposed.labels(cfg.draft.name)
-        self._accepted = m.spec_accepted.labels(cfg.draft.name)
-        self._verifies = m.spec_verifies.labels(cfg.draft.name)
-        self._emitted = m.spec_emitted.labels(cfg.draft.name)
 
-    def __call__(self, batch: Batch) -> None:
-        if not batch.sample_rows:
-            return
-        proposer = self.ctx.proposer
-        if batch.width == 1:   # a plain decode step (no row drafted)
-            if batch.hidden is not None:
-                for i, r in enumerate(batch.sample_rows):
-                    req = batch.requests[r]
-                    self._row(batch, i, proposer.capture, req, req.num_computed_tokens - 1,
-                              batch.hidden[i:i + 1])
-            return
-        batch.sync = True
-        reqs = [batch.requests[r] for r in batch.sample_rows]
-        drafts = [(batch.drafts or {}).get(r, []) for r in batch.sample_rows]
-        num_accepted, emitted = self._accept(batch, reqs, drafts)
-        self._report_logprobs(batch, reqs, emitted)
-        self._rollback(batch, reqs, [len(e) - 1 for e in emitted])
-        for i, (req, d, a, e) in enumerate(zip(reqs, drafts, num_accepted, emitted)):
-            if batch.hidden is not None:   # the positions the target kept: input + accepted
-                self._row(batch, i, proposer.capture, req, req.num_computed_tokens - 1,
-                          batch.hidden[i:i + 1, :a + 1])
-            req.num_computed_tokens += a     # the accepted drafts' KV stays
-            req.num_scheduled_outputs += a
-            if d:
-                req.spec_proposed += len(d)
-                req.spec_accepted += a
-                req.spec_rate = 0.7 * req.spec_rate + 0.3 * (a / len(d))
-                self._proposed.inc(len(d))
-                self._accepted.inc(a)
+    def __call__(self, logits: Logits, plan: StepPlan, rows: Sequence[Request],
+                 kv: RowStore) -> StepOutput:
+        out = StepOutput()
+        if not rows:
+            return out
+        reqs = list(rows)
+        planned = {r.request_id: r for r in plan.rows}
+        drafts = [list(planned[r.request_id].drafts) for r in reqs]
+        logprobs, probs = self._distributions(logits, reqs, drafts, out.failed)
+        num_accepted, emitted = self._accept(logprobs, probs, reqs, drafts, logits.width)
+        lps, tops = self._report(logprobs, reqs, emitted, logits.width)
+        for i, req in enumerate(reqs):
+            out.rows[req.request_id] = RowOutput(
+                emitted[i], lps[i] if lps else None, tops[i] if tops else None,
+                len(drafts[i]), num_accepted[i])
+            if drafts[i]:
+                self._proposed.inc(len(drafts[i]))
+                self._accepted.inc(num_accepted[i])
                 self._verifies.inc()
-                self._emitted.observe(len(e))
-            self._row(batch, i, proposer.settle, req)   # after the accounting: KV length final
-        batch.emitted = emitted
-        last = mx.array([e[-1] for e in emitted], dtype=mx.uint32)
-        if self.shared:
-            self.ctx.row_batch.tokens = last
-        else:
-            for i, req in enumerate(reqs):
-                req.next_input = last[i:i + 1]
+                self._emitted.observe(len(emitted[i]))
+        self._rollback(logits, [planned[r.request_id].start for r in reqs], reqs, drafts,
+                       num_accepted, kv)
+        kv.set_next(logits.order, mx.array([e[-1] for e in emitted], dtype=mx.uint32))
+        return out
 
-    @staticmethod
-    def _row(batch: Batch, i: int, work: Callable[..., None], *args: Any) -> None:
-        """One sample row's proposer bookkeeping; a fault there fails that row alone."""
-        try:
-            work(*args)
-        except Exception as e:
-            batch.failed.setdefault(batch.sample_rows[i], e)
+    # -- the target's distributions ------------------------------------------------------
+    def _distributions(self, logits: Logits, reqs: list[Request], drafts: list[list[int]],
+                       failed: dict[str, BaseException]) -> tuple[mx.array, dict[int, mx.array]]:
+        """The target's distribution at every position, with the same transforms as one-token
+        sampling — logit_bias, then logprobs (reported), then truncation and temperature for
+        rows that sample. (Rows with penalties never draft: stages/draft.py.)"""
+        x = logits.logits
+        rows, width, vocab = x.shape
+        states = self.sampler.states(reqs, failed)
+        if any(s.bias_ids for s in states):
+            bias = self.sampler.apply_bias(mx.zeros((rows, vocab), dtype=x.dtype), reqs, states)
+            x = x + bias[:, None, :]
+        if any(r.grammar is not None for r in reqs):
+            x = self._constrain(x, reqs, drafts, failed)
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        probs = {}
+        for i, req in enumerate(reqs):
+            if not req.sampling.greedy:
+                try:
+                    scaled = sampling_logits(logprobs[i], req.sampling, self.eos_ids)
+                except Exception as e:   # this row's settings: fail it, keep the others
+                    failed.setdefault(req.request_id, e)
+                    scaled = logprobs[i]
+                probs[i] = mx.softmax(scaled, axis=-1)
+        return logprobs, probs
+
+    def _constrain(self, logits: mx.array, reqs: list[Request], drafts: list[list[int]],
+                   failed: dict[str, BaseException]) -> mx.array:
+        """Grammar rows: position j is masked by the grammar's state after the row's first j
+        drafts (free rows pass through)."""
+        rows, width, vocab = logits.shape
+        words = (vocab + 31) // 32
+        host = np.full((rows, width, words), -1, dtype=np.int32)
+        for i, req in enumerate(reqs):
+            if req.grammar is None:
+                continue
+            try:
+                advance(req)
+                req.grammar.draft_masks(drafts[i], host[i])
+                bits = host[i].view(np.uint32)
+                if not bits[0].any():
+                    raise grammar_failed(req)
+            except Exception as e:   # this row's grammar: fail it; its mask lets all through
+                failed.setdefault(req.request_id, e)
+                host[i] = -1
+                continue
+            for j in range(1, width):
+                if not bits[j].any():   # past a draft that ends the grammar: let it stop
+                    for t in self.eos_ids:
+                        bits[j, t // 32] |= np.uint32(1 << (t % 32))
+        shifted = mx.right_shift(mx.array(host)[..., None], self._shifts) & 1
+        allowed = shifted.reshape(rows, width, words * 32)[..., :vocab].astype(mx.bool_)
+        return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
     # -- acceptance -------------------------------------------------------------------
-    def _accept(self, batch: Batch, reqs: list[Request],
-                drafts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-        width = batch.width
+    @staticmethod
+    def _accept(logprobs: mx.array, probs: dict[int, mx.array], reqs: list[Request],
+                drafts: list[list[int]], width: int) -> tuple[list[int], list[list[int]]]:
         k = width - 1
         ids = mx.array([(d + [0] * k)[:k] for d in drafts], dtype=mx.int32).reshape(len(reqs), k)
         nd = mx.array([len(d) for d in drafts], dtype=mx.int32)
@@ -102,12 +138,12 @@ class Verify:
         parts = []
         if greedy:
             g = mx.array(greedy, dtype=mx.int32)
-            parts.append((greedy, *accept_greedy(batch.target_logprobs[g], ids[g], nd[g])))
+            parts.append((greedy, *accept_greedy(logprobs[g], ids[g], nd[g])))
         if sampling:
             s = mx.array(sampling, dtype=mx.int32)
             states = [reqs[i].row_state for i in sampling]
-            probs = mx.stack([batch.target_probs[i] for i in sampling])
-            a, e, keys = accept_sampling(probs, None, ids[s], nd[s], [st.key for st in states])
+            stacked = mx.stack([probs[i] for i in sampling])
+            a, e, keys = accept_sampling(stacked, None, ids[s], nd[s], [st.key for st in states])
             for j, st in enumerate(states):
                 st.prev_key, st.key = st.key, keys[j]
             parts.append((sampling, a, e))
@@ -118,71 +154,48 @@ class Verify:
         return out_a, out_e
 
     @staticmethod
-    def _report_logprobs(batch: Batch, reqs: list[Request], emitted: list[list[int]]) -> None:
+    def _report(lp: mx.array, reqs: list[Request], emitted: list[list[int]], width: int
+                ) -> tuple[list[list[float]] | None, list[list[list[tuple[int, float]]]] | None]:
         if not any(r.sampling.logprobs for r in reqs):
-            return
-        lp = batch.target_logprobs
-        width = batch.width
+            return None, None
         pad = [(e + [0] * width)[:width] for e in emitted]
         chosen = mx.take_along_axis(lp, mx.array(pad, dtype=mx.int32)[..., None], axis=-1)[..., 0]
         k = max(r.sampling.top_logprobs for r in reqs)
-        top_ids = top_vals = None
-        if k:
-            top = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]
-            vals = mx.take_along_axis(lp, top, axis=-1)
-            order = mx.argsort(-vals, axis=-1)
-            top_ids = mx.take_along_axis(top, order, axis=-1).tolist()
-            top_vals = mx.take_along_axis(vals, order, axis=-1).tolist()
-        chosen_host = chosen.tolist()
-        batch.emitted_logprobs = [row[:len(e)] for row, e in zip(chosen_host, emitted)]
-        if k:
-            batch.emitted_top = [[list(zip(top_ids[i][j], top_vals[i][j]))
-                                  for j in range(len(e))] for i, e in enumerate(emitted)]
+        lps = [row[:len(e)] for row, e in zip(chosen.tolist(), emitted)]
+        if not k:
+            return lps, None
+        ids, vals = (a.tolist() for a in top_k(lp, k))
+        return lps, [[list(zip(ids[i][j], vals[i][j])) for j in range(len(e))]
+                     for i, e in enumerate(emitted)]
 
     # -- rollback ---------------------------------------------------------------------
-    def _rollback(self, batch: Batch, reqs: list[Request], accepted: list[int]) -> None:
+    def _rollback(self, logits: Logits, starts: list[int], reqs: list[Request],
+                  drafts: list[list[int]], accepted: list[int], kv: RowStore) -> None:
         """Keep, per row, the KV of its input token and its accepted drafts; drop the rest."""
-        width = batch.width
+        width = logits.width
         drop = [width - 1 - a for a in accepted]
         if not any(drop):
             return
-        rows = self.ctx.row_batch
-        if self.shared and not rows.solo:
-            caches = rows.caches
-            batched = True
-        elif self.shared:
-            caches = rows.caches
-            batched = False
-        else:
-            caches = reqs[0].cache
-            batched = False
-        if batch.snapshot is None:   # attention only: trim
-            if not batched:
-                for c in caches:
-                    c.trim(drop[0])
-                return
-            trim_rows(caches, drop)
-            drop_shared_padding(caches, len(drop))
+        if logits.snapshot is None:   # attention only: trim
+            kv.trim_decode(drop)
             return
-        # recurrent layers: restore their state, trim attention to before the forward,
-        # and replay each row's input + accepted drafts (right-padded)
-        for i, state, lengths, left in batch.snapshot:
-            c = caches[i]
-            c.cache = state
-            c.lengths, c.left_padding = lengths, left
+        # recurrent layers: restore their state, trim attention to before the forward, and
+        # replay each row's input + accepted drafts (right-padded)
+        kv.restore(logits.snapshot)
+        caches = kv.batch_caches
         for c in caches:
             if not isinstance(c, ArraysCache):
                 c.trim(width)
         fed = [a + 1 for a in accepted]
         n = max(fed)
         inputs = []
-        for i, req in enumerate(reqs):
-            base = req.num_computed_tokens - 1   # position of this step's input token
-            known = req.prompt_ids + req.output_ids
-            seq = ([known[base]] + (batch.drafts or {}).get(batch.sample_rows[i], []))[:fed[i]]
+        for req, start, d, f in zip(reqs, starts, drafts, fed):
+            known = req.prompt_ids + req.output_ids   # the input token is on the host
+            seq = ([known[start]] + d)[:f]
             inputs.append(seq + [0] * (n - len(seq)))
         x = mx.array(inputs, dtype=mx.uint32)
         padding = [n - f for f in fed]
+        batched = not kv.solo
         if batched and max(padding):
             for c in caches:
                 if isinstance(c, ArraysCache):

@@ -154,7 +154,7 @@ class Generation:
         arrive. Approximate; a Finished event's extras["batch_size_max"] replaces it."""
         engine = self.app_ctx.engine
         rows = engine.num_inflight - engine.num_waiting
-        rows = min(max(rows, 1), self.app_ctx.cfg.scheduler.max_batch)
+        rows = min(max(rows, 1), engine.scheduler.max_batch)
         self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:

@@ -12,15 +12,9 @@ from pipeline.config import ServeConfig
 from pipeline.draft.ngram import NgramIndex
 from pipeline.errors import ConfigError
 from pipeline.request import Request
-from pipeline.stage import EngineContext
+from pipeline.stage import StageDeps
 
 log = logging.getLogger("pipeserve")
-
-
-def context_ids(req: Request) -> list[int]:
-    """The row's tokens up to and including the one it feeds next (prompt + output)."""
-    known = req.prompt_ids + req.output_ids
-    return known[:req.num_computed_tokens]
 
 
 class NoDraft:
@@ -28,10 +22,13 @@ class NoDraft:
 
     name = "none"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+    def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         pass
 
-    def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], contexts: list[list[int]],
+                limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] tokens to follow contexts[i] (row i's tokens up to and including
+        the one it feeds next)."""
         return [[] for _ in reqs]
 
     def settle(self, req: Request) -> None:
@@ -50,16 +47,16 @@ class NgramProposer(NoDraft):
 
     name = "ngram"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+    def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         self.n_min, self.n_max = cfg.draft.ngram_min, cfg.draft.ngram_max
 
-    def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], contexts: list[list[int]],
+                limits: list[int]) -> list[list[int]]:
         out = []
-        for req, k in zip(reqs, limits):
+        for req, ctx, k in zip(reqs, contexts, limits):
             index = req.draft_state
             if not isinstance(index, NgramIndex):
                 index = req.draft_state = NgramIndex(self.n_min, self.n_max)
-            ctx = context_ids(req)
             if len(ctx) < len(index):   # cannot happen (rows only grow); rebuild if it does
                 index = req.draft_state = NgramIndex(self.n_min, self.n_max)
             index.extend(ctx[len(index):])
@@ -112,7 +109,7 @@ class ModelProposer(NoDraft):
 
     name = "model"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+    def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         from dataclasses import replace
 
         from mlx_lm.models.cache import make_prompt_cache
@@ -142,16 +139,16 @@ class ModelProposer(NoDraft):
         log.info("draft model %s loaded (%.1f MB)", self.draft.path,
                  self.draft.weight_bytes / 1e6)
 
-    def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], contexts: list[list[int]],
+                limits: list[int]) -> list[list[int]]:
         if self.batch is not None:
-            return self._propose_batched(reqs, limits)
+            return self._propose_batched(reqs, contexts, limits)
         out = []
         model = self.draft.model
-        for req, k in zip(reqs, limits):
+        for req, ctx, k in zip(reqs, contexts, limits):
             row = req.draft_state
             if not isinstance(row, _DraftRow):
                 row = req.draft_state = _DraftRow(self._make())
-            ctx = context_ids(req)
             missing = ctx[row.fed:]
             logits = None
             for start in range(0, len(missing), self.chunk):   # catch up, chunk by chunk
@@ -184,10 +181,11 @@ class ModelProposer(NoDraft):
             b.keep({id(r) for r in b.rows if r is not req})
         req.draft_state = None
 
-    def _propose_batched(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
-        from pipeline.kv.batch import merge_layer, drop_shared_padding, trim_rows
+    def _propose_batched(self, reqs: list[Request], contexts: list[list[int]],
+                         limits: list[int]) -> list[list[int]]:
+        from pipeline.kv.rows import drop_shared_padding, merge_layer, trim_rows
         b, model = self.batch, self.draft.model
-        ctxs = {id(r): context_ids(r) for r in reqs}
+        ctxs = {id(r): c for r, c in zip(reqs, contexts)}
         b.keep(set(ctxs))   # rows that stopped drafting leave; the rest keep their order
         # cut each row back to the context the target confirmed (drafts it rejected)
         if b.rows:
@@ -290,7 +288,7 @@ class MtpProposer(NoDraft):
 
     name = "mtp"
 
-    def __init__(self, cfg: ServeConfig, ctx: EngineContext) -> None:
+    def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         from pipeline.draft.mtp import load_mtp
         try:
             self.head = load_mtp(ctx.loaded.path, ctx.model)
@@ -300,7 +298,6 @@ class MtpProposer(NoDraft):
             raise ConfigError(
                 f"draft=mtp: model {ctx.loaded.path} has no multi-token-prediction head "
                 "(no mtp.* weights); use draft=ngram or draft=model")
-        ctx.keep_hidden = True
         log.info("draft=mtp: %d MTP layer(s) loaded", self.head.num_layers)
 
     def _row(self, req: Request) -> _MtpRow:
@@ -311,11 +308,11 @@ class MtpProposer(NoDraft):
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         self._row(req).pending.append((position, hidden))
 
-    def propose(self, reqs: list[Request], limits: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], contexts: list[list[int]],
+                limits: list[int]) -> list[list[int]]:
         out = []
-        for req, k in zip(reqs, limits):
+        for req, ctx, k in zip(reqs, contexts, limits):
             row = self._row(req)
-            ctx = context_ids(req)
             logits, g = self._catch_up(row, ctx)
             if logits is None or k <= 0:
                 out.append([])

@@ -42,10 +42,11 @@ class Checkpoints:
         n = len(req.output_ids)
         return n >= 2 and n - req.checkpointed_tokens >= self.every
 
-    def save(self, req: Request, caches: list[Any], key: list[int] | None) -> None:
-        """`caches` hold at least prompt + output[:-1]; they are trimmed to exactly that."""
+    def save(self, req: Request, caches: list[Any], key: list[int] | None,
+             kv_tokens: int) -> None:
+        """`caches` hold `kv_tokens` >= prompt + output[:-1]; they are trimmed to exactly that."""
         fed = req.num_prompt_tokens + len(req.output_ids) - 1
-        extra = req.num_computed_tokens - fed
+        extra = kv_tokens - fed
         if extra < 0:
             return
         if extra:

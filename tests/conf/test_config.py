@@ -134,7 +134,8 @@ def test_known_schema_classes_and_defaults() -> None:
     assert cfg.server.port == 8080 and isinstance(cfg.server.port, int)
     assert cfg.server.host == "127.0.0.1"
     assert cfg.scheduler.prefill_chunk == 2048
-    assert cfg.scheduler.max_batch == 8
+    assert cfg.scheduler.max_batch is None   # fitted to the device at load (CPU 8, GPU 256)
+    assert cfg.scheduler.max_num_batched_tokens is None
     assert cfg.admission.max_queue == 64
     assert cfg.model.name == "smollm2" and cfg.model.source is pc.ModelSource.smollm2
     assert cfg.model.path is None and cfg.model.arch is pc.Arch.llama

@@ -21,15 +21,14 @@ def solo(h, prompt, **kw):
 
 def wait_idle(h, timeout_s: float = 10) -> None:
     """The engine's own accounting: nothing in flight, queued, running, or holding KV."""
-    rows = h.engine.ctx.row_batch
+    kv = h.engine.step.kv   # the row store: every row's KV, whatever its phase
     deadline = time.monotonic() + timeout_s
-    while ((h.engine.num_inflight or h.engine.scheduler.running or (rows and rows.rows))
+    while ((h.engine.num_inflight or h.engine.scheduler.running or kv.num_rows)
            and time.monotonic() < deadline):
         time.sleep(0.02)
     assert h.engine.num_inflight == 0 and not h.engine.scheduler.running
     assert not h.engine.scheduler.waiting
-    if rows is not None:
-        assert rows.rows == [] and rows.caches is None and rows.nbytes == 0
+    assert kv.num_rows == 0 and kv.decode_rows == [] and kv.nbytes == 0
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama", "gemma", "hybrid"])
@@ -115,7 +114,7 @@ def test_cancel_mid_prefill_and_mid_decode_leaves_others_intact(engine_factory) 
     out, ends, (prefilling,) = asyncio.run(scenario())
     assert ends == ["abort", "abort"]
     assert prefilling.num_computed_tokens < len(prefilling.prompt_ids) - 1   # stopped mid-prefill
-    assert prefilling.cache is None
+    assert prefilling.request_id not in h.engine.step.kv   # its KV was freed
     serial = engine_factory("scheduler=serial")
     assert out["keeper"] == solo(serial, PROMPTS[1], max_tokens=40, logit_bias=EOS_OFF)
     wait_idle(h)

@@ -134,7 +134,7 @@ def test_held_kv_bytes_match_the_arithmetic(engine_factory, kv_config: Path,
     h = engine_factory(*SMALL, "model.dtype=bfloat16", "model.compute_dtype=checkpoint", *kv)
     ids = (h.loaded.tokenizer.encode(TEXT) * 20)[:513]
     h.generate(ids, max_tokens=1)
-    entry = next(iter(h.engine.ctx.prompt_cache.entries.values()))
+    entry = next(iter(h.engine.prompt_cache.entries.values()))
     tokens = len(entry.tokens)
     held = sum(c.nbytes for c in entry.caches) / tokens
     billed = h.engine.memory.kv_bytes_per_token
@@ -168,7 +168,7 @@ def test_paged_rows_and_cache_share_one_pool(engine_factory) -> None:
     blocks (shared, not copied); when rows need blocks the pool lacks, cached prefixes give
     theirs back; a request larger than the whole pool is refused up front."""
     h = engine_factory(*SMALL, "kv=paged", "kv.block_size=16", "kv.pool_blocks=24")
-    layout = h.engine.ctx.layout
+    layout = h.engine.layout
     ids = h.loaded.tokenizer.encode(TEXT)[:150]
     first = h.generate(ids + [40, 41], max_tokens=8, logit_bias=EOS_OFF)
     shared_before = layout.stats()["shared"]
@@ -256,7 +256,7 @@ def test_sliding_window_layers_stay_dense_with_one_warning(engine_factory, caplo
         h = engine_factory("model=gemma", "kv=turbo")
     warnings = [r for r in caplog.records if "sliding-window layer(s) stay dense" in r.message]
     assert len(warnings) == 1
-    caches = h.engine.ctx.layout.make_cache(h.loaded.model)
+    caches = h.engine.layout.make_cache(h.loaded.model)
     kinds = {type(c) for c in caches}
     assert RotatingKVCache in kinds
     assert any(getattr(c, "target_layout", "").endswith("TurboKVCache") for c in caches)

@@ -82,9 +82,9 @@ def test_byte_cap_evicts_least_recently_used(engine_factory) -> None:
     cap = int(0.0001 * (1 << 30))
     for i in range(8):
         h.generate([200 + i] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
-        assert h.engine.ctx.prompt_cache.nbytes <= cap
+        assert h.engine.prompt_cache.nbytes <= cap
     assert h.metrics.cache_evictions.labels("ram")._value.get() >= 4
-    assert 1 <= len(h.engine.ctx.prompt_cache.entries) <= 3
+    assert 1 <= len(h.engine.prompt_cache.entries) <= 3
     # the most recent prompt is still there
     again = h.generate([207] + SYSTEM[:50], max_tokens=4, logit_bias=EOS_OFF)
     assert again["cached"] == 50

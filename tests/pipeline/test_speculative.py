@@ -219,7 +219,7 @@ def test_draft_model_state_is_freed_with_its_rows(engine_factory, model_cache: P
     spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}")
     run(spec, 4, max_tokens=20)
     wait_idle(spec)
-    batch = spec.engine.ctx.proposer.batch
+    batch = spec.engine.step.draft.proposer.batch
     assert batch.rows == [] and batch.caches is None and batch.fed == []
 
 

@@ -102,16 +102,16 @@ def test_a_third_party_sample_stage_serves_batched_rows(engine_factory) -> None:
     assert max(len(rows) for _, rows in h.engine.step.sample.calls) == len(PROMPTS)
 
 
-def test_a_third_party_sample_stage_is_honoured_with_drafts(engine_factory) -> None:
-    """With draft=ngram the verify step picks the tokens of the steps that verify drafts:
-    the configured sample stage must still decide them (or the combination be refused at
-    launch), never the built-in sampler behind the user's back."""
-    plain = engine_factory("scheduler=serial", f"pipeline.sample._target_={HERE}.SecondBest")
-    spec = engine_factory("scheduler=serial", "draft=ngram", "draft.num_draft_tokens=4",
-                          f"pipeline.sample._target_={HERE}.SecondBest")
-    prompt = [5, 6, 7, 8] * 6   # repeats: the n-gram proposer has drafts to offer
-    assert spec.generate(prompt, max_tokens=16)["ids"] == \
-        plain.generate(prompt, max_tokens=16)["ids"]
+def test_a_third_party_sample_stage_with_drafts_is_refused_at_launch() -> None:
+    """With draft≠none the verify step picks the tokens of the steps that verify drafts, from
+    the built-in sampler's distribution (lossless speculation needs it): a replaced sample
+    stage would be bypassed behind the user's back, so the combination is refused."""
+    from pipeline.errors import ConfigError
+    from tests.conftest import make_config
+    with pytest.raises(ConfigError, match=r"pipeline.sample._target_=.*SecondBest with "
+                                          r"draft=ngram is not supported"):
+        make_config("draft=ngram", f"pipeline.sample._target_={HERE}.SecondBest")
+    make_config("draft=none", f"pipeline.sample._target_={HERE}.SecondBest")   # fine alone
 
 
 def test_a_sample_class_with_the_wrong_constructor_fails_at_launch(model_cache) -> None:

@@ -1,0 +1,152 @@
+"""One engine step, readable top to bottom: the typed stage calls over a StepPlan and the row
+store, each timed, and the host read-back of what they produced. Built on the engine thread
+once the model is loaded; holds the step stages and the one RowStore (every row's KV)."""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+from pipeline.config import ServeConfig, build
+from pipeline.kv.rows import RowStore
+from pipeline.loader import LoadedModel
+from pipeline.metrics import Metrics
+from pipeline.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
+from pipeline.request import Request
+from pipeline.stage import StageDeps
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose forward is queued on the device: `sampled` (lazy, read back later: the
+    next step may be planned first) or `output` (a verify step: already on the host)."""
+
+    plan: StepPlan
+    logits: Logits
+    sampled: Sampled | None = None
+    output: StepOutput | None = None
+    sync: bool = False
+
+    @property
+    def samples(self) -> bool:
+        return bool(self.logits.order)
+
+
+class Step:
+    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, metrics: Metrics, layout: Any,
+                 prompt_cache: Any, ledger: Any) -> None:
+        deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache)
+        slots = cfg.pipeline
+        self.kv = RowStore(lambda: layout.make_cache(loaded.model))
+        self.lookup = build(slots.cache_lookup._target_, cfg, deps)
+        self.prefill = build(slots.prefill._target_, cfg, deps)
+        self.sample = build(slots.sample._target_, cfg, deps)
+        self.persist = build(slots.persist._target_, cfg, deps)
+        self.persist.tokens_ahead = ledger.tokens_ahead     # the KV a row holds beyond its
+        self.persist.outputs_ahead = ledger.outputs_ahead   # counters (planned, not applied)
+        speculative = cfg.draft.name != "none"
+        self.draft = build(slots.draft._target_, cfg, deps) if speculative else None
+        self.verify = build(slots.verify._target_, cfg, deps) if speculative else None
+        names = ["draft", "prefill", "sample", "verify", "persist"]
+        self._timers = {n: metrics.stage_seconds.labels(n) for n in names}
+        self._tokens = {p: metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
+        self._batch_size = metrics.batch_size
+
+    def _timed(self, name: str, call: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self._timers[name].observe(time.perf_counter() - t0)
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """draft → prefill (the forward) → sample | verify; queues the result on the device."""
+        kv = self.kv
+        for rid, hit in plan.hits:
+            kv.adopt(rid, hit.caches)
+        drafts = NO_DRAFTS
+        if self.draft is not None and plan.decode:
+            drafts = self._timed("draft", lambda: self.draft(plan, kv))
+            plan = plan.with_drafts(drafts)
+        logits = self._timed("prefill", lambda: self.prefill(plan, kv))
+        self._timed("persist", lambda: self.persist.prompts(plan, kv))
+        self._count(plan)
+        by_id = {r.request_id: r.request for r in plan.rows}
+        rows = [by_id[rid] for rid in logits.order]
+        if plan.has_drafts:
+            output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
+            return Launched(plan, logits, output=output, sync=True)
+        sampled = self._timed("sample", lambda: self.sample(logits, rows))
+        if rows:
+            kv.set_next(sampled.order, sampled.token_ids)
+            mx.async_eval(sampled.arrays())
+        return Launched(plan, logits, sampled, sync=sampled.sync or drafts.sync)
+
+    def _count(self, plan: StepPlan) -> None:
+        self._batch_size.observe(len(plan.rows))
+        decode = sum(r.width for r in plan.decode)
+        prefill = plan.num_tokens - decode
+        if decode:
+            self._tokens["decode"].inc(decode)
+        if prefill:
+            self._tokens["prefill"].inc(prefill)
+
+    @staticmethod
+    def read(launched: Launched) -> StepOutput:
+        """The step's results on the host (waits for the device)."""
+        if launched.output is not None:
+            return launched.output
+        s = launched.sampled
+        out = StepOutput(failed=dict(s.failed) if s is not None else {})
+        if s is None or not s.order:
+            return out
+        ids = s.token_ids.tolist()
+        lps = s.logprobs.tolist() if s.logprobs is not None else None
+        top = ([list(zip(i, v)) for i, v in zip(s.top_ids.tolist(), s.top_logprobs.tolist())]
+               if s.top_ids is not None else None)
+        for i, rid in enumerate(s.order):
+            out.rows[rid] = RowOutput([ids[i]], [lps[i]] if lps else None,
+                                      [top[i]] if top else None)
+        return out
+
+    def settle(self, launched: Launched, output: StepOutput | None) -> None:
+        if self.draft is not None:
+            self.draft.settle(launched.plan, launched.logits, output)
+
+    def retire(self, finished: list[Request], running: list[Request]) -> None:
+        """Persist what finished rows computed (and due checkpoints), then free their KV."""
+        self._timed("persist", lambda: self.persist(finished, running, self.kv))
+        for req in finished:
+            self.release(req)
+
+    def release(self, req: Request) -> None:
+        self.kv.release(req.request_id)
+        if self.draft is not None:
+            self.draft.release(req)
+        req.row_state = None
+
+
+def cache_identity(loaded: LoadedModel, layout: Any) -> str:
+    """What makes stored KV reusable: same weights, KV layout and dtype, numerics (MLX
+    version, device), tokenizer and adapters."""
+    h = hashlib.sha256()
+    for f in sorted(loaded.path.glob("tokenizer*")) + sorted(loaded.path.glob("*.model")):
+        h.update(f.name.encode() + f.read_bytes())
+    parts = [loaded.fingerprint, layout.identity, loaded.compute_dtype, mx.__version__,
+             str(mx.default_device()), h.hexdigest()[:16], "adapters="]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def sample_memory(metrics: Metrics, kv: RowStore, layout: Any) -> None:
+    metrics.kv_bytes.labels(layout.name).set(kv.nbytes)
+    for state, n in layout.stats().items():
+        metrics.kv_pool_blocks.labels(state).set(n)
+    metrics.mlx_memory.labels("active").set(mx.get_active_memory())
+    metrics.mlx_memory.labels("cache").set(mx.get_cache_memory())
+    metrics.mlx_memory.labels("peak").set(mx.get_peak_memory())
