@@ -10,19 +10,17 @@ from enum import Enum
 from typing import Any
 
 from pipeline.config import ServeConfig, build
-from pipeline.errors import EngineUnavailable, ServeError, StageError
-from pipeline.events import Abort, Event, Failed, Finished, Flush, Submit, TokenDelta
-from pipeline.kv.attention import install as install_attention
-from pipeline.kv.attention import on_cuda
-from pipeline.kv.layouts import build_layout
-from pipeline.loader import LoadedModel, load
-from pipeline.memory import MemoryModel, setup_memory
+from pipeline.errors import EngineUnavailable, ServeError, row_failure, step_failed
+from pipeline.events import Abort, Failed, Finished, Flush, Submit, TokenDelta
+from pipeline.loader import LoadedModel
+from pipeline.memory import MemoryModel
 from pipeline.metrics import Metrics
 from pipeline.plan import StepPlan
 from pipeline.request import FinishReason, Request
-from pipeline.scheduler import Limits, Scheduler, finished_event
-from pipeline.step import Launched, Step, cache_identity, sample_memory
-from pipeline.stream import RequestStream, post_many
+from pipeline.scheduler import Scheduler, finished_event
+from pipeline.step import Launched, load_parts, sample_memory
+from pipeline.outbox import Outbox
+from pipeline.stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +34,19 @@ class EngineState(Enum):
 
 class Engine:
     def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
-        self.cfg = cfg
-        self.metrics = metrics
-        self.state = EngineState.LOADING
+        self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
         self.loaded: LoadedModel | None = None
         self.memory: MemoryModel | None = None
         self.kv_pool_bytes: int | None = None   # kv=paged: what the block pool holds
         self.startup_error: BaseException | None = None
         self.scheduler: Scheduler = build(cfg.scheduler._target_, cfg)
         self.prompt_cache: Any = None   # pipeline.prompt_cache.*, or None (cache=off)
-        self.layout: Any = None
-        self.step: Step | None = None
+        self.layout: Any = None         # pipeline.kv.layouts.*; the step: load_parts
         self._inbox: queue.SimpleQueue[Submit | Abort | Flush | None] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
-        self._outbox: list[tuple[RequestStream, Event]] = []   # flushed once per loop pass
-        self._ready = threading.Event()
-        self._stopping = False
+        self._out = Outbox(metrics)
+        self._ready, self._stopping = threading.Event(), False
         self._num_submitted = 0   # written by submitters only
         self._num_left_queue = 0  # written by the engine only: left the queue (ran or aborted)
-        self._num_done = 0        # written by the engine only: finished or failed
         self._num_added = 0
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
 
@@ -81,7 +73,7 @@ class Engine:
 
     @property
     def num_inflight(self) -> int:
-        return self._num_submitted - self._num_done
+        return self._num_submitted - self._out.num_done
 
     def submit(self, request: Request, stream: RequestStream) -> None:
         if self.state is not EngineState.READY:
@@ -96,10 +88,10 @@ class Engine:
         """Ask the engine to write every dirty prompt-cache entry; the returned event is set
         once they are all on disk (at once when there is nothing to write)."""
         done = threading.Event()
-        if self.state is not EngineState.READY:
+        if self.state is EngineState.READY:
+            self._inbox.put(Flush(done))
+        else:
             done.set()
-            return done
-        self._inbox.put(Flush(done))
         return done
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -127,7 +119,7 @@ class Engine:
             log.exception("engine loop died")
             self._die(e)
         finally:
-            self._flush()
+            self._out.flush()
             self.metrics.engine_up.set(0)
             if hasattr(self.prompt_cache, "close"):
                 self.prompt_cache.close()   # drains the SSD writer
@@ -135,28 +127,9 @@ class Engine:
                 self.state = EngineState.STOPPED
 
     def _load(self) -> None:
-        import mlx.core as mx
-        cfg, m = self.cfg, self.metrics
-        self.loaded = load(cfg.model)
-        self.device = str(mx.default_device())
-        self.layout = build_layout(cfg.kv, self.loaded.model, on_convert=m.kv_conversions.inc)
-        composed = cfg.model.composed_attention
-        if self.layout.name != "dense" or (composed and on_cuda()):
-            install_attention(self.loaded.model, composed_on_cuda=composed)
-        limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
-        self.memory, kv_budget, self.kv_pool_bytes = setup_memory(
-            cfg, self.loaded, self.layout, m, limits.prefill_chunk)
-        self.scheduler.configure(limits, self.memory, kv_budget)
-        log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
-                 limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
-        if cfg.cache.name != "off":
-            self.prompt_cache = build(cfg.cache._target_, cfg, m,
-                                      cache_identity(self.loaded, self.layout))
-        self.layout.attach(self.prompt_cache)
-        self.step = Step(cfg, self.loaded, m, self.layout, self.prompt_cache, self.scheduler)
-        if self.prompt_cache is not None:
-            self.scheduler.lookup = self.step.lookup
-            self.scheduler.share_prefixes = True
+        p = load_parts(self.cfg, self.metrics, self.scheduler)
+        self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
+        self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
 
     def _loop(self) -> None:
         import mlx.core as mx
@@ -175,7 +148,7 @@ class Engine:
                 break
             plan = sched.schedule()
             self._count_waiting()
-            self._replay(sched.running)
+            self._out.replay(sched.running)
             launched = None
             if plan is not None:
                 try:
@@ -187,7 +160,7 @@ class Engine:
             if launched is not None and (launched.sync or not launched.samples):
                 self._apply(launched)   # the next plan needs these results: no pipelining
                 launched = None
-            self._flush()
+            self._out.flush()
             pending = launched
             steps += 1
             if steps % 256 == 0:
@@ -206,40 +179,18 @@ class Engine:
         finished: list[Request] = []
         for req, event in self.scheduler.update(launched.plan, output):
             if isinstance(event, TokenDelta):
-                if req.first_token_s is None:
-                    req.first_token_s = now
-                    self.metrics.ttft.observe(now - req.arrival_s)
-                else:
-                    self.metrics.itl.observe(now - req.last_token_s)
-                req.last_token_s = now
+                self._out.tokens(req, event, now)
             else:
                 finished.append(req)
-            self._post(req.request_id, event)
+                self._out.post(req.request_id, event)
         self.step.settle(launched, output)
-        for rid, cause in output.failed.items():
-            self._fail_row(rid, cause)
+        for rid, cause in output.failed.items():   # rows a stage failed on their own
+            self._fail_request(rid, row_failure(rid, cause))
         self.step.retire(finished, self.scheduler.running)
         for req in finished:
             self.scheduler.release(req.request_id)
         self.metrics.active_rows.set(len(self.scheduler.running))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
-
-    def _post(self, request_id: str, event: TokenDelta | Finished | Failed) -> None:
-        stream = self._streams.get(request_id)
-        if isinstance(event, (Finished, Failed)):
-            self._streams.pop(request_id, None)
-            self._num_done += 1
-            if isinstance(event, Finished):
-                self.metrics.generation_tokens.inc(event.num_output_tokens)
-                self.metrics.prompt_tokens.inc(event.num_prompt_tokens)
-                self.metrics.cached_tokens.inc(event.num_cached_tokens)
-        if stream is not None:
-            self._outbox.append((stream, event))
-
-    def _flush(self) -> None:
-        if self._outbox:
-            post_many(self._outbox)
-            self._outbox = []
 
     def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
         while True:
@@ -251,9 +202,10 @@ class Engine:
             if cmd is None:
                 return
             if isinstance(cmd, Flush):
-                cmd.reply(self._flush_cache())
+                cmd.reply(self.prompt_cache.flush() if hasattr(self.prompt_cache, "flush")
+                          else None)
             elif isinstance(cmd, Submit):
-                self._streams[cmd.request.request_id] = cmd.stream
+                self._out.open(cmd.request.request_id, cmd.stream)
                 self.scheduler.add(cmd.request)
                 self._num_added += 1
             else:
@@ -261,26 +213,8 @@ class Engine:
                 if req is not None:
                     self.step.retire([req], [])
                     self.scheduler.release(req.request_id)
-                    self._post(req.request_id, finished_event(req))
+                    self._out.post(req.request_id, finished_event(req))
             self._count_waiting()
-
-    def _replay(self, running: list[Request]) -> None:
-        """Send resumed requests the output their checkpoint already holds."""
-        for req in running:
-            if req.replay_ids:
-                req.first_token_s = req.last_token_s = time.perf_counter()
-                self._post(req.request_id, TokenDelta(req.request_id, req.replay_ids))
-                req.replay_ids = None
-
-    def _flush_cache(self) -> threading.Event | None:
-        cache = self.prompt_cache
-        if not hasattr(cache, "flush"):
-            return None
-        t0 = time.perf_counter()
-        done = cache.flush()
-        log.info("prompt cache flush: entries handed to the SSD writer in %.3f s",
-                 time.perf_counter() - t0)
-        return done
 
     def _count_waiting(self) -> None:
         waiting = len(self.scheduler.waiting)
@@ -288,43 +222,29 @@ class Engine:
         self.metrics.queue_depth.set(waiting)
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
-    def _fail_row(self, rid: str, cause: BaseException) -> None:
-        """A row a stage failed on its own (its sampling settings or grammar): that request
-        fails alone, the rest of the step went on."""
-        if isinstance(cause, ServeError):   # a client-facing reason (a grammar that broke)
-            log.warning("request %s failed in its step: %s", rid, cause.message)
-            err: ServeError = cause
-        else:
-            log.error("request %s failed in its step", rid, exc_info=cause)
-            err = StageError("step", [rid], cause)
-        self._fail_request(rid, err)
-
     def _fail_plan(self, plan: StepPlan, cause: Exception) -> None:
-        """The step itself failed (the forward, or work shared by its rows): none of its rows
-        can be trusted, so each fails with a 503 its client may retry; the loop goes on."""
-        ids = [r.request_id for r in plan.rows]
+        """The step itself failed (the forward, or work shared by its rows): none of its rows,
+        nor any row whose KV it shared, can be trusted, so each fails with a 503 its client
+        may retry; the loop goes on."""
+        ids = list(dict.fromkeys([r.request_id for r in plan.rows] + self.step.kv.drop_shared()))
         log.error("step failed for %d request(s): %s", len(ids), ", ".join(ids), exc_info=cause)
-        self.step.kv.reset()   # a half-applied step leaves the shared KV unusable
         for rid in ids:
-            self._fail_request(rid, EngineUnavailable(
-                f"the engine step computing request {rid} failed (an internal error, logged "
-                "by the server); nothing after the tokens already sent was produced — retry "
-                "the request", code="step_failed"))
+            self._fail_request(rid, step_failed(rid))
 
     def _fail_request(self, rid: str, err: ServeError) -> None:
         req = self.scheduler.abort(rid, FinishReason.ERROR)   # its KV is not kept
         if req is not None:
             self.step.release(req)
             self.scheduler.release(rid)
-            self._post(rid, Failed(rid, err))
+            self._out.post(rid, Failed(rid, err))
 
     def _die(self, cause: Exception) -> None:
         self.state = EngineState.DEAD
         err = EngineUnavailable("the engine stopped after an internal error (logged by the "
                                 "server); retry when /health answers 200")
         for req in self.scheduler.fail_all():
-            self._post(req.request_id, Failed(req.request_id, err))
-        self._flush()
+            self._out.post(req.request_id, Failed(req.request_id, err))
+        self._out.flush()
 
 
 __all__ = ["Engine", "EngineState", "ServeError"]

@@ -1,6 +1,8 @@
 """Error types of the framework and the HTTP status each maps to. Any thread."""
 from __future__ import annotations
 
+import logging
+
 
 def check_positive(name: str, value: float | int | None, *, allow_none: bool = True) -> None:
     """Launch-time check for config fields: raise ConfigError unless `value` is > 0."""
@@ -9,6 +11,8 @@ def check_positive(name: str, value: float | int | None, *, allow_none: bool = T
     if value is None or value <= 0:
         raise ConfigError(f"{name} must be > 0, got {value}")
 
+
+log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A config value that cannot work; raised at launch, before any model load."""
@@ -85,3 +89,20 @@ class StageError(ServeError):
                          f"{', '.join(request_ids)}); the server log has the details")
         self.stage = stage
         self.request_ids = request_ids
+
+
+def row_failure(request_id: str, cause: BaseException) -> ServeError:
+    """What the client of a row that failed on its own hears: the stage's own client-facing
+    reason (a grammar that broke), else a 500 that points at the log (where the cause goes)."""
+    if isinstance(cause, ServeError):
+        log.warning("request %s failed in its step: %s", request_id, cause.message)
+        return cause
+    log.error("request %s failed in its step", request_id, exc_info=cause)
+    return StageError("step", [request_id], cause)
+
+
+def step_failed(request_id: str) -> EngineUnavailable:
+    return EngineUnavailable(
+        f"the engine step computing request {request_id} failed (an internal error, logged "
+        "by the server); nothing after the tokens already sent was produced — retry the "
+        "request", code="step_failed")

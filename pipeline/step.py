@@ -4,6 +4,7 @@ once the model is loaded; holds the step stages and the one RowStore (every row'
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,13 +13,19 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from pipeline.config import ServeConfig, build
+from pipeline.kv.attention import install as install_attention
+from pipeline.kv.attention import on_cuda
+from pipeline.kv.layouts import build_layout
 from pipeline.kv.rows import RowStore
-from pipeline.loader import LoadedModel
+from pipeline.loader import LoadedModel, load
+from pipeline.memory import MemoryModel, setup_memory
 from pipeline.metrics import Metrics
 from pipeline.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
 from pipeline.request import Request
+from pipeline.scheduler import Limits
 from pipeline.stage import StageDeps
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -130,6 +137,43 @@ class Step:
         if self.draft is not None:
             self.draft.release(req)
         req.row_state = None
+
+
+@dataclass(slots=True)
+class Parts:
+    """What the engine thread builds at load, in order."""
+
+    loaded: LoadedModel
+    device: str
+    layout: Any
+    memory: MemoryModel
+    kv_pool_bytes: int | None
+    prompt_cache: Any
+    step: Step
+
+
+def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
+    """Load the model, build its KV layout (and attention), fit the scheduler to the device
+    and the memory model, build the prompt cache and the step."""
+    loaded = load(cfg.model)
+    layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
+    composed = cfg.model.composed_attention
+    if layout.name != "dense" or (composed and on_cuda()):
+        install_attention(loaded.model, composed_on_cuda=composed)
+    limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
+    memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
+    scheduler.configure(limits, memory, kv_budget)
+    log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
+             limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
+    prompt_cache = None
+    if cfg.cache.name != "off":
+        prompt_cache = build(cfg.cache._target_, cfg, metrics, cache_identity(loaded, layout))
+    layout.attach(prompt_cache)
+    step = Step(cfg, loaded, metrics, layout, prompt_cache, scheduler)
+    if prompt_cache is not None:
+        scheduler.lookup = step.lookup
+        scheduler.share_prefixes = True
+    return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)
 
 
 def cache_identity(loaded: LoadedModel, layout: Any) -> str:

@@ -261,11 +261,13 @@ class RowStore:
         if where is not None:
             self._filter([i for i in range(len(self._rows)) if i != where])
 
-    def reset(self) -> None:
-        """After a failed step the batch's shared KV cannot be trusted: drop every row's."""
-        self._own.clear()
+    def drop_shared(self) -> list[str]:
+        """After a failed step the shared KV (decode batch, prefill groups) cannot be trusted:
+        drop it; returns the rows that lost their KV (rows with their own caches keep them)."""
+        lost = list(self._rows) + list(self._groups)
         self._groups.clear()
         self._rows, self._caches, self._next, self.solo = [], None, None, False
+        return lost
 
     @property
     def nbytes(self) -> int:
