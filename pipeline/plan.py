@@ -36,9 +36,13 @@ class PlannedRow:
         """Positions this row feeds: its tokens plus its drafts."""
         return self.num_tokens + len(self.drafts)
 
-    def prompt_tokens(self) -> list[int]:
-        """A prefill chunk's token ids."""
-        return self.request.prompt_ids[self.start:self.start + self.num_tokens]
+    def token_ids(self) -> list[int]:
+        """The token ids this row feeds, from the host (a prefill chunk's; a draft model's
+        catch-up may reach into the output)."""
+        req, end = self.request, self.start + self.num_tokens
+        if end <= req.num_prompt_tokens:
+            return req.prompt_ids[self.start:end]
+        return (req.prompt_ids + req.output_ids)[self.start:end]
 
     def known_input(self) -> int | None:
         """The token a decode row feeds, when it is on the host (the prompt's last token, or

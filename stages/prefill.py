@@ -5,17 +5,13 @@ the rows that sample. Engine thread; prompt chunks' KV is evaluated before the s
 long prompt never builds one giant deferred graph."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import mlx.core as mx
+from typing import ClassVar
 
 from pipeline.config import ServeConfig
-from pipeline.draft.mtp import target_forward
-from pipeline.kv.rows import RowStore, merge_layer
-from pipeline.plan import Logits, PlannedRow, StepPlan
+from pipeline.forward import Forward
+from pipeline.kv.rows import RowStore
+from pipeline.plan import Logits, StepPlan
 from pipeline.stage import StageDeps
-
-BUCKET_SPREAD = 2.0   # prompts within 2x of each other's length share one padded forward
 
 
 class Prefill:
@@ -31,116 +27,3 @@ class Prefill:
         if grouped:
             self.metrics.grouped_prefills.inc(grouped)
         return self.forward.decode(plan.decode, kv)
-
-
-class Forward:
-    """One model's forward over planned rows and a RowStore: the target's (the prefill stage)
-    and a draft model's (draft=model) are two instances of it."""
-
-    def __init__(self, model: Any, keep_hidden: bool = False, grouped: bool = True) -> None:
-        self.model = model
-        self.keep_hidden = keep_hidden
-        self.grouped = grouped
-        self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
-
-    # -- prompt chunks ----------------------------------------------------------------
-    def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
-        """Run every prefill chunk; returns how many rows shared a grouped forward."""
-        self.hidden = {}
-        whole = [r for r in rows if self.grouped and r.start + r.num_tokens
-                 == r.request.num_prompt_tokens - 1 and kv.mergeable(r.request_id)]
-        shared = 0
-        for members in _buckets(whole):
-            if len(members) > 1:
-                self._prefill_group(members, kv)
-                shared += len(members)
-            else:
-                self._prefill_one(members[0], kv)
-        taken = {id(r) for r in whole}
-        for row in rows:
-            if id(row) not in taken:
-                self._prefill_one(row, kv)
-        return shared
-
-    def _prefill_one(self, row: PlannedRow, kv: RowStore) -> None:
-        cache = kv.own(row.request_id)
-        tokens = mx.array(row.prompt_tokens(), dtype=mx.uint32)[None]
-        if self.keep_hidden:   # draft=mtp: the head learns from the trunk's hidden states
-            _, hidden = target_forward(self.model, tokens, cache)
-            self.hidden[row.request_id] = (row.start, hidden)
-            mx.eval([c.state for c in cache] + [hidden])
-            return
-        self.model(tokens, cache=cache)
-        mx.eval([c.state for c in cache])
-
-    def _prefill_group(self, members: list[PlannedRow], kv: RowStore) -> None:
-        """Every member's chunk (the rest of its prompt) in one right-padded forward over their
-        merged caches (a prompt-cache hit keeps its prefix; the merge left-aligns the rows); the
-        caches then roll the padding to the left, as mlx-lm's batched prompt processing does."""
-        ids = [r.request_id for r in members]
-        chunks = [r.prompt_tokens() for r in members]
-        width = max(len(c) for c in chunks)
-        caches = [merge_layer(list(layer)) for layer in zip(*kv.take_own(ids))]
-        padding = [width - len(c) for c in chunks]
-        if max(padding):
-            for c in caches:
-                c.prepare(lengths=[len(c) for c in chunks], right_padding=padding)
-        tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.uint32)
-        self.model(tokens, cache=caches)
-        if max(padding):
-            for c in caches:
-                c.finalize()
-        mx.eval([c.state for c in caches])
-        kv.group(ids, caches)
-
-    # -- decoding rows ----------------------------------------------------------------
-    def decode(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
-        """One forward for every decoding row (their order is the batch's): each feeds its
-        input token, then its drafts when it verifies them (logits at every position)."""
-        hidden = {rid: h for rid, h in self.hidden.items()}
-        if not rows:
-            return Logits([], hidden=hidden)
-        by_id = {r.request_id: r for r in rows}
-        caches, order, inputs = kv.decode_batch(list(by_id), {r.request_id: r.known_input()
-                                                            for r in rows})
-        width = _width(rows)
-        if width > 1:
-            snapshot = kv.snapshot()
-            pad = [(list(by_id[r].drafts) + [0] * width)[:width - 1] for r in order]
-            tokens = mx.concatenate([inputs[:, None].astype(mx.uint32),
-                                     mx.array(pad, dtype=mx.uint32)], axis=1)
-            logits = self._run(tokens, caches, order, by_id, hidden)
-            return Logits(order, logits, width, hidden, snapshot)
-        logits = self._run(inputs[:, None], caches, order, by_id, hidden)[:, -1, :]
-        return Logits(order, logits, 1, hidden)
-
-    def _run(self, tokens: mx.array, caches: list[Any], order: list[str],
-             rows: dict[str, PlannedRow], hidden: dict[str, Any]) -> mx.array:
-        if not self.keep_hidden:
-            return self.model(tokens, cache=caches)
-        logits, h = target_forward(self.model, tokens, caches)
-        for i, rid in enumerate(order):
-            hidden[rid] = (rows[rid].start, h[i:i + 1])   # from the row's input position
-        return logits
-
-
-def _width(rows: list[PlannedRow]) -> int:
-    """1 + the longest draft, rounded up to a power of two (at most 1 + the largest room),
-    so verify forwards come in a few shapes; 1 without drafts."""
-    need = 1 + max(len(r.drafts) for r in rows)
-    if need == 1:
-        return 1
-    cap = 1 + max(r.max_drafts for r in rows)
-    return min(1 << (need - 1).bit_length(), max(cap, need))
-
-
-def _buckets(rows: list[PlannedRow]) -> list[list[PlannedRow]]:
-    """Rows whose chunks are within BUCKET_SPREAD x of each other's length, so one padded
-    forward wastes at most about half its width on padding."""
-    groups: list[list[PlannedRow]] = []
-    for row in sorted(rows, key=lambda r: r.num_tokens):
-        if groups and row.num_tokens <= BUCKET_SPREAD * groups[-1][0].num_tokens:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
