@@ -259,11 +259,16 @@ class ServerConfig:
     chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
     request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
+    # how long a Python thread holds the GIL while another waits for it (sys.setswitchinterval):
+    # the engine thread builds each step's graph while the event loop writes every stream's
+    # tokens; a shorter slice keeps the engine from waiting out the loop's
+    switch_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         _positive("server.responses_ttl_s", self.responses_ttl_s, allow_none=False)
+        _positive("server.switch_interval_ms", self.switch_interval_ms, allow_none=False)
         if self.responses_store_mb < 0:
             raise ConfigError(
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import logging
 import signal
+import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 
@@ -114,6 +115,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
 
     @app.before_server_start
     async def _start(app: Sanic) -> None:
+        sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # process-wide
         engine.start()
 
     @app.after_server_start
