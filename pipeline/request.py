@@ -98,12 +98,12 @@ class Request:
     num_computed_tokens: int = 0      # tokens whose KV is computed (moved by scheduler.update)
     num_cached_tokens: int = 0        # prompt tokens taken from the prompt cache
     finish_reason: FinishReason | None = None
-    row_state: Any = None             # the sampler's state of this row (rng key, history)
     kv_reserved_bytes: int = 0        # KV this row reserved under admission.kv_budget_gb
     batch_size_max: int = 0           # largest engine step this row ran in (for the record)
     checkpointed_tokens: int = 0      # output tokens covered by this row's latest checkpoint
     replay_ids: list[int] | None = None   # resumed output the client has not seen yet
-    resume_key: list[int] | None = None   # sampler PRNG key saved with the checkpoint
+    resume_key: list[int] | None = None   # unread: the CacheHit's key reaches the sampler
+                                          # through StepPlan.hits (goes with scheduler.py's write)
     first_token_s: float | None = None
     last_token_s: float = 0.0
     draft_state: Any = None           # the proposer's per-row state (n-gram index, draft KV)

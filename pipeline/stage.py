@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pipeline.config import ServeConfig
     from pipeline.loader import LoadedModel
     from pipeline.metrics import Metrics
+    from pipeline.sampler_states import SamplerStates
 
 
 class RequestStage(Protocol):
@@ -97,13 +98,16 @@ class EngineLimits:
 @dataclass(frozen=True)
 class StageDeps:
     """What step stages are built with, on the engine thread after the model loads. Read-only:
-    no stage publishes anything here for another."""
+    no stage publishes anything here for another. `samplers` is the one owner of the rows'
+    sampling state, built by the step: the sample stage makes and advances a row's state there,
+    verify advances it after an acceptance."""
 
     cfg: ServeConfig
     loaded: LoadedModel
     metrics: Metrics
     layout: Any                # pipeline.kv.layouts.DenseLayout (or another layout)
     prompt_cache: Any = None   # pipeline.prompt_cache.ram.RamPromptCache, or None (cache=off)
+    samplers: SamplerStates | None = None   # every row's sampling state (sample, verify)
 
     @property
     def model(self) -> Any:

@@ -22,6 +22,7 @@ from pipeline.memory import MemoryModel, setup_memory
 from pipeline.metrics import Metrics
 from pipeline.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
 from pipeline.request import Request
+from pipeline.sampler_states import SamplerStates
 from pipeline.scheduler import Limits
 from pipeline.stage import StageDeps
 
@@ -48,7 +49,8 @@ class Launched:
 class Step:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel, metrics: Metrics, layout: Any,
                  prompt_cache: Any, ledger: Any) -> None:
-        deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache)
+        self.samplers = SamplerStates()   # every row's sampling state (sample and verify)
+        deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers)
         slots = cfg.pipeline
         self.kv = RowStore(lambda: layout.make_cache(loaded.model))
         self.lookup = build(slots.cache_lookup._target_, cfg, deps)
@@ -57,6 +59,7 @@ class Step:
         self.persist = build(slots.persist._target_, cfg, deps)
         self.persist.tokens_ahead = ledger.tokens_ahead     # the KV a row holds beyond its
         self.persist.outputs_ahead = ledger.outputs_ahead   # counters (planned, not applied)
+        self.persist.sampler_key = self.samplers.checkpoint_key   # a checkpoint's PRNG key
         speculative = cfg.draft.name != "none"
         self.draft = build(slots.draft._target_, cfg, deps) if speculative else None
         self.verify = build(slots.verify._target_, cfg, deps) if speculative else None
@@ -77,6 +80,8 @@ class Step:
         kv = self.kv
         for rid, hit in plan.hits:
             kv.adopt(rid, hit.caches)
+            if hit.key is not None:   # a checkpoint resume: its sampler stream goes on
+                self.samplers.resume(rid, hit.key)
         drafts = NO_DRAFTS
         if self.draft is not None and plan.decode:
             drafts = self._timed("draft", lambda: self.draft(plan, kv))
@@ -136,7 +141,7 @@ class Step:
         self.kv.release(req.request_id)
         if self.draft is not None:
             self.draft.release(req)
-        req.row_state = None
+        self.samplers.release(req.request_id)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
 done, each finished request's prompt + output before its KV is freed, and (cache.
 checkpoint_every) a checkpoint of each running row that emitted N more tokens. It asks the
-row store for a row's caches; it never looks for them. Engine thread."""
+row store for a row's caches; it never looks for them, and a checkpoint's sampler key comes
+from `sampler_key` (wired by pipeline/step.py), not from another stage's state. Engine thread."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ class Persist:
         # the scheduler's ledger: tokens of a row planned but not applied (their KV exists)
         self.tokens_ahead: Callable[[str], int] = lambda _rid: 0
         self.outputs_ahead: Callable[[str], int] = lambda _rid: 0
+        # the sampler's key a checkpoint resumes with (request id, a sampled step is ahead)
+        self.sampler_key: Callable[[str, bool], list[int] | None] = lambda _rid, _ahead: None
 
     def prompts(self, plan: StepPlan, kv: RowStore) -> None:
         """Right after the forward: the prompts whose prefill finished in it (the prefix every
@@ -77,11 +80,7 @@ class Persist:
         caches = kv.caches_of(req.request_id)
         if caches is None:
             return
-        state = req.row_state
-        key = None
-        if state is not None:   # the key the next unseen token will be sampled with
-            ahead = self.outputs_ahead(req.request_id) > 0
-            key = (state.prev_key if ahead and state.prev_key is not None
-                   else state.key).tolist()
+        # the key the next unseen token will be sampled with
+        key = self.sampler_key(req.request_id, self.outputs_ahead(req.request_id) > 0)
         self.checkpoints.save(req, [lend(c) for c in caches], key,
                               req.num_computed_tokens + self.tokens_ahead(req.request_id))

@@ -4,47 +4,33 @@ logprobs. A fault in one row's own work (its state, penalties, grammar, draw) fa
 alone (`Sampled.failed`); the other rows' tokens do not depend on it. Engine thread."""
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import make_logits_processors
 
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import fill_bitmask
-from pipeline.request import Request
-from pipeline.sampling import sampling_logits
 from pipeline.plan import Logits, Sampled
+from pipeline.request import Request
+from pipeline.sampler_states import RowSampling, SamplerStates
+from pipeline.sampling import sampling_logits
 from pipeline.stage import StageDeps
-
-Processor = Callable[[mx.array, mx.array], mx.array]
-
-
-@dataclass(slots=True)
-class RowSampling:
-    """Per-request sampling state, kept on `Request.row_state` across steps."""
-
-    key: mx.array                 # request-local PRNG key, split every step
-    processors: list[Processor]   # history-dependent penalties
-    history: mx.array | None      # prompt + output ids, when a processor needs them
-    bias_ids: list[int]           # logit_bias, applied for all rows in one scatter-add
-    bias_values: list[float]
-    prev_key: mx.array | None = None   # the key before the latest split (for checkpoints)
 
 
 class Sample:
     """Rows that only need argmax share one op; rows with processors or temperature > 0 get
     their own (their PRNG streams are request-local, so a row's samples do not depend on
-    which other rows share its batch)."""
+    which other rows share its batch). Each row's state (key, penalties, history) is kept in
+    the SamplerStates the step hands in (`deps.samplers`), never on the request."""
 
     name: ClassVar[str] = "sample"
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.eos_ids = sorted(deps.loaded.tokenizer.eos_token_ids)
+        self.rows = deps.samplers if deps.samplers is not None else SamplerStates()
         self._bias_key: tuple[str, ...] = ()
         self._bias: tuple[mx.array, mx.array, mx.array] | None = None
         self._shifts = mx.arange(32, dtype=mx.int32)
@@ -82,9 +68,16 @@ class Sample:
 
     def states(self, reqs: list[Request], failed: dict[str, BaseException]
                ) -> list[RowSampling]:
-        """Each row's sampling state (made on its first step)."""
-        return [r.row_state if r.row_state is not None else self._init_state(failed, r)
-                for r in reqs]
+        """Each row's sampling state (made on its first step). A row whose own settings
+        cannot be made fails; a neutral state stands in for it."""
+        states = []
+        for r in reqs:
+            try:
+                states.append(self.rows.of(r))
+            except Exception as e:   # this row's settings: fail it, keep the others
+                failed.setdefault(r.request_id, e)
+                states.append(self.rows.of(r))   # the neutral stand-in the store kept
+        return states
 
     def apply_bias(self, logits: mx.array, reqs: list[Request],
                     states: list[RowSampling]) -> mx.array:
@@ -151,36 +144,6 @@ class Sample:
         state.prev_key = state.key
         state.key, sub = mx.random.split(state.key)
         return mx.random.categorical(scaled, key=sub).astype(mx.uint32)
-
-    @classmethod
-    def _init_state(cls, failed: dict[str, BaseException], req: Request) -> RowSampling:
-        try:
-            return cls._new_state(req)
-        except Exception as e:   # this row's settings: fail it; a neutral state stands in
-            failed.setdefault(req.request_id, e)   # (kept on the row: verify reads it)
-            req.row_state = RowSampling(key=mx.random.key(0), processors=[], history=None,
-                                        bias_ids=[], bias_values=[])
-            return req.row_state
-
-    @staticmethod
-    def _new_state(req: Request) -> RowSampling:
-        sp = req.sampling
-        processors = make_logits_processors(
-            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
-            repetition_context_size=sp.penalty_context_size,
-            presence_penalty=sp.presence_penalty or None,
-            presence_context_size=sp.penalty_context_size,
-            frequency_penalty=sp.frequency_penalty or None,
-            frequency_context_size=sp.penalty_context_size)
-        seed = sp.seed if sp.seed is not None else random.getrandbits(63)
-        key = (mx.array(req.resume_key, dtype=mx.uint32) if req.resume_key is not None
-               else mx.random.key(seed))
-        history = (mx.array(req.prompt_ids + req.output_ids, dtype=mx.uint32) if processors
-                   else None)
-        req.row_state = RowSampling(key=key, processors=processors,
-                                    history=history, bias_ids=list(sp.logit_bias),
-                                    bias_values=list(sp.logit_bias.values()))
-        return req.row_state
 
 
 def top_k(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:

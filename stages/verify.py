@@ -19,6 +19,7 @@ from pipeline.errors import ConfigError
 from pipeline.kv.rows import RowStore, drop_shared_padding
 from pipeline.plan import Logits, RowOutput, StepOutput, StepPlan
 from pipeline.request import Request
+from pipeline.sampler_states import RowSampling
 from pipeline.sampling import sampling_logits
 from pipeline.stage import StageDeps
 from stages.sample import Sample, advance, grammar_failed, top_k
@@ -29,7 +30,8 @@ class Verify:
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.model = deps.model
-        self.sampler = Sample(cfg, deps)   # the same logit transforms as one-token sampling
+        self.sampler = Sample(cfg, deps)   # the same logit transforms and per-row states
+                                           # (deps.samplers) as one-token sampling
         self.eos_ids = self.sampler.eos_ids
         self._shifts = mx.arange(32, dtype=mx.int32)
         m, label = deps.metrics, cfg.draft.name
@@ -53,8 +55,10 @@ class Verify:
         reqs = list(rows)
         planned = {r.request_id: r for r in plan.rows}
         drafts = [list(planned[r.request_id].drafts) for r in reqs]
-        logprobs, probs = self._distributions(logits, reqs, drafts, out.failed)
-        num_accepted, emitted = self._accept(logprobs, probs, reqs, drafts, logits.width)
+        states = self.sampler.states(reqs, out.failed)
+        logprobs, probs = self._distributions(logits, reqs, states, drafts, out.failed)
+        num_accepted, emitted = self._accept(logprobs, probs, reqs, states, drafts,
+                                             logits.width)
         lps, tops = self._report(logprobs, reqs, emitted, logits.width)
         for i, req in enumerate(reqs):
             out.rows[req.request_id] = RowOutput(
@@ -71,14 +75,14 @@ class Verify:
         return out
 
     # -- the target's distributions ------------------------------------------------------
-    def _distributions(self, logits: Logits, reqs: list[Request], drafts: list[list[int]],
-                       failed: dict[str, BaseException]) -> tuple[mx.array, dict[int, mx.array]]:
+    def _distributions(self, logits: Logits, reqs: list[Request], states: list[RowSampling],
+                       drafts: list[list[int]], failed: dict[str, BaseException]
+                       ) -> tuple[mx.array, dict[int, mx.array]]:
         """The target's distribution at every position, with the same transforms as one-token
         sampling — logit_bias, then logprobs (reported), then truncation and temperature for
         rows that sample. (Rows with penalties never draft: stages/draft.py.)"""
         x = logits.logits
         rows, width, vocab = x.shape
-        states = self.sampler.states(reqs, failed)
         if any(s.bias_ids for s in states):
             bias = self.sampler.apply_bias(mx.zeros((rows, vocab), dtype=x.dtype), reqs, states)
             x = x + bias[:, None, :]
@@ -127,7 +131,8 @@ class Verify:
     # -- acceptance -------------------------------------------------------------------
     @staticmethod
     def _accept(logprobs: mx.array, probs: dict[int, mx.array], reqs: list[Request],
-                drafts: list[list[int]], width: int) -> tuple[list[int], list[list[int]]]:
+                states: list[RowSampling], drafts: list[list[int]], width: int
+                ) -> tuple[list[int], list[list[int]]]:
         k = width - 1
         ids = mx.array([(d + [0] * k)[:k] for d in drafts], dtype=mx.int32).reshape(len(reqs), k)
         nd = mx.array([len(d) for d in drafts], dtype=mx.int32)
@@ -141,10 +146,10 @@ class Verify:
             parts.append((greedy, *accept_greedy(logprobs[g], ids[g], nd[g])))
         if sampling:
             s = mx.array(sampling, dtype=mx.int32)
-            states = [reqs[i].row_state for i in sampling]
+            drawn = [states[i] for i in sampling]
             stacked = mx.stack([probs[i] for i in sampling])
-            a, e, keys = accept_sampling(stacked, None, ids[s], nd[s], [st.key for st in states])
-            for j, st in enumerate(states):
+            a, e, keys = accept_sampling(stacked, None, ids[s], nd[s], [st.key for st in drawn])
+            for j, st in enumerate(drawn):   # the row's stream goes on after the acceptance
                 st.prev_key, st.key = st.key, keys[j]
             parts.append((sampling, a, e))
         mx.eval([x for _, a, e in parts for x in (a, e)])
