@@ -181,7 +181,6 @@ class Scheduler:
         if hit.output_ids:   # a checkpoint resume: its output is replayed, the last fed next
             req.output_ids = list(hit.output_ids)
             req.replay_ids = list(hit.output_ids)
-            req.resume_key = hit.key
             req.checkpointed_tokens = len(hit.output_ids)
 
     def _donor_prefilling(self, req: Request) -> bool:

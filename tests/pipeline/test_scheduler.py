@@ -393,7 +393,8 @@ def test_checkpoint_hit_replays_output_and_goes_on() -> None:
     r = req(10, 5)
     s.add(r)
     plan = s.schedule()
-    assert r.output_ids == [4, 5, 6] and r.replay_ids == [4, 5, 6] and r.resume_key == [1, 2]
+    assert r.output_ids == [4, 5, 6] and r.replay_ids == [4, 5, 6]
+    assert plan.hits[0][1].key == [1, 2]   # the sampler's key travels with the hit
     assert r.num_cached_tokens == 9 and r.num_computed_tokens == 12
     assert shape(plan) == [("r", 12, 1)] and plan.rows[0].known_input() == 6
     assert plan.rows[0].samples
