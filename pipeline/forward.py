@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from pipeline.draft.mtp import target_forward
-from pipeline.kv.rows import RowStore, merge_layer
+from pipeline.kv.rows import RowStore, drop_shared_padding, merge_layer
 from pipeline.plan import Logits, PlannedRow
 
 BUCKET_SPREAD = 2.0   # prompts within 2x of each other's length share one padded forward
@@ -95,6 +95,28 @@ class Forward:
             return Logits(order, logits, width, hidden, snapshot)
         logits = self._run(inputs[:, None], caches, order, by_id, hidden)[:, -1, :]
         return Logits(order, logits, 1, hidden)
+
+    def feed(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
+        """Decoding rows feed `num_tokens` host tokens each from `start`, their input last (a
+        draft model catching up on what the target accepted): one forward over the decode
+        batch, right-padded and masked like a prompt group; logits at each row's last token."""
+        by_id = {r.request_id: r for r in rows}
+        caches, order, _ = kv.decode_batch(list(by_id), {r.request_id: r.known_input()
+                                                         for r in rows})
+        chunks = [by_id[rid].token_ids() for rid in order]
+        lengths = [len(t) for t in chunks]
+        padding = [max(lengths) - n for n in lengths]
+        if max(padding):
+            for c in caches:
+                c.prepare(lengths=lengths, right_padding=padding)
+        tokens = mx.array([t + [0] * p for t, p in zip(chunks, padding)], dtype=mx.uint32)
+        logits = self.model(tokens, cache=caches)
+        if max(padding):
+            for c in caches:
+                c.finalize()
+            drop_shared_padding(caches, len(order))
+        last = mx.array([n - 1 for n in lengths], dtype=mx.int32)
+        return Logits(order, mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0])
 
     def _run(self, tokens: mx.array, caches: list[Any], order: list[str],
              rows: dict[str, PlannedRow], hidden: dict[str, Any]) -> mx.array:

@@ -106,7 +106,6 @@ class Request:
                                           # through StepPlan.hits (goes with scheduler.py's write)
     first_token_s: float | None = None
     last_token_s: float = 0.0
-    draft_state: Any = None           # the proposer's per-row state (n-gram index, draft KV)
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
     spec_accepted: int = 0            # of those, accepted by the target
     spec_rate: float = 1.0            # recent share of drafts accepted (sizes the next draft)

@@ -55,7 +55,6 @@ class Draft:
         if not rows:
             return Drafts(sync=True)
         proposals = self._propose(rows, contexts, limits)
-        failed: dict[str, BaseException] = {}
         for i, row in enumerate(rows):
             grammar = row.request.grammar
             if grammar is not None and proposals[i]:
@@ -93,22 +92,30 @@ class Draft:
         """After the step is applied (counters final): the proposer keeps what the target
         kept — draft=mtp the hidden states of the positions it kept, draft=model its KV."""
         kept = output.rows if output is not None else {}
+        sampled: list[Request] = []
         for row in plan.rows:
             req = row.request
+            if row.samples:
+                sampled.append(req)
             got = logits.hidden.get(row.request_id)
+            if got is None:
+                continue
+            start, hidden = got
+            if row.samples:
+                out = kept.get(row.request_id)
+                if out is None:
+                    continue
+                hidden = hidden[:, :out.num_accepted + 1]
             try:
-                if got is not None:
-                    start, hidden = got
-                    if row.samples:
-                        out = kept.get(row.request_id)
-                        if out is None:
-                            continue
-                        hidden = hidden[:, :out.num_accepted + 1]
-                    self.proposer.capture(req, start, hidden)
-                if row.samples:
-                    self.proposer.settle(req)
+                self.proposer.capture(req, start, hidden)
             except Exception:   # its draft state is unusable: start it over
                 log.warning("draft state of %s reset", row.request_id, exc_info=True)
+                self.proposer.release(req)
+        try:
+            self.proposer.settle(sampled)
+        except Exception:   # their draft state is unusable: start it over
+            log.warning("draft state of %d row(s) reset", len(sampled), exc_info=True)
+            for req in sampled:
                 self.proposer.release(req)
 
     def release(self, req: Request) -> None:

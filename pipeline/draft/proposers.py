@@ -1,9 +1,11 @@
 """Proposers for speculative decoding (the `draft` config group): each offers up to
 `draft.num_draft_tokens` tokens per decode row; the verify stage checks them against the target.
-Engine thread. A proposer keeps its per-row state on `Request.draft_state`."""
+Engine thread. Each proposer keeps its per-row state itself, by request id, and drops it in
+`release`."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -11,6 +13,7 @@ import mlx.core as mx
 from pipeline.config import ServeConfig
 from pipeline.draft.ngram import NgramIndex
 from pipeline.errors import ConfigError
+from pipeline.plan import PlannedRow
 from pipeline.request import Request
 from pipeline.stage import StageDeps
 
@@ -31,15 +34,15 @@ class NoDraft:
         the one it feeds next)."""
         return [[] for _ in reqs]
 
-    def settle(self, req: Request) -> None:
-        """After verify (the row's KV length final): drop draft state past what was kept."""
+    def settle(self, reqs: list[Request]) -> None:
+        """After the step is applied (each row's `num_computed_tokens` final): drop draft
+        state past what the target kept."""
 
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         """The target's hidden states of `req` from `position` on (draft=mtp only)."""
 
     def release(self, req: Request) -> None:
         """The row finished: drop its draft state now (the engine may go idle)."""
-        req.draft_state = None
 
 
 class NgramProposer(NoDraft):
@@ -49,71 +52,53 @@ class NgramProposer(NoDraft):
 
     def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         self.n_min, self.n_max = cfg.draft.ngram_min, cfg.draft.ngram_max
+        self.index: dict[str, NgramIndex] = {}
 
     def propose(self, reqs: list[Request], contexts: list[list[int]],
                 limits: list[int]) -> list[list[int]]:
         out = []
         for req, ctx, k in zip(reqs, contexts, limits):
-            index = req.draft_state
-            if not isinstance(index, NgramIndex):
-                index = req.draft_state = NgramIndex(self.n_min, self.n_max)
-            if len(ctx) < len(index):   # cannot happen (rows only grow); rebuild if it does
-                index = req.draft_state = NgramIndex(self.n_min, self.n_max)
+            index = self.index.get(req.request_id)
+            if index is None or len(ctx) < len(index):   # (rows only grow; rebuild if not)
+                index = self.index[req.request_id] = NgramIndex(self.n_min, self.n_max)
             index.extend(ctx[len(index):])
             out.append(index.propose(k))
         return out
 
-
-class _DraftRow:
-    """A draft model's KV for one row, how many of the row's tokens it holds, and (for draft
-    models with recurrent layers) their state before this round's drafts."""
-
-    __slots__ = ("cache", "fed", "base", "saved")
-
-    def __init__(self, cache: list[Any]) -> None:
-        self.cache = cache
-        self.fed = 0
-        self.base = 0
-        self.saved: list[tuple[int, list[Any]]] = []
+    def release(self, req: Request) -> None:
+        self.index.pop(req.request_id, None)
 
 
-class _DraftBatch:
-    """An attention-only draft model's KV for every drafting row, as one batched cache per
-    layer (rows in `rows` order), so each draft position is one forward for all rows.
-    `fed[i]` counts the tokens of row i's context (and drafts) the cache holds."""
+@dataclass(slots=True)
+class _Round:
+    """The draft store after one propose: the rows it drafted, in the decode batch's order,
+    how many positions each holds (`held`) and held before the drafts were fed (`base`); with
+    recurrent layers, their state at `base` (the rollback)."""
 
-    def __init__(self) -> None:
-        self.rows: list[Request] = []
-        self.caches: list[Any] | None = None
-        self.fed: list[int] = []
-
-    def keep(self, wanted: set[int]) -> None:
-        """Keep the rows whose id() is in `wanted`, in their order; drop the rest's KV."""
-        keep = [i for i, r in enumerate(self.rows) if id(r) in wanted]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        self.fed = [self.fed[i] for i in keep]
-        if not keep:
-            self.caches = None
-            return
-        for c in self.caches:
-            c.filter(mx.array(keep, dtype=mx.int32))
+    held: dict[str, int]
+    base: dict[str, int]
+    snapshot: Any = None
 
 
 class ModelProposer(NoDraft):
-    """draft=model: a smaller model with the same tokenizer drafts greedily. An attention-only
-    draft keeps every drafting row in one batched cache and drafts all rows together, one
-    forward per draft position; a draft with recurrent layers drafts row by row (its state is
-    snapshotted per round). Either way the draft KV is cut back to what the target accepted."""
+    """draft=model: a smaller model with the same tokenizer drafts greedily. It is a second
+    runner — its own RowStore (made from the draft model's caches) and Forward — so the draft
+    batches, pads and trims exactly as the target does. Per round, rows catch up on what the
+    target accepted (prompt chunks for rows far behind; the last few tokens fed in the decode
+    batch), then every drafting row decodes together, one forward per draft position. After
+    verify, the draft KV is cut back to what the target kept: trimmed (attention layers), or
+    restored to the round's snapshot (recurrent layers; the next round replays the accepted
+    tokens)."""
 
     name = "model"
 
     def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
         from dataclasses import replace
 
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
+        from pipeline.forward import Forward
+        from pipeline.kv.rows import RowStore
         from pipeline.loader import load
         draft_cfg = replace(cfg.model, path=cfg.draft.path, name="draft", chat_template=None)
         self.draft = load(draft_cfg)
@@ -125,7 +110,6 @@ class ModelProposer(NoDraft):
                 f"draft.path={cfg.draft.path}: the draft model's tokenizer differs from the "
                 f"target's ({len(draft_vocab)} vs {len(target_vocab)} tokens, {diff} entries "
                 "differ); speculative decoding needs the same tokenizer")
-        from mlx_lm.models.cache import ArraysCache, RotatingKVCache
         probe = make_prompt_cache(self.draft.model)
         if any(isinstance(c, RotatingKVCache) or not (c.is_trimmable() or
                                                       isinstance(c, ArraysCache))
@@ -133,138 +117,107 @@ class ModelProposer(NoDraft):
             raise ConfigError(
                 f"draft.path={cfg.draft.path}: the draft model has sliding-window layers "
                 "whose state cannot be rolled back; use a draft model without them")
-        self._make = lambda: make_prompt_cache(self.draft.model)
+        self.recurrent = not all(c.is_trimmable() for c in probe)
+        self.kv = RowStore(lambda: make_prompt_cache(self.draft.model))
+        self.forward = Forward(self.draft.model)
         self.chunk = cfg.scheduler.prefill_chunk
-        self.batch = _DraftBatch() if all(c.is_trimmable() for c in probe) else None
+        self.k = cfg.draft.num_draft_tokens
+        self.held: dict[str, int] = {}   # positions of each row's context the store holds
+        self._round: _Round | None = None
         log.info("draft model %s loaded (%.1f MB)", self.draft.path,
                  self.draft.weight_bytes / 1e6)
 
     def propose(self, reqs: list[Request], contexts: list[list[int]],
                 limits: list[int]) -> list[list[int]]:
-        if self.batch is not None:
-            return self._propose_batched(reqs, contexts, limits)
-        out = []
-        model = self.draft.model
-        for req, ctx, k in zip(reqs, contexts, limits):
-            row = req.draft_state
-            if not isinstance(row, _DraftRow):
-                row = req.draft_state = _DraftRow(self._make())
-            missing = ctx[row.fed:]
-            logits = None
-            for start in range(0, len(missing), self.chunk):   # catch up, chunk by chunk
-                part = mx.array(missing[start:start + self.chunk], dtype=mx.uint32)[None]
-                logits = model(part, cache=row.cache)
-                if start + self.chunk < len(missing):
-                    mx.eval([c.state for c in row.cache])
-            row.fed = row.base = len(ctx)
-            # recurrent layers cannot be trimmed: keep their state at the confirmed context
-            row.saved = [(i, list(c.cache)) for i, c in enumerate(row.cache)
-                         if not c.is_trimmable()]
-            drafts: list[int] = []
-            if k <= 0 or logits is None:
-                out.append(drafts)
-                continue
-            token = mx.argmax(logits[:, -1, :], axis=-1)
-            for i in range(k):
-                drafts.append(token)
-                if i + 1 < k:
-                    logits = model(token[:, None].astype(mx.uint32), cache=row.cache)
-                    token = mx.argmax(logits[:, -1, :], axis=-1)
-            ids = mx.concatenate(drafts).tolist()
-            row.fed += k - 1
-            out.append(ids)
-        return out
+        try:
+            return self._propose(reqs, contexts, limits)
+        except Exception:   # these rows' draft KV is in an unknown state: start them over
+            for req in reqs:
+                self.release(req)
+            raise
+
+    def _propose(self, reqs: list[Request], contexts: list[list[int]],
+                 limits: list[int]) -> list[list[int]]:
+        kv, held = self.kv, self.held
+        self._round = None
+        for req, ctx in zip(reqs, contexts):
+            rid = req.request_id
+            if held.get(rid, 0) >= len(ctx) or rid not in kv:
+                self.release(req)   # ahead of what the target kept (a round not settled)
+            held[rid] = held.get(rid, 0)
+        # rows further behind than one round leaves them catch up by prompt chunks, outside
+        # the decode batch, to their context but its last token (the input)
+        far = [(req, len(ctx) - 1) for req, ctx in zip(reqs, contexts)
+               if len(ctx) - held[req.request_id] > 1 + self.k]
+        kv.park([req.request_id for req, _ in far])
+        while far:
+            chunks = [self._chunk(req, held[req.request_id], end) for req, end in far]
+            self.forward.prefill(chunks, kv)
+            for row in chunks:
+                held[row.request_id] += row.num_tokens
+            far = [(req, end) for req, end in far if held[req.request_id] < end]
+        # every row feeds the rest of its context, its input last: logits for the first draft
+        rows = [PlannedRow(req, held[req.request_id], len(ctx) - held[req.request_id])
+                for req, ctx in zip(reqs, contexts)]
+        logits = self.forward.feed(rows, kv)
+        order = logits.order
+        base = {req.request_id: len(ctx) for req, ctx in zip(reqs, contexts)}
+        snapshot = kv.snapshot() if self.recurrent else None
+        token = mx.argmax(logits.logits, axis=-1)
+        drafts = [token]
+        by_id = {r.request_id: r.request for r in rows}
+        for step in range(max(limits) - 1):   # each draft is the next step's input
+            kv.set_next(order, token)
+            step_rows = [PlannedRow(by_id[rid], base[rid] + step, 1) for rid in order]
+            token = mx.argmax(self.forward.decode(step_rows, kv).logits, axis=-1)
+            drafts.append(token)
+        for rid in order:
+            held[rid] = base[rid] + len(drafts) - 1
+        self._round = _Round({rid: held[rid] for rid in order}, base, snapshot)
+        proposed = dict(zip(order, mx.stack(drafts, axis=1).tolist()))
+        return [proposed[req.request_id][:k] for req, k in zip(reqs, limits)]
+
+    def _chunk(self, req: Request, start: int, end: int) -> PlannedRow:
+        """The next prompt chunk of a catch-up to `end`. Only the last may end where the
+        prompt does (the forward batches rows finishing their prompt into the decode batch)."""
+        n = min(self.chunk, end - start)
+        if start + n == req.num_prompt_tokens - 1 < end:
+            n = n - 1 if n > 1 else n + 1
+        return PlannedRow(req, start, n)
+
+    def settle(self, reqs: list[Request]) -> None:
+        """Cut each drafted row back to the positions the target kept."""
+        done, self._round = self._round, None
+        if done is None:
+            return
+        kept = {r.request_id: r.num_computed_tokens for r in reqs}
+        kept = {rid: kept.get(rid, base) for rid, base in done.base.items()}
+        batch = self.kv.decode_rows
+        ahead = [rid for rid in done.held if self.held.get(rid, -1) > kept[rid]]
+        if not ahead:
+            return
+        lost = [rid for rid in ahead if rid not in batch]   # (left the batch since: restart)
+        if self.recurrent:   # back to the round's start; the next round replays the kept
+            if done.snapshot is not None and done.snapshot.ids == tuple(batch):
+                self.kv.restore(done.snapshot, drop=done.held[batch[0]] - done.base[batch[0]])
+                self.held.update(done.base)
+            else:
+                lost = ahead
+        else:
+            drop = [max(0, self.held.get(rid, 0) - kept.get(rid, 0)) if rid in done.held
+                    else 0 for rid in batch]
+            self.kv.trim_decode(drop)
+            for rid, d in zip(batch, drop):
+                self.held[rid] -= d
+        for rid in lost:
+            self._forget(rid)
 
     def release(self, req: Request) -> None:
-        b = self.batch
-        if b is not None and req.draft_state is b:
-            b.keep({id(r) for r in b.rows if r is not req})
-        req.draft_state = None
+        self._forget(req.request_id)
 
-    def _propose_batched(self, reqs: list[Request], contexts: list[list[int]],
-                         limits: list[int]) -> list[list[int]]:
-        from pipeline.kv.rows import drop_shared_padding, merge_layer, trim_rows
-        b, model = self.batch, self.draft.model
-        ctxs = {id(r): c for r, c in zip(reqs, contexts)}
-        b.keep(set(ctxs))   # rows that stopped drafting leave; the rest keep their order
-        # cut each row back to the context the target confirmed (drafts it rejected)
-        if b.rows:
-            valid = [min(f, len(ctxs[id(r)]) - 1) for r, f in zip(b.rows, b.fed)]
-            drop = [f - v for f, v in zip(b.fed, valid)]
-            if any(drop):
-                trim_rows(b.caches, drop)
-                drop_shared_padding(b.caches, len(drop))
-            b.fed = valid
-        # newcomers: prefill their context but its last token alone, then join the batch
-        present = {id(r) for r in b.rows}
-        joiners = [r for r in reqs if id(r) not in present]
-        if joiners:
-            own = []
-            for r in joiners:
-                cache = self._make()
-                ctx = ctxs[id(r)]
-                for start in range(0, len(ctx) - 1, self.chunk):
-                    part = mx.array(ctx[start:min(start + self.chunk, len(ctx) - 1)],
-                                    dtype=mx.uint32)[None]
-                    model(part, cache=cache)
-                    mx.eval([c.state for c in cache])
-                own.append(cache)
-                r.draft_state = b   # marks the row as drafted (usage.speculation)
-            merged = [merge_layer(list(layer)) for layer in zip(*own)]
-            if b.caches is None:
-                b.caches = merged
-            else:
-                for mine, theirs in zip(b.caches, merged):
-                    mine.extend(theirs)
-            b.rows += joiners
-            b.fed += [len(ctxs[id(r)]) - 1 for r in joiners]
-        # feed every row what it is missing (right-padded), then draft all rows together
-        missing = [ctxs[id(r)][f:] for r, f in zip(b.rows, b.fed)]
-        width = max(len(m) for m in missing)
-        tokens = mx.array([m + [0] * (width - len(m)) for m in missing], dtype=mx.uint32)
-        padding = [width - len(m) for m in missing]
-        if max(padding):
-            for c in b.caches:
-                c.prepare(right_padding=padding)
-        logits = model(tokens, cache=b.caches)
-        last = mx.array([len(m) - 1 for m in missing], dtype=mx.int32)
-        logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        if max(padding):
-            for c in b.caches:
-                c.finalize()
-        b.fed = [len(ctxs[id(r)]) for r in b.rows]
-        limit = {id(r): k for r, k in zip(reqs, limits)}
-        k_max = max(limits)
-        token = mx.argmax(logits, axis=-1)
-        drafts = [token]
-        for _ in range(k_max - 1):
-            token = mx.argmax(model(token[:, None].astype(mx.uint32), cache=b.caches)[:, -1],
-                              axis=-1)
-            drafts.append(token)
-        b.fed = [f + k_max - 1 for f in b.fed]
-        rows = mx.stack(drafts, axis=1).tolist()
-        by_row = {id(r): d[:limit[id(r)]] for r, d in zip(b.rows, rows)}
-        return [by_row[id(r)] for r in reqs]
-
-    def settle(self, req: Request) -> None:
-        """After verify: keep the draft KV only for the context the target confirmed."""
-        row = req.draft_state
-        if not isinstance(row, _DraftRow):
-            return
-        valid = req.num_computed_tokens   # the target's KV length after verify
-        if row.fed <= valid:
-            return
-        if row.saved:   # back to the round's start; the next catch-up feeds what was accepted
-            for i, state in row.saved:
-                row.cache[i].cache = state
-            for c in row.cache:
-                if c.is_trimmable():
-                    c.trim(row.fed - row.base)
-            row.fed = row.base
-        else:
-            for c in row.cache:
-                c.trim(row.fed - valid)
-            row.fed = valid
+    def _forget(self, rid: str) -> None:
+        self.kv.release(rid)
+        self.held.pop(rid, None)
 
 
 class _MtpRow:
@@ -298,12 +251,17 @@ class MtpProposer(NoDraft):
             raise ConfigError(
                 f"draft=mtp: model {ctx.loaded.path} has no multi-token-prediction head "
                 "(no mtp.* weights); use draft=ngram or draft=model")
+        self.rows: dict[str, _MtpRow] = {}
         log.info("draft=mtp: %d MTP layer(s) loaded", self.head.num_layers)
 
     def _row(self, req: Request) -> _MtpRow:
-        if not isinstance(req.draft_state, _MtpRow):
-            req.draft_state = _MtpRow(self.head.make_cache())
-        return req.draft_state
+        row = self.rows.get(req.request_id)
+        if row is None:
+            row = self.rows[req.request_id] = _MtpRow(self.head.make_cache())
+        return row
+
+    def release(self, req: Request) -> None:
+        self.rows.pop(req.request_id, None)
 
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         self._row(req).pending.append((position, hidden))
@@ -353,9 +311,10 @@ class MtpProposer(NoDraft):
             return None, None   # the head is behind the input token: no draft this round
         return logits, g
 
-    def settle(self, req: Request) -> None:
-        row = req.draft_state
-        if isinstance(row, _MtpRow) and row.extra:
-            for c in row.cache:
-                c.trim(row.extra)
-            row.extra = 0
+    def settle(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            row = self.rows.get(req.request_id)
+            if row is not None and row.extra:
+                for c in row.cache:
+                    c.trim(row.extra)
+                row.extra = 0

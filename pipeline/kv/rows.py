@@ -124,6 +124,12 @@ class RowStore:
         assert self._caches is not None and self._next is not None
         return self._caches, list(self._rows), self._next
 
+    def park(self, rids: Sequence[str]) -> None:
+        """These rows leave the decode batch, keeping their KV as their own caches."""
+        leaving = set(rids)
+        if leaving & set(self._rows):
+            self._filter([i for i, r in enumerate(self._rows) if r not in leaving], park=True)
+
     def set_next(self, order: Sequence[str], tokens: mx.array) -> None:
         """The tokens the batch's rows feed next (sampled or emitted), in `order`."""
         if list(order) == self._rows:
@@ -221,12 +227,19 @@ class RowStore:
                       for i, c in enumerate(self._caches) if not c.is_trimmable())
         return Snapshot(tuple(self._rows), saved) if saved else None
 
-    def restore(self, snap: Snapshot) -> None:
+    def restore(self, snap: Snapshot, drop: int = 0) -> None:
+        """Put the recurrent layers back as `snap` saw them; with `drop`, also cut the last
+        `drop` positions of every row's trimmable layers (what was fed since, the same for
+        every row)."""
         assert snap.ids == tuple(self._rows) and self._caches is not None
         for i, state, lengths, left in snap.layers:
             c = self._caches[i]
             c.cache = state
             c.lengths, c.left_padding = lengths, left
+        if drop:
+            for c in self._caches:
+                if c.is_trimmable():
+                    c.trim(drop)
 
     @property
     def batch_caches(self) -> list[Any] | None:

@@ -422,3 +422,60 @@ def test_qwen35_moe_fused_experts_match_the_stacked_layout(qwen35: tuple[Path, A
     a, _ = heads[0](hidden, ids, heads[0].make_cache())
     b, _ = heads[1](hidden, ids, heads[1].make_cache())
     assert mx.array_equal(a, b)
+
+
+# -- the draft model as a second runner ----------------------------------------------------------
+def _greedy(model: Any, ctx: list[int], k: int) -> list[int]:
+    from mlx_lm.models.cache import make_prompt_cache
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(ctx, dtype=mx.uint32)[None], cache=cache)
+    out: list[int] = []
+    tok = mx.argmax(logits[:, -1], axis=-1)
+    for _ in range(k):
+        out.append(tok.item())
+        tok = mx.argmax(model(tok[:, None].astype(mx.uint32), cache=cache)[:, -1], axis=-1)
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "hybrid"])
+def test_draft_model_store_drafts_its_greedy_continuation_whatever_the_history(
+        engine_factory, model_cache: Path, model: str) -> None:
+    """draft=model over many rounds of ragged acceptance, rows that skip rounds, steps that draft
+    nothing (rows far behind leave the batch and catch up by prompt chunks) and recurrent layers
+    (hybrid: snapshot + replay): each proposal is the draft model's greedy continuation of the
+    row's context computed from scratch, and released rows leave the draft store."""
+    from tests.pipeline.test_speculative import ARCH, prompts
+    path = ensure_model(ARCH[model], "tiny", "float32", model_cache)
+    spec = engine_factory(f"model={model}", "draft=model", f"draft.path={path}",
+                          "draft.num_draft_tokens=4", "scheduler.prefill_chunk=16")
+    proposer = spec.engine.step.draft.proposer
+    rng = random.Random(0)
+    reqs = [spec.request(p, max_tokens=500) for p in prompts(spec, 3)]
+
+    def grow(req: Any) -> None:
+        req.output_ids += [rng.randrange(50, 200) for _ in range(rng.randrange(1, 12))]
+
+    total = same = 0
+    for _ in range(40):
+        active = [r for r in reqs if rng.random() < 0.8]
+        if rng.random() < 0.25:   # a step that drafts nothing: every row moves on
+            active = []
+        for r in reqs:
+            if r not in active:
+                grow(r)
+        if not active:
+            continue
+        ctxs = [r.prompt_ids + r.output_ids for r in active]
+        limits = [rng.randrange(1, 5) for _ in active]
+        got = proposer.propose(active, ctxs, limits)
+        for r, ctx, drafts, k in zip(active, ctxs, got, limits):
+            total += 1
+            same += drafts == _greedy(proposer.draft.model, ctx, k)
+            a = rng.randrange(0, len(drafts) + 1)   # the target keeps a prefix + its own token
+            r.output_ids += drafts[:a] + [rng.randrange(50, 200)]
+            r.num_computed_tokens = len(ctx) + a
+        proposer.settle(active)
+    assert total > 50 and same >= 0.95 * total, (same, total)
+    for r in reqs:
+        proposer.release(r)
+    assert proposer.kv.num_rows == 0 and proposer.held == {}

@@ -116,6 +116,7 @@ def test_cancel_mid_verify_frees_everything(engine_factory, model_cache: Path) -
     assert got[1]["finish"] == "abort" and len(got[1]["ids"]) < 200
     assert [len(g["ids"]) for i, g in enumerate(got) if i != 1] == [200, 200]
     wait_idle(spec)
+    assert spec.engine.step.draft.proposer.kv.num_rows == 0   # the cancelled row's too
 
 
 def test_sampling_keeps_the_target_distribution(engine_factory, model_cache: Path) -> None:
@@ -214,13 +215,15 @@ def test_drafts_compose_with_every_trimmable_layout(engine_factory, model_cache:
 
 
 def test_draft_model_state_is_freed_with_its_rows(engine_factory, model_cache: Path) -> None:
-    """The batched draft KV holds only running rows: finished and cancelled rows leave it."""
+    """The draft model's row store holds only running rows: finished and cancelled rows
+    leave it."""
     path = ensure_model("qwen3", "tiny", "float32", model_cache)
     spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}")
     run(spec, 4, max_tokens=20)
     wait_idle(spec)
-    batch = spec.engine.step.draft.proposer.batch
-    assert batch.rows == [] and batch.caches is None and batch.fed == []
+    proposer = spec.engine.step.draft.proposer
+    assert proposer.kv.num_rows == 0 and proposer.kv.decode_rows == []
+    assert proposer.kv.nbytes == 0 and proposer.held == {}
 
 
 def test_drafting_pauses_above_a_batch_size(engine_factory) -> None:
