@@ -100,11 +100,21 @@ class ModelConfig:
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
     composed_attention: bool = True   # CUDA: decode/verify attention as matmul + softmax (no
                                       # per-key-length cuDNN graph builds); no effect elsewhere
+    adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
+    adapter: Optional[str] = None      # subdirectory of adapter_dir mounted at launch for every request
 
     def __post_init__(self) -> None:
+        from pipeline.adapters import check_id
+
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
+        if self.adapter is not None:
+            if self.adapter_dir is None:
+                raise ConfigError(
+                    f"model.adapter={self.adapter} needs model.adapter_dir: adapters are "
+                    "mounted only from that directory (set model.adapter_dir=<dir>)")
+            check_id(self.adapter)
         if self.path is None and self.source is not ModelSource.generated:
             arch = EMBEDDED_ARCH[self.source]
             shaped = [f"model.{k}={getattr(self, k).value}" for k, default in

@@ -1,6 +1,6 @@
 """Model loading: resolve model.path (a local dir, or a Hugging Face id found in the local cache
-only) or generate the embedded model, then load weights and tokenizer through mlx-lm.
-Runs on the engine thread (weights become MLX arrays there)."""
+only) or generate the embedded model, then load weights, the adapter (model.adapter) and the
+tokenizer through mlx-lm. Runs on the engine thread (weights become MLX arrays there)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.adapters import Adapter, mount
 from pipeline.config import ModelConfig
 from pipeline.errors import ConfigError
 
@@ -33,6 +34,7 @@ class LoadedModel:
     num_params: int = 0
     weight_bytes: int = 0
     compute_dtype: str = ""        # dtype of the unquantized weights as served
+    adapter: Adapter | None = None  # the LoRA/DoRA adapter mounted at launch (model.adapter)
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
@@ -94,17 +96,15 @@ def _chat_template(value: str) -> str:
 class _Progress:
     """One log line per finished loading stage: `[i/n] what (stage s, total s)`."""
 
-    STAGES = 5
-
-    def __init__(self, name: str) -> None:
-        self.name, self.done = name, 0
+    def __init__(self, name: str, stages: int) -> None:
+        self.name, self.done, self.stages = name, 0, stages
         self.t0 = self.last = time.perf_counter()
 
     def step(self, what: str, *args: Any) -> None:
         now = time.perf_counter()
         self.done += 1
         log.info("loading %s [%d/%d] " + what + " (%.2f s, %.2f s total)", self.name, self.done,
-                 self.STAGES, *args, now - self.last, now - self.t0)
+                 self.stages, *args, now - self.last, now - self.t0)
         self.last = now
 
 
@@ -113,11 +113,17 @@ def load(cfg: ModelConfig) -> LoadedModel:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
-    progress = _Progress(cfg.name)
+    progress = _Progress(cfg.name, 6 if cfg.adapter is not None else 5)
     path = resolve_path(cfg)
     progress.step("found %s", path)
     model, config = load_model(path, trust_remote_code=cfg.trust_remote_code)
     progress.step("built %s with its weights", config.get("model_type", "model"))
+    adapter = None
+    if cfg.adapter is not None:   # before the cast: mlx_lm.load's order, one dtype for all
+        assert cfg.adapter_dir is not None   # ModelConfig refuses an adapter without a dir
+        adapter = mount(model, cfg.adapter_dir, cfg.adapter)
+        progress.step("adapter %s mounted (%s rank %d on %s)", adapter.id, adapter.fine_tune_type,
+                      adapter.rank, ", ".join(adapter.target_modules))
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if cfg.chat_template is not None:
         tokenizer._tokenizer.chat_template = _chat_template(cfg.chat_template)
@@ -137,6 +143,7 @@ def load(cfg: ModelConfig) -> LoadedModel:
         num_params=_num_params(model, params),
         weight_bytes=sum(v.nbytes for _, v in params),
         compute_dtype=compute,
+        adapter=adapter,
     )
 
 

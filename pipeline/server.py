@@ -128,7 +128,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                 app.stop()
                 return
             loaded = engine.loaded
-            app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint)
+            adapter = loaded.adapter.identity if loaded.adapter is not None else None
+            app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
             app.ctx.front = Front(cfg, engine)
             # what startup made lives as long as the process: out of the collector's view, a full
             # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
@@ -323,6 +324,15 @@ def _add_routes(app: Sanic) -> None:
         name = app.ctx.cfg.model.name
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pipeserve"}]})
+
+    @app.get("/v1/adapters")
+    async def adapters(http: sanic.Request) -> HTTPResponse:
+        """The mounted adapters (model.adapter; one at most until hot-swap, issue 16)."""
+        loaded = app.ctx.engine.loaded
+        if loaded is None:
+            raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
+        mounted = [loaded.adapter.describe()] if loaded.adapter is not None else []
+        return json_response({"object": "list", "data": mounted})
 
     @app.post("/v1/chat/completions")
     async def chat(http: sanic.Request) -> HTTPResponse | None:

@@ -188,7 +188,8 @@ def cache_identity(loaded: LoadedModel, layout: Any) -> str:
     for f in sorted(loaded.path.glob("tokenizer*")) + sorted(loaded.path.glob("*.model")):
         h.update(f.name.encode() + f.read_bytes())
     parts = [loaded.fingerprint, layout.identity, loaded.compute_dtype, mx.__version__,
-             str(mx.default_device()), h.hexdigest()[:16], "adapters="]
+             str(mx.default_device()), h.hexdigest()[:16],
+             "adapters=" + (loaded.adapter.identity if loaded.adapter is not None else "")]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
