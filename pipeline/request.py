@@ -102,8 +102,6 @@ class Request:
     batch_size_max: int = 0           # largest engine step this row ran in (for the record)
     checkpointed_tokens: int = 0      # output tokens covered by this row's latest checkpoint
     replay_ids: list[int] | None = None   # resumed output the client has not seen yet
-    resume_key: list[int] | None = None   # unread: the CacheHit's key reaches the sampler
-                                          # through StepPlan.hits (goes with scheduler.py's write)
     first_token_s: float | None = None
     last_token_s: float = 0.0
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)

@@ -104,6 +104,19 @@ def test_batched_greedy_with_adapter_equals_mlx_lm(engine_factory, adapters: Pat
     assert all(g != b for g, b in zip(got, base))
 
 
+def test_draft_model_runs_without_the_adapter_and_output_stays_the_adapted(
+        engine_factory, adapters: Path, model_cache: Path) -> None:
+    """draft=model: the draft (here the base model itself) drafts without the adapter and the
+    adapted target verifies, so the output is the adapted model's, token for token."""
+    h = engine_factory("scheduler=serial", f"model.adapter_dir={adapters}",
+                       "model.adapter=lora", "draft=model", f"draft.path={ensure_model('qwen3', 'tiny', 'float32', model_cache)}")
+    assert h.engine.step.draft.proposer.draft.adapter is None
+    for prompt in PROMPTS[:2]:
+        ours = h.generate(prompt, max_tokens=MAX_TOKENS, logit_bias=EOS_OFF)["ids"]
+        assert ours == reference(h.loaded.path, adapters / "lora", prompt)
+    assert h.metrics.spec_verifies.labels("model")._value.get() > 0   # it really drafted
+
+
 def test_adapter_describes_itself(engine_factory, adapters: Path) -> None:
     h = engine_factory(f"model.adapter_dir={adapters}", "model.adapter=dora", "cache=off")
     d = h.loaded.adapter.describe()
