@@ -56,6 +56,9 @@ class BenchConfig:
     prompt_file: str | None = None  # use this file's text as every prompt (overrides workload text)
     step_context: int = 1024        # workload=steps: tokens already in the cache
     step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
+    adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
+    #                                 at launch; request i asks for adapter i mod N (model
+    #                                 "<name>:<id>"); 0 = the base model
 
 
 @dataclass
@@ -196,16 +199,22 @@ def _full_batch_rate(results: list[dict[str, Any]], b: BenchConfig) -> float:
     return n / (w1 - w0) if w1 > w0 and n >= 2 * b.streams else float("nan")
 
 
-async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float]) -> dict[str, Any]:
+async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float],
+                adapters: list[str] | None = None) -> dict[str, Any]:
     prompts = _prompts(b)
+    base_model = model
+
+    def model_of(i: int) -> str:   # request i's model id: the base, or "<base>:<adapter>"
+        return f"{base_model}:{adapters[i % len(adapters)]}" if adapters else base_model
+
     url = f"{base_url}/v1/completions"
     limits = httpx.Limits(max_connections=b.streams + 4)
     async with httpx.AsyncClient(timeout=b.timeout_s, limits=limits) as client:
         if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
             warm = _prompts(b, salt="warm-up")
-            await _one(client, url, model, warm[0], b.max_tokens, eos_bias)
-            await asyncio.gather(*(_one(client, url, model, p, 16, eos_bias)
-                                   for p in warm[:b.streams]))
+            await _one(client, url, model_of(0), warm[0], b.max_tokens, eos_bias)
+            await asyncio.gather(*(_one(client, url, model_of(i), p, 16, eos_bias)
+                                   for i, p in enumerate(warm[:b.streams])))
 
         total = b.streams * b.requests_per_stream
         done = 0
@@ -214,8 +223,9 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
             nonlocal done
             out = []
             for j in range(b.requests_per_stream):
-                out.append(await _one(client, url, model, prompts[k * b.requests_per_stream + j],
-                                      b.max_tokens, eos_bias))
+                i = k * b.requests_per_stream + j
+                out.append(await _one(client, url, model_of(i), prompts[i], b.max_tokens,
+                                      eos_bias))
                 done += 1
                 if done % max(1, total // 10) == 0 or done == total:
                     print(f"bench: {done}/{total} requests, {time.perf_counter() - t0:.1f} s",
@@ -469,14 +479,17 @@ def run_bench(raw: DictConfig) -> list[Row]:
         rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
         _write(out, rows)
         return rows
+    adapters = _write_adapters(model_dir, out / "adapters", b.adapters) if b.adapters else None
+    mount = ([f"model.adapter_dir={out / 'adapters'}", f"model.adapters=[{','.join(adapters)}]"]
+             if adapters else [])
     port = _free_port()
-    ours = Process([sys.executable, str(ROOT / "serve.py"), *overrides, f"model.path={model_dir}",
-                    f"server.port={port}",
+    ours = Process([sys.executable, str(ROOT / "serve.py"), *overrides, *mount,
+                    f"model.path={model_dir}", f"server.port={port}",
                     "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"],
                    out / "pipeserve.log")
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
-        m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias))
+        m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters))
         kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
         rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides), kv))
         _write(out, rows[-1:])
@@ -610,6 +623,35 @@ def _plot_run(out: Path, target: str, m: dict[str, Any], ours: Row | None) -> No
                 w.writeheader()
             w.writerow(asdict(ours))
         print(f"bench: plot {bench_plots.plot_sweep(out)}", flush=True)
+
+
+def _write_adapters(model_dir: Path, root: Path, n: int) -> list[str]:
+    """n LoRA adapters for the bench model in mlx_lm.lora's format (rank 8 on every layer's
+    q_proj and v_proj, random non-zero A and B), written once per run under `root`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+    model, config = load_model(model_dir)
+    layers = int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
+    params = {"rank": 8, "scale": 2.0, "dropout": 0.0,
+              "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
+    linear_to_lora_layers(model, layers, params)
+    lora = [(k, p) for k, p in tree_flatten(model.parameters()) if k.endswith(("lora_a", "lora_b"))]
+    ids = []
+    for a in range(n):
+        out = root / f"a{a}"
+        ids.append(out.name)
+        if (out / "adapters.safetensors").exists():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        key = mx.random.key(a)
+        weights = {k: 0.05 * mx.random.normal(p.shape, key=mx.random.split(key, i + 1)[i])
+                   for i, (k, p) in enumerate(lora)}
+        mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+        (out / "adapter_config.json").write_text(json.dumps(
+            {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": params}))
+    return ids
 
 
 def _write(out: Path, rows: list[Row]) -> None:
