@@ -164,3 +164,220 @@ def _check_tensors(adapter_id: str, weights: dict[str, Any], slots: dict[str, An
         raise ConfigError(f"model.adapter '{adapter_id}': adapters.safetensors has no tensor "
                           f"for {len(missing)} adapted parameter(s), e.g. {missing[0]}; "
                           "adapter_config.json (num_layers, keys) does not match its tensors")
+
+
+# -- several adapters in one batch (model.adapters) ----------------------------------------
+NONE = "none"   # the request field's value for the base model, no adapter
+
+
+class AdapterSet:
+    """The mounted adapters as slots (0: none, 1..n: model.adapters in launch order) and the
+    slot of each row of the next model call. The MultiLoRALinear layers share this one object;
+    pipeline/forward.py sets the rows (`rows`) right before each model call and the set goes
+    back to every row on the launch default afterwards. `merged`: the single launch adapter
+    lives in mlx-lm's own layers (DoRA), so no row can run without it."""
+
+    def __init__(self, adapters: list[Adapter], default: str | None, merged: bool = False) -> None:
+        self.adapters = {a.id: a for a in adapters}
+        self.slots = {a.id: i + 1 for i, a in enumerate(adapters)}
+        self.scales = [0.0] + [a.scale for a in adapters]
+        self.ranks = [0] + [a.rank for a in adapters]
+        self.default = default
+        self.merged = merged
+        self.default_slot = self.slots[default] if default is not None else 0
+        self.uniform: int | None = self.default_slot   # every row on this slot, or None
+        self.indices: Any = None      # (B,) int32 slot per row when mixed
+        self.row_scales: Any = None   # (B, 1, 1) float32 scale per row when mixed
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.adapters)
+
+    def name(self, choice: str | None) -> str | None:
+        """The adapter a request's rows run with (None: the base model); `choice` is
+        Request.adapter (None: the launch default; "none": the base model)."""
+        if choice is None:
+            return self.default
+        return None if choice == NONE else choice
+
+    def slot(self, choice: str | None) -> int:
+        name = self.name(choice)
+        return 0 if name is None else self.slots[name]
+
+    def identity(self, choice: str | None) -> str | None:
+        name = self.name(choice)
+        return self.adapters[name].identity if name is not None else None
+
+    def canonical(self, choice: str | None, param: str) -> str | None:
+        """A request's choice as Request.adapter holds it: None when it is the launch default
+        (so identical requests share prompt-cache entries), else the id or "none". Raises
+        NotFound naming the field, the value and the mounted ids."""
+        from pipeline.errors import NotFound
+
+        if choice is None:
+            return None
+        if choice != NONE and choice not in self.adapters:
+            raise NotFound(f"{param} names adapter {choice!r}, which is not mounted; mounted: "
+                           f"{', '.join(self.ids) or 'none'} (or 'none' for the base model)",
+                           param=param, code="adapter_not_found")
+        if self.merged and choice != self.default:
+            raise NotFound(f"{param} is {choice!r}, but the launch adapter {self.default!r} is "
+                           "a DoRA adapter merged into every row: no other adapter (nor "
+                           "'none') can be served beside it", param=param,
+                           code="adapter_not_found")
+        return None if self.name(choice) == self.default else choice
+
+    def select(self, slots: list[int]) -> None:
+        import mlx.core as mx
+
+        if len(set(slots)) == 1:
+            self.uniform, self.indices, self.row_scales = slots[0], None, None
+            return
+        self.uniform = None
+        self.indices = mx.array(slots, dtype=mx.int32)
+        self.row_scales = mx.array([self.scales[s] for s in slots], dtype=mx.float32)[:, None, None]
+
+    def reset(self) -> None:
+        self.uniform, self.indices, self.row_scales = self.default_slot, None, None
+
+    @staticmethod
+    def of(model: Any) -> AdapterSet | None:
+        """The set a model's MultiLoRALinear layers share, or None (no per-row adapters)."""
+        for _, m in model.named_modules():
+            if isinstance(m, MultiLoRALinear):
+                return m.adapters
+        return None
+
+
+def _module_base() -> Any:
+    import mlx.nn as nn
+    return nn.Module
+
+
+class MultiLoRALinear(_module_base()):   # type: ignore[misc]
+    """A base Linear (quantized or not) with every mounted adapter's A (n+1, in, r_max) and
+    B (n+1, r_max, out), zero-padded to the largest rank; slot 0 and adapters that do not
+    adapt this layer are zeros. The base matmul is shared; each row adds
+    scale[row] * (x @ A[slot[row]]) @ B[slot[row]] (S-LoRA/Punica-style gather). When every
+    row has one slot, that slot's own rank-r matrices are used, as mlx-lm's LoRALinear does."""
+
+    def __init__(self, linear: Any, lora_a: Any, lora_b: Any, covers: frozenset[int],
+                 adapters: AdapterSet) -> None:
+        super().__init__()
+        self.linear = linear
+        self.lora_a = lora_a
+        self.lora_b = lora_b
+        self.covers = covers   # slots whose adapter adapts this layer (a frozenset: no param)
+        self.adapters = adapters
+
+    def __call__(self, x: Any) -> Any:
+        y = self.linear(x)
+        sel = self.adapters
+        k = sel.uniform
+        if k is not None:
+            if k not in self.covers:
+                return y
+            r = sel.ranks[k]
+            z = (x @ self.lora_a[k][:, :r]) @ self.lora_b[k][:r]
+            return y + (sel.scales[k] * z).astype(x.dtype)
+        idx = sel.indices
+        a, b = self.lora_a[idx], self.lora_b[idx]   # (B, in, r_max), (B, r_max, out)
+        if x.ndim == 2:
+            z = (x[:, None] @ a) @ b
+            z = z[:, 0]
+            s = sel.row_scales[:, 0]
+        else:
+            z = (x @ a) @ b
+            s = sel.row_scales
+        return y + (s.astype(z.dtype) * z).astype(x.dtype)
+
+
+def _read(adapter_dir: str, adapter_id: str) -> tuple[Path, dict[str, Any]]:
+    path = resolve(adapter_dir, adapter_id)
+    return path, _read_config(adapter_id, path)
+
+
+def mount_all(model: Any, adapter_dir: str, ids: list[str],
+              default: str | None) -> tuple[Adapter | None, AdapterSet]:
+    """Mount every adapter in `ids` (model.adapters, with model.adapter). A single DoRA
+    adapter goes through mlx-lm's own layers (`mount`: every row runs with it); otherwise
+    every adapter must be LoRA on Linear layers and they are served side by side by
+    MultiLoRALinear layers, one set of slots shared by all of them."""
+    configs = {i: _read(adapter_dir, i) for i in ids}
+    dora = [i for i, (_, raw) in configs.items() if raw.get("fine_tune_type") == "dora"]
+    if dora and len(ids) > 1:
+        raise ConfigError(
+            f"model.adapters: {', '.join(dora)} is a DoRA adapter; DoRA can be mounted only "
+            "alone (model.adapter=<id> without model.adapters): rows of a DoRA adapter cannot "
+            "share a batch with other adapters' rows (its magnitude rescales the base output)")
+    if dora:
+        adapter = mount(model, adapter_dir, ids[0])
+        return adapter, AdapterSet([adapter], adapter.id, merged=True)
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    mounted: list[Adapter] = []
+    per_layer: dict[str, dict[int, tuple[Any, Any]]] = {}
+    for slot, adapter_id in enumerate(ids, start=1):
+        adapter, weights = _convert_and_revert(model, adapter_dir, adapter_id)
+        mounted.append(adapter)
+        for name, w in weights.items():
+            layer, leaf = name.rsplit(".", 1)
+            pair = per_layer.setdefault(layer, {}).get(slot, (None, None))
+            per_layer[layer][slot] = (w, pair[1]) if leaf == "lora_a" else (pair[0], w)
+    shared = AdapterSet(mounted, default)
+    modules = dict(model.named_modules())
+    new = []
+    for layer, slots in per_layer.items():
+        some_a, some_b = next(iter(slots.values()))
+        n_in, n_out = some_a.shape[0], some_b.shape[1]
+        r_max = max(a.shape[1] for a, _ in slots.values())
+        dtype = some_a.dtype
+        a_rows, b_rows = [mx.zeros((n_in, r_max), dtype)], [mx.zeros((r_max, n_out), dtype)]
+        for s in range(1, len(ids) + 1):
+            if s in slots:
+                a, b = slots[s]
+                r = a.shape[1]
+                a_rows.append(mx.pad(a.astype(dtype), [(0, 0), (0, r_max - r)]))
+                b_rows.append(mx.pad(b.astype(dtype), [(0, r_max - r), (0, 0)]))
+            else:
+                a_rows.append(a_rows[0])
+                b_rows.append(b_rows[0])
+        new.append((layer, MultiLoRALinear(modules[layer], mx.stack(a_rows), mx.stack(b_rows),
+                                           frozenset(slots), shared)))
+    model.update_modules(tree_unflatten(new))
+    model.eval()
+    return (shared.adapters[default] if default is not None else None), shared
+
+
+def _convert_and_revert(model: Any, adapter_dir: str,
+                        adapter_id: str) -> tuple[Adapter, dict[str, Any]]:
+    """Check one LoRA adapter against the model as `mount` does (mlx-lm converts the layers,
+    every tensor must fit the layer it lands in), then put the base layers back; returns the
+    adapter and its tensors."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    before = dict(model.named_modules())
+    adapter = mount(model, adapter_dir, adapter_id)
+    import mlx.core as mx
+    weights = mx.load(str(adapter.path / FILES[1]))
+    converted = [(k, m) for k, m in model.named_modules()
+                 if k in before and m is not before[k] and not isinstance(before[k], type(m))]
+    back = []
+    for k, m in converted:
+        if not isinstance(m, nn.Module) or not hasattr(m, "lora_a"):
+            continue
+        if type(m) is not LoRALinear:
+            model.update_modules(tree_unflatten(
+                [(k, getattr(m, "linear", getattr(m, "embedding", None)))]))
+            raise ConfigError(
+                f"model.adapters: adapter '{adapter_id}' adapts {k}, a {type(m).__name__}; "
+                "only Linear layers can be served beside other adapters (mount it alone as "
+                "model.adapter)")
+        back.append((k, m.linear))
+    model.update_modules(tree_unflatten(back))
+    left = [k for k, _ in tree_flatten(model.parameters()) if k.rsplit(".", 1)[-1] in LEAVES]
+    assert not left, left
+    return adapter, dict(weights)

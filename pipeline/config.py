@@ -101,10 +101,18 @@ class ModelConfig:
     composed_attention: bool = True   # CUDA: decode/verify attention as matmul + softmax (no
                                       # per-key-length cuDNN graph builds); no effect elsewhere
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
-    adapter: Optional[str] = None      # subdirectory of adapter_dir mounted at launch for every request
+    adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
+    adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
+                                       # at launch; requests pick one (`model: base:<id>`, `adapter`)
+
+    @property
+    def adapter_ids(self) -> list[str]:
+        """Every adapter mounted at launch: model.adapter first, then model.adapters."""
+        return list(dict.fromkeys(([self.adapter] if self.adapter is not None else [])
+                                  + list(self.adapters)))
 
     def __post_init__(self) -> None:
-        from pipeline.adapters import check_id
+        from pipeline.adapters import NONE as NONE_ADAPTER, check_id
 
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
@@ -115,6 +123,16 @@ class ModelConfig:
                     f"model.adapter={self.adapter} needs model.adapter_dir: adapters are "
                     "mounted only from that directory (set model.adapter_dir=<dir>)")
             check_id(self.adapter)
+        if self.adapters:
+            if self.adapter_dir is None:
+                raise ConfigError(
+                    f"model.adapters={list(self.adapters)} needs model.adapter_dir: adapters are "
+                    "mounted only from that directory (set model.adapter_dir=<dir>)")
+            for adapter_id in self.adapters:
+                check_id(adapter_id)
+        if NONE_ADAPTER in self.adapter_ids:
+            raise ConfigError(f"an adapter cannot be called '{NONE_ADAPTER}': requests say "
+                              f"adapter='{NONE_ADAPTER}' for the base model")
         if self.path is None and self.source is not ModelSource.generated:
             arch = EMBEDDED_ARCH[self.source]
             shaped = [f"model.{k}={getattr(self, k).value}" for k, default in

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from pipeline.adapters import AdapterSet
 from pipeline.draft.mtp import target_forward
 from pipeline.kv.rows import RowStore, drop_shared_padding, merge_layer
 from pipeline.plan import Logits, PlannedRow
@@ -24,6 +25,17 @@ class Forward:
         self.keep_hidden = keep_hidden
         self.grouped = grouped
         self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
+        self.adapters = AdapterSet.of(model)   # per-row adapters (model.adapters), or None
+
+    def _select(self, rows: list[PlannedRow]) -> None:
+        """The next model call's rows, in its batch order, run each with its request's adapter."""
+        if self.adapters is not None:
+            self.adapters.select([self.adapters.slot(r.request.adapter) for r in rows])
+
+    def _done(self) -> None:
+        """After the call: back to every row on the launch default, for any other caller."""
+        if self.adapters is not None:
+            self.adapters.reset()
 
     # -- prompt chunks ----------------------------------------------------------------
     def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
@@ -47,12 +59,15 @@ class Forward:
     def _prefill_one(self, row: PlannedRow, kv: RowStore) -> None:
         cache = kv.own(row.request_id)
         tokens = mx.array(row.token_ids(), dtype=mx.uint32)[None]
+        self._select([row])
         if self.keep_hidden:   # draft=mtp: the head learns from the trunk's hidden states
             _, hidden = target_forward(self.model, tokens, cache)
+            self._done()
             self.hidden[row.request_id] = (row.start, hidden)
             mx.eval([c.state for c in cache] + [hidden])
             return
         self.model(tokens, cache=cache)
+        self._done()
         mx.eval([c.state for c in cache])
 
     def _prefill_group(self, members: list[PlannedRow], kv: RowStore) -> None:
@@ -68,7 +83,9 @@ class Forward:
             for c in caches:
                 c.prepare(lengths=[len(c) for c in chunks], right_padding=padding)
         tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.uint32)
+        self._select(members)
         self.model(tokens, cache=caches)
+        self._done()
         if max(padding):
             for c in caches:
                 c.finalize()
@@ -110,7 +127,9 @@ class Forward:
             for c in caches:
                 c.prepare(lengths=lengths, right_padding=padding)
         tokens = mx.array([t + [0] * p for t, p in zip(chunks, padding)], dtype=mx.uint32)
+        self._select([by_id[rid] for rid in order])
         logits = self.model(tokens, cache=caches)
+        self._done()
         if max(padding):
             for c in caches:
                 c.finalize()
@@ -120,9 +139,13 @@ class Forward:
 
     def _run(self, tokens: mx.array, caches: list[Any], order: list[str],
              rows: dict[str, PlannedRow], hidden: dict[str, Any]) -> mx.array:
-        if not self.keep_hidden:
-            return self.model(tokens, cache=caches)
-        logits, h = target_forward(self.model, tokens, caches)
+        self._select([rows[rid] for rid in order])
+        try:
+            if not self.keep_hidden:
+                return self.model(tokens, cache=caches)
+            logits, h = target_forward(self.model, tokens, caches)
+        finally:
+            self._done()
         for i, rid in enumerate(order):
             hidden[rid] = (rows[rid].start, h[i:i + 1])   # from the row's input position
         return logits

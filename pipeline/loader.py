@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.adapters import Adapter, mount
+from pipeline.adapters import Adapter, AdapterSet, mount_all
 from pipeline.config import ModelConfig
 from pipeline.errors import ConfigError
 
@@ -35,6 +35,7 @@ class LoadedModel:
     weight_bytes: int = 0
     compute_dtype: str = ""        # dtype of the unquantized weights as served
     adapter: Adapter | None = None  # the LoRA/DoRA adapter mounted at launch (model.adapter)
+    adapters: AdapterSet | None = None  # every mounted adapter (model.adapter + model.adapters)
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
@@ -113,17 +114,19 @@ def load(cfg: ModelConfig) -> LoadedModel:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
-    progress = _Progress(cfg.name, 6 if cfg.adapter is not None else 5)
+    ids = cfg.adapter_ids
+    progress = _Progress(cfg.name, 6 if ids else 5)
     path = resolve_path(cfg)
     progress.step("found %s", path)
     model, config = load_model(path, trust_remote_code=cfg.trust_remote_code)
     progress.step("built %s with its weights", config.get("model_type", "model"))
-    adapter = None
-    if cfg.adapter is not None:   # before the cast: mlx_lm.load's order, one dtype for all
+    adapter, adapters = None, None
+    if ids:   # before the cast: mlx_lm.load's order, one dtype for all
         assert cfg.adapter_dir is not None   # ModelConfig refuses an adapter without a dir
-        adapter = mount(model, cfg.adapter_dir, cfg.adapter)
-        progress.step("adapter %s mounted (%s rank %d on %s)", adapter.id, adapter.fine_tune_type,
-                      adapter.rank, ", ".join(adapter.target_modules))
+        adapter, adapters = mount_all(model, cfg.adapter_dir, ids, cfg.adapter)
+        progress.step("adapters mounted: %s", ", ".join(
+            f"{a.id} ({a.fine_tune_type} rank {a.rank} on {', '.join(a.target_modules)})"
+            for a in adapters.adapters.values()))
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if cfg.chat_template is not None:
         tokenizer._tokenizer.chat_template = _chat_template(cfg.chat_template)
@@ -144,6 +147,7 @@ def load(cfg: ModelConfig) -> LoadedModel:
         weight_bytes=sum(v.nbytes for _, v in params),
         compute_dtype=compute,
         adapter=adapter,
+        adapters=adapters,
     )
 
 

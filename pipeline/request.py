@@ -91,6 +91,8 @@ class Request:
                                            # by sample on the engine thread
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
+    adapter: str | None = None   # set by the protocol adapter: the mounted adapter id its rows run
+                                 # with, "none" for the base model; None: the launch default
     arrival_s: float = field(default_factory=time.perf_counter)
     # engine state
     status: RequestStatus = RequestStatus.WAITING

@@ -321,17 +321,26 @@ def _add_routes(app: Sanic) -> None:
 
     @app.get("/v1/models")
     async def models(http: sanic.Request) -> HTTPResponse:
+        """The base model, then `base:adapter` for every mounted adapter (vLLM-style: an
+        OpenAI client selects one with `model`)."""
         name = app.ctx.cfg.model.name
+        loaded = app.ctx.engine.loaded
+        ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]
+                        if loaded is not None and loaded.adapters is not None else [])
+        now = int(time.time())
         return json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pipeserve"}]})
+            {"id": i, "object": "model", "created": now, "owned_by": "pipeserve"} for i in ids]})
 
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:
-        """The mounted adapters (model.adapter; one at most until hot-swap, issue 16)."""
+        """The mounted adapters (model.adapter and model.adapters, mounted at launch); the
+        launch default (what requests naming none run with) has `default: true`."""
         loaded = app.ctx.engine.loaded
         if loaded is None:
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
-        mounted = [loaded.adapter.describe()] if loaded.adapter is not None else []
+        set_ = loaded.adapters
+        mounted = ([{**a.describe(), "default": a.id == set_.default}
+                    for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})
 
     @app.post("/v1/chat/completions")

@@ -189,8 +189,17 @@ def cache_identity(loaded: LoadedModel, layout: Any) -> str:
         h.update(f.name.encode() + f.read_bytes())
     parts = [loaded.fingerprint, layout.identity, loaded.compute_dtype, mx.__version__,
              str(mx.default_device()), h.hexdigest()[:16],
-             "adapters=" + (loaded.adapter.identity if loaded.adapter is not None else "")]
+             "adapters=" + _adapters_identity(loaded)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _adapters_identity(loaded: LoadedModel) -> str:
+    """The launch default's id@digest (as increment 1 had it), then every other mounted one."""
+    default = loaded.adapter.identity if loaded.adapter is not None else ""
+    if loaded.adapters is None:
+        return default
+    others = [a.identity for a in loaded.adapters.adapters.values() if a is not loaded.adapter]
+    return ",".join([default] + others) if others else default
 
 
 def sample_memory(metrics: Metrics, kv: RowStore, layout: Any) -> None:

@@ -39,7 +39,7 @@ class Persist:
             if done == req.num_prompt_tokens - 1 and req.num_cached_tokens < done:
                 caches = kv.caches_of(row.request_id)
                 if caches is not None:
-                    self.cache.put(req.prompt_ids[:-1], caches)
+                    self.cache.put(req.prompt_ids[:-1], caches, req.adapter)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:
@@ -71,7 +71,7 @@ class Persist:
             for c in caches:
                 c.trim(fed - len(known))
             fed = len(known)
-        self.cache.put(known[:fed], caches)
+        self.cache.put(known[:fed], caches, req.adapter)
 
     def _checkpoint(self, req: Request, kv: RowStore) -> None:
         """Host copies here, disk writes on the SSD writer thread."""

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
+from pipeline.adapters import AdapterSet
 from pipeline.config import ServeConfig
 from pipeline.draft.accept import accept_greedy, accept_sampling, emitted_lists
 from pipeline.errors import ConfigError
@@ -30,6 +31,7 @@ class Verify:
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.model = deps.model
+        self.adapters = AdapterSet.of(deps.model)   # per-row adapters (model.adapters), or None
         self.sampler = Sample(cfg, deps)   # the same logit transforms and per-row states
                                            # (deps.samplers) as one-token sampling
         self.eos_ids = self.sampler.eos_ids
@@ -209,7 +211,11 @@ class Verify:
                     c.prepare(right_padding=padding)
         elif not batched and n != fed[0]:
             x = x[:, :fed[0]]
+        if self.adapters is not None:   # the replay runs each row with its own adapter
+            self.adapters.select([self.adapters.slot(r.adapter) for r in reqs])
         self.model(x, cache=caches)
+        if self.adapters is not None:
+            self.adapters.reset()
         if batched and max(padding):
             for c in caches:
                 c.finalize()

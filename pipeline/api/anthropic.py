@@ -239,7 +239,9 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
         inputs, requested = await off_loop(len(http.body or b""), parse, body)
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
                       inputs=inputs, requested=requested,
-                      constraint=structured.from_body(body, format_field=None))   # guided_*
+                      constraint=structured.from_body(body, format_field=None),   # guided_*
+                      adapter=F.adapter(body, app.ctx.cfg.model.name,
+                                        app.ctx.engine.loaded.adapters))
         gen = await scope.start(req)
         model = app.ctx.cfg.model.name
         if F.get(body, "stream", bool, False):

@@ -146,7 +146,9 @@ class Generation:
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
             self.batch_size_max = reported   # the engine saw every step; better than our samples
-        self.record = self.app_ctx.record.with_batch_size(self.batch_size_max or None)
+        adapters = self.app_ctx.engine.loaded.adapters
+        self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
+            .with_batch_size(self.batch_size_max or None)
         self.usage.record = self.record.body()
 
     def _observe_batch(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 import sanic
 from sanic import HTTPResponse, Sanic
 
+from pipeline.api import fields as F
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_data
@@ -24,12 +25,14 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         front = ready_front(app)
         chat = endpoint == "chat"
         parse = oa.parse_chat if chat else oa.parse_completion
-        parsed = await off_loop(len(http.body or b""), lambda: parse(read_body(http)))
+        body = await off_loop(len(http.body or b""), read_body, http)
+        parsed = await off_loop(len(http.body or b""), parse, body)
+        adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.n > 1:
             _check_room(app, parsed.n)
         # every choice is its own row: tokenized and admitted now (errors before any output)
-        reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i))
+        reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i, adapter))
                 for i in range(parsed.n)]
         gen = scope.submit(reqs[0], parse_output=chat)
         choices = _choices(scope, gen, reqs[1:], chat)
@@ -72,13 +75,14 @@ def _check_room(app: Sanic, n: int) -> None:
             "once); lower n or retry shortly", retry_after_s=1, code="queue_full")
 
 
-def _choice_request(parsed: oa.Parsed, rid: str, endpoint: str, index: int) -> Request:
+def _choice_request(parsed: oa.Parsed, rid: str, endpoint: str, index: int,
+                    adapter: str | None) -> Request:
     requested = dict(parsed.requested)
     if index:
         requested["seed"] = oa.choice_seed(requested.get("seed"), index)
     return Request(request_id=rid if index == 0 else f"{rid}-{index}", endpoint=endpoint,
                    inputs=copy.deepcopy(parsed.inputs) if index else parsed.inputs,
-                   requested=requested, constraint=parsed.constraint)
+                   requested=requested, constraint=parsed.constraint, adapter=adapter)
 
 
 def _choices(scope: Scope, first: Generation, rest: list[Request],

@@ -18,7 +18,7 @@ class Record:
     kv_scheme: str                  # kv group option (cfg.kv.name)
     draft: str                      # draft group option (cfg.draft.name)
     lane: str                       # serial | continuous
-    adapter: str | None = None      # the mounted adapter as id@digest; absent when none
+    adapter: str | None = None      # the request's adapter as id@digest; absent when none
     batch_size: int | None = None   # most rows decoded together while this request decoded
 
     def body(self) -> dict[str, Any]:
@@ -30,6 +30,13 @@ class Record:
 
     def with_batch_size(self, batch_size: int | None) -> Record:
         return replace(self, batch_size=batch_size)
+
+    def with_adapter(self, adapters: Any, choice: str | None) -> Record:
+        """The record of a request that chose `choice` (Request.adapter) among `adapters`
+        (the model's AdapterSet, or None: no adapters mounted)."""
+        if adapters is None:
+            return self
+        return replace(self, adapter=adapters.identity(choice))
 
 
 def base_record(cfg: ServeConfig, config_hash: str, fingerprint: str | None,

@@ -169,10 +169,13 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
         ready_front(app)
         # the JSON off the loop when large; parse reads the response store, so it stays here
-        parsed = parse(await off_loop(len(http.body or b""), read_body, http), app.ctx.responses)
+        body = await off_loop(len(http.body or b""), read_body, http)
+        parsed = parse(body, app.ctx.responses)
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
                       inputs=parsed.inputs, requested=parsed.requested,
-                      constraint=parsed.constraint)
+                      constraint=parsed.constraint,
+                      adapter=F.adapter(body, app.ctx.cfg.model.name,
+                                        app.ctx.engine.loaded.adapters))
         gen = await scope.start(req)
         shape = ResponseShape(gen.request.request_id, app.ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store)

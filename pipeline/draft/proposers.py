@@ -101,7 +101,7 @@ class ModelProposer(NoDraft):
         from pipeline.kv.rows import RowStore
         from pipeline.loader import load
         draft_cfg = replace(cfg.model, path=cfg.draft.path, name="draft", chat_template=None,
-                            adapter=None)   # the draft runs without the adapter (verify uses it)
+                            adapter=None, adapters=[])   # the draft runs without the adapter (verify uses it)
         self.draft = load(draft_cfg)
         target_vocab = ctx.loaded.tokenizer.get_vocab()
         draft_vocab = self.draft.tokenizer.get_vocab()

@@ -29,12 +29,14 @@ class Checkpoints:
         self.ssd, self.every, self.scope = ssd, every, scope
 
     def identity(self, req: Request) -> str:
-        """Prompt, every sampling field (seed included), stop strings, constraint, KV scheme,
-        draft method and model: a request differing in any of them never resumes this one."""
+        """Prompt, every sampling field (seed included), stop strings, constraint, adapter, KV
+        scheme, draft method and model: a request differing in any of them never resumes this
+        one."""
         sp = dataclasses.asdict(req.sampling)
         sp["logit_bias"] = sorted(sp["logit_bias"].items())
         constraint = getattr(req.constraint, "key", None) if req.constraint is not None else None
         text = json.dumps({"prompt": req.prompt_ids, "sampling": sp, "constraint": constraint,
+                           **({"adapter": req.adapter} if req.adapter is not None else {}),
                            **self.scope}, sort_keys=True, default=str)
         return "c:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -21,7 +21,13 @@ from pipeline.metrics import Metrics
 from pipeline.prompt_cache.protocol import content_state, lend, rebuild
 
 log = logging.getLogger(__name__)
-TRIE_KEY = "model"   # one model per server: a single trie root
+TRIE_KEY = "model"   # the trie root of requests on the launch default (Request.adapter None)
+
+
+def model_key(adapter: str | None) -> str:
+    """The trie root (mlx-lm's PromptTrie model key) of a request's adapter choice
+    (Request.adapter): entries never serve a request of another adapter."""
+    return TRIE_KEY if adapter is None else "adapter:" + adapter
 
 
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
@@ -33,22 +39,22 @@ class GhostIndex:
     def __init__(self, limit: int = 512) -> None:
         self.limit = limit
         self.trie = PromptTrie()
-        self.keys: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.keys: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
 
-    def add(self, tokens: tuple[int, ...]) -> None:
-        if tokens in self.keys:
+    def add(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> None:
+        if (model, tokens) in self.keys:
             return
-        self.keys[tokens] = None
-        self.trie.add(TRIE_KEY, list(tokens), True)
+        self.keys[(model, tokens)] = None
+        self.trie.add(model, list(tokens), True)
         while len(self.keys) > self.limit:
-            old, _ = self.keys.popitem(last=False)
-            self.trie.pop(TRIE_KEY, list(old))
+            (m, old), _ = self.keys.popitem(last=False)
+            self.trie.pop(m, list(old))
 
-    def shared(self, query: list[int]) -> int:
+    def shared(self, query: list[int], model: str = TRIE_KEY) -> int:
         """How many leading tokens of `query` some remembered key shares."""
         if not self.keys:
             return 0
-        found = self.trie.search(TRIE_KEY, query)
+        found = self.trie.search(model, query)
         if found.exact is not None:
             return len(query)
         return max(found.common_prefix, len(found.shorter) if found.shorter else 0)
@@ -89,6 +95,11 @@ class Entry:
     nbytes: int             # bytes of the arrays `caches` keep alive (see `own`)
     trimmable: bool         # attention-only: any prefix of it can be reused
     last_used_s: float = field(default_factory=time.monotonic)
+    model: str = TRIE_KEY   # its adapter's trie root (model_key)
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return (self.model, self.tokens)
 
 
 @dataclass(slots=True)
@@ -106,25 +117,29 @@ class RamPromptCache:
         self.metrics = metrics
         self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
         self.trie = PromptTrie()
-        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # LRU order
+        self.entries: OrderedDict[tuple[str, tuple[int, ...]], Entry] = OrderedDict()  # LRU
+        # order, keyed by Entry.key (adapter root, tokens)
         self.nbytes = 0
         self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
 
-    def find(self, prompt_ids: list[int]) -> tuple[Entry | None, int, str, int]:
-        """(entry, tokens reusable from it, reason, tokens shared with any entry)."""
+    def find(self, prompt_ids: list[int], adapter: str | None = None
+             ) -> tuple[Entry | None, int, str, int]:
+        """(entry, tokens reusable from it, reason, tokens shared with any entry), among the
+        entries made with the same adapter choice (Request.adapter)."""
+        model = model_key(adapter)
         limit = len(prompt_ids) - 1
         query = list(prompt_ids[:limit])
         if limit < 1 or not self.entries:
-            evicted = limit >= 1 and self.ghosts.shared(query) >= MIN_EXPLAINED
+            evicted = limit >= 1 and self.ghosts.shared(query, model) >= MIN_EXPLAINED
             return None, 0, "evicted" if evicted else "no_prefix", 0
-        found = self.trie.search(TRIE_KEY, query)
+        found = self.trie.search(model, query)
         if found.exact is not None:
-            return self.entries[tuple(query)], limit, "hit", limit
+            return self.entries[(model, tuple(query))], limit, "hit", limit
         best: tuple[Entry, int] | None = None
         if found.shorter is not None:
-            best = (self.entries[tuple(found.shorter)], len(found.shorter))
+            best = (self.entries[(model, tuple(found.shorter))], len(found.shorter))
         if found.longer is not None and found.common_prefix > (best[1] if best else 0):
-            longer = self.entries[tuple(found.longer)]
+            longer = self.entries[(model, tuple(found.longer))]
             # a row that converted to a quantized layout at C (kv.quantized_start) is never
             # reused below C: a cold run would still be dense there
             converted = max((getattr(c, "converted_at", None) or 0) for c in longer.caches)
@@ -132,7 +147,7 @@ class RamPromptCache:
                 best = (longer, found.common_prefix)
         shared = max(found.common_prefix, best[1] if best else 0)
         if best is None:
-            if self.ghosts.shared(query) > max(shared, MIN_EXPLAINED - 1):
+            if self.ghosts.shared(query, model) > max(shared, MIN_EXPLAINED - 1):
                 return None, 0, "evicted", shared
             return None, 0, "no_snapshot" if shared else "no_prefix", shared
         return best[0], best[1], "hit", shared
@@ -144,12 +159,13 @@ class RamPromptCache:
             for c in caches:
                 c.trim(len(entry.tokens) - n)
         entry.last_used_s = time.monotonic()
-        self.entries.move_to_end(entry.tokens)
+        self.entries.move_to_end(entry.key)
         return caches
 
-    def lookup(self, prompt_ids: list[int]) -> Lookup:
-        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed."""
-        entry, n, reason, shared = self.find(prompt_ids)
+    def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup:
+        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed,
+        made with the same adapter choice."""
+        entry, n, reason, shared = self.find(prompt_ids, adapter)
         if entry is None:
             return self._miss(reason, shared)
         self.metrics.cache_hits.labels(self.tier).inc()
@@ -162,35 +178,42 @@ class RamPromptCache:
         log.debug("prompt cache miss (%s): %d tokens shared with an entry", reason, shared)
         return Lookup(None, 0, reason)
 
-    def put(self, tokens: list[int], caches: list[Any]) -> Entry | None:
-        """Keep a copy of `caches` (holding exactly `tokens`) for reuse (see `own`)."""
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None
+            ) -> Entry | None:
+        """Keep a copy of `caches` (holding exactly `tokens`, computed with the adapter
+        choice `adapter`) for reuse (see `own`)."""
         if self.max_bytes <= 0 or not tokens:
             return None
-        key = tuple(tokens)
+        return self.put_model(tokens, caches, model_key(adapter))
+
+    def put_model(self, tokens: list[int], caches: list[Any], model: str) -> Entry | None:
+        if self.max_bytes <= 0 or not tokens:
+            return None
         pending: list[mx.array] = []
         owned = [own(c, pending) for c in caches]
         mx.async_eval(pending)   # the copies run on the device; nothing waits for them
-        entry = Entry(key, [c for c, _ in owned], sum(n for _, n in owned),
-                      can_trim_prompt_cache(caches))
+        entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
+                      can_trim_prompt_cache(caches), model=model)
         if entry.nbytes > self.max_bytes:
             return None
+        key = entry.key
         prev = self.entries.pop(key, None)
         if prev is not None:
             self.nbytes -= prev.nbytes
-        self.trie.add(TRIE_KEY, list(key), entry)
+        self.trie.add(model, list(entry.tokens), entry)
         self.entries[key] = entry
         self.nbytes += entry.nbytes
         if entry.trimmable:   # shorter entries it extends are now redundant
-            for n, old in self.trie.pop_prefixes(TRIE_KEY, list(key)):
-                if old is not entry and self.entries.pop(old.tokens, None) is not None:
+            for n, old in self.trie.pop_prefixes(model, list(entry.tokens)):
+                if old is not entry and self.entries.pop(old.key, None) is not None:
                     self.nbytes -= old.nbytes
         self._evict()
         self._report()
         return entry if key in self.entries else None
 
     def remove(self, entry: Entry) -> None:
-        if self.entries.pop(entry.tokens, None) is not None:
-            self.trie.pop(TRIE_KEY, list(entry.tokens))
+        if self.entries.pop(entry.key, None) is not None:
+            self.trie.pop(entry.model, list(entry.tokens))
             self.nbytes -= entry.nbytes
             self._report()
 
@@ -204,11 +227,11 @@ class RamPromptCache:
         prefixes and running rows share one pool, and running rows come first."""
         if not self.entries:
             return False
-        key, entry = self.entries.popitem(last=False)
-        self.trie.pop(TRIE_KEY, list(key))
+        _, entry = self.entries.popitem(last=False)
+        self.trie.pop(entry.model, list(entry.tokens))
         self.nbytes -= entry.nbytes
         self.metrics.cache_evictions.labels(self.tier).inc()
-        self.ghosts.add(key)
+        self.ghosts.add(entry.tokens, entry.model)
         if self.on_evict is not None:
             self.on_evict(entry)
         self._report()

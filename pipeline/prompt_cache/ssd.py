@@ -18,14 +18,28 @@ from mlx_lm.models.cache import PromptTrie
 
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.codec import CorruptEntry, Staged, decode
-from pipeline.prompt_cache.ram import GhostIndex
+from pipeline.prompt_cache.ram import TRIE_KEY, GhostIndex
 
 log = logging.getLogger(__name__)
-TRIE_KEY = "model"
 
 
-def token_key(tokens: tuple[int, ...]) -> str:
-    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:32]
+def token_key(tokens: tuple[int, ...], model: str = TRIE_KEY) -> str:
+    """The disk key of an entry: its tokens, and its adapter's trie root unless the launch
+    default's (model_key), so entries of two adapters never share a key."""
+    text = repr(tokens) if model == TRIE_KEY else model + "|" + repr(tokens)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _stored_key(value: Any) -> tuple[str, tuple[int, ...]] | None:
+    """(trie root, tokens) of a `t:` record: a token list (the launch default's) or
+    {"model": root, "tokens": [...]} (another adapter's)."""
+    if isinstance(value, dict):
+        value, model = value.get("tokens"), value.get("model")
+    else:
+        model = TRIE_KEY
+    if isinstance(model, str) and isinstance(value, (list, tuple)) and value:
+        return model, tuple(value)
+    return None
 
 
 class SsdStore:
@@ -40,12 +54,12 @@ class SsdStore:
         self.disk = diskcache.Cache(str(self.dir), size_limit=limit,
                                     eviction_policy="least-recently-stored")
         self.trie = PromptTrie()
-        self.index: dict[tuple[int, ...], str] = {}
+        self.index: dict[tuple[str, tuple[int, ...]], str] = {}   # (root, tokens) -> key
         for key in list(self.disk.iterkeys()):
             if isinstance(key, str) and key.startswith("t:"):
-                tokens = self.disk.get(key)
-                if isinstance(tokens, (list, tuple)) and tokens:
-                    self._index(tuple(tokens))
+                stored = _stored_key(self.disk.get(key))
+                if stored is not None:
+                    self._index(stored[1], stored[0])
         self.foreign = GhostIndex(limit=2048)   # keys written under other identities
         others = [p for p in root.iterdir() if p.is_dir() and p.name != identity] \
             if root.exists() else []
@@ -66,25 +80,27 @@ class SsdStore:
             with diskcache.Cache(str(path)) as other:
                 for key in other.iterkeys():
                     if isinstance(key, str) and key.startswith("t:"):
-                        tokens = other.get(key)
-                        if isinstance(tokens, (list, tuple)) and tokens:
-                            self.foreign.add(tuple(tokens))
+                        stored = _stored_key(other.get(key))
+                        if stored is not None:
+                            self.foreign.add(stored[1], stored[0])
         except (OSError, sqlite3.Error, pickle.UnpicklingError, EOFError, ValueError) as e:
             # not a diskcache of ours (another tool's or an old format's directory)
             log.info("prompt cache: skipped SSD namespace %s (%s)", path.name, e)
 
-    def _index(self, tokens: tuple[int, ...]) -> None:
-        self.index[tokens] = token_key(tokens)
-        self.trie.add(TRIE_KEY, list(tokens), tokens)
+    def _index(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> None:
+        self.index[(model, tokens)] = token_key(tokens, model)
+        self.trie.add(model, list(tokens), tokens)
 
     # -- engine thread --------------------------------------------------------------
-    def best(self, prompt_ids: list[int], trimmable: bool) -> tuple[tuple[int, ...], int] | None:
-        """The stored entry reusing the most of `prompt_ids[:-1]`, and how many tokens."""
+    def best(self, prompt_ids: list[int], trimmable: bool, model: str = TRIE_KEY
+             ) -> tuple[tuple[int, ...], int] | None:
+        """The stored entry (of trie root `model`) reusing the most of `prompt_ids[:-1]`,
+        and how many tokens."""
         limit = len(prompt_ids) - 1
         if limit < 1 or not self.index:
             return None
         query = list(prompt_ids[:limit])
-        found = self.trie.search(TRIE_KEY, query)
+        found = self.trie.search(model, query)
         if found.exact is not None:
             return tuple(query), limit
         best = None
@@ -95,13 +111,13 @@ class SsdStore:
             best = (tuple(found.longer), found.common_prefix)
         return best
 
-    def load(self, tokens: tuple[int, ...]) -> list[Any] | None:
+    def load(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> list[Any] | None:
         """Read and check an entry; a missing, corrupt or truncated one is removed, counted
         and never served."""
-        key = token_key(tokens)
+        key = token_key(tokens, model)
         blob = self.disk.get("e:" + key)
         if blob is None:
-            self._forget(tokens)
+            self._forget(tokens, model)
             return None
         try:
             stored, caches = decode(blob, self.verify)
@@ -112,22 +128,22 @@ class SsdStore:
             self.metrics.cache_corrupt.inc()
             self.disk.delete("e:" + key)
             self.disk.delete("t:" + key)
-            self._forget(tokens)
+            self._forget(tokens, model)
             return None
         self.metrics.cache_restores.inc()
         return caches
 
-    def _forget(self, tokens: tuple[int, ...]) -> None:
-        if self.index.pop(tokens, None) is not None:
-            self.trie.pop(TRIE_KEY, list(tokens))
+    def _forget(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> None:
+        if self.index.pop((model, tokens), None) is not None:
+            self.trie.pop(model, list(tokens))
         self._report()
 
-    def submit(self, tokens: tuple[int, ...], blob: bytes | Staged) -> None:
+    def submit(self, tokens: tuple[int, ...], blob: bytes | Staged, model: str = TRIE_KEY) -> None:
         """Queue an entry for the writer: bytes, or a Staged entry whose host copy the writer
         makes (the engine never waits for the disk, nor for the copy)."""
-        if tokens not in self.index:
-            self._index(tokens)
-        self._queue.put((tokens, blob))
+        if (model, tokens) not in self.index:
+            self._index(tokens, model)
+        self._queue.put((tokens, blob, model))
         self.metrics.cache_write_queue.set(self._queue.qsize())
 
     def put_raw(self, key: str, value: Any) -> None:
@@ -155,7 +171,7 @@ class SsdStore:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            if len(item) == 3:
+            if len(item) == 3 and isinstance(item[0], str):
                 op, key, value = item
                 if op == "raw":
                     if isinstance(value, dict) and isinstance(value.get("kv"), Staged):
@@ -165,13 +181,15 @@ class SsdStore:
                     self.disk.delete(key)
                 continue
             self.metrics.cache_write_queue.set(self._queue.qsize())
-            tokens, blob = item
+            tokens, blob, model = item
             if isinstance(blob, Staged):   # the host copy and hashing happen here
                 blob = blob.bytes()
-            key = token_key(tokens)
+            key = token_key(tokens, model)
+            record: Any = (list(tokens) if model == TRIE_KEY
+                           else {"model": model, "tokens": list(tokens)})
             try:
                 self.disk.set("e:" + key, blob)
-                self.disk.set("t:" + key, list(tokens))   # index after data: never dangles
+                self.disk.set("t:" + key, record)   # index after data: never dangles
                 self.metrics.cache_ssd_writes.inc()
                 self.metrics.cache_ssd_write_bytes.inc(len(blob))
             except OSError:

@@ -16,7 +16,7 @@ from pipeline.config import ServeConfig
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.checkpoint import Checkpoints
 from pipeline.prompt_cache.codec import stage
-from pipeline.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache
+from pipeline.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache, model_key
 from pipeline.prompt_cache.ssd import SsdStore
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class TieredPromptCache:
                             ssd.verify, metrics)
         self.write_behind = ssd.write_behind
         self.demote_idle_s = ssd.demote_idle_s
-        self.dirty: dict[tuple[int, ...], Entry] = {}   # in RAM, not yet handed to the writer
+        self.dirty: dict[tuple[str, tuple[int, ...]], Entry] = {}   # in RAM, not yet handed to
+        # the writer, by Entry.key
         every = cfg.cache.checkpoint_every
         self.checkpoints = (Checkpoints(self.ssd, every, {"identity": identity, "kv": "dense",
                                                            "draft": "none"})
@@ -48,11 +49,13 @@ class TieredPromptCache:
     def nbytes(self) -> int:
         return self.ram.nbytes
 
-    def lookup(self, prompt_ids: list[int]) -> Lookup:
-        entry, n, reason, shared = self.ram.find(prompt_ids)
-        on_disk = self.ssd.best(prompt_ids, trimmable=True)
+    def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup:
+        """As RamPromptCache.lookup, the SSD tier behind it; both keyed by adapter choice."""
+        model = model_key(adapter)
+        entry, n, reason, shared = self.ram.find(prompt_ids, adapter)
+        on_disk = self.ssd.best(prompt_ids, trimmable=True, model=model)
         if on_disk is not None and on_disk[1] > n:
-            restored = self._restore(on_disk[0], on_disk[1])
+            restored = self._restore(on_disk[0], on_disk[1], model)
             if restored is not None:
                 entry, n = restored, on_disk[1]
                 self.metrics.cache_hits.labels("ssd").inc()
@@ -61,27 +64,27 @@ class TieredPromptCache:
         if entry is None:
             limit = list(prompt_ids[:-1])
             if (reason in ("no_prefix", "no_snapshot")
-                    and self.ssd.foreign.shared(limit) > max(shared, MIN_EXPLAINED - 1)):
+                    and self.ssd.foreign.shared(limit, model) > max(shared, MIN_EXPLAINED - 1)):
                 reason = "incompatible"
             return self.ram._miss(reason, shared)
         self.metrics.cache_hits.labels("ram").inc()
         self.metrics.cache_hit_tokens.labels("ram").inc(n)
         return Lookup(self.ram.take(entry, n), n, "hit")
 
-    def _restore(self, tokens: tuple[int, ...], n: int) -> Entry | None:
-        caches = self.ssd.load(tokens)
+    def _restore(self, tokens: tuple[int, ...], n: int, model: str) -> Entry | None:
+        caches = self.ssd.load(tokens, model)
         if caches is None:
             return None
         if n < len(tokens) and not can_trim_prompt_cache(caches):
             self.metrics.cache_misses.labels("no_snapshot").inc()
             return None
-        return self.ram.put(list(tokens), caches)   # durable already: not dirty
+        return self.ram.put_model(list(tokens), caches, model)   # durable already: not dirty
 
-    def put(self, tokens: list[int], caches: list[Any]) -> None:
-        entry = self.ram.put(tokens, caches)
-        if entry is not None and entry.tokens not in self.ssd.index:
-            self.dirty[entry.tokens] = entry
-        for key in [k for k, e in self.dirty.items() if e.tokens not in self.ram.entries]:
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> None:
+        entry = self.ram.put(tokens, caches, adapter)
+        if entry is not None and entry.key not in self.ssd.index:
+            self.dirty[entry.key] = entry
+        for key in [k for k, e in self.dirty.items() if e.key not in self.ram.entries]:
             self.dirty.pop(key)   # subsumed by a longer entry before it reached disk
         self.metrics.cache_dirty.set(len(self.dirty))
 
@@ -89,12 +92,12 @@ class TieredPromptCache:
         return self.ram.evict_oldest()
 
     def _write(self, entry: Entry) -> None:
-        self.dirty.pop(entry.tokens, None)
-        self.ssd.submit(entry.tokens, stage(list(entry.tokens), entry.caches))
+        self.dirty.pop(entry.key, None)
+        self.ssd.submit(entry.tokens, stage(list(entry.tokens), entry.caches), entry.model)
         self.metrics.cache_dirty.set(len(self.dirty))
 
     def _spill(self, entry: Entry) -> None:
-        if entry.tokens not in self.ssd.index or entry.tokens in self.dirty:
+        if entry.key not in self.ssd.index or entry.key in self.dirty:
             self._write(entry)
             self.metrics.cache_spills.labels("eviction").inc()
 
@@ -112,7 +115,7 @@ class TieredPromptCache:
         for entry in list(self.ram.entries.values()):
             if now - entry.last_used_s < self.demote_idle_s:
                 break   # LRU order: the rest were used more recently
-            if entry.tokens in self.dirty or entry.tokens not in self.ssd.index:
+            if entry.key in self.dirty or entry.key not in self.ssd.index:
                 self._write(entry)
             self.metrics.cache_spills.labels("idle").inc()
             self.ram.remove(entry)

@@ -63,3 +63,98 @@ def test_unknown_adapter_stops_the_launch(server_factory: Any, adapter_dir: Path
     assert s.proc.wait(120) != 0
     assert "model.adapter 'nope' is not in model.adapter_dir" in s.log()
     assert "adapters there: support-bot" in s.log()
+
+
+# -- several adapters, chosen per request (model.adapters) ---------------------------------
+@pytest.fixture(scope="module")
+def multi(server_factory: Any, tmp_path_factory: pytest.TempPathFactory,
+          model_cache: Path) -> Any:
+    root = tmp_path_factory.mktemp("multi")
+    base = ensure_model(cache_dir=model_cache)
+    write_adapter(root, "lora", base, rank=4, seed=5)
+    write_adapter(root, "terse", base, rank=8, num_layers=1, seed=6,
+                  keys=["self_attn.q_proj", "mlp.down_proj"])
+    return server_factory(f"model.adapter_dir={root}", "model.adapters=[lora,terse]",
+                          "scheduler=continuous", "scheduler.max_batch=8")
+
+
+def _openai(s: Any) -> Any:
+    import openai
+    return openai.OpenAI(base_url=s.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+def _text(client: Any, model: str = "tiny", **extra: Any) -> str:
+    done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12,
+                                     temperature=0, logit_bias=NO_EOS, extra_body=extra or None)
+    return done.choices[0].text
+
+
+def test_models_lists_base_and_every_adapter(multi: Any) -> None:
+    assert [m.id for m in _openai(multi).models.list()] == ["tiny", "tiny:lora", "tiny:terse"]
+    listed = httpx.get(multi.base_url + "/v1/adapters", timeout=TIMEOUT).json()["data"]
+    assert [(a["id"], a["rank"], a["default"]) for a in listed] == [("lora", 4, False),
+                                                                    ("terse", 8, False)]
+
+
+def test_model_suffix_and_adapter_field_select_the_same(multi: Any) -> None:
+    client = _openai(multi)
+    by_model = _text(client, "tiny:lora")
+    assert by_model == _text(client, adapter="lora")
+    base = _text(client)
+    assert base == _text(client, adapter="none") != by_model
+    assert _text(client, "tiny:terse") not in (by_model, base)
+    chat = client.chat.completions.with_raw_response.create(
+        model="tiny:terse", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0)
+    assert "adapter=terse@" in chat.headers["x-pipeserve-record"]
+    assert chat.parse().usage.model_extra["pipeserve"]["adapter"].startswith("terse@")
+
+
+def test_unknown_adapter_is_a_404_in_each_protocols_shape(multi: Any) -> None:
+    import anthropic
+    import openai
+
+    client = _openai(multi)
+    with pytest.raises(openai.NotFoundError) as info:
+        _text(client, "tiny:nope")
+    err = info.value.body
+    assert err["param"] == "model" and err["code"] == "adapter_not_found"
+    assert "'nope'" in err["message"] and "mounted: lora, terse" in err["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={"adapter": "nope"})
+    assert info.value.body["param"] == "adapter"
+    claude = anthropic.Anthropic(base_url=multi.base_url, api_key="none", max_retries=0,
+                                 timeout=TIMEOUT)
+    with pytest.raises(anthropic.NotFoundError) as ainfo:
+        claude.messages.create(model="tiny", max_tokens=4, extra_body={"adapter": "nope"},
+                               messages=[{"role": "user", "content": "hi"}])
+    assert ainfo.value.body["type"] == "error"
+    assert "'nope'" in ainfo.value.body["error"]["message"]
+    ok = claude.messages.with_raw_response.create(
+        model="tiny", max_tokens=4, extra_body={"adapter": "lora"},
+        messages=[{"role": "user", "content": "hi"}])
+    assert "adapter=lora@" in ok.headers["x-pipeserve-record"]
+    resp = httpx.post(multi.base_url + "/v1/responses", timeout=TIMEOUT,
+                      json={"model": "tiny:terse", "input": "hi", "max_output_tokens": 4})
+    assert resp.status_code == 200 and "adapter=terse@" in resp.headers["x-pipeserve-record"]
+    bad = httpx.post(multi.base_url + "/v1/responses", timeout=TIMEOUT,
+                     json={"model": "tiny", "adapter": "nope", "input": "hi"})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "adapter"
+    assert _text(client) == _text(client, adapter="none")   # still serving
+
+
+def test_cached_tokens_never_cross_adapters(multi: Any) -> None:
+    client = _openai(multi)
+    prompt = "The lighthouse keeper counted ships " * 12
+
+    def cached(**extra: Any) -> int:
+        done = client.completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                         temperature=0, extra_body=extra)
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(adapter="lora") == 0
+    assert cached(adapter="terse") == 0
+    assert cached(adapter="none") == 0
+    assert cached(adapter="lora") > 0
