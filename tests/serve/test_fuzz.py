@@ -513,7 +513,13 @@ def fuzz(base_url: str, per_endpoint: int, seconds: float, workers: int = WORKER
 
     def producer(endpoint: str) -> None:
         try:
-            produce(endpoint, per_endpoint, put, done, seed)
+            for attempt in range(3):   # hypothesis is not thread-safe: a draw running beside
+                try:                   # the other endpoints' may raise inside hypothesis;
+                    produce(endpoint, per_endpoint, put, done,   # draw again, a new seed
+                            None if seed is None else seed + attempt)
+                    return
+                except Exception as e:
+                    print(f"producer {endpoint}: hypothesis raised {e!r}; drawing again")
         finally:
             finished.release()
 
