@@ -188,6 +188,19 @@ class AdapterSet:
         self.uniform: int | None = self.default_slot   # every row on this slot, or None
         self.indices: Any = None      # (B,) int32 slot per row when mixed
         self.row_scales: Any = None   # (B, 1, 1) float32 scale per row when mixed
+        # unmounted over HTTP but still holding a slot (pipeline/adapter_swap.py): id →
+        # (adapter, monotonic time of its unmount); engine thread only
+        self.retired: dict[str, tuple[Adapter, float]] = {}
+
+    def renumber(self, order: list[Adapter]) -> None:
+        """Engine thread (pipeline/adapter_swap.py), between steps: slots 1..n are `order`
+        now; `adapters` (what handlers read) is replaced whole, never changed in place."""
+        self.slots = {a.id: i + 1 for i, a in enumerate(order)}
+        self.scales = [0.0] + [a.scale for a in order]
+        self.ranks = [0] + [a.rank for a in order]
+        self.default_slot = self.slots[self.default] if self.default is not None else 0
+        self.adapters = {a.id: a for a in order if a.id not in self.retired}
+        self.reset()
 
     @property
     def ids(self) -> list[str]:
@@ -206,7 +219,9 @@ class AdapterSet:
 
     def identity(self, choice: str | None) -> str | None:
         name = self.name(choice)
-        return self.adapters[name].identity if name is not None else None
+        if name is None:
+            return None
+        return (self.adapters[name] if name in self.adapters else self.retired[name][0]).identity
 
     def canonical(self, choice: str | None, param: str) -> str | None:
         """A request's choice as Request.adapter holds it: None when it is the launch default
@@ -241,12 +256,18 @@ class AdapterSet:
         self.uniform, self.indices, self.row_scales = self.default_slot, None, None
 
     @staticmethod
-    def of(model: Any) -> AdapterSet | None:
-        """The set a model's MultiLoRALinear layers share, or None (no per-row adapters)."""
+    def of(model: Any) -> AdapterSet:
+        """The set a model's MultiLoRALinear layers share; a model without any gets an empty
+        one (no adapter, every row on slot 0), kept on the model so that adapters mounted
+        over HTTP later (pipeline/adapter_swap.py) join the set its Forward already holds."""
         for _, m in model.named_modules():
             if isinstance(m, MultiLoRALinear):
                 return m.adapters
-        return None
+        empty = getattr(model, "_pipeserve_adapters", None)
+        if empty is None:
+            empty = AdapterSet([], None)
+            object.__setattr__(model, "_pipeserve_adapters", empty)
+        return empty
 
 
 def _module_base() -> Any:

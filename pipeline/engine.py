@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, row_failure, step_failed
-from pipeline.events import Abort, Failed, Finished, Flush, Submit, TokenDelta
+from pipeline.events import Abort, AdapterSwap, Command, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel
 from pipeline.memory import MemoryModel
 from pipeline.metrics import Metrics
@@ -42,7 +42,7 @@ class Engine:
         self.scheduler: Scheduler = build(cfg.scheduler._target_, cfg)
         self.prompt_cache: Any = None   # pipeline.prompt_cache.*, or None (cache=off)
         self.layout: Any = None         # pipeline.kv.layouts.*; the step: load_parts
-        self._inbox: queue.SimpleQueue[Submit | Abort | Flush | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._out = Outbox(metrics)
         self._ready, self._stopping = threading.Event(), False
         self._num_submitted = 0   # written by submitters only
@@ -202,18 +202,17 @@ class Engine:
             if cmd is None:
                 return
             if isinstance(cmd, Flush):
-                cmd.reply(self.prompt_cache.flush() if hasattr(self.prompt_cache, "flush")
-                          else None)
+                cmd.reply(getattr(self.prompt_cache, "flush", lambda: None)())
+            elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeline/adapter_swap.py
+                cmd.run(self)
             elif isinstance(cmd, Submit):
                 self._out.open(cmd.request.request_id, cmd.stream)
                 self.scheduler.add(cmd.request)
                 self._num_added += 1
-            else:
-                req = self.scheduler.abort(cmd.request_id, cmd.reason)
-                if req is not None:
-                    self.step.retire([req], [])
-                    self.scheduler.release(req.request_id)
-                    self._out.post(req.request_id, finished_event(req))
+            elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
+                self.step.retire([req], [])
+                self.scheduler.release(req.request_id)
+                self._out.post(req.request_id, finished_event(req))
             self._count_waiting()
 
     def _count_waiting(self) -> None:

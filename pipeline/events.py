@@ -40,6 +40,25 @@ class Flush:
 
 
 @dataclass(slots=True)
+class AdapterSwap:
+    """Mount (`mount`) or unmount the adapter `adapter_id` between steps; `done` is set once
+    `result` (its /v1/adapters entry) or `error` is there (pipeline/adapter_swap.py)."""
+
+    adapter_id: str
+    mount: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, object] | None = None
+    error: ServeError | None = None
+
+    def run(self, engine: object) -> None:
+        from pipeline import adapter_swap
+        adapter_swap.run(engine, self)   # type: ignore[arg-type]
+
+
+Command = Submit | Abort | Flush | AdapterSwap
+
+
+@dataclass(slots=True)
 class TokenDelta:
     request_id: str
     token_ids: list[int]

@@ -225,7 +225,10 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         if origins and http.method == "OPTIONS":
             return HTTPResponse(status=204)
         key = cfg.server.api_key
-        if key and http.path.startswith("/v1/"):
+        # POST/DELETE /v1/adapters take the admin key instead, when one is set (their handler)
+        swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
+                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")))
+        if key and http.path.startswith("/v1/") and not swap:
             if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
@@ -333,8 +336,9 @@ def _add_routes(app: Sanic) -> None:
 
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:
-        """The mounted adapters (model.adapter and model.adapters, mounted at launch); the
-        launch default (what requests naming none run with) has `default: true`."""
+        """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
+        POST /v1/adapters); the launch default (what requests naming none run with) has
+        `default: true`."""
         loaded = app.ctx.engine.loaded
         if loaded is None:
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
@@ -342,6 +346,46 @@ def _add_routes(app: Sanic) -> None:
         mounted = ([{**a.describe(), "default": a.id == set_.default}
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})
+
+    def _admin(http: sanic.Request) -> None:
+        key = app.ctx.cfg.server.admin_key
+        if key and not _key_ok(http, key):
+            raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
+                               "<server.admin_key>")
+
+    async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
+        """Hot-swap (pipeline/adapter_swap.py): the engine thread mounts or unmounts between
+        steps; this handler only waits for its reply, in the executor."""
+        from pipeline import adapter_swap
+        from pipeline.events import AdapterSwap
+
+        cmd = AdapterSwap(adapter_id, mount)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, adapter_swap.request, app.ctx.engine, cmd)
+        assert cmd.result is not None
+        return cmd.result
+
+    @app.post("/v1/adapters")
+    async def mount_adapter(http: sanic.Request) -> HTTPResponse:
+        """Mount model.adapter_dir/<id> at runtime: 200 with its /v1/adapters entry; 400 (not
+        an id, a path out of the directory, files that do not fit the base model, DoRA), 404
+        (no such subdirectory), 409 (already mounted). Needs server.admin_key when set."""
+        from pipeline.api.http import read_body
+        from pipeline.errors import InvalidRequest
+
+        _admin(http)
+        body = read_body(http)
+        if not isinstance(body.get("id"), str):
+            raise InvalidRequest('the body must be a JSON object {"id": "<subdirectory of '
+                                 'model.adapter_dir>"}', param="id")
+        return json_response(await _swap(body["id"], True))
+
+    @app.delete("/v1/adapters/<adapter_id:str>")
+    async def unmount_adapter(http: sanic.Request, adapter_id: str) -> HTTPResponse:
+        """Unmount: 200 with the entry it had, `deleted: true`; 404 when not mounted; 409 for
+        the launch default or while running or waiting requests use it (the count named)."""
+        _admin(http)
+        return json_response({**await _swap(adapter_id, False), "deleted": True})
 
     @app.post("/v1/chat/completions")
     async def chat(http: sanic.Request) -> HTTPResponse | None:
