@@ -50,13 +50,12 @@ class AdapterConflict(ServeError):
 
 def request(engine: Engine, cmd: AdapterSwap) -> AdapterSwap:
     """Any thread (a handler's executor): hand `cmd` to the engine inbox and wait for its
-    reply. The inbox is the engine's command queue (STYLE §5); engine.py has no line left for
-    a public method, so this module puts the command there itself."""
+    reply (the engine runs it between steps, STYLE §5)."""
     from pipeline.engine import EngineState
 
     if engine.state is not EngineState.READY or engine.loaded is None:
         raise EngineUnavailable(f"engine is {engine.state.value}; retry when /health answers 200")
-    engine._inbox.put(cmd)   # the engine's command queue, as flush_cache uses it
+    engine.command(cmd)
     if not cmd.done.wait(WAIT_S):
         raise EngineUnavailable(f"the engine did not run the adapter command in {WAIT_S:.0f} s")
     if cmd.error is not None:

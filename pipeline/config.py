@@ -420,14 +420,6 @@ class PipelineConfig:
     persist: StageConfig = _slot("stages.persist.Persist")
     detokenize: StageConfig = _slot("stages.detokenize.Detokenize")
 
-    def step_slots(self, speculative: bool = False) -> list[StageConfig]:
-        """Run every step, in order. cache_lookup runs at admission instead (a scheduler hook).
-        With draft≠none, draft proposes before the forward (the target verifies the drafts in
-        the same forward it decodes with) and verify accepts and rolls back after sampling."""
-        if speculative:
-            return [self.draft, self.prefill, self.sample, self.verify, self.persist]
-        return [self.prefill, self.sample, self.persist]
-
 
 @dataclass
 class ServeConfig:

@@ -45,9 +45,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._out = Outbox(metrics)
         self._ready, self._stopping = threading.Event(), False
-        self._num_submitted = 0   # written by submitters only
-        self._num_left_queue = 0  # written by the engine only: left the queue (ran or aborted)
-        self._num_added = 0
+        # submitted: written by submitters only; left the queue (ran or aborted), added: engine
+        self._num_submitted = self._num_left_queue = self._num_added = 0
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
 
     # -- any thread -------------------------------------------------------------------
@@ -83,6 +82,9 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
+
+    def command(self, cmd: Command) -> None:   # any thread; the engine runs it between steps
+        self._inbox.put(cmd)
 
     def flush_cache(self) -> threading.Event:
         """Ask the engine to write every dirty prompt-cache entry; the returned event is set
@@ -244,6 +246,3 @@ class Engine:
         for req in self.scheduler.fail_all():
             self._out.post(req.request_id, Failed(req.request_id, err))
         self._out.flush()
-
-
-__all__ = ["Engine", "EngineState", "ServeError"]

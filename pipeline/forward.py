@@ -25,16 +25,18 @@ class Forward:
         self.keep_hidden = keep_hidden
         self.grouped = grouped
         self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
-        self.adapters = AdapterSet.of(model)   # per-row adapters (model.adapters), or None
+        self.adapters = AdapterSet.of(model)   # per-row adapters (empty: none mounted yet)
 
     def _select(self, rows: list[PlannedRow]) -> None:
-        """The next model call's rows, in its batch order, run each with its request's adapter."""
-        if self.adapters is not None:
-            self.adapters.select([self.adapters.slot(r.request.adapter) for r in rows])
+        """The next model call's rows, in its batch order, run each with its request's adapter
+        (nothing to do, per step, while no adapter is mounted)."""
+        a = self.adapters
+        if a.slots or a.retired:
+            a.select([a.slot(r.request.adapter) for r in rows])
 
     def _done(self) -> None:
         """After the call: back to every row on the launch default, for any other caller."""
-        if self.adapters is not None:
+        if self.adapters.slots or self.adapters.retired:
             self.adapters.reset()
 
     # -- prompt chunks ----------------------------------------------------------------

@@ -253,7 +253,7 @@ class Scheduler:
         if reason is not None:
             self.running.remove(req)
             self._finish(req, reason)
-            yield req, self._finished(req)
+            yield req, finished_event(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished; the engine persists and then frees the row's KV."""
@@ -261,10 +261,6 @@ class Scheduler:
         req.kv_reserved_bytes = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-
-    @staticmethod
-    def _finished(req: Request) -> Finished:
-        return finished_event(req)
 
     def _draft_room(self, rows: list[PlannedRow], budget: int) -> list[PlannedRow]:
         """Room for drafts counts against the budget: none past draft.disable_by_batch_size
@@ -288,7 +284,3 @@ def finished_event(req: Request) -> Finished:
         extras["speculation"] = {"proposed": req.spec_proposed, "accepted": req.spec_accepted}
     return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
                     len(req.output_ids), num_cached_tokens=req.num_cached_tokens, extras=extras)
-
-
-SerialScheduler = ContinuousScheduler = Scheduler   # the two scheduler options; serial pins
-                                                    # max_batch to 1 in its config
