@@ -38,12 +38,18 @@ def serve(raw: DictConfig) -> None:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
         check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
         cfg = load_config(raw)
+        from pipeline.pool.members import compose_members   # pool=...: each model's config
+        members = compose_members(cfg, list(hydra_cfg.overrides.task))
     except ConfigError as e:
         log.error("config error: %s", e)
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if cfg.distributed.enabled:   # mlx.launch: ranks > 0 follow rank 0 and never listen
+        from pipeline.distributed.follower import follow
+        if (code := follow(cfg)) is not None:
+            _exit(code)
     from pipeline.server import build_app
-    app = build_app(cfg)
+    app = build_app(cfg, members=members)
     app.ctx.exit_code = 0
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
             motd=False)

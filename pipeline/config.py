@@ -19,6 +19,7 @@ from pipeline import registry
 from pipeline.draft.config import DraftConfig
 from pipeline.errors import ConfigError, check_positive as _positive
 from pipeline.kv.config import KvConfig
+from pipeline.pool.config import PoolConfig
 from pipeline.registry import register
 
 
@@ -291,6 +292,9 @@ class ServerConfig:
     # the engine thread builds each step's graph while the event loop writes every stream's
     # tokens; a shorter slice keeps the engine from waiting out the loop's
     switch_interval_ms: float = 5.0
+    # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
+    # detokenize); None: on for a pool, off for a single model (pipeline/pool/)
+    isolate: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -432,6 +436,7 @@ class ServeConfig:
     cache: CacheConfig = MISSING
     kv: KvConfig = MISSING
     draft: DraftConfig = MISSING
+    pool: Optional[PoolConfig] = None   # pool=<name>: several models by id (pipeline/pool/)
 
 
 # group → option → schema, stored as schema/<group>/<option>. The groups of interchangeable
@@ -443,6 +448,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "sampling": {"sampling": SamplingConfig},
     "server": {"server": ServerConfig},
     "pipeline": {"pipeline": PipelineConfig},
+    "pool": {"pool": PoolConfig},
     **{group: registry.schemas(group) for group in registry.SCHEMA_MODULES},
 }
 

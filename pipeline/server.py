@@ -91,7 +91,10 @@ def _key_ok(http: sanic.Request, key: str) -> bool:
                                hashlib.sha256(key.encode("utf-8")).digest())
 
 
-def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
+def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
+              members: dict[str, ServeConfig] | None = None) -> Sanic:
+    """`members` (pipeline/pool/members.py): the models of a pool by id, each engine in its
+    own process; None serves cfg's one model in-process."""
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
     app.config.RESPONSE_TIMEOUT = 24 * 3600
@@ -101,7 +104,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = cfg.server.shutdown_timeout_s
     registry = CollectorRegistry()
     metrics = Metrics(registry)
-    engine = Engine(cfg, metrics)
+    app.ctx.pool = None
+    if members:
+        from pipeline.pool.pool import ModelPool, PoolEngine
+        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry)
+    engine = PoolEngine(app.ctx.pool, metrics) if app.ctx.pool is not None else Engine(cfg, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
     app.ctx.config_hash = config_hash(cfg)
@@ -126,6 +133,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve") -> Sanic:
                 log.error("engine failed to start: %r; stopping", engine.startup_error)
                 app.ctx.exit_code = 1
                 app.stop()
+                return
+            if app.ctx.pool is not None:   # models load on first use (pipeline/pool/)
+                app.ctx.pool.started()
+                log.info("ready: pool of %s, listening on %s:%d", ", ".join(app.ctx.pool.ids),
+                         cfg.server.host, cfg.server.port)
                 return
             loaded = engine.loaded
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
@@ -291,7 +303,8 @@ def _add_routes(app: Sanic) -> None:
     async def health(http: sanic.Request) -> HTTPResponse:
         engine: Engine = app.ctx.engine
         draining = getattr(app.ctx, "draining", False)
-        ready = engine.state is EngineState.READY and app.ctx.front is not None and not draining
+        ready = (engine.state is EngineState.READY and not draining
+                 and (app.ctx.front is not None or app.ctx.pool is not None))
         state = "draining" if draining else ("ok" if ready else engine.state.value)
         return json_response({"status": state, "model": app.ctx.cfg.model.name,
                               "waiting": engine.num_waiting, "inflight": engine.num_inflight},
@@ -320,12 +333,16 @@ def _add_routes(app: Sanic) -> None:
             if not _key_ok(http, getattr(server, name)):
                 raise Unauthorized(f"/metrics needs a key (server.metrics_auth=true); send "
                                    f"Authorization: Bearer <server.{name}>")
-        return HTTPResponse(generate_latest(app.ctx.registry), content_type=CONTENT_TYPE_LATEST)
+        text = (await app.ctx.pool.exposition() if app.ctx.pool is not None
+                else generate_latest(app.ctx.registry))
+        return HTTPResponse(text, content_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(http: sanic.Request) -> HTTPResponse:
         """The base model, then `base:adapter` for every mounted adapter (vLLM-style: an
-        OpenAI client selects one with `model`)."""
+        OpenAI client selects one with `model`). A pool lists its ids with `loaded`."""
+        if app.ctx.pool is not None:
+            return json_response(app.ctx.pool.models_body())
         name = app.ctx.cfg.model.name
         loaded = app.ctx.engine.loaded
         ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]

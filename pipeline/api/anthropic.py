@@ -12,7 +12,8 @@ from sanic import HTTPResponse, Sanic
 from pipeline.api import fields as F
 from pipeline.api import structured
 from pipeline.api.generation import Delta, Generation, Usage
-from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
+from pipeline.api.http import (SSE_HEADERS, Scope, json_response, read_body, ready_front, route,
+                               sse_event)
 from pipeline.api.openai import sampling_fields
 from pipeline.errors import InvalidRequest, ServeError
 from pipeline.offload import off_loop
@@ -234,16 +235,18 @@ class BlockStream:
 # -- handlers ------------------------------------------------------------------------------
 async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "messages", http) as scope:
-        ready_front(app)
+        if getattr(app.ctx, "pool", None) is None:
+            ready_front(app)
         body = await off_loop(len(http.body or b""), read_body, http)
         inputs, requested = await off_loop(len(http.body or b""), parse, body)
+        await scope.route(body)
+        ctx = scope.ctx
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
                       inputs=inputs, requested=requested,
                       constraint=structured.from_body(body, format_field=None),   # guided_*
-                      adapter=F.adapter(body, app.ctx.cfg.model.name,
-                                        app.ctx.engine.loaded.adapters))
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
         gen = await scope.start(req)
-        model = app.ctx.cfg.model.name
+        model = ctx.cfg.model.name
         if F.get(body, "stream", bool, False):
             scope.failed = not await _stream(http, gen, model)
             return None
@@ -252,8 +255,11 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
 
 
 async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
-    front = ready_front(app)
-    inputs, _ = await off_loop(len(http.body or b""), lambda: parse(read_body(http), True))
+    if getattr(app.ctx, "pool", None) is None:
+        ready_front(app)
+    body = await off_loop(len(http.body or b""), read_body, http)
+    inputs, _ = await off_loop(len(http.body or b""), lambda: parse(body, True))
+    front = ready_front(app, await route(app, body))
     req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",
                                        endpoint="count_tokens", inputs=inputs))
     return json_response({"input_tokens": req.num_prompt_tokens})

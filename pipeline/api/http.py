@@ -49,14 +49,25 @@ def read_body(http: sanic.Request) -> dict[str, Any]:
     return body
 
 
-def ready_front(app: Sanic) -> Any:
-    """The request stages (server.Front) once the engine is ready; else 503."""
-    engine = app.ctx.engine
+def ready_front(app: Sanic, ctx: Any = None) -> Any:
+    """The request stages (server.Front) once the engine is ready; else 503. `ctx`: a pool
+    member's context (pipeline/pool/pool.py Member); the app's own by default."""
+    ctx = app.ctx if ctx is None else ctx
+    engine = ctx.engine
     if getattr(app.ctx, "draining", False):
         raise EngineUnavailable("the server is shutting down; send this request elsewhere")
-    if engine.state is not EngineState.READY or app.ctx.front is None:
+    if getattr(app.ctx, "pool", None) is not None and ctx is app.ctx:
+        raise EngineUnavailable("this request was not routed to a pool model")
+    if engine.state is not EngineState.READY or ctx.front is None:
         raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
-    return app.ctx.front
+    return ctx.front
+
+
+async def route(app: Sanic, body: dict[str, Any]) -> Any:
+    """The context a request runs in: the app's, or under pool=... the member its `model`
+    names, loaded (a 404 listing the ids for an unknown one; waits while it loads)."""
+    pool = getattr(app.ctx, "pool", None)
+    return app.ctx if pool is None else await pool.context(body.get("model"))
 
 
 class Scope:
@@ -73,12 +84,18 @@ class Scope:
         self.more: list[Generation] = []   # choices 1.. of an n > 1 request
         self.failed = False   # a stream that ended with an error event
 
+    async def route(self, body: dict[str, Any]) -> Any:
+        """Route by the body's `model` (a pool; pipeline/pool/) and return the request
+        stages: from here on `self.ctx` is the model's context (engine, front, cfg, metrics)."""
+        self.ctx = await route(self.app, body)
+        return ready_front(self.app, self.ctx)
+
     async def start(self, request: Request, parse_output: bool = True) -> Generation:
         return self.submit(await self.prepare(request), parse_output)
 
     async def prepare(self, request: Request) -> Request:
         """The request stages (tokenize, admission); `submit` sends the result to the engine."""
-        request = await ready_front(self.app).prepare(request)
+        request = await ready_front(self.app, self.ctx).prepare(request)
         if self.request is None:
             self.request = request
         return request

@@ -22,15 +22,18 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
     """POST /v1/chat/completions (endpoint "chat") and /v1/completions ("completions")."""
     ctx = app.ctx
     async with Scope(app, endpoint, http) as scope:
-        front = ready_front(app)
+        if getattr(ctx, "pool", None) is None:
+            ready_front(app)
         chat = endpoint == "chat"
         parse = oa.parse_chat if chat else oa.parse_completion
         body = await off_loop(len(http.body or b""), read_body, http)
         parsed = await off_loop(len(http.body or b""), parse, body)
+        front = await scope.route(body)
+        ctx = scope.ctx
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.n > 1:
-            _check_room(app, parsed.n)
+            _check_room(ctx, parsed.n)
         # every choice is its own row: tokenized and admitted now (errors before any output)
         reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i, adapter))
                 for i in range(parsed.n)]
@@ -61,14 +64,14 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         return json_response(shape.body(out, usage))
 
 
-def _check_room(app: Sanic, n: int) -> None:
+def _check_room(ctx: Any, n: int) -> None:
     """n choices are n rows: refuse (429) when the last of them would find the queue full,
     as admission refuses one request, so one large `n` cannot crowd out other clients."""
-    engine, cap = app.ctx.engine, app.ctx.cfg.admission.max_queue
+    engine, cap = ctx.engine, ctx.cfg.admission.max_queue
     sched = engine.scheduler
     ahead = max(0, engine.num_waiting + n - 1 - max(0, sched.max_batch - len(sched.running)))
     if ahead >= cap:
-        app.ctx.metrics.admission.labels("rejected", "queue_full").inc()
+        ctx.metrics.admission.labels("rejected", "queue_full").inc()
         raise AdmissionRejected(
             f"n is {n}: its choices would queue {ahead} rows ahead of the last one, and "
             f"admission.max_queue is {cap} (scheduler.max_batch {sched.max_batch} run at "

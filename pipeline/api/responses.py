@@ -167,17 +167,19 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 # -- handlers ------------------------------------------------------------------------------
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
-        ready_front(app)
+        if getattr(app.ctx, "pool", None) is None:
+            ready_front(app)
         # the JSON off the loop when large; parse reads the response store, so it stays here
         body = await off_loop(len(http.body or b""), read_body, http)
         parsed = parse(body, app.ctx.responses)
+        await scope.route(body)
+        ctx = scope.ctx
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
                       inputs=parsed.inputs, requested=parsed.requested,
                       constraint=parsed.constraint,
-                      adapter=F.adapter(body, app.ctx.cfg.model.name,
-                                        app.ctx.engine.loaded.adapters))
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
         gen = await scope.start(req)
-        shape = ResponseShape(gen.request.request_id, app.ctx.cfg.model.name, parsed.echo,
+        shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store)
         if parsed.stream:
             body = await _stream(http, gen, shape)

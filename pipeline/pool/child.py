@@ -1,0 +1,145 @@
+"""The engine process of one pool member (started with multiprocessing's `spawn`): it owns MLX,
+the Engine thread and the prompt cache; its main thread reads commands from the pipe, and the
+engine thread's outbox writes each step's events as one message (PipeLoop)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pipeline.config import ServeConfig
+from pipeline.pool import codec
+
+log = logging.getLogger("pipeserve.pool")
+
+
+class PipeLoop:
+    """Stands in for the event loop of every stream in this process: `post_many` hands it a
+    step's events with one call_soon_threadsafe, which becomes one message on the pipe."""
+
+    def __init__(self, send: Any, engine: Any) -> None:
+        self.send, self.engine = send, engine
+
+    def call_soon_threadsafe(self, _deliver: Any, batch: list[tuple[Any, Any]]) -> None:
+        self.send({"op": "ev", "ev": [codec.encode_event(e) for _, e in batch],
+                   "w": self.engine.num_waiting, "r": len(self.engine.scheduler.running)})
+
+
+class ChildStream:
+    """The engine's RequestStream here: its `_loop` is the pipe (pipeline/stream.post_many)."""
+
+    __slots__ = ("_loop", "finished")
+
+    def __init__(self, loop: PipeLoop) -> None:
+        self._loop, self.finished = loop, False
+
+    def post(self, event: Any) -> None:
+        from pipeline.stream import post_many
+        post_many([(self, event)])
+
+
+def _facts(engine: Any, load_s: float) -> dict[str, Any]:
+    """What the parent needs to tokenize, admit and detokenize for this model."""
+    loaded = engine.loaded
+    return {"path": str(loaded.path), "config": loaded.config, "fingerprint": loaded.fingerprint,
+            "max_context": loaded.max_context, "generation_defaults": loaded.generation_defaults,
+            "num_params": loaded.num_params, "weight_bytes": loaded.weight_bytes,
+            "compute_dtype": loaded.compute_dtype, "device": engine.device,
+            "memory": dataclasses.asdict(engine.memory) if engine.memory is not None else None,
+            "kv_pool_bytes": engine.kv_pool_bytes, "max_batch": engine.scheduler.max_batch,
+            "pid": os.getpid(), "load_s": load_s}
+
+
+def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
+                               "%(name)s: %(message)s")
+    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
+    lock = threading.Lock()
+
+    def send(message: dict[str, Any]) -> None:
+        data = codec.dumps(message)
+        with lock:
+            conn.send_bytes(data)
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pipeline.engine import Engine
+    from pipeline.metrics import Metrics
+
+    t0 = time.perf_counter()
+    registry = CollectorRegistry()
+    engine = Engine(cfg, Metrics(registry))
+    engine.start()
+    if not engine.wait_ready():
+        send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
+                                             f"{engine.startup_error}"})
+        _exit(0)
+    send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
+    _serve(conn, send, engine, lambda: generate_latest(registry).decode())
+
+
+def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
+    from pipeline.errors import ServeError
+    from pipeline.events import Failed
+
+    loop = PipeLoop(send, engine)
+    grammars = _Grammars(engine)
+    while True:
+        try:
+            msg = codec.loads(conn.recv_bytes())
+        except (EOFError, OSError):   # the parent is gone: nobody to serve
+            break
+        op = msg["op"]
+        if op == "submit":
+            req = codec.decode_request(msg["req"])
+            try:
+                if req.constraint is not None:
+                    req.grammar = grammars.matcher(req.constraint)
+                engine.submit(req, ChildStream(loop))
+            except ServeError as e:
+                loop.call_soon_threadsafe(None, [(None, Failed(req.request_id, e))])
+        elif op == "abort":
+            engine.abort(msg["id"])
+        elif op == "flush":
+            done, n = engine.flush_cache(), msg["n"]
+            threading.Thread(target=lambda: (done.wait(600), send({"op": "reply", "n": n})),
+                             daemon=True).start()
+        elif op == "metrics":
+            send({"op": "reply", "n": msg["n"], "body": exposition()})
+        elif op == "stop":
+            break
+    engine.stop(30.0)   # the engine thread's exit drains the SSD writer
+    _exit(0)
+
+
+class _Grammars:
+    """The parent compiled (and so validated) the request's constraint; the matcher that
+    advances on the engine thread is compiled again here, against the same tokenizer."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._compiler: Any = None
+
+    def matcher(self, constraint: Any) -> Any:
+        if self._compiler is None:
+            from pipeline.grammar import GrammarCompiler
+            from pipeline.stage import EngineLimits
+            loaded = self.engine.loaded
+            limits = EngineLimits.of(self.engine.cfg, loaded)
+            self._compiler = GrammarCompiler(loaded.tokenizer, limits.vocab_size,
+                                             loaded.tokenizer.eos_token_ids)
+        return self._compiler.matcher(constraint)
+
+
+def _exit(code: int) -> None:
+    """As serve.py: no interpreter teardown (MLX's thread state can abort in it)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

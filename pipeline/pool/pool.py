@@ -1,0 +1,295 @@
+"""ModelPool: the models of `pool=<name>` by id — routing a request's `model` to its member,
+loading a member's engine process on first use (bounded by pool.load_timeout_s), evicting the
+least recently used idle member beyond pool.max_resident, unloading members idle for
+pool.idle_unload_s, and restarting one whose process died. Event loop (loads wait in the
+executor)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pipeline.config import ServeConfig, config_hash
+from pipeline.engine import EngineState
+from pipeline.errors import AdmissionRejected, EngineUnavailable, NotFound
+from pipeline.metrics import Metrics
+from pipeline.pool import metrics as pool_metrics
+from pipeline.pool.config import PoolConfig
+from pipeline.pool.proxy import ChildEngine
+
+log = logging.getLogger("pipeserve.pool")
+
+
+class Member:
+    """One model of the pool, and the context its requests run in: the attributes the
+    handlers read of `app.ctx` for a single model (cfg, engine, front, record, metrics,
+    config_hash), per model."""
+
+    def __init__(self, model_id: str, cfg: ServeConfig, app_ctx: Any) -> None:
+        from pipeline.api.record import base_record
+        self.id, self.cfg, self.app_ctx = model_id, cfg, app_ctx
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry)   # HTTP side: requests, latency, admission
+        self.config_hash = config_hash(cfg)
+        self.record = base_record(cfg, self.config_hash, None)
+        self.engine: ChildEngine | None = None
+        self.front: Any = None
+        self.loading: asyncio.Task[None] | None = None
+        self.last_used = time.monotonic()
+        self.num_loads = 0
+
+    @property
+    def draining(self) -> bool:
+        return bool(getattr(self.app_ctx, "draining", False))
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.state is EngineState.READY
+
+    @property
+    def resident(self) -> bool:
+        return self.loading is not None or self.ready
+
+    @property
+    def num_inflight(self) -> int:
+        return self.engine.num_inflight if self.engine is not None else 0
+
+    def idle_s(self, now: float) -> float:
+        last = max(self.last_used, self.engine.last_event_s if self.engine is not None else 0)
+        return now - last
+
+    def state(self) -> str:
+        if self.loading is not None:
+            return "loading"
+        if self.ready:
+            return "loaded"
+        if self.engine is not None and self.engine.state is EngineState.DEAD:
+            return "failed"
+        return "unloaded"
+
+
+class ModelPool:
+    def __init__(self, cfg: ServeConfig, members: dict[str, ServeConfig], app_ctx: Any,
+                 registry: CollectorRegistry) -> None:
+        # a one-model launch with server.isolate=true is a pool of that model
+        self.cfg = cfg.pool if cfg.pool is not None else PoolConfig(
+            models={cfg.model.name: None}, max_resident=1)   # type: ignore[dict-item]
+        self.app_ctx, self.registry = app_ctx, registry
+        self.members = {i: Member(i, c, app_ctx) for i, c in members.items()}
+        self.metrics = pool_metrics.PoolMetrics(registry)
+        for i in self.members:
+            self.metrics.resident.labels(i).set(0)
+            self.metrics.loading.labels(i).set(0)
+        self._idle_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.members)
+
+    # -- routing -------------------------------------------------------------------------
+    def member(self, model: Any) -> Member:
+        """The member a request's `model` names (`<id>:<adapter>` names the id's adapter); the
+        default member when it names none; a 404 listing the ids otherwise."""
+        if model is None or model == "":
+            return self.members[self.cfg.default_id]
+        name = model.partition(":")[0] if isinstance(model, str) else None
+        found = self.members.get(name) if name is not None else None
+        if found is None:
+            shown = model if isinstance(model, str) else repr(model)
+            raise NotFound(f"model {shown[:200]!r} is not served here; the models are: "
+                           f"{', '.join(self.members)}", param="model", code="model_not_found")
+        return found
+
+    async def context(self, model: Any) -> Member:
+        """The request's member, loaded: waits while it loads, at most pool.load_timeout_s."""
+        m = self.member(model)
+        m.last_used = time.monotonic()
+        if m.ready:
+            return m
+        if m.loading is None:
+            m.loading = asyncio.get_running_loop().create_task(self._load(m))
+        await asyncio.shield(m.loading)
+        m.last_used = time.monotonic()
+        return m
+
+    def models_body(self) -> dict[str, Any]:
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": now, "owned_by": "pipeserve",
+             "loaded": m.ready, "state": m.state()} for m in self.members.values()]}
+
+    # -- loading and unloading -----------------------------------------------------------
+    async def _load(self, m: Member) -> None:
+        from pipeline.api.record import base_record
+        from pipeline.server import Front
+
+        loop = asyncio.get_running_loop()
+        timeout = self.cfg.load_timeout_s
+        t0 = time.perf_counter()
+        self.metrics.loading.labels(m.id).set(1)
+        outcome = "failed"
+        try:
+            await self._make_room(m)
+            previous = m.engine.loaded if m.engine is not None else None
+            engine = ChildEngine(m.id, m.cfg, m.metrics, previous, self._exited)
+            m.engine = engine
+            log.info("model %s: loading (load %d; resident: %s)", m.id, m.num_loads + 1,
+                     ", ".join(x.id for x in self.members.values() if x.ready) or "none")
+            await loop.run_in_executor(None, engine.start)
+            log.info("model %s: engine process %s started", m.id, engine.pid)
+            left = timeout - (time.perf_counter() - t0)
+            ok = await loop.run_in_executor(None, engine.wait_ready, max(left, 0.0))
+            if not ok and engine.state is EngineState.LOADING:
+                outcome = "timeout"
+                await loop.run_in_executor(None, engine.kill)
+                raise EngineUnavailable(
+                    f"model {m.id} did not load within pool.load_timeout_s={timeout:g} s; "
+                    "its engine process was stopped — retry, or raise pool.load_timeout_s",
+                    code="model_load_timeout")
+            if not ok:
+                raise EngineUnavailable(f"model {m.id} failed to load: {engine.startup_error}; "
+                                        "the server log has the details", code="model_load_failed")
+            m.front = Front(m.cfg, engine)
+            m.record = base_record(m.cfg, m.config_hash, engine.loaded.fingerprint, None)
+            outcome = "ok"
+            m.num_loads += 1
+            self.metrics.resident.labels(m.id).set(1)
+            log.info("model %s: loaded in %.2f s (engine process %s; %s in the child)", m.id,
+                     time.perf_counter() - t0, engine.pid,
+                     f"{engine.facts.get('load_s', 0):.2f} s")
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.metrics.load_seconds.labels(m.id, outcome).observe(elapsed)
+            self.metrics.loads.labels(m.id, outcome).inc()
+            self.metrics.loading.labels(m.id).set(0)
+            m.loading = None
+            if outcome != "ok":
+                log.error("model %s: load %s after %.2f s", m.id, outcome, elapsed)
+
+    async def _make_room(self, m: Member) -> None:
+        """Evict least recently used idle members until `m` fits in pool.max_resident."""
+        while True:
+            others = [x for x in self.members.values() if x is not m and x.resident]
+            if len(others) < self.cfg.max_resident:
+                return
+            idle = [x for x in others if x.ready and x.num_inflight == 0]
+            if not idle:
+                raise AdmissionRejected(
+                    f"model {m.id} is not loaded and the {len(others)} resident model(s) "
+                    f"({', '.join(x.id for x in others)}) are busy or loading "
+                    f"(pool.max_resident={self.cfg.max_resident}); retry shortly",
+                    retry_after_s=1, code="pool_busy")
+            await self.unload(min(idle, key=lambda x: x.last_used), "lru")
+
+    async def unload(self, m: Member, reason: str) -> None:
+        engine = m.engine
+        if engine is None or engine.state is not EngineState.READY:
+            return
+        t0 = time.perf_counter()
+        self.metrics.resident.labels(m.id).set(0)
+        self.metrics.unloads.labels(m.id, reason).inc()
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        log.info("model %s: unloaded (%s) in %.2f s; engine process %s exited", m.id, reason,
+                 time.perf_counter() - t0, engine.pid)
+
+    def _exited(self, engine: ChildEngine) -> None:
+        """Reader thread: a child's pipe closed. One that was not asked to stop died."""
+        if engine.state is EngineState.DEAD and engine.loaded is not None:
+            self.metrics.resident.labels(engine.model_id).set(0)
+            self.metrics.unloads.labels(engine.model_id, "exited").inc()
+
+    # -- the server's lifecycle ----------------------------------------------------------
+    def started(self) -> None:
+        """After the listener is up: the idle sweeper, and the default model loads."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        if self.cfg.idle_unload_s > 0:
+            self._idle_task = loop.create_task(self._sweep())
+        default = self.members[self.cfg.default_id]
+        default.loading = loop.create_task(self._load(default))
+        default.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _sweep(self) -> None:
+        tick = min(1.0, self.cfg.idle_unload_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for m in list(self.members.values()):
+                if m.ready and m.num_inflight == 0 and m.idle_s(now) >= self.cfg.idle_unload_s:
+                    await self.unload(m, "idle")
+
+    def live(self) -> list[ChildEngine]:
+        return [m.engine for m in self.members.values() if m.ready and m.engine is not None]
+
+    def stop(self) -> None:
+        """Any thread, at shutdown: every engine process stops (after its SSD flush)."""
+        if self._idle_task is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._idle_task.cancel)
+        for m in self.members.values():
+            engine = m.engine
+            if engine is None:
+                continue
+            if engine.state is EngineState.READY:
+                self.metrics.unloads.labels(m.id, "shutdown").inc()
+                engine.stop()
+            elif engine.state is EngineState.LOADING:
+                engine.kill()
+
+    async def exposition(self) -> bytes:
+        """The server's families, then per member its HTTP side and its engine's."""
+        loop = asyncio.get_running_loop()
+        texts = await asyncio.gather(*(loop.run_in_executor(None, e.metrics_text, 5.0)
+                                       for e in self.live()))
+        by_model = {e.model_id: t for e, t in zip(self.live(), texts) if t is not None}
+        server_keep = pool_metrics.SERVER_FAMILIES | self.metrics.names
+        sources: list[tuple[str, str, Any, Any]] = [
+            ("", generate_latest(self.registry).decode(), server_keep, ())]
+        for m in self.members.values():
+            sources.append((m.id, generate_latest(m.registry).decode(),
+                            pool_metrics.MEMBER_FAMILIES, ()))
+            if m.id in by_model:
+                sources.append((m.id, by_model[m.id], None,
+                                pool_metrics.MEMBER_FAMILIES | pool_metrics.SERVER_FAMILIES))
+        return pool_metrics.merge(sources)
+
+
+class PoolEngine:
+    """`app.ctx.engine` of a pool: what the server asks of "the engine" as a whole (state,
+    requests in flight for the drain, the flush at shutdown, stop)."""
+
+    def __init__(self, pool: ModelPool, metrics: Metrics) -> None:
+        self.pool, self.metrics = pool, metrics
+        self.state = EngineState.READY
+        self.loaded = None
+        self.startup_error: BaseException | None = None
+        self.device = "pool"
+
+    def start(self) -> None:
+        pass
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return True
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(m.num_inflight for m in self.pool.members.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(m.engine.num_waiting for m in self.pool.members.values() if m.engine)
+
+    def flush_cache(self) -> threading.Event:
+        done = threading.Event()
+        events = [e.flush_cache() for e in self.pool.live()]
+        threading.Thread(target=lambda: ([ev.wait(600) for ev in events], done.set()),
+                         daemon=True, name="pipeserve-pool-flush").start()
+        return done
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.state = EngineState.STOPPED
+        self.pool.stop()

@@ -1,0 +1,273 @@
+"""ChildEngine: the parent's stand-in for an Engine that runs in a child process — the same
+interface the server, the request stages and the output path use (submit, abort, state,
+counters, flush), over a pipe. Its reader thread turns each step's message into one wake-up
+of the event loop; a child that dies fails the requests it held. Any thread."""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.config import ServeConfig
+from pipeline.engine import EngineState
+from pipeline.errors import EngineUnavailable, ServeError
+from pipeline.events import Failed, Finished
+from pipeline.loader import LoadedModel
+from pipeline.memory import MemoryModel
+from pipeline.metrics import Metrics
+from pipeline.pool import codec
+from pipeline.request import Request
+from pipeline.stream import RequestStream, post_many
+
+log = logging.getLogger("pipeserve.pool")
+SPAWN = mp.get_context("spawn")   # never fork: the parent may have imported MLX
+
+
+class SchedulerView:
+    """What the HTTP side reads of the scheduler: the batch cap and how many rows run."""
+
+    def __init__(self) -> None:
+        self.max_batch = 1
+        self.num_running = 0
+
+    @property
+    def running(self) -> list[None]:
+        return [None] * self.num_running
+
+
+class ChildEngine:
+    def __init__(self, model_id: str, cfg: ServeConfig, metrics: Metrics,
+                 previous: LoadedModel | None = None,
+                 on_exit: Callable[[ChildEngine], None] | None = None) -> None:
+        self.model_id, self.cfg, self.metrics = model_id, cfg, metrics
+        self.state = EngineState.LOADING
+        self.loaded: LoadedModel | None = None
+        self.memory: MemoryModel | None = None
+        self.kv_pool_bytes: int | None = None
+        self.device = ""
+        self.startup_error: BaseException | None = None
+        self.scheduler = SchedulerView()
+        self.facts: dict[str, Any] = {}
+        self.exitcode: int | None = None
+        self.last_event_s = time.monotonic()
+        self._previous, self._on_exit = previous, on_exit
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._seq = itertools.count()
+        self._stopping = False
+        self._num_submitted = self._num_done = self._child_waiting = 0
+        self._conn, child_conn = SPAWN.Pipe()
+        from pipeline.pool import child
+        self._proc = SPAWN.Process(target=child.main, args=(child_conn, cfg, model_id),
+                                   name=f"pipeserve-{model_id}", daemon=True)
+        self._child_conn = child_conn
+        self._reader = threading.Thread(target=self._read, name=f"pipeserve-pipe-{model_id}",
+                                        daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._proc.start()
+        self._child_conn.close()   # the child holds its end; EOF here once it exits
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the child to stop (its engine drains the SSD writer), then make sure it did."""
+        self._stopping = True
+        try:
+            self._send({"op": "stop"})
+        except EngineUnavailable:
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("model %s: engine process %s did not stop in %.0f s; killing it",
+                        self.model_id, self.pid, timeout)
+            self.kill()
+        self._reader.join(5)
+
+    def kill(self) -> None:
+        self._stopping = True
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(10)
+
+    # -- the Engine interface ------------------------------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        return self._num_submitted - self._num_done
+
+    @property
+    def num_waiting(self) -> int:
+        return min(self._child_waiting, self.num_inflight)
+
+    @property
+    def num_queued(self) -> int:
+        free = self.scheduler.max_batch - self.scheduler.num_running
+        return max(0, self.num_waiting - max(0, free))
+
+    def submit(self, request: Request, stream: RequestStream) -> None:
+        if self.state is not EngineState.READY:
+            raise EngineUnavailable(f"the engine of model {self.model_id} is {self.state.value}")
+        with self._lock:
+            self._streams[request.request_id] = stream
+            self._num_submitted += 1
+        self._send({"op": "submit", "req": codec.encode_request(request)})
+
+    def abort(self, request_id: str) -> None:
+        if self.state is EngineState.READY:
+            try:
+                self._send({"op": "abort", "id": request_id})
+            except EngineUnavailable:
+                pass
+
+    def command(self, cmd: Any) -> None:
+        """Adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        cmd.error = EngineUnavailable("adapter hot-swap is not available for pool models")
+        cmd.done.set()
+
+    def flush_cache(self) -> threading.Event:
+        if self.state is not EngineState.READY:
+            done = threading.Event()
+            done.set()
+            return done
+        return self._ask({"op": "flush"})[0]
+
+    def metrics_text(self, timeout: float = 5.0) -> str | None:
+        """The child's /metrics exposition, or None when it does not answer in time."""
+        if self.state is not EngineState.READY:
+            return None
+        done, box = self._ask({"op": "metrics"})
+        return box[0].get("body") if done.wait(timeout) and box else None
+
+    # -- pipe ----------------------------------------------------------------------------
+    def _send(self, message: dict[str, Any]) -> None:
+        data = codec.dumps(message)
+        try:
+            with self._lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError) as e:   # the child is gone; the reader fails its requests
+            raise EngineUnavailable(f"the engine of model {self.model_id} has stopped") from e
+
+    def _ask(self, message: dict[str, Any]) -> tuple[threading.Event, list[Any]]:
+        n = next(self._seq)
+        done, box = threading.Event(), []
+        self._replies[n] = (done, box)
+        try:
+            self._send({**message, "n": n})
+        except EngineUnavailable:
+            done.set()
+        return done, box
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = codec.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            op = msg["op"]
+            if op == "ev":
+                self._events(msg)
+            elif op == "reply":
+                done, box = self._replies.pop(msg["n"], (threading.Event(), []))
+                box.append(msg)
+                done.set()
+            elif op == "ready":
+                self._became_ready(msg["facts"])
+            elif op == "start_failed":
+                self.startup_error = RuntimeError(msg["error"])
+        self._exited()
+
+    def _events(self, msg: dict[str, Any]) -> None:
+        items: list[tuple[RequestStream, Any]] = []
+        with self._lock:
+            for raw in msg["ev"]:
+                event = codec.decode_event(raw)
+                final = isinstance(event, (Finished, Failed))
+                stream = (self._streams.pop(event.request_id, None) if final
+                          else self._streams.get(event.request_id))
+                if final and stream is not None:
+                    self._num_done += 1
+                if stream is not None:
+                    items.append((stream, event))
+            self._child_waiting, self.scheduler.num_running = msg["w"], msg["r"]
+        self.last_event_s = time.monotonic()
+        post_many(items)   # the step's events: one wake-up of the event loop
+
+    def _became_ready(self, facts: dict[str, Any]) -> None:
+        try:
+            self.loaded = parent_loaded(facts, self.cfg, self._previous)
+        except Exception as e:  # the tokenizer did not load here: the model cannot serve
+            log.exception("model %s: tokenizer failed to load in the server process",
+                          self.model_id)
+            self.startup_error = e
+            self.kill()
+            return
+        self.facts = facts
+        self.memory = MemoryModel(**facts["memory"]) if facts["memory"] else None
+        self.kv_pool_bytes, self.device = facts["kv_pool_bytes"], facts["device"]
+        self.scheduler.max_batch = facts["max_batch"]
+        self.state = EngineState.READY
+        self._ready.set()
+
+    def _exited(self) -> None:
+        """The pipe closed: the child exited (asked to, or killed). Every request it held
+        fails with a 503 its client may retry; the pool starts a new child on demand."""
+        self._proc.join(10)
+        self.exitcode = self._proc.exitcode
+        how = (f"killed by signal {-self.exitcode}" if self.exitcode is not None
+               and self.exitcode < 0 else f"exit code {self.exitcode}")
+        was_ready = self.state is EngineState.READY
+        self.state = EngineState.STOPPED if self._stopping else EngineState.DEAD
+        if self.startup_error is None and not was_ready:
+            self.startup_error = RuntimeError(f"the engine process exited while loading ({how})")
+        err: ServeError = EngineUnavailable(
+            f"the engine process of model {self.model_id} exited ({how}) while this request "
+            "was running; the model is restarted on the next request — retry it",
+            code="engine_exited")
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            self._num_done += len(streams)
+        post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
+        for done, _ in list(self._replies.values()):
+            done.set()
+        self._ready.set()
+        if streams or not self._stopping:
+            log.log(logging.INFO if self._stopping else logging.ERROR,
+                    "model %s: engine process %s exited (%s); %d request(s) in flight failed",
+                    self.model_id, self.pid, how, len(streams))
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+
+def parent_loaded(facts: dict[str, Any], cfg: ServeConfig,
+                  previous: LoadedModel | None) -> LoadedModel:
+    """The model as the parent holds it: the tokenizer and facts, no weights (those live in
+    the child). A restart of the same weights reuses the tokenizer already loaded."""
+    if previous is not None and previous.fingerprint == facts["fingerprint"]:
+        tokenizer = previous.tokenizer
+    else:
+        from mlx_lm.utils import load_tokenizer
+
+        from pipeline.loader import _chat_template
+        path = Path(facts["path"])
+        tokenizer = load_tokenizer(path, eos_token_ids=facts["config"].get("eos_token_id"))
+        if cfg.model.chat_template is not None:
+            tokenizer._tokenizer.chat_template = _chat_template(cfg.model.chat_template)
+    return LoadedModel(
+        model=None, tokenizer=tokenizer, path=Path(facts["path"]), config=facts["config"],
+        fingerprint=facts["fingerprint"], max_context=facts["max_context"],
+        generation_defaults=facts["generation_defaults"], num_params=facts["num_params"],
+        weight_bytes=facts["weight_bytes"], compute_dtype=facts["compute_dtype"])
