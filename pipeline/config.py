@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline import registry
+from pipeline.distributed.config import DistributedConfig, check_combination as check_distributed
 from pipeline.draft.config import DraftConfig
 from pipeline.errors import ConfigError, check_positive as _positive
 from pipeline.kv.config import KvConfig
@@ -436,6 +437,7 @@ class ServeConfig:
     cache: CacheConfig = MISSING
     kv: KvConfig = MISSING
     draft: DraftConfig = MISSING
+    distributed: DistributedConfig = MISSING
     pool: Optional[PoolConfig] = None   # pool=<name>: several models by id (pipeline/pool/)
 
 
@@ -548,6 +550,7 @@ def check_overrides(overrides: list[str]) -> None:
 
 def _check_combination(cfg: ServeConfig) -> None:
     """Compositions that cannot work are refused at launch, never downgraded (SPEC §3)."""
+    check_distributed(cfg)   # what cannot work across ranks (pipeline/distributed/config.py)
     if cfg.kv.name == "paged" and cfg.draft.name == "model":
         raise ConfigError("kv=paged with draft=model is not supported: the draft model's KV "
                           "would live outside the block pool; use kv=dense (or q4/q8/turbo)")

@@ -48,6 +48,7 @@ class Engine:
         # submitted: written by submitters only; left the queue (ran or aborted), added: engine
         self._num_submitted = self._num_left_queue = self._num_added = 0
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
+        self.group: Any = None   # distributed≠none: pipeline/distributed/group.py, built at load
 
     # -- any thread -------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +130,8 @@ class Engine:
                 self.state = EngineState.STOPPED
 
     def _load(self) -> None:
+        if self.cfg.distributed.enabled:   # every rank, before the model is sharded
+            self.group = build(self.cfg.distributed._target_, self.cfg, self.metrics)
         p = load_parts(self.cfg, self.metrics, self.scheduler)
         self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
@@ -145,10 +148,13 @@ class Engine:
                 sample_memory(self.metrics, self.step.kv, self.layout)
                 if ticking:
                     self.prompt_cache.tick()
-            self._drain_inbox(block=idle, timeout=1.0 if ticking else None)
+            if self.group is not None:   # every rank runs rank 0's plan (pipeline/distributed)
+                plan = self.group.next_plan(self, idle)
+            else:
+                self._drain_inbox(block=idle, timeout=1.0 if ticking else None)
+                plan = None if self._stopping else sched.schedule()
             if self._stopping:
                 break
-            plan = sched.schedule()
             self._count_waiting()
             self._out.replay(sched.running)
             launched = None
@@ -194,28 +200,46 @@ class Engine:
         self.metrics.active_rows.set(len(self.scheduler.running))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
-    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> list[Command]:
+        """Run every command in the inbox (waiting up to `timeout` for one when `block`);
+        returns them, in order."""
+        done: list[Command] = []
         while True:
             try:
                 cmd = self._inbox.get(block=block, timeout=timeout if block else 0)
             except queue.Empty:
-                return
+                return done
             block = False
             if cmd is None:
-                return
-            if isinstance(cmd, Flush):
-                cmd.reply(getattr(self.prompt_cache, "flush", lambda: None)())
-            elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeline/adapter_swap.py
-                cmd.run(self)
-            elif isinstance(cmd, Submit):
-                self._out.open(cmd.request.request_id, cmd.stream)
-                self.scheduler.add(cmd.request)
-                self._num_added += 1
-            elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
-                self.step.retire([req], [])
-                self.scheduler.release(req.request_id)
-                self._out.post(req.request_id, finished_event(req))
-            self._count_waiting()
+                return done
+            self.run_command(cmd)
+            done.append(cmd)
+
+    take_commands = _drain_inbox   # the distributed hook's name for it (rank 0)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stop_following(self) -> None:
+        """A rank > 0: rank 0 stopped the group; leave the loop."""
+        self._stopping = True
+
+    def run_command(self, cmd: Command) -> None:
+        """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
+        if isinstance(cmd, Flush):
+            cmd.reply(getattr(self.prompt_cache, "flush", lambda: None)())
+        elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeline/adapter_swap.py
+            cmd.run(self)
+        elif isinstance(cmd, Submit):
+            self._out.open(cmd.request.request_id, cmd.stream)
+            self.scheduler.add(cmd.request)
+            self._num_added += 1
+        elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
+            self.step.retire([req], [])
+            self.scheduler.release(req.request_id)
+            self._out.post(req.request_id, finished_event(req))
+        self._count_waiting()
 
     def _count_waiting(self) -> None:
         waiting = len(self.scheduler.waiting)
@@ -227,6 +251,8 @@ class Engine:
         """The step itself failed (the forward, or work shared by its rows): none of its rows,
         nor any row whose KV it shared, can be trusted, so each fails with a 503 its client
         may retry; the loop goes on."""
+        if self.group is not None:   # a rank's collectives may be half done: the group stops
+            self.group.fatal(cause)
         ids = list(dict.fromkeys([r.request_id for r in plan.rows] + self.step.kv.drop_shared()))
         log.error("step failed for %d request(s): %s", len(ids), ", ".join(ids), exc_info=cause)
         for rid in ids:

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.adapters import Adapter, AdapterSet, mount_all
@@ -109,7 +110,10 @@ class _Progress:
         self.last = now
 
 
-def load(cfg: ModelConfig) -> LoadedModel:
+def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None = None
+         ) -> LoadedModel:
+    """`shard(model, config)` splits the lazily loaded model across ranks before its weights
+    are read (distributed≠none: pipeline/distributed/shard.py)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
@@ -118,7 +122,10 @@ def load(cfg: ModelConfig) -> LoadedModel:
     progress = _Progress(cfg.name, 6 if ids else 5)
     path = resolve_path(cfg)
     progress.step("found %s", path)
-    model, config = load_model(path, trust_remote_code=cfg.trust_remote_code)
+    model, config = load_model(path, lazy=shard is not None,
+                               trust_remote_code=cfg.trust_remote_code)
+    if shard is not None:
+        shard(model, config)
     progress.step("built %s with its weights", config.get("model_type", "model"))
     adapter, adapters = None, None
     if ids:   # before the cast: mlx_lm.load's order, one dtype for all

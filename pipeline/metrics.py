@@ -197,6 +197,22 @@ class Metrics:
             f"{PREFIX}_kv_pool_blocks",
             "Paged KV pool blocks per state, summed over layers (kv=paged; shared = used by "
             "more than one row or cache entry)", ["state"], registry=r)
+        self._add_distributed(r)
+
+    def _add_distributed(self, r: CollectorRegistry) -> None:
+        """A distributed launch (pipeline/distributed/): rank 0 exports every rank's series."""
+        self.distributed_ranks = Gauge(
+            f"{PREFIX}_distributed_ranks", "Ranks serving the model (1: distributed=none)",
+            registry=r)
+        self.distributed_ranks.set(1)
+        self.distributed_step_seconds = Histogram(
+            f"{PREFIX}_distributed_step_seconds",
+            "Per rank: one engine pass between two plan syncs (its forward and host work)",
+            ["rank"], buckets=STEP_BUCKETS_S, registry=r)
+        self.distributed_sync_seconds = Histogram(
+            f"{PREFIX}_distributed_sync_seconds",
+            "Per rank: time in the plan sync's collectives, waiting for the slowest rank included",
+            ["rank"], buckets=STEP_BUCKETS_S, registry=r)
 
     def _init_labels(self) -> None:
         for endpoint in ENDPOINTS:

@@ -21,6 +21,7 @@ SCHEMA_MODULES = {
     "draft": "pipeline.draft.config",
     "cache": "pipeline.config",
     "admission": "pipeline.config",
+    "distributed": "pipeline.distributed.config",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from pipeline.config import ServeConfig, build
+from pipeline.distributed.shard import sharding
 from pipeline.kv.attention import install as install_attention
 from pipeline.kv.attention import on_cuda
 from pipeline.kv.layouts import build_layout
@@ -160,7 +161,7 @@ class Parts:
 def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     """Load the model, build its KV layout (and attention), fit the scheduler to the device
     and the memory model, build the prompt cache and the step."""
-    loaded = load(cfg.model)
+    loaded = load(cfg.model, shard=sharding(cfg))   # None unless distributed≠none
     layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
     composed = cfg.model.composed_attention
     if layout.name != "dense" or (composed and on_cuda()):

@@ -1,0 +1,188 @@
+"""The engine's per-step hook in a distributed launch: every rank runs the same engine loop, and
+once per pass `next_plan` keeps them in lockstep — rank 0 takes its inbox's commands, schedules,
+and broadcasts both (pipeline/distributed/wire.py); every other rank applies the same commands
+to its own scheduler, schedules, and checks it planned what rank 0 planned. Then each rank runs
+the step on its shard, and every rank samples the same tokens from the same logits (the layers'
+all_sums give every rank identical activations), so the next step's input stays on the device
+as on one process, with no extra collective per token; a digest of each rank's scheduler state
+rides on every sync and must match rank 0's. Engine thread."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from pipeline.distributed import wire
+from pipeline.distributed.shard import world
+from pipeline.events import Submit
+from pipeline.plan import StepPlan
+
+if TYPE_CHECKING:
+    from pipeline.config import ServeConfig
+    from pipeline.engine import Engine
+    from pipeline.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class DistributedError(RuntimeError):
+    """The group cannot go on: a rank left, or the ranks disagree. The message says which."""
+
+
+class Group:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+        self.cfg = cfg.distributed
+        self.metrics = metrics
+        self.world = world()
+        self.rank, self.size = self.world.rank(), self.world.size()
+        self.seq = 0
+        self._synced_s: float | None = None   # when the previous sync ended
+        self._sync_s = 0.0
+        self._grammars: Any = None   # other ranks: compiles constraints as admission does
+        self._failing = False
+        metrics.distributed_ranks.set(self.size)
+        self._step = [metrics.distributed_step_seconds.labels(str(r)) for r in range(self.size)]
+        self._syncs = [metrics.distributed_sync_seconds.labels(str(r)) for r in range(self.size)]
+
+    # -- the hook -----------------------------------------------------------------------
+    def next_plan(self, engine: Engine, idle: bool) -> StepPlan | None:
+        """Rank 0: drain the inbox (blocking up to heartbeat_s when idle), schedule, broadcast.
+        Other ranks: receive, apply, schedule, check. None: nothing to run (or stopping)."""
+        step_s = time.perf_counter() - self._synced_s if self._synced_s is not None else 0.0
+        try:
+            if self.rank == 0:
+                return self._lead(engine, idle, step_s)
+            return self._follow(engine, step_s)
+        except DistributedError:
+            raise
+        except RuntimeError as e:   # the backend: "[ring] connection to a peer was lost"
+            self.fatal(DistributedError(f"rank {self.rank}: the group's sync failed ({e}); a "
+                                        "rank is gone — its log says why"), e)
+
+    def fatal(self, err: BaseException, cause: BaseException | None = None) -> NoReturn:
+        """The group cannot go on: raise out of the engine loop (the engine dies: /health 503,
+        requests in flight fail). Rank 0 then stops its server after distributed.linger_s, so
+        mlx.launch ends the job; other ranks exit with the reason in their log."""
+        if not isinstance(err, DistributedError):
+            err = DistributedError(f"rank {self.rank}: a step failed ({err!r}); the ranks' "
+                                   "collectives may be out of step, so the group stops")
+            cause = cause or err.__cause__
+        if self.rank == 0 and not self._failing:
+            self._failing = True
+            threading.Timer(self.cfg.linger_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        raise err from cause
+
+    # -- rank 0 ---------------------------------------------------------------------------
+    def _lead(self, engine: Engine, idle: bool, step_s: float) -> StepPlan | None:
+        digest = wire.state_digest(_requests(engine))
+        commands = engine.take_commands(block=idle, timeout=self.cfg.heartbeat_s)
+        for cmd in commands:
+            # every rank must sample a seedless request with the same stream
+            if isinstance(cmd, Submit) and cmd.request.sampling.seed is None:
+                cmd.request.sampling.seed = random.getrandbits(63)
+        stopping = engine.stopping
+        plan = None if stopping else engine.scheduler.schedule()
+        payload = b"" if stopping else wire.encode(commands, plan)
+        kind = wire.Kind.STOP if stopping else wire.Kind.STEP
+        header = self._exchange(digest, step_s, kind, payload)
+        self._check(header, plan is not None)
+        return plan
+
+    # -- the other ranks ------------------------------------------------------------------
+    def _follow(self, engine: Engine, step_s: float) -> StepPlan | None:
+        digest = wire.state_digest(_requests(engine))
+        header, payload = self._receive(digest, step_s)
+        self._check(header, bool(payload))
+        if header.kind is wire.Kind.STOP:
+            log.info("rank %d: rank 0 is stopping; leaving the group", self.rank)
+            engine.stop_following()
+            return None
+        msg = wire.decode(payload)
+        for cmd in msg.commands:
+            if isinstance(cmd, Submit) and cmd.request.constraint is not None:
+                cmd.request.grammar = self._compile(engine, cmd.request.constraint)
+            engine.run_command(cmd)
+        plan = engine.scheduler.schedule()
+        rows, hits = wire.plan_rows(plan), wire.plan_hits(plan)
+        if rows != msg.rows or hits != msg.hits:
+            raise DistributedError(
+                f"rank {self.rank} planned {rows} (prompt-cache hits {hits}) where rank 0 "
+                f"planned {msg.rows} (hits {msg.hits}) at sync {header.seq}; the ranks' "
+                "schedulers diverged, so the group stops")
+        return plan
+
+    def _compile(self, engine: Engine, constraint: Any) -> Any:
+        if self._grammars is None:
+            from pipeline.grammar import GrammarCompiler
+            from pipeline.stage import EngineLimits
+            tok = engine.loaded.tokenizer
+            vocab = EngineLimits.of(engine.cfg, engine.loaded).vocab_size
+            self._grammars = GrammarCompiler(tok, vocab, tok.eos_token_ids)
+        return self._grammars.matcher(constraint)
+
+    # -- the collectives ------------------------------------------------------------------
+    def _exchange(self, digest: int, step_s: float, kind: wire.Kind,
+                  payload: bytes) -> wire.Header:
+        t0 = time.perf_counter()
+        self.seq += 1
+        buf = wire.pack_header(self.size, 0, self._slot(digest, step_s), kind, payload, self.seq)
+        header, _ = wire.unpack_header(self._all_sum(buf), self.size)
+        if len(payload) > 4 * wire.INLINE_INTS:
+            self._all_sum(wire.bytes_to_ints(payload))
+        self._done(t0)
+        return header
+
+    def _receive(self, digest: int, step_s: float) -> tuple[wire.Header, bytes]:
+        t0 = time.perf_counter()
+        buf = wire.pack_header(self.size, self.rank, self._slot(digest, step_s))
+        header, inline = wire.unpack_header(self._all_sum(buf), self.size)
+        if inline is None:
+            n = (header.payload_bytes + 3) // 4
+            inline = wire.ints_to_bytes(self._all_sum(np.zeros(n, dtype=np.int32)),
+                                        header.payload_bytes)
+        self.seq = header.seq
+        self._done(t0)
+        return header, inline
+
+    def _slot(self, digest: int, step_s: float) -> wire.Slot:
+        return wire.Slot(int(step_s * 1e6), int(self._sync_s * 1e6), digest, wire.Status.OK)
+
+    def _done(self, t0: float) -> None:
+        self._synced_s = time.perf_counter()
+        self._sync_s = self._synced_s - t0
+
+    def _all_sum(self, buf: np.ndarray) -> np.ndarray:
+        import mlx.core as mx
+        out = mx.distributed.all_sum(mx.array(buf), group=self.world)
+        mx.eval(out)
+        return np.array(out)
+
+    def _check(self, header: wire.Header, ran: bool) -> None:
+        """Every rank sees the same summed header, so every rank reaches the same verdict."""
+        mine = header.slots[0].digest
+        for r, slot in enumerate(header.slots):
+            if slot.status is not wire.Status.OK:
+                raise DistributedError(f"rank {r} reported a failure at sync {header.seq}; "
+                                       "its log says why")
+            if slot.digest != mine:
+                raise DistributedError(
+                    f"rank {r}'s scheduler state (digest {slot.digest:#x}) differs from rank "
+                    f"0's ({mine:#x}) at sync {header.seq}: the ranks sampled different tokens "
+                    "or moved different counters, so the group stops")
+        if self.rank == 0 and ran:   # rank 0 exports every rank's times (the previous pass's)
+            for r, slot in enumerate(header.slots):
+                if slot.step_us:
+                    self._step[r].observe(slot.step_us / 1e6)
+                if slot.sync_us:
+                    self._syncs[r].observe(slot.sync_us / 1e6)
+
+
+def _requests(engine: Engine) -> list[Any]:
+    s = engine.scheduler
+    return list(s.running) + list(s.waiting)
