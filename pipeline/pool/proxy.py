@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -91,18 +93,22 @@ class ChildEngine:
             self._send({"op": "stop"})
         except EngineUnavailable:
             pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
+        self._reader.join(timeout)   # the reader reaps the child once its pipe closes
+        if self._reader.is_alive():
             log.warning("model %s: engine process %s did not stop in %.0f s; killing it",
                         self.model_id, self.pid, timeout)
             self.kill()
-        self._reader.join(5)
 
     def kill(self) -> None:
+        """SIGKILL; returns once the reader has reaped it (only the reader joins the child,
+        so two threads never race in waitpid)."""
         self._stopping = True
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join(10)
+        if self._reader.is_alive() and self.pid is not None:   # not reaped yet: still its pid
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._reader.join(10)
 
     # -- the Engine interface ------------------------------------------------------------
     @property
