@@ -26,7 +26,9 @@ OUT = Path(__file__).resolve().parent / "pipeserve.json"
 UID = "pipeserve"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"   # Grafana's window for rate(): at least 4 scrape intervals
-SEL = 'instance=~"$instance"'
+# a pool (pool=<name>) labels every family with its `model`; one model's series have none,
+# which `.*` (All) matches
+SEL = 'instance=~"$instance", model=~"$model"'
 ERRORS, REJECTED, ACTIVE = 'outcome="error"', 'outcome="rejected"', 'kind="active"'
 
 
@@ -59,7 +61,7 @@ class RowSpec:
 
 
 def m(name: str, labels: str = "") -> str:
-    """A selector of one series name, filtered by the `instance` variable."""
+    """A selector of one series name, filtered by the `instance` and `model` variables."""
     return f"{name}{{{SEL}{', ' + labels if labels else ''}}}"
 
 
@@ -247,6 +249,10 @@ def dashboard() -> Dashboard:
          .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
          .with_variable(QueryVariable("instance").label("Instance").datasource(DATASOURCE)
                         .query("label_values(pipeserve_build_info, instance)")
+                        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+                        .multi(True).include_all(True).all_value(".*"))
+         .with_variable(QueryVariable("model").label("Model").datasource(DATASOURCE)
+                        .query("label_values(pipeserve_requests_total, model)")
                         .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
                         .multi(True).include_all(True).all_value(".*")))
     panel_id = 0

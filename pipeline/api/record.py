@@ -1,5 +1,5 @@
-"""The reproducibility record: what a response ran under — config hash, model fingerprint, KV
-scheme, draft method, scheduling lane, the adapter, and the batch size it decoded at. Sent in the
+"""The reproducibility record: what a response ran under — config hash, model id and
+fingerprint, KV scheme, draft method, scheduling lane, the adapter, and the batch size it decoded at. Sent in the
 `x-pipeserve-record` header and in JSON bodies' `usage.pipeserve`. Event loop."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class Record:
     kv_scheme: str                  # kv group option (cfg.kv.name)
     draft: str                      # draft group option (cfg.draft.name)
     lane: str                       # serial | continuous
+    model: str | None = None        # the model id (model.name; a pool member's id)
     adapter: str | None = None      # the request's adapter as id@digest; absent when none
     batch_size: int | None = None   # most rows decoded together while this request decoded
 
@@ -44,4 +45,4 @@ def base_record(cfg: ServeConfig, config_hash: str, fingerprint: str | None,
     lane = "serial" if isinstance(cfg.scheduler, SerialSchedulerConfig) else "continuous"
     return Record(config_hash=config_hash, model_fingerprint=fingerprint,
                   kv_scheme=cfg.kv.name, draft=cfg.draft.name,
-                  lane=lane, adapter=adapter)
+                  lane=lane, model=cfg.model.name, adapter=adapter)

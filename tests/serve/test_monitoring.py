@@ -34,7 +34,7 @@ DASHBOARDS = ROOT / "dashboards"
 DASHBOARD_JSON = DASHBOARDS / "pipeserve.json"
 NAME = re.compile(r"\bpipeserve_[a-z0-9_]+")
 # Grafana's variables and macros, as Prometheus sees them at query time.
-GRAFANA_VARS = {"$instance": ".*", "$__rate_interval": "1m", "$__range": "5m"}
+GRAFANA_VARS = {"$instance": ".*", "$model": ".*", "$__rate_interval": "1m", "$__range": "5m"}
 # Every dashboard query must return series. These (panel, legend) may have only NaN values
 # after the test's traffic, and why; every other query must have a finite value.
 MAY_BE_NAN = {

@@ -124,6 +124,11 @@ def test_interleaved_requests_equal_each_model_alone(pool: Any, solo: dict[str, 
         assert message(claude(pool.base_url), m, PROMPTS[m]) == \
             message(claude(solo[m].base_url), m, PROMPTS[m])
         assert respond(client, m, PROMPTS[m]) == respond(sdk(solo[m].base_url), m, PROMPTS[m])
+    # the reproducibility record names the model id
+    raw = client.chat.completions.with_raw_response.create(
+        model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert f"model={LLAMA}" in raw.headers["x-pipeserve-record"].split(";")
+    assert raw.parse().usage.model_extra["pipeserve"]["model"] == LLAMA
     listed = models(pool.base_url)
     assert list(listed) == list(IDS) and all(listed[m]["loaded"] for m in IDS)
     assert all(listed[m]["loaded"] is True and listed[m]["state"] == "loaded" for m in IDS)
