@@ -75,7 +75,9 @@ class Member:
 class ModelPool:
     def __init__(self, cfg: ServeConfig, members: dict[str, ServeConfig], app_ctx: Any,
                  registry: CollectorRegistry) -> None:
-        # a one-model launch with server.isolate=true is a pool of that model
+        # a one-model launch with server.isolate=true is a pool of that model, which every
+        # request runs on whatever its `model` says (as in-process)
+        self.single = cfg.pool is None
         self.cfg = cfg.pool if cfg.pool is not None else PoolConfig(
             models={cfg.model.name: None}, max_resident=1)   # type: ignore[dict-item]
         self.app_ctx, self.registry = app_ctx, registry
@@ -95,7 +97,7 @@ class ModelPool:
     def member(self, model: Any) -> Member:
         """The member a request's `model` names (`<id>:<adapter>` names the id's adapter); the
         default member when it names none; a 404 listing the ids otherwise."""
-        if model is None or model == "":
+        if model is None or model == "" or self.single:
             return self.members[self.cfg.default_id]
         name = model.partition(":")[0] if isinstance(model, str) else None
         found = self.members.get(name) if name is not None else None

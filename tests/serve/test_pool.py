@@ -279,3 +279,37 @@ def test_a_load_timeout_is_a_protocol_shaped_error(server_factory: Any) -> None:
     assert sample_value(fams, "pipeserve_model_load", "pipeserve_model_load_total",
                         model=LLAMA, outcome="timeout") >= 1
     assert not any(m["loaded"] for m in models(srv.base_url).values())
+
+
+def test_the_ssd_tier_survives_a_killed_engine(server_factory: Any, tmp_path: Path) -> None:
+    srv = server_factory("pool=example", "cache=ssd", f"cache.ssd.dir={tmp_path}")
+    prompt = "A long shared preamble about caches, disks and restarts. " * 30
+
+    def complete() -> Any:
+        return sdk(srv.base_url).completions.create(model=LLAMA, prompt=prompt, max_tokens=12,
+                                                    temperature=0, logit_bias=NO_EOS)
+    cold = complete()
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    r = httpx.post(srv.base_url + "/admin/cache/flush", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["flushed"] is True
+    os.kill(engine_pid(srv, LLAMA), signal.SIGKILL)
+    wait_state(srv.base_url, LLAMA, "failed")
+    warm = complete()   # a new engine process, the same SSD directory
+    assert warm.choices[0].text == cold.choices[0].text
+    assert warm.usage.prompt_tokens_details.cached_tokens == warm.usage.prompt_tokens - 1
+    fams = metric_families(srv.base_url)
+    assert sample_value(fams, "pipeserve_prompt_cache_restores",
+                        "pipeserve_prompt_cache_restores_total", model=LLAMA) == 1
+
+
+def test_one_model_isolated_serves_as_in_process(server_factory: Any,
+                                                 solo: dict[str, Any]) -> None:
+    srv = server_factory("model.arch=llama", f"model.name={LLAMA}", "server.isolate=true")
+    alone = chat(sdk(solo[LLAMA].base_url), LLAMA, PROMPTS[LLAMA])
+    assert chat(sdk(srv.base_url), LLAMA, PROMPTS[LLAMA]) == alone
+    r = sdk(srv.base_url).chat.completions.create(   # one model: `model` is not checked
+        model="whatever", messages=[{"role": "user", "content": PROMPTS[LLAMA]}], max_tokens=12,
+        temperature=0, logit_bias=NO_EOS)
+    assert r.choices[0].message.content == alone and r.model == LLAMA
+    assert [m["id"] for m in models(srv.base_url).values()] == [LLAMA]
+    assert engine_pid(srv, LLAMA) != srv.proc.pid and alive(engine_pid(srv, LLAMA))
