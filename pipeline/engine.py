@@ -265,6 +265,12 @@ class Engine:
             self.scheduler.release(rid)
             self._out.post(rid, Failed(rid, err))
 
+    def abandon(self, cause: Exception) -> None:
+        """Any thread, once the engine thread is stuck for good (a distributed rank is gone,
+        pipeline/distributed/group.py): fail what is in flight, answer 503 from now on."""
+        log.error("engine abandoned: %s", cause)
+        self._die(cause)
+
     def _die(self, cause: Exception) -> None:
         self.state = EngineState.DEAD
         err = EngineUnavailable("the engine stopped after an internal error (logged by the "

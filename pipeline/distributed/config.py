@@ -20,6 +20,8 @@ class DistributedConfig:
                                # lost rank is noticed while no request runs
     linger_s: float = 5.0      # after the group broke, rank 0 answers /health 503 this long
                                # (seconds), then stops its server so mlx.launch ends the job
+    timeout_s: float = 60.0    # a rank that has not synced for this long (seconds: one step
+                               # plus a heartbeat) means the group is stuck: it stops
 
     @property
     def name(self) -> str:
@@ -34,6 +36,9 @@ class DistributedConfig:
         if not 0.05 <= self.heartbeat_s <= 60:
             raise ConfigError(f"distributed.heartbeat_s must be in [0.05, 60] seconds, got "
                               f"{self.heartbeat_s}")
+        if self.timeout_s <= self.heartbeat_s:
+            raise ConfigError(f"distributed.timeout_s ({self.timeout_s}) must be longer than "
+                              f"distributed.heartbeat_s ({self.heartbeat_s})")
         if self.linger_s < 0:
             raise ConfigError(f"distributed.linger_s must be >= 0 seconds, got {self.linger_s}")
 

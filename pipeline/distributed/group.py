@@ -46,6 +46,7 @@ class Group:
         self._sync_s = 0.0
         self._grammars: Any = None   # other ranks: compiles constraints as admission does
         self._failing = False
+        self._watchdog: threading.Thread | None = None
         metrics.distributed_ranks.set(self.size)
         self._step = [metrics.distributed_step_seconds.labels(str(r)) for r in range(self.size)]
         self._syncs = [metrics.distributed_sync_seconds.labels(str(r)) for r in range(self.size)]
@@ -55,6 +56,11 @@ class Group:
         """Rank 0: drain the inbox (blocking up to heartbeat_s when idle), schedule, broadcast.
         Other ranks: receive, apply, schedule, check. None: nothing to run (or stopping)."""
         step_s = time.perf_counter() - self._synced_s if self._synced_s is not None else 0.0
+        if self._watchdog is None:
+            self._synced_s = time.perf_counter()
+            self._watchdog = threading.Thread(target=self._watch, args=(engine,), daemon=True,
+                                              name=f"pipeserve-rank{self.rank}-watchdog")
+            self._watchdog.start()
         try:
             if self.rank == 0:
                 return self._lead(engine, idle, step_s)
@@ -62,21 +68,48 @@ class Group:
         except DistributedError:
             raise
         except RuntimeError as e:   # the backend: "[ring] connection to a peer was lost"
-            self.fatal(DistributedError(f"rank {self.rank}: the group's sync failed ({e}); a "
-                                        "rank is gone — its log says why"), e)
+            self.fatal(DistributedError(f"rank {self.rank}: the group's sync failed ({e}): a "
+                                        "rank is gone — its log says why; the group stops"), e)
 
     def fatal(self, err: BaseException, cause: BaseException | None = None) -> NoReturn:
         """The group cannot go on: raise out of the engine loop (the engine dies: /health 503,
         requests in flight fail). Rank 0 then stops its server after distributed.linger_s, so
         mlx.launch ends the job; other ranks exit with the reason in their log."""
         if not isinstance(err, DistributedError):
-            err = DistributedError(f"rank {self.rank}: a step failed ({err!r}); the ranks' "
-                                   "collectives may be out of step, so the group stops")
+            err = DistributedError(f"rank {self.rank}: a step failed ({err}): a rank is gone, "
+                                   "or the ranks' collectives are out of step; the group stops")
             cause = cause or err.__cause__
-        if self.rank == 0 and not self._failing:
+        if self.rank == 0:
+            self._stop_later()
+        raise err from cause
+
+    def _watch(self, engine: Engine) -> None:
+        """A collective the backend never completes (a peer that hangs, or one whose loss the
+        backend does not surface) must not hang the server: past distributed.timeout_s
+        without a sync, rank 0 fails what is in flight, answers 503 and stops after
+        linger_s; another rank exits."""
+        from pipeline.engine import EngineState
+        while engine.state in (EngineState.LOADING, EngineState.READY):
+            time.sleep(min(0.5, self.cfg.heartbeat_s))
+            synced = self._synced_s
+            if synced is None or time.perf_counter() - synced < self.cfg.timeout_s:
+                continue
+            err = DistributedError(
+                f"rank {self.rank}: no sync with the other ranks for {self.cfg.timeout_s:.0f} s "
+                "(distributed.timeout_s): a rank is gone or stuck — its log says why; the "
+                "group stops")
+            log.error("%s", err)
+            if self.rank != 0:
+                logging.shutdown()
+                os._exit(1)
+            engine.abandon(err)   # the engine thread is stuck in the backend
+            self._stop_later()
+            return
+
+    def _stop_later(self) -> None:
+        if not self._failing:
             self._failing = True
             threading.Timer(self.cfg.linger_s, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        raise err from cause
 
     # -- rank 0 ---------------------------------------------------------------------------
     def _lead(self, engine: Engine, idle: bool, step_s: float) -> StepPlan | None:
