@@ -25,6 +25,9 @@ class PoolConfig:
     models: dict[str, PoolMemberConfig] = MISSING  # id → member; requests pick one by `model`
     default: Optional[str] = None  # id a request without `model` runs on; None: the first id
     max_resident: int = 2         # models loaded at once; loading another evicts the LRU idle one
+    # weights of the resident models (decimal GB) at most this: loading another first unloads
+    # least recently used idle ones; None: only max_resident bounds them
+    memory_gb: Optional[float] = None
     idle_unload_s: float = 0.0    # unload a model idle this long (seconds); 0 = never
     load_timeout_s: float = 120.0  # a request waits at most this long for its model to load
 
@@ -41,6 +44,8 @@ class PoolConfig:
                               f"{', '.join(self.models)}")
         if self.max_resident < 1:
             raise ConfigError(f"pool.max_resident must be >= 1, got {self.max_resident}")
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ConfigError(f"pool.memory_gb must be > 0 (or unset), got {self.memory_gb}")
         if self.idle_unload_s < 0:
             raise ConfigError(f"pool.idle_unload_s must be >= 0 (0 = never), got "
                               f"{self.idle_unload_s}")

@@ -37,8 +37,8 @@ class PoolMetrics:
             f"{PREFIX}_model_load_in_progress", "1 while the model is loading", ["model"],
             registry=r)
         self.unloads = Counter(
-            f"{PREFIX}_model_unload", "Model unloads by model and reason (lru, idle, exited, "
-            "shutdown)", ["model", "reason"], registry=r)
+            f"{PREFIX}_model_unload", "Model unloads by model and reason (lru, memory, idle, "
+            "exited, shutdown)", ["model", "reason"], registry=r)
         self.resident = Gauge(
             f"{PREFIX}_model_resident", "1 while the model's engine process is loaded and "
             "serving", ["model"], registry=r)

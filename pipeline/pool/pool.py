@@ -41,6 +41,8 @@ class Member:
         self.loading: asyncio.Task[None] | None = None
         self.last_used = time.monotonic()
         self.num_loads = 0
+        self.weight_bytes = _weight_files_bytes(cfg)   # exact once it has loaded
+
 
     @property
     def draining(self) -> bool:
@@ -156,6 +158,8 @@ class ModelPool:
             if not ok:
                 raise EngineUnavailable(f"model {m.id} failed to load: {engine.startup_error}; "
                                         "the server log has the details", code="model_load_failed")
+            m.weight_bytes = int(engine.facts.get("weight_bytes") or m.weight_bytes)
+            await self._fit_memory(m)
             m.front = Front(m.cfg, engine)
             m.record = base_record(m.cfg, m.config_hash, engine.loaded.fingerprint, None)
             outcome = "ok"
@@ -173,20 +177,37 @@ class ModelPool:
             if outcome != "ok":
                 log.error("model %s: load %s after %.2f s", m.id, outcome, elapsed)
 
+    def _over_memory(self, m: Member, others: list[Member]) -> bool:
+        budget = self.cfg.memory_gb
+        return budget is not None and (m.weight_bytes + sum(x.weight_bytes for x in others)
+                                       > budget * 1e9)
+
     async def _make_room(self, m: Member) -> None:
-        """Evict least recently used idle members until `m` fits in pool.max_resident."""
+        """Evict least recently used idle members until `m` fits in pool.max_resident and in
+        pool.memory_gb (with its weights as last loaded, or as its files weigh)."""
         while True:
             others = [x for x in self.members.values() if x is not m and x.resident]
-            if len(others) < self.cfg.max_resident:
+            over = self._over_memory(m, others)
+            if len(others) < self.cfg.max_resident and not over:
                 return
             idle = [x for x in others if x.ready and x.num_inflight == 0]
             if not idle:
+                limit = (f"pool.memory_gb={self.cfg.memory_gb:g}" if over
+                         else f"pool.max_resident={self.cfg.max_resident}")
                 raise AdmissionRejected(
                     f"model {m.id} is not loaded and the {len(others)} resident model(s) "
-                    f"({', '.join(x.id for x in others)}) are busy or loading "
-                    f"(pool.max_resident={self.cfg.max_resident}); retry shortly",
-                    retry_after_s=1, code="pool_busy")
-            await self.unload(min(idle, key=lambda x: x.last_used), "lru")
+                    f"({', '.join(x.id for x in others)}) are busy or loading ({limit}); "
+                    "retry shortly", retry_after_s=1, code="pool_busy")
+            await self.unload(min(idle, key=lambda x: x.last_used), "memory" if over else "lru")
+
+    async def _fit_memory(self, m: Member) -> None:
+        """After `m` loaded (its weights now known): unload idle others it does not fit beside."""
+        while True:
+            others = [x for x in self.members.values() if x is not m and x.resident]
+            idle = [x for x in others if x.ready and x.num_inflight == 0]
+            if not self._over_memory(m, others) or not idle:
+                return
+            await self.unload(min(idle, key=lambda x: x.last_used), "memory")
 
     async def unload(self, m: Member, reason: str) -> None:
         engine = m.engine
@@ -258,6 +279,17 @@ class ModelPool:
                 sources.append((m.id, by_model[m.id], None,
                                 pool_metrics.MEMBER_FAMILIES | pool_metrics.SERVER_FAMILIES))
         return pool_metrics.merge(sources)
+
+
+def _weight_files_bytes(cfg: ServeConfig) -> int:
+    """What a model's weight files weigh when model.path is a directory (0: not known until it
+    loads: a generated model, a GGUF file, a Hugging Face id)."""
+    from pathlib import Path
+
+    if cfg.model.path is None:
+        return 0
+    path = Path(cfg.model.path).expanduser()
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
 
 
 class PoolEngine:

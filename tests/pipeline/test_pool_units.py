@@ -94,6 +94,7 @@ def test_a_bad_member_fails_at_launch_naming_it(launch, member, message) -> None
     ({"models": {"a": PoolMemberConfig()}, "default": "b"}, "pool.default=b"),
     ({"models": {"a": PoolMemberConfig()}, "max_resident": 0}, "max_resident"),
     ({"models": {"a": PoolMemberConfig()}, "idle_unload_s": -1}, "idle_unload_s"),
+    ({"models": {"a": PoolMemberConfig()}, "memory_gb": 0}, "memory_gb"),
     ({"models": {"a": PoolMemberConfig()}, "load_timeout_s": 0}, "load_timeout_s"),
 ])
 def test_pool_schema_refuses_what_cannot_work(kw, message) -> None:

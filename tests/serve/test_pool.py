@@ -313,3 +313,22 @@ def test_one_model_isolated_serves_as_in_process(server_factory: Any,
     assert r.choices[0].message.content == alone and r.model == LLAMA
     assert [m["id"] for m in models(srv.base_url).values()] == [LLAMA]
     assert engine_pid(srv, LLAMA) != srv.proc.pid and alive(engine_pid(srv, LLAMA))
+
+
+def test_pool_memory_keeps_the_resident_weights_under_it(server_factory: Any) -> None:
+    # each tiny model holds ~0.4 MB of weights: 0.6 MB fits one of them, never both
+    srv = server_factory("pool=example", "pool.memory_gb=0.0006")
+    client = sdk(srv.base_url)
+    first = chat(client, QWEN, PROMPTS[QWEN])
+    chat(client, LLAMA, PROMPTS[LLAMA])   # its size is known once loaded: then qwen3 goes
+    state = models(srv.base_url)
+    assert state[LLAMA]["loaded"] and state[QWEN]["state"] == "unloaded"
+    assert chat(client, QWEN, PROMPTS[QWEN]) == first   # known sizes: llama goes first
+    state = models(srv.base_url)
+    assert state[QWEN]["loaded"] and state[LLAMA]["state"] == "unloaded"
+    fams = metric_families(srv.base_url)
+    for m in IDS:
+        assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
+                            model=m, reason="memory") == 1
+        assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
+                            model=m, reason="lru") == 0
