@@ -135,7 +135,10 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                 app.stop()
                 return
             if app.ctx.pool is not None:   # models load on first use (pipeline/pool/)
-                app.ctx.pool.started()
+                app.ctx.pool.started({"version": _version("pipeserve"),
+                                      "mlx_version": _version("mlx"),
+                                      "config_hash": app.ctx.config_hash,
+                                      "blas": blas.name or "bundled"})
                 log.info("ready: pool of %s, listening on %s:%d", ", ".join(app.ctx.pool.ids),
                          cfg.server.host, cfg.server.port)
                 return
@@ -306,7 +309,10 @@ def _add_routes(app: Sanic) -> None:
         ready = (engine.state is EngineState.READY and not draining
                  and (app.ctx.front is not None or app.ctx.pool is not None))
         state = "draining" if draining else ("ok" if ready else engine.state.value)
-        return json_response({"status": state, "model": app.ctx.cfg.model.name,
+        pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
+        model = (app.ctx.cfg.model.name if pool is None
+                 else {m["id"]: m["state"] for m in pool.models_body()["data"]})
+        return json_response({"status": state, "model": model,
                               "waiting": engine.num_waiting, "inflight": engine.num_inflight},
                              200 if ready else 503)
 
@@ -357,9 +363,9 @@ def _add_routes(app: Sanic) -> None:
         POST /v1/adapters); the launch default (what requests naming none run with) has
         `default: true`."""
         loaded = app.ctx.engine.loaded
-        if loaded is None:
+        if loaded is None and app.ctx.pool is None:   # a pool's members mount none
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
-        set_ = loaded.adapters
+        set_ = loaded.adapters if loaded is not None else None
         mounted = ([{**a.describe(), "default": a.id == set_.default}
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})

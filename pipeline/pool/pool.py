@@ -227,8 +227,11 @@ class ModelPool:
             self.metrics.unloads.labels(engine.model_id, "exited").inc()
 
     # -- the server's lifecycle ----------------------------------------------------------
-    def started(self) -> None:
-        """After the listener is up: the idle sweeper, and the default model loads."""
+    def started(self, build: dict[str, str]) -> None:
+        """After the listener is up: the build info (`model` names the ids), the idle sweeper,
+        and the default model loads."""
+        self.app_ctx.metrics.build.info({**build, "model": ",".join(self.members),
+                                         "model_fingerprint": "", "device": "pool"})
         loop = asyncio.get_running_loop()
         self._loop = loop
         if self.cfg.idle_unload_s > 0:

@@ -131,6 +131,10 @@ def test_interleaved_requests_equal_each_model_alone(pool: Any, solo: dict[str, 
     assert raw.parse().usage.model_extra["pipeserve"]["model"] == LLAMA
     listed = models(pool.base_url)
     assert list(listed) == list(IDS) and all(listed[m]["loaded"] for m in IDS)
+    health = httpx.get(pool.base_url + "/health", timeout=TIMEOUT).json()
+    assert health["status"] == "ok" and health["model"] == {QWEN: "loaded", LLAMA: "loaded"}
+    r = httpx.get(pool.base_url + "/v1/adapters", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["data"] == []
     assert all(listed[m]["loaded"] is True and listed[m]["state"] == "loaded" for m in IDS)
     # a model label on the request-level families, per model
     fams = metric_families(pool.base_url)
@@ -143,6 +147,8 @@ def test_interleaved_requests_equal_each_model_alone(pool: Any, solo: dict[str, 
                             model=m, outcome="ok") == 1
         assert sample_value(fams, "pipeserve_model_resident", "pipeserve_model_resident",
                             model=m) == 1
+    build = fams["pipeserve_build_info"].samples[0].labels
+    assert build["model"] == ",".join(IDS) and build["config_hash"]
 
 
 def test_unknown_model_is_a_404_naming_the_ids(pool: Any) -> None:
