@@ -12,7 +12,7 @@ from pipeline.kv import attention
 from tests.pipeline.test_batching import EOS_OFF, PROMPTS
 
 
-@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("q_len", [1, 5, 40])   # 40: a whole prompt chunk (T = 40)
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "padded", "additive"])
 def test_composed_equals_fused(q_len: int, mask_kind: str) -> None:
     key = mx.random.key(3)
@@ -30,6 +30,24 @@ def test_composed_equals_fused(q_len: int, mask_kind: str) -> None:
     fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
     mine = attention.composed_attention(q, k, v, D ** -0.5, mask)
     assert mx.allclose(fused, mine, atol=1e-5, rtol=1e-4).item()
+
+
+def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
+    """A prompt chunk of many rows composes; one unmasked query keeps MLX's vector kernel;
+    a chunk whose float32 scores exceed the budget keeps the fused (flash) kernel."""
+    monkeypatch.setattr(attention, "composed", True)
+    used: list[str] = []
+    monkeypatch.setattr(attention, "composed_attention", lambda *a: used.append("composed"))
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, **k: used.append("fused"))
+    rows_q = mx.zeros((128, 32, 75, 8))      # 128 prompts of 75 tokens, 32 heads: 92 MB
+    rows_k = mx.zeros((128, 8, 75, 8))
+    attention.dense_attention(rows_q, rows_k, rows_k, 1.0, "causal")
+    one = mx.zeros((1, 32, 1, 8))
+    attention.dense_attention(one, rows_k[:1], rows_k[:1], 1.0, None)
+    long_q, long_k = mx.zeros((1, 32, 2048, 8)), mx.zeros((1, 8, 4096, 8))   # 1 GiB
+    attention.dense_attention(long_q, long_k, long_k, 1.0, "causal")
+    assert used == ["composed", "fused", "fused"]
 
 
 def test_batched_engine_through_composed_attention_gives_the_same_tokens(
