@@ -11,6 +11,7 @@ import asyncio
 import csv
 import json
 import logging
+import os
 import signal
 import socket
 import statistics
@@ -59,6 +60,8 @@ class BenchConfig:
     adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
     #                                 at launch; request i asks for adapter i mod N (model
     #                                 "<name>:<id>"); 0 = the base model
+    ranks: int = 2                  # distributed≠none: ranks `mlx.launch --backend ring` starts
+    #                                 on this host for the pipeserve target
 
 
 @dataclass
@@ -289,9 +292,11 @@ def _peak_rss_mb(pid: int) -> float:
 class Process:
     """A server we start and stop by its own PID."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, group: bool = False) -> None:
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.group = group   # mlx.launch and its ranks: a process group of their own
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=group)
 
     def wait_http(self, url: str, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -307,6 +312,8 @@ class Process:
         raise TimeoutError(f"{url} not ready after {timeout_s}s")
 
     def stop(self) -> None:
+        if self.proc.poll() is None and self.group:   # mlx.launch does not pass SIGTERM on
+            os.killpg(self.proc.pid, signal.SIGTERM)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -483,10 +490,13 @@ def run_bench(raw: DictConfig) -> list[Row]:
     mount = ([f"model.adapter_dir={out / 'adapters'}", f"model.adapters=[{','.join(adapters)}]"]
              if adapters else [])
     port = _free_port()
-    ours = Process([sys.executable, str(ROOT / "serve.py"), *overrides, *mount,
+    # distributed≠none: one group of b.ranks processes on 127.0.0.1 (pipeline/distributed/)
+    launch = ([str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
+               str(b.ranks)] if cfg.distributed.enabled else [])
+    ours = Process([*launch, sys.executable, str(ROOT / "serve.py"), *overrides, *mount,
                     f"model.path={model_dir}", f"server.port={port}",
                     "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"],
-                   out / "pipeserve.log")
+                   out / "pipeserve.log", group=bool(launch))
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters))

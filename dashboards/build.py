@@ -204,6 +204,18 @@ ROWS: list[RowSpec] = [
             Query(f"max({m('pipeserve_kv_bytes_per_token')})", "KV bytes per token")],
             description="kv.quantized_start conversions; bytes per token of the served layout"),
     ]),
+    RowSpec("Distributed ranks", [
+        PanelSpec("Step time by rank", quantiles('pipeserve_distributed_step_seconds',
+                                                 "le, rank"), "s",
+                  description="distributed≠none: one engine pass of each rank between two plan "
+                              "syncs (its shard's forward and host work), exported by rank 0"),
+        PanelSpec("Sync (collective) time by rank", quantiles(
+            'pipeserve_distributed_sync_seconds', "le, rank"), "s",
+            description="time each rank spent in the plan sync's all_sum, waiting for the "
+                        "slowest rank included: a rank far above the others is the fast one"),
+        PanelSpec("Ranks", [Query(f"max({m('pipeserve_distributed_ranks')})", "ranks")],
+                  kind=Kind.stat, description="1 when distributed=none"),
+    ]),
     RowSpec("MLX memory", [
         PanelSpec("MLX memory", [
             Query(f"sum by (kind) ({m('pipeserve_mlx_memory_bytes')})", "{{kind}}"),

@@ -213,6 +213,8 @@ class Metrics:
             f"{PREFIX}_distributed_sync_seconds",
             "Per rank: time in the plan sync's collectives, waiting for the slowest rank included",
             ["rank"], buckets=STEP_BUCKETS_S, registry=r)
+        for family in (self.distributed_step_seconds, self.distributed_sync_seconds):
+            family.labels("0")   # rank 0 always exists; a group adds the others at load
 
     def _init_labels(self) -> None:
         for endpoint in ENDPOINTS:

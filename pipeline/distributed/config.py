@@ -81,6 +81,10 @@ def check_combination(cfg: Any) -> None:
                           f"with {why} are not supported: the adapters' A/B matrices would have "
                           "to be sharded like the layers they wrap; serve the fused model "
                           "(mlx_lm.fuse) instead")
+    if getattr(cfg, "pool", None) is not None or getattr(cfg.server, "isolate", None):
+        raise ConfigError(f"pool= / server.isolate=true with {why} is not supported: the ranks "
+                          "run the engine in the processes mlx.launch started, not in children "
+                          "of rank 0; serve one model per group")
     if d.name == "pipeline" and cfg.admission.kv_budget_gb is not None:
         raise ConfigError(f"admission.kv_budget_gb with {why} is not supported: each rank holds "
                           "different layers, so the ranks would measure different KV sizes and "

@@ -49,6 +49,10 @@ MAY_BE_NAN = {
     ("MLX memory", "budget (admission.memory_budget_gb)"):
         "NaN unless admission.memory_budget_gb is set",
     ("Active memory / budget", ""): "NaN unless admission.memory_budget_gb is set",
+    **{("Step time by rank", f"p{q} {{{{rank}}}}"): "NaN unless distributed≠none"
+       for q in (50, 95, 99)},
+    **{("Sync (collective) time by rank", f"p{q} {{{{rank}}}}"): "NaN unless distributed≠none"
+       for q in (50, 95, 99)},
 }
 COMPARISON = re.compile(r"(==|!=|>=|<=|>|<)(\s*-?[0-9][0-9.e+-]*)")
 NO_EOS = {"0": -100, "2": -100}
@@ -108,7 +112,8 @@ def test_dashboard_shape() -> None:
     assert variables["datasource"]["query"] == "prometheus"
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Traffic & errors", "Latency", "Batching & queue", "Prompt cache",
-                    "Admission", "Speculation", "KV layout", "MLX memory"]
+                    "Admission", "Speculation", "KV layout", "Distributed ranks",
+                    "MLX memory"]
     ids = [p["id"] for p in panels(d)]
     assert len(ids) == len(set(ids))
     text = DASHBOARD_JSON.read_text()
