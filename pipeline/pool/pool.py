@@ -156,8 +156,13 @@ class ModelPool:
                     "its engine process was stopped — retry, or raise pool.load_timeout_s",
                     code="model_load_timeout")
             if not ok:
-                raise EngineUnavailable(f"model {m.id} failed to load: {engine.startup_error}; "
-                                        "the server log has the details", code="model_load_failed")
+                # the cause's text goes to the log only (it may name the server's files)
+                err = engine.startup_error   # from the child: RuntimeError("<type>: <text>")
+                cause = (str(err).partition(":")[0] if type(err) is RuntimeError
+                         else type(err).__name__)
+                log.error("model %s: load failed: %s", m.id, engine.startup_error)
+                raise EngineUnavailable(f"model {m.id} failed to load ({cause}); the server log "
+                                        "has the details", code="model_load_failed")
             m.weight_bytes = int(engine.facts.get("weight_bytes") or m.weight_bytes)
             await self._fit_memory(m)
             m.front = Front(m.cfg, engine)

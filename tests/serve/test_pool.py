@@ -338,3 +338,19 @@ def test_pool_memory_keeps_the_resident_weights_under_it(server_factory: Any) ->
                             model=m, reason="memory") == 1
         assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
                             model=m, reason="lru") == 0
+
+
+def test_a_model_that_fails_to_load_is_a_503_and_the_others_serve(server_factory: Any) -> None:
+    srv = server_factory("pool=example",
+                         f'pool.models.{LLAMA}.overrides=["model=tiny","model.path=/nonexistent"]')
+    with pytest.raises(openai.InternalServerError) as e:
+        sdk(srv.base_url).chat.completions.create(
+            model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert e.value.status_code == 503 and e.value.body["code"] == "model_load_failed"
+    assert "ConfigError" in e.value.body["message"] and "/nonexistent" not in str(e.value.body)
+    assert "model.path '/nonexistent'" in srv.log()   # the cause is in the server's log
+    assert models(srv.base_url)[LLAMA]["state"] == "failed"
+    assert chat(sdk(srv.base_url), QWEN, PROMPTS[QWEN])   # the other model serves
+    fams = metric_families(srv.base_url)
+    assert sample_value(fams, "pipeserve_model_load", "pipeserve_model_load_total",
+                        model=LLAMA, outcome="failed") == 1
