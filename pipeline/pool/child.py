@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -60,12 +61,8 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
                         format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
                                "%(name)s: %(message)s")
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
-    lock = threading.Lock()
-
-    def send(message: dict[str, Any]) -> None:
-        data = codec.dumps(message)
-        with lock:
-            conn.send_bytes(data)
+    sender = Sender(conn)
+    send = sender.send
 
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -79,9 +76,38 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
     if not engine.wait_ready():
         send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
                                              f"{engine.startup_error}"})
+        sender.close()
         _exit(0)
     send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
     _serve(conn, send, engine, lambda: generate_latest(registry).decode())
+    sender.close()   # what the engine said last (its final events, replies) goes out first
+    _exit(0)
+
+
+class Sender:
+    """Writes to the pipe from its own thread, so the engine thread never waits on the pipe
+    (a parent busy writing streams reads it late; in-process, posting never blocks either)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pipeserve-pipe-send",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, message: dict[str, Any]) -> None:   # any thread
+        self._queue.put(codec.dumps(message))
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:   # the parent is gone
+                return
 
 
 def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
@@ -115,7 +141,6 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
-    _exit(0)
 
 
 class _Grammars:

@@ -180,26 +180,34 @@ class ChildEngine:
     def _read(self) -> None:
         while True:
             try:
-                msg = codec.loads(self._conn.recv_bytes())
+                msgs = [codec.loads(self._conn.recv_bytes())]
+                while len(msgs) < 64 and self._conn.poll():   # behind: catch up in one go
+                    msgs.append(codec.loads(self._conn.recv_bytes()))
             except (EOFError, OSError):
                 break
-            op = msg["op"]
-            if op == "ev":
-                self._events(msg)
-            elif op == "reply":
-                done, box = self._replies.pop(msg["n"], (threading.Event(), []))
-                box.append(msg)
-                done.set()
-            elif op == "ready":
-                self._became_ready(msg["facts"])
-            elif op == "start_failed":
-                self.startup_error = RuntimeError(msg["error"])
+            events = [m for m in msgs if m["op"] == "ev"]
+            if events:
+                self._events(events)
+            for msg in msgs:
+                self._control(msg)
         self._exited()
 
-    def _events(self, msg: dict[str, Any]) -> None:
+    def _control(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "reply":
+            done, box = self._replies.pop(msg["n"], (threading.Event(), []))
+            box.append(msg)
+            done.set()
+        elif op == "ready":
+            self._became_ready(msg["facts"])
+        elif op == "start_failed":
+            self.startup_error = RuntimeError(msg["error"])
+
+    def _events(self, msgs: list[dict[str, Any]]) -> None:
+        """Steps' events, to the event loop with one wake-up (one step's, or a backlog's)."""
         items: list[tuple[RequestStream, Any]] = []
         with self._lock:
-            for raw in msg["ev"]:
+            for raw in (raw for msg in msgs for raw in msg["ev"]):
                 event = codec.decode_event(raw)
                 final = isinstance(event, (Finished, Failed))
                 stream = (self._streams.pop(event.request_id, None) if final
@@ -208,7 +216,7 @@ class ChildEngine:
                     self._num_done += 1
                 if stream is not None:
                     items.append((stream, event))
-            self._child_waiting, self.scheduler.num_running = msg["w"], msg["r"]
+            self._child_waiting, self.scheduler.num_running = msgs[-1]["w"], msgs[-1]["r"]
         self.last_event_s = time.monotonic()
         post_many(items)   # the step's events: one wake-up of the event loop
 
