@@ -100,8 +100,9 @@ class ModelConfig:
     cache_dir: Optional[str] = None      # where generated models go; default ~/.cache/pipeserve/models
     tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
-    composed_attention: bool = True   # CUDA: decode/verify attention as matmul + softmax (no
-                                      # per-key-length cuDNN graph builds); no effect elsewhere
+    composed_attention: bool = True   # CUDA: attention as matmul + softmax where its scores fit
+                                      # 512 MiB (decode, verify, prompt chunks of many rows: no
+                                      # per-shape cuDNN graph builds); no effect elsewhere
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
