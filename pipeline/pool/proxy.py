@@ -125,9 +125,10 @@ class ChildEngine:
         return max(0, self.num_waiting - max(0, free))
 
     def submit(self, request: Request, stream: RequestStream) -> None:
-        if self.state is not EngineState.READY:
-            raise EngineUnavailable(f"the engine of model {self.model_id} is {self.state.value}")
-        with self._lock:
+        with self._lock:   # against _exited: a stream registered here is failed there
+            if self.state is not EngineState.READY:
+                raise EngineUnavailable(f"the engine of model {self.model_id} is "
+                                        f"{self.state.value}; retry")
             self._streams[request.request_id] = stream
             self._num_submitted += 1
         self._send({"op": "submit", "req": codec.encode_request(request)})
@@ -243,8 +244,9 @@ class ChildEngine:
         self.exitcode = self._proc.exitcode
         how = (f"killed by signal {-self.exitcode}" if self.exitcode is not None
                and self.exitcode < 0 else f"exit code {self.exitcode}")
-        was_ready = self.state is EngineState.READY
-        self.state = EngineState.STOPPED if self._stopping else EngineState.DEAD
+        with self._lock:
+            was_ready = self.state is EngineState.READY
+            self.state = EngineState.STOPPED if self._stopping else EngineState.DEAD
         if self.startup_error is None and not was_ready:
             self.startup_error = RuntimeError(f"the engine process exited while loading ({how})")
         err: ServeError = EngineUnavailable(
