@@ -85,6 +85,11 @@ def check_combination(cfg: Any) -> None:
         raise ConfigError(f"pool= / server.isolate=true with {why} is not supported: the ranks "
                           "run the engine in the processes mlx.launch started, not in children "
                           "of rank 0; serve one model per group")
+    if d.name == "pipeline" and cfg.kv.name != "dense":
+        raise ConfigError(f"kv={cfg.kv.name} with {why} is not supported yet: mlx-lm's pipeline "
+                          "ties each rank's send to its last layer's cache through that cache's "
+                          "`keys`, which pipeserve's quantized and paged caches do not expose "
+                          "(the send would never run); use kv=dense, or distributed=tensor")
     if d.name == "pipeline" and cfg.admission.kv_budget_gb is not None:
         raise ConfigError(f"admission.kv_budget_gb with {why} is not supported: each rank holds "
                           "different layers, so the ranks would measure different KV sizes and "

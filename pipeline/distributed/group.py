@@ -76,6 +76,7 @@ class Group:
         requests in flight fail). Rank 0 then stops its server after distributed.linger_s, so
         mlx.launch ends the job; other ranks exit with the reason in their log."""
         if not isinstance(err, DistributedError):
+            log.error("rank %d: step failed", self.rank, exc_info=err)
             err = DistributedError(f"rank {self.rank}: a step failed ({err}): a rank is gone, "
                                    "or the ranks' collectives are out of step; the group stops")
             cause = cause or err.__cause__

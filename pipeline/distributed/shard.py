@@ -30,25 +30,25 @@ def shard(model: Any, config: dict[str, Any], mode: str) -> None:
     group = world()
     n = group.size()
     kind = config.get("model_type", type(model).__module__)
+    inner = getattr(model, "model", None)
+    if mode == "tensor" and not hasattr(model, "shard"):
+        raise ConfigError(f"distributed=tensor: {kind} has no tensor-parallel shard() in "
+                          f"mlx-lm {_version()}; use distributed=pipeline if it has "
+                          "pipeline(), or a model mlx-lm shards (llama, qwen2, qwen3, "
+                          "qwen3_moe, qwen3_5, deepseek_v3, gpt_oss, ...)")
+    if mode == "pipeline" and (inner is None or not hasattr(inner, "pipeline")):
+        raise ConfigError(f"distributed=pipeline: {kind} has no pipeline() in mlx-lm "
+                          f"{_version()}; use distributed=tensor if it has shard(), or a "
+                          "model mlx-lm pipelines (qwen2, qwen3_5, qwen3_next, qwen3_moe, "
+                          "deepseek_v3, ...)")
     if n < 2:
         raise ConfigError(f"distributed={mode} needs 2 or more ranks, this process is alone "
                           "(rank 0 of 1): launch it with `mlx.launch --backend ring -n 2 "
                           f"serve.py ... distributed={mode}`, or use distributed=none")
     if mode == "tensor":
-        if not hasattr(model, "shard"):
-            raise ConfigError(f"distributed=tensor: {kind} has no tensor-parallel shard() in "
-                              f"mlx-lm {_version()}; use distributed=pipeline if it has "
-                              "pipeline(), or a model mlx-lm shards (llama, qwen2, qwen3, "
-                              "qwen3_moe, qwen3_5, deepseek_v3, gpt_oss, ...)")
         check_divisible(config, n)
         model.shard(group)
         return
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "pipeline"):
-        raise ConfigError(f"distributed=pipeline: {kind} has no pipeline() in mlx-lm "
-                          f"{_version()}; use distributed=tensor if it has shard(), or a "
-                          "model mlx-lm pipelines (qwen2, qwen3_5, qwen3_next, qwen3_moe, "
-                          "deepseek_v3, ...)")
     num_layers = len(inner.layers)
     if num_layers < n:
         raise ConfigError(f"distributed=pipeline: {kind} has {num_layers} layers, fewer than "

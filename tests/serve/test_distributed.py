@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, free_port, make_config, wait_http
+from tests.conftest import ROOT, free_port, make_config, startup_error, wait_http
 from pipeline.errors import ConfigError
 
 TIMEOUT = 60
@@ -182,11 +182,12 @@ def qwen3(launch: Any, server_factory: Any) -> tuple[Any, Group]:
 @pytest.mark.parametrize("model", ["tiny", "llama"])
 def test_tensor_greedy_equals_one_process_serial_and_batched(
         model: str, launch: Any, server_factory: Any, request: pytest.FixtureRequest) -> None:
+    """qwen3 with dense KV, llama with paged KV (each rank's block pool holds its heads)."""
     if model == "tiny":
         ref, group = request.getfixturevalue("qwen3")
     else:
-        ref, group = server_factory(f"model={model}"), launch(f"model={model}",
-                                                               "distributed=tensor")
+        ref = server_factory(f"model={model}", "kv=paged")
+        group = launch(f"model={model}", "kv=paged", "distributed=tensor")
     alone = [complete(ref.base_url, p) for p in PROMPTS]
     assert all(n == 24 for _, _, n in alone)
     assert [complete(group.base_url, p) for p in PROMPTS] == alone
@@ -230,6 +231,11 @@ def test_seeds_logprobs_structured_output_and_prompt_cache_across_ranks(qwen3: A
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens > 32   # a hit on every rank
     assert warm.choices[0].text == alone.choices[0].text
+    _, text, _ = complete(ref.base_url, PROMPTS[3])
+    stop = text[8:11]   # a stop string inside the greedy output: rank 0 aborts on every rank
+    stopped = complete(group.base_url, PROMPTS[3], stop=[stop])
+    assert stopped == complete(ref.base_url, PROMPTS[3], stop=[stop])
+    assert stop not in stopped[1] and stopped[2] < 24
     assert httpx.get(group.base_url + "/health", timeout=5).status_code == 200
 
 
@@ -290,24 +296,19 @@ def test_killed_rank_stops_the_group_in_bounded_time(launch: Any) -> None:
 
 
 # -- refused at launch ---------------------------------------------------------------------
-def test_refusals_at_launch(launch: Any, model_cache: Path, tmp_path: Path) -> None:
-    alone = subprocess.run([sys.executable, str(ROOT / "serve.py"), "model=tiny",
-                            "distributed=tensor", f"server.port={free_port()}",
-                            f"model.cache_dir={model_cache}", f"hydra.run.dir={tmp_path}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert alone.returncode != 0
-    assert "needs 2 or more ranks" in alone.stdout + alone.stderr
-    for overrides, n, why in [
-            (["model=tiny", "distributed=pipeline"], 2, "qwen3 has no pipeline()"),
-            (["model=tiny", "distributed=tensor"], 3,
-             "num_attention_heads is 4, not a multiple of 3")]:
-        group = launch(*overrides, n=n, wait=False)
-        assert group.wait_exit(120) is not None, f"{overrides} -n {n} did not exit"
-        assert why in group.log(), group.log()[-3000:]
+def test_refusals_at_launch(launch: Any, model_cache: Path) -> None:
+    assert "needs 2 or more ranks" in startup_error(model_cache, "distributed=tensor")
+    assert "qwen3 has no pipeline()" in startup_error(model_cache, "distributed=pipeline")
+    group = launch("model=tiny", "distributed=tensor", n=3, wait=False)   # a real 3-rank launch
+    assert group.wait_exit(120) is not None, "the 3-rank launch did not exit"
+    assert "num_attention_heads is 4, not a multiple of 3" in group.log(), group.log()[-3000:]
     for overrides, why in [(["cache=ssd"], "cache=ssd with distributed=tensor"),
                            (["draft=ngram"], "draft=ngram with distributed=tensor"),
-                           (["model.adapter_dir=/tmp", "model.adapter=a"], "LoRA adapters")]:
+                           (["model.adapter_dir=/tmp", "model.adapter=a"], "LoRA adapters"),
+                           (["server.isolate=true"], "server.isolate=true with distributed")]:
         with pytest.raises(ConfigError, match=why):
             make_config("distributed=tensor", *overrides)
+    with pytest.raises(ConfigError, match="kv=q8 with distributed=pipeline is not supported"):
+        make_config("distributed=pipeline", "kv=q8")
     with pytest.raises(ConfigError, match="admission.kv_budget_gb with distributed=pipeline"):
         make_config("distributed=pipeline", "admission=budget", "admission.kv_budget_gb=1")
