@@ -60,8 +60,11 @@ class BenchConfig:
     adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
     #                                 at launch; request i asks for adapter i mod N (model
     #                                 "<name>:<id>"); 0 = the base model
-    ranks: int = 2                  # distributed≠none: ranks `mlx.launch --backend ring` starts
-    #                                 on this host for the pipeserve target
+    ranks: int = 2                  # distributed≠none: ranks on this host for the pipeserve target
+    launcher: str = "mlx.launch"    # distributed≠none: `mlx.launch --backend ring` (as users
+    #                                 launch), or `env`: bench starts each rank itself with the
+    #                                 MLX_HOSTFILE / MLX_RANK that mlx.launch would give it (no
+    #                                 launcher process: mlx.launch's output relay spins a core)
 
 
 @dataclass
@@ -292,11 +295,12 @@ def _peak_rss_mb(pid: int) -> float:
 class Process:
     """A server we start and stop by its own PID."""
 
-    def __init__(self, args: list[str], log_path: Path, group: bool = False) -> None:
+    def __init__(self, args: list[str], log_path: Path, group: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.log = open(log_path, "wb")
         self.group = group   # mlx.launch and its ranks: a process group of their own
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=group)
+                                     start_new_session=group, env=env)
 
     def wait_http(self, url: str, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -322,6 +326,25 @@ class Process:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+
+
+def _ranks(cfg: ServeConfig, b: BenchConfig, serve: list[str], out: Path
+           ) -> tuple[list[str], dict[str, str] | None, list[Process]]:
+    """distributed≠none: the launcher prefix of rank 0's command, its environment, and the other
+    ranks' processes (already started) for bench.launcher=env."""
+    if not cfg.distributed.enabled:
+        return [], None, []
+    if b.launcher == "mlx.launch":
+        return [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
+                str(b.ranks)], None, []
+    if b.launcher != "env":
+        raise ValueError(f"bench.launcher must be mlx.launch or env, got {b.launcher!r}")
+    hosts = out / "ring-hosts.json"
+    base = _free_port()
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(b.ranks)]))
+    env = [{**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(r)} for r in range(b.ranks)]
+    others = [Process(serve, out / f"rank{r}.log", env=env[r]) for r in range(1, b.ranks)]
+    return [], env[0], others
 
 
 def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: str,
@@ -490,13 +513,10 @@ def run_bench(raw: DictConfig) -> list[Row]:
     mount = ([f"model.adapter_dir={out / 'adapters'}", f"model.adapters=[{','.join(adapters)}]"]
              if adapters else [])
     port = _free_port()
-    # distributed≠none: one group of b.ranks processes on 127.0.0.1 (pipeline/distributed/)
-    launch = ([str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
-               str(b.ranks)] if cfg.distributed.enabled else [])
-    ours = Process([*launch, sys.executable, str(ROOT / "serve.py"), *overrides, *mount,
-                    f"model.path={model_dir}", f"server.port={port}",
-                    "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"],
-                   out / "pipeserve.log", group=bool(launch))
+    serve = [sys.executable, str(ROOT / "serve.py"), *overrides, *mount, f"model.path={model_dir}",
+             f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
+    launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
+    ours = Process([*launch, *serve], out / "pipeserve.log", group=bool(launch), env=env)
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters))
@@ -506,6 +526,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
         _plot_run(out, "pipeserve", m, rows[-1])
     finally:
         ours.stop()
+        for rank in others:   # they leave with rank 0; stop() waits for that
+            rank.stop()
 
     if b.mlx_lm:
         port = _free_port()
