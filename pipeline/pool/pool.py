@@ -50,7 +50,9 @@ class Member:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.state is EngineState.READY
+        """Serving: its engine is up and its load finished (front and record are its own)."""
+        return (self.loading is None and self.engine is not None
+                and self.engine.state is EngineState.READY)
 
     @property
     def resident(self) -> bool:
@@ -219,6 +221,7 @@ class ModelPool:
         if engine is None or engine.state is not EngineState.READY:
             return
         t0 = time.perf_counter()
+        engine.retire()   # from now on a request for it loads it again (a new process)
         self.metrics.resident.labels(m.id).set(0)
         self.metrics.unloads.labels(m.id, reason).inc()
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)

@@ -86,9 +86,16 @@ class ChildEngine:
         self._ready.wait(timeout)
         return self.state is EngineState.READY
 
+    def retire(self) -> None:
+        """Take no more requests (any thread): the pool unloads this engine next."""
+        with self._lock:
+            self._stopping = True
+            if self.state is EngineState.READY:
+                self.state = EngineState.STOPPED
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the child to stop (its engine drains the SSD writer), then make sure it did."""
-        self._stopping = True
+        self.retire()
         try:
             self._send({"op": "stop"})
         except EngineUnavailable:
@@ -247,7 +254,7 @@ class ChildEngine:
         with self._lock:
             was_ready = self.state is EngineState.READY
             self.state = EngineState.STOPPED if self._stopping else EngineState.DEAD
-        if self.startup_error is None and not was_ready:
+        if self.startup_error is None and not was_ready and self.loaded is None:
             self.startup_error = RuntimeError(f"the engine process exited while loading ({how})")
         err: ServeError = EngineUnavailable(
             f"the engine process of model {self.model_id} exited ({how}) while this request "

@@ -257,6 +257,9 @@ def test_max_resident_evicts_then_idle_unload_frees_the_process(server_factory: 
                         model=QWEN, outcome="ok") == 2
     # idle for pool.idle_unload_s: unloaded, its process (and all its memory) gone
     wait_state(srv.base_url, QWEN, "unloaded", timeout_s=20)
+    deadline = time.monotonic() + 10   # unloaded at once; the process exits right after
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not alive(pid)
     fams = metric_families(srv.base_url)
     assert sample_value(fams, "pipeserve_mlx_memory_bytes", "pipeserve_mlx_memory_bytes",
