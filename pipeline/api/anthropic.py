@@ -12,8 +12,8 @@ from sanic import HTTPResponse, Sanic
 from pipeline.api import fields as F
 from pipeline.api import structured
 from pipeline.api.generation import Delta, Generation, Usage
-from pipeline.api.http import (SSE_HEADERS, Scope, json_response, read_body, ready_front, route,
-                               sse_event)
+from pipeline.api.http import (SSE_HEADERS, Scope, check_ready, json_response, read_body,
+                               ready_front, route, sse_event)
 from pipeline.api.openai import sampling_fields
 from pipeline.errors import InvalidRequest, ServeError
 from pipeline.offload import off_loop
@@ -235,8 +235,7 @@ class BlockStream:
 # -- handlers ------------------------------------------------------------------------------
 async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "messages", http) as scope:
-        if getattr(app.ctx, "pool", None) is None:
-            ready_front(app)
+        check_ready(app)
         body = await off_loop(len(http.body or b""), read_body, http)
         inputs, requested = await off_loop(len(http.body or b""), parse, body)
         await scope.route(body)
@@ -255,8 +254,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
 
 
 async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
-    if getattr(app.ctx, "pool", None) is None:
-        ready_front(app)
+    check_ready(app)
     body = await off_loop(len(http.body or b""), read_body, http)
     inputs, _ = await off_loop(len(http.body or b""), lambda: parse(body, True))
     front = ready_front(app, await route(app, body))

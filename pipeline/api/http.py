@@ -63,6 +63,13 @@ def ready_front(app: Sanic, ctx: Any = None) -> Any:
     return ctx.front
 
 
+def check_ready(app: Sanic) -> None:
+    """One model: a 503 at once while it loads, before the body is read. A pool checks the
+    model a request names once it is routed (Scope.route)."""
+    if getattr(app.ctx, "pool", None) is None:
+        ready_front(app)
+
+
 async def route(app: Sanic, body: dict[str, Any]) -> Any:
     """The context a request runs in: the app's, or under pool=... the member its `model`
     names, loaded (a 404 listing the ids for an unknown one; waits while it loads)."""

@@ -12,7 +12,7 @@ from sanic import HTTPResponse, Sanic
 from pipeline.api import fields as F
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
-from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_data
+from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_data
 from pipeline.errors import AdmissionRejected, ServeError
 from pipeline.offload import off_loop
 from pipeline.request import Request
@@ -22,8 +22,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
     """POST /v1/chat/completions (endpoint "chat") and /v1/completions ("completions")."""
     ctx = app.ctx
     async with Scope(app, endpoint, http) as scope:
-        if getattr(ctx, "pool", None) is None:
-            ready_front(app)
+        check_ready(app)
         chat = endpoint == "chat"
         parse = oa.parse_chat if chat else oa.parse_completion
         body = await off_loop(len(http.body or b""), read_body, http)

@@ -1,6 +1,7 @@
 """The reproducibility record: what a response ran under — config hash, model id and
-fingerprint, KV scheme, draft method, scheduling lane, the adapter, and the batch size it decoded at. Sent in the
-`x-pipeserve-record` header and in JSON bodies' `usage.pipeserve`. Event loop."""
+fingerprint, KV scheme, draft method, scheduling lane, the adapter, and the batch size it
+decoded at. Sent in the `x-pipeserve-record` header and in JSON bodies' `usage.pipeserve`.
+Event loop."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace

@@ -15,7 +15,7 @@ from sanic import HTTPResponse, Sanic
 from pipeline.api import fields as F
 from pipeline.api import structured
 from pipeline.api.generation import Generation
-from pipeline.api.http import SSE_HEADERS, Scope, json_response, read_body, ready_front, sse_event
+from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_event
 from pipeline.api.openai import sampling_fields, tool_call_body
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.responses_shape import ResponseEvents, ResponseShape
@@ -167,8 +167,7 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 # -- handlers ------------------------------------------------------------------------------
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
-        if getattr(app.ctx, "pool", None) is None:
-            ready_front(app)
+        check_ready(app)
         # the JSON off the loop when large; parse reads the response store, so it stays here
         body = await off_loop(len(http.body or b""), read_body, http)
         parsed = parse(body, app.ctx.responses)
