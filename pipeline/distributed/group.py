@@ -46,6 +46,7 @@ class Group:
         self._sync_s = 0.0
         self._grammars: Any = None   # other ranks: compiles constraints as admission does
         self._failing = False
+        self._ran = False   # rank 0: the previous sync carried a plan (its slots time a step)
         self._watchdog: threading.Thread | None = None
         metrics.distributed_ranks.set(self.size)
         self._step = [metrics.distributed_step_seconds.labels(str(r)) for r in range(self.size)]
@@ -65,8 +66,8 @@ class Group:
             if self.rank == 0:
                 return self._lead(engine, idle, step_s)
             return self._follow(engine, step_s)
-        except DistributedError:
-            raise
+        except DistributedError as e:   # the ranks disagree: every rank saw the same header
+            self.fatal(e)
         except RuntimeError as e:   # the backend: "[ring] connection to a peer was lost"
             self.fatal(DistributedError(f"rank {self.rank}: the group's sync failed ({e}): a "
                                         "rank is gone — its log says why; the group stops"), e)
@@ -209,7 +210,10 @@ class Group:
                     f"rank {r}'s scheduler state (digest {slot.digest:#x}) differs from rank "
                     f"0's ({mine:#x}) at sync {header.seq}: the ranks sampled different tokens "
                     "or moved different counters, so the group stops")
-        if self.rank == 0 and ran:   # rank 0 exports every rank's times (the previous pass's)
+        # rank 0 exports every rank's times: the slots hold the previous pass's, which timed a
+        # step only when that sync carried a plan too (an idle sync waits out the heartbeat)
+        timed, self._ran = self._ran and ran, ran
+        if self.rank == 0 and timed:
             for r, slot in enumerate(header.slots):
                 if slot.step_us:
                     self._step[r].observe(slot.step_us / 1e6)

@@ -133,3 +133,14 @@ def test_tensor_parallel_needs_heads_and_columns_the_ranks_divide() -> None:
         check_divisible({"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
     with pytest.raises(ConfigError, match="num_attention_heads is 9, not a multiple of 2"):
         check_divisible({"text_config": {"num_attention_heads": 9}}, 2)
+
+
+def test_distributed_settings_are_checked_at_launch() -> None:
+    assert make_config().distributed.name == "none"
+    assert not make_config().distributed.enabled
+    with pytest.raises(ConfigError, match="distributed.heartbeat_s must be in"):
+        make_config("distributed=tensor", "distributed.heartbeat_s=0")
+    with pytest.raises(ConfigError, match="must be longer than distributed.heartbeat_s"):
+        make_config("distributed=pipeline", "distributed.timeout_s=1", "distributed.heartbeat_s=2")
+    with pytest.raises(ConfigError, match="distributed.linger_s must be >= 0"):
+        make_config("distributed=tensor", "distributed.linger_s=-1")
