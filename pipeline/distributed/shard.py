@@ -61,6 +61,7 @@ def check_divisible(config: dict[str, Any], n: int) -> None:
     must be a multiple of the rank count."""
     text = config.get("text_config", config)
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "moe_intermediate_size", "shared_expert_intermediate_size",
                 "linear_num_value_heads", "linear_num_key_heads"):
         value = text.get(key)
         if isinstance(value, int) and value % n:
