@@ -88,6 +88,12 @@ def test_a_bad_member_fails_at_launch_naming_it(launch, member, message) -> None
         compose_members(cfg, launch)
 
 
+def test_a_pool_or_isolation_with_distributed_serving_is_refused() -> None:
+    for extra in ("pool=example", "server.isolate=true"):   # pipeline/distributed/config.py
+        with pytest.raises(ConfigError, match="pool= / server.isolate=true with distributed"):
+            make_config("distributed=tensor", extra)
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"models": {}}, "pool.models is empty"),
     ({"models": {"a:b": PoolMemberConfig()}}, "no ':'"),
