@@ -84,7 +84,7 @@ def run(engine: Engine, cmd: AdapterSwap) -> None:
 
 def _users(engine: Engine, shared: AdapterSet, adapter_id: str) -> int:
     sched = engine.scheduler
-    return sum(1 for r in [*sched.running, *sched.waiting] if shared.name(r.adapter) == adapter_id)
+    return sum(1 for r in [*sched.running, *sched.waiting] if adapter_id in shared.members(r.adapter))
 
 
 def _set_of(engine: Engine) -> AdapterSet:
@@ -227,8 +227,8 @@ def _restack(engine: Engine, shared: AdapterSet, multi: dict[str, MultiLoRALinea
     from mlx.utils import tree_unflatten
 
     now = time.monotonic()
-    in_use = {shared.name(r.adapter) for r in [*engine.scheduler.running,
-                                               *engine.scheduler.waiting]}
+    in_use = {m for r in [*engine.scheduler.running, *engine.scheduler.waiting]
+              for m in shared.members(r.adapter)}
     shared.retired = {k: v for k, v in shared.retired.items()
                       if k in in_use or now - v[1] < RETIRE_S}
     old_slots = dict(shared.slots)

@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.errors import ConfigError
 
 FILES = ("adapter_config.json", "adapters.safetensors")
+STACK = "+"   # Request.adapter of a stack: its ids joined, in the request's order
 LEAVES = ("lora_a", "lora_b", "m")          # the parameters a LoRA / DoRA layer adds
 TYPES = ("lora", "dora")
 _LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
@@ -44,12 +45,13 @@ class Adapter:
 
 
 def check_id(adapter_id: str) -> None:
-    """An id names one subdirectory of model.adapter_dir, nothing else."""
+    """An id names one subdirectory of model.adapter_dir, nothing else ('+' joins the ids of
+    a stack, so no id holds one)."""
     if (not adapter_id or adapter_id in (".", "..") or ".." in adapter_id
-            or any(c in adapter_id for c in "/\\\0")):
+            or any(c in adapter_id for c in "/\\\0" + STACK)):
         raise ConfigError(
             f"model.adapter '{adapter_id}' is not an adapter id: an id is the name of one "
-            "subdirectory of model.adapter_dir, without '/', '\\' or '..'")
+            "subdirectory of model.adapter_dir, without '/', '\\', '+' or '..'")
 
 
 def resolve(adapter_dir: str, adapter_id: str) -> Path:
@@ -168,11 +170,13 @@ def _check_tensors(adapter_id: str, weights: dict[str, Any], slots: dict[str, An
 
 # -- several adapters in one batch (model.adapters) ----------------------------------------
 NONE = "none"   # the request field's value for the base model, no adapter
+MAX_STACK = 8   # adapters one request may stack
 
 
 class AdapterSet:
     """The mounted adapters as slots (0: none, 1..n: model.adapters in launch order) and the
-    slot of each row of the next model call. The MultiLoRALinear layers share this one object;
+    slots of each row of the next model call (a row stacking adapters runs several: their
+    deltas add up). The MultiLoRALinear layers share this one object;
     pipeline/forward.py sets the rows (`rows`) right before each model call and the set goes
     back to every row on the launch default afterwards. `merged`: the single launch adapter
     lives in mlx-lm's own layers (DoRA), so no row can run without it."""
@@ -184,10 +188,10 @@ class AdapterSet:
         self.ranks = [0] + [a.rank for a in adapters]
         self.default = default
         self.merged = merged
-        self.default_slot = self.slots[default] if default is not None else 0
-        self.uniform: int | None = self.default_slot   # every row on this slot, or None
-        self.indices: Any = None      # (B,) int32 slot per row when mixed
-        self.row_scales: Any = None   # (B, 1, 1) float32 scale per row when mixed
+        self.default_slots = (self.slots[default],) if default is not None else ()
+        self.uniform: tuple[int, ...] | None = self.default_slots   # every row's, or None
+        self.indices: Any = None      # (B, m) int32 slots per row when mixed (0: padding)
+        self.row_scales: Any = None   # (B, m) float32 their scales when mixed
         # unmounted over HTTP but still holding a slot (pipeline/adapter_swap.py): id →
         # (adapter, monotonic time of its unmount); engine thread only
         self.retired: dict[str, tuple[Adapter, float]] = {}
@@ -198,7 +202,7 @@ class AdapterSet:
         self.slots = {a.id: i + 1 for i, a in enumerate(order)}
         self.scales = [0.0] + [a.scale for a in order]
         self.ranks = [0] + [a.rank for a in order]
-        self.default_slot = self.slots[self.default] if self.default is not None else 0
+        self.default_slots = (self.slots[self.default],) if self.default is not None else ()
         self.adapters = {a.id: a for a in order if a.id not in self.retired}
         self.reset()
 
@@ -207,30 +211,39 @@ class AdapterSet:
         return list(self.adapters)
 
     def name(self, choice: str | None) -> str | None:
-        """The adapter a request's rows run with (None: the base model); `choice` is
-        Request.adapter (None: the launch default; "none": the base model)."""
+        """The adapter (or stack, ids joined by '+') a request's rows run with (None: the base
+        model); `choice` is Request.adapter (None: the launch default; "none": the base)."""
         if choice is None:
             return self.default
         return None if choice == NONE else choice
 
-    def slot(self, choice: str | None) -> int:
+    def members(self, choice: str | None) -> tuple[str, ...]:
+        """The ids a request's rows run with, in its order (empty: the base model)."""
         name = self.name(choice)
-        return 0 if name is None else self.slots[name]
+        return () if name is None else tuple(name.split(STACK))
+
+    def slots_of(self, choice: str | None) -> tuple[int, ...]:
+        return tuple(self.slots[m] for m in self.members(choice))
 
     def identity(self, choice: str | None) -> str | None:
-        name = self.name(choice)
-        if name is None:
+        ids = self.members(choice)
+        if not ids:
             return None
-        return (self.adapters[name] if name in self.adapters else self.retired[name][0]).identity
+        return STACK.join((self.adapters[i] if i in self.adapters else self.retired[i][0]).identity
+                          for i in ids)
 
-    def canonical(self, choice: str | None, param: str) -> str | None:
+    def canonical(self, choice: str | list[str] | None, param: str) -> str | None:
         """A request's choice as Request.adapter holds it: None when it is the launch default
-        (so identical requests share prompt-cache entries), else the id or "none". Raises
-        NotFound naming the field, the value and the mounted ids."""
+        (so identical requests share prompt-cache entries), else the id, a stack's ids joined
+        by '+', or "none". Raises NotFound naming the field, the value and the mounted ids."""
         from pipeline.errors import NotFound
 
         if choice is None:
             return None
+        if isinstance(choice, list):
+            choice = self._stack(choice, param)
+            if STACK in choice:
+                return choice
         if choice != NONE and choice not in self.adapters:
             raise NotFound(f"{param} names adapter {choice!r}, which is not mounted; mounted: "
                            f"{', '.join(self.ids) or 'none'} (or 'none' for the base model)",
@@ -242,18 +255,43 @@ class AdapterSet:
                            code="adapter_not_found")
         return None if self.name(choice) == self.default else choice
 
-    def select(self, slots: list[int]) -> None:
+    def _stack(self, ids: list[Any], param: str) -> str:
+        """An `adapter` array: mounted LoRA ids, each once, at most MAX_STACK (one is that id)."""
+        from pipeline.errors import InvalidRequest, NotFound
+
+        if not ids or len(ids) > MAX_STACK or not all(isinstance(i, str) for i in ids):
+            raise InvalidRequest(f"{param} is an array of {len(ids)} item(s); a stack is 1 to "
+                                 f"{MAX_STACK} mounted adapter ids (strings)", param=param)
+        if NONE in ids or len(set(ids)) != len(ids):
+            raise InvalidRequest(f"{param} {ids!r} repeats an id or holds 'none'; a stack names "
+                                 "each mounted adapter at most once", param=param)
+        if self.merged and len(ids) > 1:
+            raise NotFound(f"{param} stacks {ids!r}, but the launch adapter {self.default!r} is "
+                           "a DoRA adapter merged into every row: nothing can be stacked on "
+                           "it", param=param, code="adapter_not_found")
+        for i in ids:
+            if i not in self.adapters or STACK in i:
+                raise NotFound(f"{param} names adapter {i!r}, which is not mounted; mounted: "
+                               f"{', '.join(self.ids) or 'none'}", param=param,
+                               code="adapter_not_found")
+        return STACK.join(ids)
+
+    def select(self, rows: list[tuple[int, ...]]) -> None:
+        """The slots of each row of the next model call, in batch order."""
         import mlx.core as mx
 
-        if len(set(slots)) == 1:
-            self.uniform, self.indices, self.row_scales = slots[0], None, None
+        if len(set(rows)) == 1:
+            self.uniform, self.indices, self.row_scales = rows[0], None, None
             return
         self.uniform = None
-        self.indices = mx.array(slots, dtype=mx.int32)
-        self.row_scales = mx.array([self.scales[s] for s in slots], dtype=mx.float32)[:, None, None]
+        width = max(1, max(len(r) for r in rows))
+        padded = [list(r) + [0] * (width - len(r)) for r in rows]   # slot 0: zeros, scale 0
+        self.indices = mx.array(padded, dtype=mx.int32)
+        self.row_scales = mx.array([[self.scales[s] for s in r] for r in padded],
+                                   dtype=mx.float32)
 
     def reset(self) -> None:
-        self.uniform, self.indices, self.row_scales = self.default_slot, None, None
+        self.uniform, self.indices, self.row_scales = self.default_slots, None, None
 
     @staticmethod
     def of(model: Any) -> AdapterSet:
@@ -294,23 +332,26 @@ class MultiLoRALinear(_module_base()):   # type: ignore[misc]
     def __call__(self, x: Any) -> Any:
         y = self.linear(x)
         sel = self.adapters
-        k = sel.uniform
-        if k is not None:
-            if k not in self.covers:
-                return y
-            r = sel.ranks[k]
-            z = (x @ self.lora_a[k][:, :r]) @ self.lora_b[k][:r]
-            return y + (sel.scales[k] * z).astype(x.dtype)
-        idx = sel.indices
-        a, b = self.lora_a[idx], self.lora_b[idx]   # (B, in, r_max), (B, r_max, out)
-        if x.ndim == 2:
-            z = (x[:, None] @ a) @ b
-            z = z[:, 0]
-            s = sel.row_scales[:, 0]
-        else:
-            z = (x @ a) @ b
-            s = sel.row_scales
-        return y + (s.astype(z.dtype) * z).astype(x.dtype)
+        uniform = sel.uniform
+        if uniform is not None:   # every row runs these slots: their own rank-r matrices
+            for k in uniform:
+                if k in self.covers:
+                    r = sel.ranks[k]
+                    z = (x @ self.lora_a[k][:, :r]) @ self.lora_b[k][:r]
+                    y = y + (sel.scales[k] * z).astype(x.dtype)
+            return y
+        for j in range(sel.indices.shape[1]):   # a stack's j-th adapter of every row
+            idx = sel.indices[:, j]
+            a, b = self.lora_a[idx], self.lora_b[idx]   # (B, in, r_max), (B, r_max, out)
+            s = sel.row_scales[:, j]
+            if x.ndim == 2:
+                z = ((x[:, None] @ a) @ b)[:, 0]
+                s = s[:, None]
+            else:
+                z = (x @ a) @ b
+                s = s[:, None, None]
+            y = y + (s.astype(z.dtype) * z).astype(x.dtype)
+        return y
 
 
 def _read(adapter_dir: str, adapter_id: str) -> tuple[Path, dict[str, Any]]:

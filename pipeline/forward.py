@@ -32,7 +32,7 @@ class Forward:
         (nothing to do, per step, while no adapter is mounted)."""
         a = self.adapters
         if a.slots or a.retired:
-            a.select([a.slot(r.request.adapter) for r in rows])
+            a.select([a.slots_of(r.request.adapter) for r in rows])
 
     def _done(self) -> None:
         """After the call: back to every row on the launch default, for any other caller."""

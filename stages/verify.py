@@ -212,7 +212,7 @@ class Verify:
         elif not batched and n != fed[0]:
             x = x[:, :fed[0]]
         if self.adapters is not None:   # the replay runs each row with its own adapter
-            self.adapters.select([self.adapters.slot(r.adapter) for r in reqs])
+            self.adapters.select([self.adapters.slots_of(r.adapter) for r in reqs])
         self.model(x, cache=caches)
         if self.adapters is not None:
             self.adapters.reset()

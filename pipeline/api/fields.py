@@ -182,16 +182,20 @@ def tool_choice(choice: str, name: str | None, tools: list[dict[str, Any]],
 
 def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
     """The adapter a request picks, as Request.adapter holds it: the `adapter` field (an id,
-    or "none" for the base model) or an OpenAI `model` of "<base>:<id>" (vLLM-style); None
+    an array of ids stacked, or "none" for the base model) or an OpenAI `model` of
+    "<base>:<id>" (vLLM-style); None
     when it names none, or names the launch default. `mounted` is the model's AdapterSet (or
     None: no adapters). An id that is not mounted is a 404 naming the field and the ids."""
     from pipeline.adapters import NONE
     from pipeline.errors import NotFound
 
     value = body.get("adapter")
-    if isinstance(value, list):
-        raise InvalidRequest("adapter is an array: stacking adapters is not supported yet; "
-                             "send one adapter id (or \"none\")", param="adapter")
+    if isinstance(value, list):   # a stack: the adapters' deltas add up on every row
+        if mounted is None:
+            raise NotFound(f"adapter stacks {value!r}, but no adapter is mounted (launch with "
+                           "model.adapter_dir and model.adapters)", param="adapter",
+                           code="adapter_not_found")
+        return mounted.canonical(value, "adapter")
     choice, param = get(body, "adapter", str), "adapter"
     model = body.get("model")
     if choice is None and isinstance(model, str) and model.startswith(base + ":"):

@@ -150,6 +150,11 @@ class Generation:
         self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
             .with_batch_size(self.batch_size_max or None)
         self.usage.record = self.record.body()
+        if adapters is not None:
+            label = adapters.name(self.request.adapter) or "none"
+            metrics = self.app_ctx.metrics
+            metrics.adapter_requests.labels(label).inc()
+            metrics.adapter_tokens.labels(label).inc(self.usage.completion_tokens)
 
     def _observe_batch(self) -> None:
         """Rows running now (left the queue, not done), sampled as this request's tokens
