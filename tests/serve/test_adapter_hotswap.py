@@ -182,6 +182,33 @@ def test_delete_of_a_busy_adapter_is_409_and_the_stream_goes_on(hot: Any) -> Non
     _still_serving(hot)
 
 
+def test_repeated_swaps_under_load_change_no_stream(hot: Any) -> None:
+    """Streams on an adapter, a stack holding it and the base model run while another adapter
+    is mounted and unmounted again and again: none fails, each equals its solo output."""
+    assert _mount(hot, "lora").status_code == 200
+    kinds = [{"adapter": "lora"}, {"adapter": ["lora"]}, {"adapter": "none"}]
+    solo = [_text(hot, max_tokens=600, **k) for k in kinds]
+    firsts = [threading.Event() for _ in kinds]
+    outs: list[dict[str, Any]] = [{} for _ in kinds]
+    threads = [threading.Thread(target=_stream, args=(hot, f, o, 600), kwargs=k)
+               for f, o, k in zip(firsts, outs, kinds)]
+    for t in threads:
+        t.start()
+    assert all(f.wait(TIMEOUT) for f in firsts)
+    swaps = 0
+    while any(t.is_alive() for t in threads) and swaps < 6:   # bounded: 6 mount/unmounts
+        assert _mount(hot, "terse").status_code == 200
+        assert _unmount(hot, "terse").status_code == 200
+        swaps += 1
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+    assert swaps >= 1
+    assert [o["text"] for o in outs] == solo and all(o["finish"] == "length" for o in outs)
+    assert _unmount(hot, "lora").status_code == 200
+    _still_serving(hot)
+
+
 def test_admin_key_is_enforced(hot: Any) -> None:
     assert _error(_mount(hot, "lora", headers=None), 401)["type"] == "authentication_error"
     assert _mount(hot, "lora", headers={"Authorization": "Bearer nope"}).status_code == 401
