@@ -3,7 +3,6 @@ the step loop. Public methods may be called from any thread; everything else is 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from enum import Enum
@@ -11,6 +10,7 @@ from typing import Any
 
 from pipeline.config import ServeConfig, build
 from pipeline.errors import EngineUnavailable, ServeError, row_failure, step_failed
+from pipeline.inbox import Inbox
 from pipeline.events import Abort, AdapterSwap, Command, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel
 from pipeline.memory import MemoryModel
@@ -18,7 +18,7 @@ from pipeline.metrics import Metrics
 from pipeline.plan import StepPlan
 from pipeline.request import FinishReason, Request
 from pipeline.scheduler import Scheduler, finished_event
-from pipeline.step import Launched, load_parts, sample_memory
+from pipeline.step import Launched, load_parts
 from pipeline.outbox import Outbox
 from pipeline.stream import RequestStream
 
@@ -42,11 +42,8 @@ class Engine:
         self.scheduler: Scheduler = build(cfg.scheduler._target_, cfg)
         self.prompt_cache: Any = None   # pipeline.prompt_cache.*, or None (cache=off)
         self.layout: Any = None         # pipeline.kv.layouts.*; the step: load_parts
-        self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._out = Outbox(metrics)
+        self._inbox, self._out = Inbox(), Outbox(metrics)
         self._ready, self._stopping = threading.Event(), False
-        # submitted: written by submitters only; left the queue (ran or aborted), added: engine
-        self._num_submitted = self._num_left_queue = self._num_added = 0
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
         self.group: Any = None   # distributed≠none: pipeline/distributed/group.py, built at load
 
@@ -63,7 +60,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         """Submitted requests not yet scheduled (inbox + scheduler queue)."""
-        return self._num_submitted - self._num_left_queue
+        return self._inbox.num_waiting
 
     @property
     def num_queued(self) -> int:
@@ -73,12 +70,11 @@ class Engine:
 
     @property
     def num_inflight(self) -> int:
-        return self._num_submitted - self._out.num_done
+        return self._inbox.num_submitted - self._out.num_done
 
     def submit(self, request: Request, stream: RequestStream) -> None:
         if self.state is not EngineState.READY:
             raise EngineUnavailable(f"engine is {self.state.value}")
-        self._num_submitted += 1
         self._inbox.put(Submit(request, stream))
 
     def abort(self, request_id: str) -> None:
@@ -124,8 +120,7 @@ class Engine:
         finally:
             self._out.flush()
             self.metrics.engine_up.set(0)
-            if hasattr(self.prompt_cache, "close"):
-                self.prompt_cache.close()   # drains the SSD writer
+            self.step.close()   # the prompt cache drains its SSD writer
             if self.state is EngineState.READY:
                 self.state = EngineState.STOPPED
 
@@ -137,21 +132,16 @@ class Engine:
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
 
     def _loop(self) -> None:
-        import mlx.core as mx
         sched = self.scheduler
         pending: Launched | None = None   # last step, queued on the device, not yet read back
-        steps = 0
-        ticking = hasattr(self.prompt_cache, "tick")
         while not self._stopping:
             idle = pending is None and not sched.has_work()
             if idle:
-                sample_memory(self.metrics, self.step.kv, self.layout)
-                if ticking:
-                    self.prompt_cache.tick()
+                self.step.idle()
             if self.group is not None:   # every rank runs rank 0's plan (pipeline/distributed)
                 plan = self.group.next_plan(self, idle)
             else:
-                self._drain_inbox(block=idle, timeout=1.0 if ticking else None)
+                self.take_commands(block=idle, timeout=self.step.idle_wait_s)
                 plan = None if self._stopping else sched.schedule()
             if self._stopping:
                 break
@@ -170,11 +160,7 @@ class Engine:
                 launched = None
             self._out.flush()
             pending = launched
-            steps += 1
-            if steps % 256 == 0:
-                mx.clear_cache()
-            if steps % 16 == 0:
-                sample_memory(self.metrics, self.step.kv, self.layout)
+            self.step.passed()
 
     def _apply(self, launched: Launched) -> None:
         """Read a step's results back and apply them: events out, finished rows retired."""
@@ -200,22 +186,13 @@ class Engine:
         self.metrics.active_rows.set(len(self.scheduler.running))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
-    def _drain_inbox(self, block: bool, timeout: float | None = None) -> list[Command]:
+    def take_commands(self, block: bool, timeout: float | None = None) -> list[Command]:
         """Run every command in the inbox (waiting up to `timeout` for one when `block`);
-        returns them, in order."""
-        done: list[Command] = []
-        while True:
-            try:
-                cmd = self._inbox.get(block=block, timeout=timeout if block else 0)
-            except queue.Empty:
-                return done
-            block = False
-            if cmd is None:
-                return done
+        returns them, in order (rank 0 of a distributed group broadcasts them)."""
+        done = list(self._inbox.take(block, timeout))
+        for cmd in done:
             self.run_command(cmd)
-            done.append(cmd)
-
-    take_commands = _drain_inbox   # the distributed hook's name for it (rank 0)
+        return done
 
     @property
     def stopping(self) -> bool:
@@ -234,7 +211,7 @@ class Engine:
         elif isinstance(cmd, Submit):
             self._out.open(cmd.request.request_id, cmd.stream)
             self.scheduler.add(cmd.request)
-            self._num_added += 1
+            self._inbox.num_added += 1
         elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
             self.step.retire([req], [])
             self.scheduler.release(req.request_id)
@@ -243,7 +220,7 @@ class Engine:
 
     def _count_waiting(self) -> None:
         waiting = len(self.scheduler.waiting)
-        self._num_left_queue = self._num_added - waiting
+        self._inbox.num_left_queue = self._inbox.num_added - waiting
         self.metrics.queue_depth.set(waiting)
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 

@@ -51,6 +51,7 @@ class Step:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel, metrics: Metrics, layout: Any,
                  prompt_cache: Any, ledger: Any) -> None:
         self.samplers = SamplerStates()   # every row's sampling state (sample and verify)
+        self._metrics, self._layout, self._cache, self._steps = metrics, layout, prompt_cache, 0
         deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers)
         slots = cfg.pipeline
         self.kv = RowStore(lambda: layout.make_cache(loaded.model))
@@ -143,6 +144,31 @@ class Step:
         if self.draft is not None:
             self.draft.release(req)
         self.samplers.release(req.request_id)
+
+    # -- between steps ------------------------------------------------------------------
+    @property
+    def idle_wait_s(self) -> float | None:
+        """How long an idle engine waits for a command before `idle` runs again (None: until
+        one comes; a prompt cache with idle work, the SSD tier's demotion, wants 1 s)."""
+        return 1.0 if hasattr(self._cache, "tick") else None
+
+    def idle(self) -> None:
+        """Nothing to run: memory gauges, and the prompt cache's idle work."""
+        sample_memory(self._metrics, self.kv, self._layout)
+        if hasattr(self._cache, "tick"):
+            self._cache.tick()
+
+    def passed(self) -> None:
+        """After each loop pass: memory gauges every 16th, MLX's buffer cache back every 256th."""
+        self._steps += 1
+        if self._steps % 256 == 0:
+            mx.clear_cache()
+        if self._steps % 16 == 0:
+            sample_memory(self._metrics, self.kv, self._layout)
+
+    def close(self) -> None:
+        if hasattr(self._cache, "close"):
+            self._cache.close()   # drains the SSD writer
 
 
 @dataclass(slots=True)
