@@ -24,6 +24,17 @@ class RequestStream:
             self.finished = True
         return event
 
+    def poll(self) -> Event | None:
+        """The next event if one is already here, else None (no await, no timer: the common
+        case while the engine outpaces the stream's consumer)."""
+        try:
+            event = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(event, (Finished, Failed)):
+            self.finished = True
+        return event
+
     async def __aiter__(self) -> AsyncIterator[Event]:
         while not self.finished:
             yield await self.next()

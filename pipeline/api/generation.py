@@ -170,11 +170,13 @@ class Generation:
         chain = self._chain()
         keep_alive = ctx.cfg.server.keep_alive_s
         while True:
-            try:
-                event = await asyncio.wait_for(self.stream.next(), keep_alive)
-            except asyncio.TimeoutError:
-                yield Delta()   # lets a streaming caller send a keep-alive
-                continue
+            event = self.stream.poll()
+            if event is None:
+                try:
+                    event = await asyncio.wait_for(self.stream.next(), keep_alive)
+                except asyncio.TimeoutError:
+                    yield Delta()   # lets a streaming caller send a keep-alive
+                    continue
             if isinstance(event, TokenDelta):
                 n = len(event.token_ids)
                 if self.first_token_s is None and n:
