@@ -50,6 +50,40 @@ def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
     assert used == ["composed", "fused", "fused"]
 
 
+def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_factory,
+                                                                      monkeypatch) -> None:
+    """The CUDA path on the CPU, dense KV: prompt groups of different lengths, some rows
+    joining with a prompt-cache prefix (left-aligned merged caches, right-padded chunks), all
+    composed, give the tokens the fused path gives."""
+    base = [300 + (i * 11) % 97 for i in range(48)]
+    prompts = [base + [5, 6, 7], base[:30] + [9] * 12, [4, 4, 2], base + list(range(60, 90)),
+               [17 + i for i in range(70)]]
+
+    def run(h) -> list[list[int]]:
+        first = [h.request(p, max_tokens=10, logit_bias=EOS_OFF) for p in prompts[:2]]
+        out = [g["ids"] for g in asyncio.run(h.generate_many(first))]   # fills the cache
+        rest = [h.request(p, max_tokens=10, logit_bias=EOS_OFF) for p in prompts]
+        got = asyncio.run(h.generate_many(rest))
+        return out + [g["ids"] for g in got], sum(g["cached"] or 0 for g in got)
+
+    plain, _ = run(engine_factory("model=llama", "scheduler.max_batch=8"))
+    import pipeline.step
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)   # the CUDA path, on the CPU
+    monkeypatch.setattr(pipeline.step, "on_cuda", lambda: True)
+    h = engine_factory("model=llama", "scheduler.max_batch=8")   # installs dispatch
+    assert attention.composed
+    calls = {"composed": 0}
+    composed = attention.composed_attention
+
+    def counting(q, *a):
+        calls["composed"] += q.shape[2] > 1   # prompt chunks
+        return composed(q, *a)
+    monkeypatch.setattr(attention, "composed_attention", counting)
+    got, cached = run(h)
+    assert got == plain and cached > 0 and calls["composed"] > 0
+    monkeypatch.setattr(attention, "composed", False)
+
+
 def test_batched_engine_through_composed_attention_gives_the_same_tokens(
         engine_factory, monkeypatch) -> None:
     plain = engine_factory("model=llama")
