@@ -52,6 +52,7 @@ class Step:
                  prompt_cache: Any, ledger: Any) -> None:
         self.samplers = SamplerStates()   # every row's sampling state (sample and verify)
         self._metrics, self._layout, self._cache, self._steps = metrics, layout, prompt_cache, 0
+        self._ticking = hasattr(prompt_cache, "tick")   # a prompt cache with idle work
         deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers)
         slots = cfg.pipeline
         self.kv = RowStore(lambda: layout.make_cache(loaded.model))
@@ -150,12 +151,12 @@ class Step:
     def idle_wait_s(self) -> float | None:
         """How long an idle engine waits for a command before `idle` runs again (None: until
         one comes; a prompt cache with idle work, the SSD tier's demotion, wants 1 s)."""
-        return 1.0 if hasattr(self._cache, "tick") else None
+        return 1.0 if self._ticking else None
 
     def idle(self) -> None:
         """Nothing to run: memory gauges, and the prompt cache's idle work."""
         sample_memory(self._metrics, self.kv, self._layout)
-        if hasattr(self._cache, "tick"):
+        if self._ticking:
             self._cache.tick()
 
     def passed(self) -> None:
