@@ -1,4 +1,4 @@
-"""The composed attention used on CUDA for decode and verify steps (pipeline/kv/attention.py)
+"""The composed attention used on CUDA for prompt chunks and verify steps (pipeline/kv/attention.py)
 matches MLX's fused attention, and a batched engine run through it gives the same tokens."""
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def test_composed_equals_fused(q_len: int, mask_kind: str) -> None:
 
 
 def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
-    """A prompt chunk of many rows composes; one unmasked query keeps MLX's vector kernel;
-    a chunk whose float32 scores exceed the budget keeps the fused (flash) kernel."""
+    """A prompt chunk of many rows and a verify forward compose; decode (one query per row,
+    masked for a padded batch or not) keeps MLX's fused kernel; a chunk whose float32 scores
+    exceed the budget keeps the fused (flash) kernel."""
     monkeypatch.setattr(attention, "composed", True)
     used: list[str] = []
     monkeypatch.setattr(attention, "composed_attention", lambda *a: used.append("composed"))
@@ -45,9 +46,12 @@ def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
     attention.dense_attention(rows_q, rows_k, rows_k, 1.0, "causal")
     one = mx.zeros((1, 32, 1, 8))
     attention.dense_attention(one, rows_k[:1], rows_k[:1], 1.0, None)
+    padded = mx.ones((128, 1, 1, 75), dtype=mx.bool_)   # a padded decode batch's mask
+    attention.dense_attention(rows_q[:, :, :1], rows_k, rows_k, 1.0, padded)
+    attention.dense_attention(rows_q[:, :, :5], rows_k, rows_k, 1.0, "causal")   # verify: 1 + 4
     long_q, long_k = mx.zeros((1, 32, 2048, 8)), mx.zeros((1, 8, 4096, 8))   # 1 GiB
     attention.dense_attention(long_q, long_k, long_k, 1.0, "causal")
-    assert used == ["composed", "fused", "fused"]
+    assert used == ["composed", "fused", "fused", "composed", "fused"]
 
 
 def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_factory,
