@@ -227,6 +227,9 @@ class AdmissionConfig:
     max_top_logprobs: int = 20              # OpenAI's limit
     memory_budget_gb: Optional[float] = None  # decimal GB; opt-in enforced budget
     kv_budget_gb: Optional[float] = None      # decimal GB of KV across rows
+    buffer_cache_gb: Optional[float] = None   # MLX's cache of freed buffers, at most (decimal
+    #                                         GB); default: 10% of device memory on CUDA,
+    #                                         MLX's own limit elsewhere
 
     @property
     def name(self) -> str:
@@ -240,6 +243,8 @@ class AdmissionConfig:
         _positive("admission.max_tokens_default", self.max_tokens_default)
         _positive("admission.memory_budget_gb", self.memory_budget_gb)
         _positive("admission.kv_budget_gb", self.kv_budget_gb)
+        if self.buffer_cache_gb is not None and self.buffer_cache_gb < 0:
+            raise ConfigError(f"admission.buffer_cache_gb must be >= 0, got {self.buffer_cache_gb}")
 
 
 @register("admission", "advisory")

@@ -11,6 +11,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEVICE_FRACTION = 0.75   # share of device memory the advisory estimate assumes is usable
+CUDA_BUFFER_CACHE_FRACTION = 0.10   # default cap on MLX's cache of freed buffers on CUDA
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,11 @@ class MemoryModel:
 
 
 def device_memory_bytes() -> int:
+    """The device's memory: Metal reports `memory_size`, CUDA `total_memory`; the CPU backend
+    reports neither, so it is the host's RAM."""
     import mlx.core as mx
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    size = int(info.get("memory_size", 0) or 0)
+    size = int(info.get("memory_size", 0) or info.get("total_memory", 0) or 0)
     if size:
         return size
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -101,6 +104,17 @@ def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
                        kv_granularity=getattr(getattr(layout, "cfg", None), "block_size", 1))
 
 
+def buffer_cache_limit(configured_gb: float | None) -> int | None:
+    """Bytes MLX may keep of freed buffers (None: leave MLX's default). MLX 0.32 on CUDA lets
+    that cache grow to its whole memory limit (80% of the device); a batch whose rows join and
+    leave one by one frees a differently sized KV buffer at every change, so the cache filled
+    an H200 at 128 streams until allocation failed, and steps slowed to ~0.3 s on the way."""
+    if configured_gb is not None:
+        return int(configured_gb * 1e9)
+    from pipeline.kv.attention import on_cuda
+    return int(device_memory_bytes() * CUDA_BUFFER_CACHE_FRACTION) if on_cuda() else None
+
+
 def setup_memory(cfg: Any, loaded: Any, layout: Any, metrics: Any, prefill_chunk: int
                  ) -> tuple[MemoryModel, int | None, int | None]:
     """Apply admission's memory budget, probe the model's KV cost and publish it: returns the
@@ -109,6 +123,10 @@ def setup_memory(cfg: Any, loaded: Any, layout: Any, metrics: Any, prefill_chunk
     adm = cfg.admission
     if adm.memory_budget_gb is not None:
         mx.set_memory_limit(int(adm.memory_budget_gb * 1e9))
+    cache_limit = buffer_cache_limit(adm.buffer_cache_gb)
+    if cache_limit is not None:
+        mx.set_cache_limit(cache_limit)
+        log.info("memory: MLX buffer cache capped at %.1f GB", cache_limit / 1e9)
     memory = probe(loaded, prefill_chunk, adm.memory_budget_gb, layout)
     kv_budget = int(adm.kv_budget_gb * 1e9) if adm.kv_budget_gb is not None else None
     pool = layout.pool_bytes

@@ -190,6 +190,7 @@ BAD = [
      ["admission=budget", "admission.memory_budget_gb", "admission.kv_budget_gb", "neither"]),
     (["admission=budget", "admission.kv_budget_gb=-1"], ConfigError,
      ["admission.kv_budget_gb", "-1"]),
+    (["admission.buffer_cache_gb=-2"], ConfigError, ["admission.buffer_cache_gb", "-2"]),
     (["pipeline.sample._target_=stages.nope.Sample"], ConfigError,
      ["pipeline.sample._target_", "stages.nope.Sample", "cannot be imported"]),
 ]

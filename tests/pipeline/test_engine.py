@@ -96,3 +96,18 @@ def test_abort_of_unknown_request_is_harmless(engine_factory) -> None:
     h = engine_factory()
     h.engine._inbox.put(Abort("nobody"))
     assert len(h.generate(PROMPT, max_tokens=3)["ids"]) == 3
+
+
+def test_buffer_cache_cap_is_applied_and_output_unchanged(engine_factory) -> None:
+    """admission.buffer_cache_gb caps MLX's cache of freed buffers (the default does so on
+    CUDA only): the engine sets it at load, and greedy output is what an uncapped engine gives."""
+    import mlx.core as mx
+    plain = engine_factory().generate(PROMPT, max_tokens=12)["ids"]
+    before = mx.set_cache_limit(1 << 40)   # read the limit the plain engine left
+    mx.set_cache_limit(before)
+    h = engine_factory("admission.buffer_cache_gb=0.25")
+    try:
+        assert h.generate(PROMPT, max_tokens=12)["ids"] == plain
+        assert mx.set_cache_limit(before) == 250_000_000
+    finally:
+        mx.set_cache_limit(before)
