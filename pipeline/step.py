@@ -135,8 +135,13 @@ class Step:
             self.draft.settle(launched.plan, launched.logits, output)
 
     def retire(self, finished: list[Request], running: list[Request]) -> None:
-        """Persist what finished rows computed (and due checkpoints), then free their KV."""
-        self._timed("persist", lambda: self.persist(finished, running, self.kv))
+        """Persist what finished rows computed (and due checkpoints), then free their KV.
+        Their output is already out: a persist that fails (the device out of memory) costs
+        only these cache entries, never the engine or another row."""
+        try:
+            self._timed("persist", lambda: self.persist(finished, running, self.kv))
+        except Exception:
+            log.exception("persist failed; %d finished row(s) are not cached", len(finished))
         for req in finished:
             self.release(req)
 

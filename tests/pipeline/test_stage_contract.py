@@ -61,6 +61,29 @@ class WrongCall:
         raise AssertionError("never called with one argument")
 
 
+class PersistThatFailsOnce:
+    """The built-in persist, whose first retirement fails the way a full device does."""
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        from stages.persist import Persist
+        self.inner, self.failed = Persist(cfg, deps), False
+
+    def __getattr__(self, name: str):   # prompts(), the ledger hooks: the built-in's
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("inner", "failed"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def __call__(self, finished, running, kv) -> None:
+        if finished and not self.failed:
+            self.failed = True
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        self.inner(finished, running, kv)
+
+
 def reference(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
     """mlx-lm's own loop with the same choice of token, stopped at EOS."""
     model, tokenizer = mlx_load(str(path))
@@ -136,3 +159,19 @@ def test_a_sample_class_with_the_wrong_call_fails_its_request(engine_factory, ca
             h.generate([1, 2, 3], max_tokens=4, timeout_s=60)
     assert "WrongCall.__call__() takes 2 positional arguments" in caplog.text
     assert h.engine.scheduler.running == [] and h.engine.step.kv.num_rows == 0
+
+
+def test_a_failing_persist_costs_only_its_cache_entries(engine_factory, caplog) -> None:
+    """Persist runs after a row's last token went out; when it fails (as an out-of-memory
+    device did on an H200) the row still finishes with its whole output, its KV is freed, the
+    error is logged, and the engine serves the next request exactly as before."""
+    plain = engine_factory("scheduler=serial")
+    want = [plain.generate(p, max_tokens=8)["ids"] for p in PROMPTS]
+    h = engine_factory("scheduler=serial", f"pipeline.persist._target_={HERE}.PersistThatFailsOnce")
+    got = [h.generate(p, max_tokens=8) for p in PROMPTS]
+    assert [g["ids"] for g in got] == want
+    assert got[0]["finish"] == "length" and got[1]["finish"] == "length"
+    assert "persist failed; 1 finished row(s) are not cached" in caplog.text
+    assert h.engine.state.value == "ready" and h.engine.step.kv.num_rows == 0
+    again = h.generate(PROMPTS[1], max_tokens=8)   # the second one was cached: a hit
+    assert again["ids"] == want[1] and again["cached"] > 0
