@@ -43,7 +43,7 @@ class Engine:
         self.prompt_cache: Any = None   # pipeline.prompt_cache.*, or None (cache=off)
         self.layout: Any = None         # pipeline.kv.layouts.*; the step: load_parts
         self._inbox, self._out = Inbox(), Outbox(metrics)
-        self._ready, self._stopping = threading.Event(), False
+        self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
         self.group: Any = None   # distributed≠none: pipeline/distributed/group.py, built at load
 
@@ -94,7 +94,7 @@ class Engine:
         return done
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
+        self.stopping = True
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -134,7 +134,7 @@ class Engine:
     def _loop(self) -> None:
         sched = self.scheduler
         pending: Launched | None = None   # last step, queued on the device, not yet read back
-        while not self._stopping:
+        while not self.stopping:
             idle = pending is None and not sched.has_work()
             if idle:
                 self.step.idle()
@@ -142,8 +142,8 @@ class Engine:
                 plan = self.group.next_plan(self, idle)
             else:
                 self.take_commands(block=idle, timeout=self.step.idle_wait_s)
-                plan = None if self._stopping else sched.schedule()
-            if self._stopping:
+                plan = None if self.stopping else sched.schedule()
+            if self.stopping:
                 break
             self._count_waiting()
             self._out.replay(sched.running)
@@ -194,14 +194,6 @@ class Engine:
             self.run_command(cmd)
         return done
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    def stop_following(self) -> None:
-        """A rank > 0: rank 0 stopped the group; leave the loop."""
-        self._stopping = True
-
     def run_command(self, cmd: Command) -> None:
         """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
         if isinstance(cmd, Flush):
@@ -219,9 +211,7 @@ class Engine:
         self._count_waiting()
 
     def _count_waiting(self) -> None:
-        waiting = len(self.scheduler.waiting)
-        self._inbox.num_left_queue = self._inbox.num_added - waiting
-        self.metrics.queue_depth.set(waiting)
+        self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
 
     def _fail_plan(self, plan: StepPlan, cause: Exception) -> None:

@@ -26,6 +26,11 @@ class Inbox:
         """Submitted requests not yet scheduled (in here or in the scheduler's queue)."""
         return self.num_submitted - self.num_left_queue
 
+    def still_waiting(self, waiting: int) -> int:
+        """Engine thread: `waiting` of the submits taken are still in the scheduler's queue."""
+        self.num_left_queue = self.num_added - waiting
+        return waiting
+
     def take(self, block: bool, timeout: float | None) -> Iterator[Command]:
         """Engine thread: every command queued now, in order (waiting up to `timeout` for the
         first when `block`); ends early at a None."""

@@ -136,7 +136,7 @@ class Group:
         self._check(header, bool(payload))
         if header.kind is wire.Kind.STOP:
             log.info("rank %d: rank 0 is stopping; leaving the group", self.rank)
-            engine.stop_following()
+            engine.stopping = True   # leave the step loop
             return None
         msg = wire.decode(payload)
         for cmd in msg.commands:
