@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 14's GPU table on an H200 (run by the device tool after .gpu-b/install.sh):
 # pipeserve, mlx_lm.server and mlx-lm's BatchGenerator side by side on one generated
-# Qwen3-shaped bf16 model, 76-token prompts (bench.prompt_words=56), 128 output tokens,
+# Qwen3-shaped bf16 model, 72-79-token prompts (bench.prompt_words=25 with the generated
+# models' tokenizer; 56 words, used before, are 162-174 tokens), 128 output tokens,
 # all streams arriving together. Usage: scripts/h200_core_bench.sh SIZE STREAMS [extra overrides]
 #   SIZE: large (8B shape) | medium (0.6B shape); STREAMS: e.g. 1,32,128
 set -euo pipefail
@@ -10,6 +11,6 @@ python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceT
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
 out=${OUT:-bench-out}/core-$size
 python3 bench.py -m model.size="$size" model.dtype=bfloat16 model.compute_dtype=checkpoint \
-  bench.streams="$streams" bench.max_tokens=128 bench.prompt_words=56 \
+  bench.streams="$streams" bench.max_tokens=128 bench.prompt_words=25 \
   bench.mlx_lm=true bench.batch_generator=true bench.out="$out" "$@"
 cat "$out"/results.md 2>/dev/null || find "$out" -name 'results.md' -exec cat {} +
