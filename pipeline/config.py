@@ -101,8 +101,10 @@ class ModelConfig:
     tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
     composed_attention: bool = True   # CUDA: attention as matmul + softmax where its scores fit
-                                      # 512 MiB (decode, verify, prompt chunks of many rows: no
-                                      # per-shape cuDNN graph builds); no effect elsewhere
+                                      # 512 MiB (verify, prompt chunks of many rows: no per-shape
+                                      # cuDNN graph builds); no effect elsewhere
+    composed_decode: bool = False     # CUDA, with composed_attention: a padded batch's decode
+                                      # attention (one query per row, masked) composed too
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted

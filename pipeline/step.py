@@ -197,7 +197,8 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
     composed = cfg.model.composed_attention
     if layout.name != "dense" or (composed and on_cuda()):
-        install_attention(loaded.model, composed_on_cuda=composed)
+        install_attention(loaded.model, composed_on_cuda=composed,
+                          compose_decode=cfg.model.composed_decode)
     limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
     memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
     scheduler.configure(limits, memory, kv_budget)

@@ -13,7 +13,7 @@ form takes 0.45 s every time, and a verify forward (a few queries per row, one m
 step) would build one every step. With `composed=True` such calls run as plain matmul + softmax
 instead whenever their float32 scores fit COMPOSED_MAX_SCORE_BYTES (verify, short and medium
 prompt chunks of many rows); long chunks, whose scores would not, keep the fused (flash)
-kernel, and so does decode (one query per row), where the fused kernel measured faster."""
+kernel, and so does decode (one query per row) unless `model.composed_decode`."""
 from __future__ import annotations
 
 import sys
@@ -25,6 +25,7 @@ from mlx_lm.models import base
 _stock = base.scaled_dot_product_attention
 COMPOSED_MAX_SCORE_BYTES = 512 << 20   # the composed form's float32 scores, at most
 composed = False   # set by install(): CUDA with model.composed_attention
+composed_decode = False   # set by install(): model.composed_decode (masked decode composed too)
 
 
 def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -65,11 +66,12 @@ def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 
 
 def _composable(queries: mx.array, keys: mx.array, mask: Any) -> bool:
-    """One query per row (decode, masked or not) keeps MLX's fused kernel: measured on an H200
-    at 128 padded 8B rows it ran 17.4 ms a step against the composed form's 20.8. Anything
-    else (prompt chunks, verify) is composed while its scores fit the budget."""
+    """One query per row (decode) keeps MLX's fused kernel unless `composed_decode` and the
+    batch is padded (masked): on an H200 at 128 padded 8B rows the engine alone measured 17.4 ms
+    a step fused (its cuDNN graphs already built for those key lengths) against 20.8 composed.
+    Anything else (prompt chunks, verify) is composed while its scores fit the budget."""
     B, n_q, L, _ = queries.shape
-    if L == 1:
+    if L == 1 and not (composed_decode and mask is not None):
         return False
     return B * n_q * L * keys.shape[2] * 4 <= COMPOSED_MAX_SCORE_BYTES
 
@@ -91,11 +93,13 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
-def install(model: Any = None, composed_on_cuda: bool = False) -> int:
+def install(model: Any = None, composed_on_cuda: bool = False,
+            compose_decode: bool = False) -> int:
     """Route attention through `dispatch` in every imported mlx-lm model module (and the
     module of `model`, if given). Returns how many modules were patched; idempotent."""
-    global composed
+    global composed, composed_decode
     composed = composed or (composed_on_cuda and on_cuda())
+    composed_decode = compose_decode
     names = [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]
     if model is not None:
         names.append(type(model).__module__)

@@ -34,8 +34,9 @@ def test_composed_equals_fused(q_len: int, mask_kind: str) -> None:
 
 def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
     """A prompt chunk of many rows and a verify forward compose; decode (one query per row,
-    masked for a padded batch or not) keeps MLX's fused kernel; a chunk whose float32 scores
-    exceed the budget keeps the fused (flash) kernel."""
+    masked for a padded batch or not) keeps MLX's fused kernel, and with composed_decode only
+    the masked one composes; a chunk whose float32 scores exceed the budget keeps the fused
+    (flash) kernel."""
     monkeypatch.setattr(attention, "composed", True)
     used: list[str] = []
     monkeypatch.setattr(attention, "composed_attention", lambda *a: used.append("composed"))
@@ -52,13 +53,21 @@ def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
     long_q, long_k = mx.zeros((1, 32, 2048, 8)), mx.zeros((1, 8, 4096, 8))   # 1 GiB
     attention.dense_attention(long_q, long_k, long_k, 1.0, "causal")
     assert used == ["composed", "fused", "fused", "composed", "fused"]
+    used.clear()
+    monkeypatch.setattr(attention, "composed_decode", True)   # model.composed_decode=true
+    attention.dense_attention(rows_q[:, :, :1], rows_k, rows_k, 1.0, padded)
+    attention.dense_attention(one, rows_k[:1], rows_k[:1], 1.0, None)
+    assert used == ["composed", "fused"]
 
 
+@pytest.mark.parametrize("decode", [False, True])   # model.composed_decode
 def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_factory,
-                                                                      monkeypatch) -> None:
+                                                                      monkeypatch,
+                                                                      decode: bool) -> None:
     """The CUDA path on the CPU, dense KV: prompt groups of different lengths, some rows
     joining with a prompt-cache prefix (left-aligned merged caches, right-padded chunks), all
-    composed, give the tokens the fused path gives."""
+    composed (with model.composed_decode, the padded batch's decode steps too), give the
+    tokens the fused path gives."""
     base = [300 + (i * 11) % 97 for i in range(48)]
     prompts = [base + [5, 6, 7], base[:30] + [9] * 12, [4, 4, 2], base + list(range(60, 90)),
                [17 + i for i in range(70)]]
@@ -74,18 +83,21 @@ def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_facto
     import pipeline.step
     monkeypatch.setattr(attention, "on_cuda", lambda: True)   # the CUDA path, on the CPU
     monkeypatch.setattr(pipeline.step, "on_cuda", lambda: True)
-    h = engine_factory("model=llama", "scheduler.max_batch=8")   # installs dispatch
-    assert attention.composed
-    calls = {"composed": 0}
+    h = engine_factory("model=llama", "scheduler.max_batch=8",
+                       f"model.composed_decode={decode}")   # installs dispatch
+    assert attention.composed and attention.composed_decode is decode
+    calls = {"prompt": 0, "decode": 0}
     composed = attention.composed_attention
 
     def counting(q, *a):
-        calls["composed"] += q.shape[2] > 1   # prompt chunks
+        calls["prompt" if q.shape[2] > 1 else "decode"] += 1
         return composed(q, *a)
     monkeypatch.setattr(attention, "composed_attention", counting)
     got, cached = run(h)
-    assert got == plain and cached > 0 and calls["composed"] > 0
+    assert got == plain and cached > 0 and calls["prompt"] > 0
+    assert (calls["decode"] > 0) is decode
     monkeypatch.setattr(attention, "composed", False)
+    monkeypatch.setattr(attention, "composed_decode", False)
 
 
 def test_batched_engine_through_composed_attention_gives_the_same_tokens(
