@@ -92,6 +92,7 @@ def test_stop_cancels_the_generation_on_the_server(browser: Any, page_server: An
     before = cancelled(page_server.base_url)
     page = open_page(browser, page_server.base_url)
     page.fill("#max-tokens", "3000")
+    page.fill("#temperature", "0")   # greedy: the page's default 0.7 could sample an early EOS
     send(page, "Count to a thousand.")
     page.wait_for_function("() => window.__lengths.some(n => n > 0)", timeout=60_000)
     page.click("#stop")
