@@ -172,9 +172,8 @@ class Generation:
         while True:
             event = self.stream.poll()
             if event is None:
-                try:
-                    event = await asyncio.wait_for(self.stream.next(), keep_alive)
-                except asyncio.TimeoutError:
+                event = await self.stream.wait(keep_alive)
+                if event is None:
                     yield Delta()   # lets a streaming caller send a keep-alive
                     continue
             if isinstance(event, TokenDelta):

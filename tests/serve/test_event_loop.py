@@ -363,3 +363,36 @@ def test_nfc_bound_is_looser_for_non_ascii() -> None:
     assert bound is not None
     assert bound.min_tokens("a" * 4000) == 4000 // bound.max_token_chars
     assert bound.min_tokens("é" * 4000) == 4000 // (bound.max_token_chars * NFC_SHRINK)
+
+
+def test_a_queued_stream_gets_keep_alives_then_its_tokens(server_factory: Any) -> None:
+    """A stream whose request waits behind another (one row at a time) receives SSE keep-alive
+    comments every server.keep_alive_s until its first token, then streams normally."""
+    s = server_factory("scheduler=serial", "server.keep_alive_s=0.2")
+    url = f"{s.base_url}/v1/completions"
+
+    def body(n: int) -> dict[str, Any]:
+        return {"model": "tiny", "prompt": "hello world", "max_tokens": n, "stream": True,
+                "temperature": 0, "logit_bias": NO_EOS}
+
+    lines: dict[str, list[str]] = {}
+
+    def read(name: str, n: int) -> None:
+        with httpx.Client(timeout=120) as c, c.stream("POST", url, json=body(n)) as r:
+            assert r.status_code == 200
+            lines[name] = [ln for ln in r.iter_lines() if ln]
+
+    first = threading.Thread(target=read, args=("first", 4000))
+    first.start()
+    deadline = time.monotonic() + 30   # the long request holds the only row before the next
+    while time.monotonic() < deadline and "pipeserve_active_rows 1.0" not in httpx.get(
+            f"{s.base_url}/metrics").text:
+        time.sleep(0.02)
+    read("queued", 8)
+    first.join(120)
+    queued, running = lines["queued"], lines["first"]
+    first_data = next(i for i, ln in enumerate(queued) if ln.startswith("data: "))
+    assert first_data >= 2 and all(ln == ": keep-alive" for ln in queued[:first_data])
+    tokens = [json.loads(ln[6:]) for ln in queued if ln.startswith("data: {")]
+    assert sum(1 for t in tokens for c in t["choices"] if c.get("text")) == 8
+    assert queued[-1] == "data: [DONE]" and running[-1] == "data: [DONE]"
