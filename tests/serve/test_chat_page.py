@@ -88,7 +88,15 @@ def test_page_streams_text_in_several_steps(browser: Any, page_server: Any, tmp_
     page.close()
 
 
-def test_stop_cancels_the_generation_on_the_server(browser: Any, page_server: Any) -> None:
+@pytest.fixture(scope="module")
+def slow_server(server_factory: Any) -> Any:
+    """The 32M generated model (~70 tok/s here, the tiny one ~700): its 3000 tokens outlast
+    any lag of a page busy rendering a fast stream, so Stop always lands mid-generation."""
+    return server_factory("model.size=small")
+
+
+def test_stop_cancels_the_generation_on_the_server(browser: Any, slow_server: Any) -> None:
+    page_server = slow_server
     before = cancelled(page_server.base_url)
     page = open_page(browser, page_server.base_url)
     page.fill("#max-tokens", "3000")
