@@ -186,13 +186,17 @@ class ChildEngine:
         return done, box
 
     def _read(self) -> None:
-        while True:
+        closed = False
+        while not closed:
+            msgs: list[dict[str, Any]] = []
             try:
-                msgs = [codec.loads(self._conn.recv_bytes())]
+                msgs.append(codec.loads(self._conn.recv_bytes()))
                 while len(msgs) < 64 and self._conn.poll():   # behind: catch up in one go
                     msgs.append(codec.loads(self._conn.recv_bytes()))
             except (EOFError, OSError):
-                break
+                # poll() is also true at end of file: what was read before it (a child's
+                # last words, such as start_failed) is still handled
+                closed = True
             events = [m for m in msgs if m["op"] == "ev"]
             if events:
                 self._events(events)

@@ -141,3 +141,22 @@ def test_merged_exposition_labels_every_sample_with_its_model() -> None:
     depth = {s.labels["model"]: s.value for s in fams["pipeserve_queue_depth"].samples}
     assert depth == {"a": 2.0}   # the server's dropped (not kept), b's dropped
     assert out.decode().count("# TYPE pipeserve_requests_total counter") == 1
+
+
+def test_a_childs_last_message_before_it_exits_is_not_lost() -> None:
+    """A child that fails to load says why (start_failed) and exits at once. The reader gets
+    that message and then end of file in the same read (poll() is true at EOF too); the
+    reason must still reach the user, not 'exited while loading'."""
+    import time
+
+    from pipeline.pool.proxy import SPAWN, ChildEngine
+    engine = ChildEngine("m", make_config(), metrics=None)   # type: ignore[arg-type]
+    parent_end, child_end = SPAWN.Pipe()
+    child_end.send_bytes(codec.dumps({"op": "start_failed", "error": "ConfigError: no such path"}))
+    child_end.close()   # the child has exited: its last message, then end of file
+    engine._conn, engine._proc = parent_end, SPAWN.Process(target=time.sleep, args=(0,))
+    engine._proc.start()
+    engine._proc.join()
+    engine._read()
+    assert str(engine.startup_error) == "ConfigError: no such path"
+    assert not engine.wait_ready(0)
