@@ -514,6 +514,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
              if adapters else [])
     port = _free_port()
     serve = [sys.executable, str(ROOT / "serve.py"), *overrides, *mount, f"model.path={model_dir}",
+             f"model.name={cfg.model.name}",   # the id the bench asks for, not the dir's name
              f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
     launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
     ours = Process([*launch, *serve], out / "pipeserve.log", group=bool(launch), env=env)
@@ -593,7 +594,8 @@ def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Pat
         if phase != "ram hit":
             port = _free_port()
             server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
-                              f"model.path={model_dir}", f"server.port={port}",
+                              f"model.path={model_dir}", f"model.name={model}",
+                              f"server.port={port}",
                               f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
             server.wait_http(f"http://127.0.0.1:{port}/health")
         base = f"http://127.0.0.1:{port}"

