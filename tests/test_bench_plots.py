@@ -73,3 +73,18 @@ def test_single_run_writes_a_per_request_latency_plot(tmp_path: Path, model_cach
     ttfts = sorted(float(r["ttft_s"]) for r in reqs)
     assert float(summary["ttft_p50_s"]) == pytest.approx(ttfts[1], abs=1e-3)
     assert all(float(r["latency_s"]) >= float(r["ttft_s"]) > 0 for r in reqs)
+
+
+@pytest.mark.slow
+def test_a_burst_of_streams_is_served_and_counted_whole(tmp_path: Path, model_cache: Path) -> None:
+    """48 streams × 2 requests through the bench's client (a connection per stream, kept
+    alive between a stream's requests): every request is counted, at its full length."""
+    run_bench(tmp_path, model_cache, "bench.streams=48", "bench.requests_per_stream=2",
+              "scheduler.max_batch=48", "admission.max_queue=128", "model.size=tiny",
+              "model.dtype=float32")
+    summary = rows(tmp_path / "results.csv")[0]
+    assert summary["target"] == "pipeserve" and int(summary["requests"]) == 96
+    assert int(summary["errors"]) == 0 and int(summary["output_tokens"]) == 96 * 6
+    reqs = rows(tmp_path / "requests.csv")
+    assert len(reqs) == 96 and all(int(r["tokens"]) == 6 for r in reqs)
+    assert all(float(r["latency_s"]) >= float(r["ttft_s"]) > 0 for r in reqs)
