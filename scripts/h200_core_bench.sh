@@ -6,6 +6,7 @@
 # all streams arriving together. Usage: scripts/h200_core_bench.sh SIZE STREAMS [extra overrides]
 #   SIZE: large (8B shape) | medium (0.6B shape); STREAMS: e.g. 1,32,128
 set -euo pipefail
+python3 -c "import aiohttp" 2>/dev/null || { echo "bench.py's client needs aiohttp: stash its wheels with ../shared/device/prepare.sh, EXTRA_WHEELS='aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna'"; exit 3; }
 size=${1:-large}; streams=${2:-1,32,128}; shift 2 || true
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }

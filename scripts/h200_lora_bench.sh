@@ -4,6 +4,7 @@
 # batches, then gather against grouping per decode step. Usage: scripts/h200_lora_bench.sh [SIZE]
 #   SIZE: medium (0.6B shape, default) | large (8B shape)
 set -euo pipefail
+python3 -c "import aiohttp" 2>/dev/null || { echo "bench.py's client needs aiohttp: stash its wheels with ../shared/device/prepare.sh, EXTRA_WHEELS='aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna'"; exit 3; }
 size=${1:-medium}
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
