@@ -170,7 +170,8 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
     end = float("nan")
     async with client.post(url, data=orjson.dumps(body),
                            headers={"Content-Type": "application/json"}) as r:
-        r.raise_for_status()
+        if r.status != 200:   # the server's own error names the field and the limit
+            raise SystemExit(f"bench: {url} answered {r.status}: {(await r.text())[:500]}")
         async for line in r.content:   # SSE, one line at a time
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
