@@ -53,6 +53,10 @@ class BenchConfig:
     bare_loop: bool = True          # also time the bare mlx-lm decode loop (single stream ceiling)
     batch_generator: bool = False   # also run the same prompts through mlx-lm's BatchGenerator
     #                                 (the library, no server: the batched ceiling)
+    engine_alone: bool = False      # also drive pipeserve's engine with no HTTP (scripts/
+    #                                 engine_alone.py: Engine.submit + RequestStreams, the same
+    #                                 overrides, prompt length and output, EOS suppressed), so a
+    #                                 loss is attributed to the engine or to the HTTP side
     warmup: bool = True             # one short request per target before timing
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
@@ -550,6 +554,11 @@ def run_bench(raw: DictConfig) -> list[Row]:
         for rank in others:   # they leave with rank 0; stop() waits for that
             rank.stop()
 
+    if b.engine_alone:
+        prompt_tokens = rows[-1].prompt_tokens if rows else float("nan")
+        rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens))
+        _write(out, rows[-1:])
+
     if b.mlx_lm:
         port = _free_port()
         peer = Process([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
@@ -582,6 +591,26 @@ def run_bench(raw: DictConfig) -> list[Row]:
                             float("nan"), float("nan")))
             _write(out, rows[-1:])
     return rows
+
+
+def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
+                  prompt_tokens: float) -> Row:
+    """The engine with no HTTP around it (one process, pipeserve's own config): random prompt
+    ids as long as the server's prompts were, greedy, logit_bias suppressing EOS."""
+    n = round(prompt_tokens) if prompt_tokens == prompt_tokens else b.prompt_words
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_alone.py"),
+                          "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
+                          "--prompt-tokens", str(n), "--bias", "on", "--library", "none", "--",
+                          *overrides, f"model.path={model_dir}"],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         timeout=b.timeout_s)
+    got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    r = next(g for g in got if g.get("what") == "engine alone")
+    row = Row("pipeserve engine alone", b.workload, b.streams, b.streams, r["tokens"],
+              r["wall_s"], r["agg_tok_s"], r["decode_tok_s_row"] or float("nan"),
+              r["ttft_p50_s"], r["ttft_p95_s"], float("nan"), float("nan"), float("nan"))
+    row.prompt_tokens = float(n)
+    return row
 
 
 def _batch_generator(b: BenchConfig, cfg: ServeConfig, model_dir: Path) -> Row:

@@ -23,6 +23,7 @@ FORMAT_VERSION = 1
 ARCH_FORMAT_VERSION = {"qwen3_next": 2}
 SEED = 20240611
 VOCAB_SIZE = 512
+WIDE_SIZES = ("medium", "large")   # 16,384-row vocabularies (the real models' shape class)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
@@ -107,8 +108,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> Any:
-    """Train the shared byte-level BPE (deterministic) and return a `tokenizers.Tokenizer`."""
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """Train the shared byte-level BPE (deterministic) and return a `tokenizers.Tokenizer`.
+    A larger `vocab_size` (the medium/large shapes' 16,384 rows) appends decode-only entries:
+    letter strings with no merge, so encoding is unchanged but every id the model can sample
+    decodes to visible text (a benchmark then measures the detokenizer and a client's first
+    visible token, not a stream of empty strings)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -123,7 +128,32 @@ def build_tokenizer() -> Any:
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    if vocab_size > VOCAB_SIZE:
+        tok = _widen(tok, vocab_size)
     return tok
+
+
+def _widen(tok: Any, vocab_size: int) -> Any:
+    """The BPE with decode-only entries up to `vocab_size` ids: two- then three-letter strings
+    not already in the vocabulary, ids after the added tokens."""
+    from itertools import product
+    from string import ascii_lowercase
+
+    from tokenizers import Tokenizer
+    spec = json.loads(tok.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in spec["added_tokens"]}
+    next_id = VOCAB_SIZE
+    for n in (2, 3):
+        for letters in product(ascii_lowercase, repeat=n):
+            if next_id == vocab_size:
+                break
+            word = "".join(letters)
+            if word not in taken:
+                vocab[word] = next_id
+                next_id += 1
+    assert next_id == vocab_size, next_id
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
@@ -144,7 +174,7 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         # GPU-benchmark shapes get a 16k embedding (rows past the tokenizer are never produced
         # by it) so the output head costs what a real model's does.
-        "vocab_size": 16384 if size in ("medium", "large") else VOCAB_SIZE,
+        "vocab_size": 16384 if size in WIDE_SIZES else VOCAB_SIZE,
         "max_position_embeddings": 4096 if size in ("tiny", "small", "base") else 32768, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "tie_word_embeddings": size != "large", "attention_bias": False,
         "hidden_act": "silu", "bos_token_id": None, "pad_token_id": eos[1], "eos_token_id": eos,
@@ -245,10 +275,12 @@ def _write_model(out: Path, arch: str, size: str, dtype: str) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    tok = build_tokenizer()
+    config = _model_config(arch, size, [0, 0])   # for its vocab_size; eos set below
+    rows = config.get("text_config", config)["vocab_size"]
+    tok = build_tokenizer(rows)
     vocab = tok.get_vocab()
     eos = [vocab["<|im_end|>"], vocab["<|endoftext|>"]]
-    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    assert tok.get_vocab_size() == rows, tok.get_vocab_size()
     config = _model_config(arch, size, eos)
     config["torch_dtype"] = dtype
     text = config.get("text_config", config)
@@ -324,7 +356,10 @@ def _write_mtp(out: Path, args: Any, num_layers: int, arch: str, mx_dtype: Any) 
 
 
 def model_dir_name(arch: str, size: str, dtype: str) -> str:
-    return f"{arch}-{size}-{dtype}-v{ARCH_FORMAT_VERSION.get(arch, FORMAT_VERSION)}"
+    version = ARCH_FORMAT_VERSION.get(arch, FORMAT_VERSION)
+    if size in WIDE_SIZES:
+        version = max(version, 2)   # 2: the tokenizer covers the 16,384-row vocabulary
+    return f"{arch}-{size}-{dtype}-v{version}"
 
 
 def ensure_model(arch: str = "qwen3", size: str = "tiny", dtype: str = "float32",

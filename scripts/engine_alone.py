@@ -1,0 +1,265 @@
+"""The engine alone, no HTTP: real `Engine.submit` with `RequestStream`s (as the test harness
+drives it), on any model the serve config names, next to mlx-lm's own loops on the same weights
+in the same process. Prints one JSON object per measurement, and a per-step breakdown of the
+engine thread (schedule / launch / read-back / apply / flush, ms a step), so each loss is
+attributed to host work or to the device.
+
+    python scripts/engine_alone.py --streams 1,32,128 -- model=tiny model.size=large \
+        model.dtype=bfloat16 model.compute_dtype=checkpoint
+    python scripts/engine_alone.py --profile 1 --library none -- model=tiny
+
+--bias both: every measurement with and without a logit_bias on every request (EOS -100; the
+rows have no stop tokens either way, so both run to --max-tokens). --profile N: cProfile the
+engine thread during the N-stream run (top functions by own time). Used by bench.py for its
+`engine alone` rows (bench.engine_alone=true)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import os
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from pipeline.config import check_overrides, load_config, register_configs  # noqa: E402
+
+
+class StepClock:
+    """Wall time the engine thread spends in each part of its loop, per step."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.on = False
+        self.profile: cProfile.Profile | None = None
+        self.profiling = False
+        self.enabled = False
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                if self.on:
+                    self.total[label] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.steps = 0
+
+    def report(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {k: round(1000 * v / n, 3) for k, v in sorted(self.total.items())} | {
+            "steps": self.steps}
+
+
+def compose_cfg(overrides: list[str]) -> Any:
+    register_configs()
+    check_overrides(overrides)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return load_config(compose("serve", overrides=overrides))
+
+
+def instrument(engine: Any, clock: StepClock) -> None:
+    """Timers around the loop's parts (instance attributes: the class is untouched)."""
+    sched = engine.scheduler
+    inner_schedule = sched.schedule
+
+    def schedule() -> Any:
+        if clock.on:
+            clock.steps += 1
+        if clock.profile is not None:   # engine thread: enable/disable here, once each
+            want = clock.profiling and clock.on
+            if want != clock.enabled:
+                (clock.profile.enable if want else clock.profile.disable)()
+                clock.enabled = want
+        t0 = time.perf_counter()
+        plan = inner_schedule()
+        if clock.on:
+            clock.total["schedule"] += time.perf_counter() - t0
+        return plan
+    sched.schedule = schedule
+    clock.wrap(engine.step, "launch", "launch")
+    clock.wrap(engine.step, "read", "read")
+    clock.wrap(engine, "_apply", "apply (incl. read)")
+    clock.wrap(engine._out, "flush", "flush")
+    clock.wrap(engine.step, "passed", "passed")
+
+
+async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
+                    bias: dict[int, float]) -> dict[str, Any]:
+    from pipeline.events import Failed, Finished, TokenDelta
+    from pipeline.request import PromptInput, Request, SamplingParams
+    from pipeline.stream import RequestStream
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+
+    async def one(ids: list[int]) -> tuple[float, float, int]:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=dict(bias))
+        req = Request(request_id=f"b-{uuid.uuid4().hex[:8]}", endpoint="bench",
+                      inputs=PromptInput(token_ids=ids), prompt_ids=list(ids), sampling=sp,
+                      stop_token_ids=frozenset())
+        stream = RequestStream(loop)
+        engine.submit(req, stream)
+        first = last = 0.0
+        n = 0
+        while True:
+            event = await stream.next()
+            if isinstance(event, TokenDelta):
+                last = time.perf_counter()
+                first = first or last
+                n += len(event.token_ids)
+            elif isinstance(event, Finished):
+                return first, last, n
+            else:
+                assert isinstance(event, Failed)
+                raise event.error
+    got = await asyncio.gather(*(one(p) for p in prompts))
+    end = max(g[1] for g in got)
+    tokens = sum(g[2] for g in got)
+    ttft = sorted(g[0] - t0 for g in got)
+    single = got[0]
+    return {"tokens": tokens, "wall_s": round(end - t0, 3),
+            "agg_tok_s": round(tokens / (end - t0), 1),
+            "decode_tok_s_row": round((single[2] - 1) / (single[1] - single[0]), 1)
+            if single[1] > single[0] else None,
+            "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
+            "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 4)}
+
+
+def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_tokens: int,
+            warm: int) -> list[dict[str, Any]]:
+    """mlx-lm's bare generate_step loop (1 stream) and BatchGenerator (n streams)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator, generate_step
+    from pipeline.config import ComputeDType, ModelConfig
+    from pipeline.loader import _cast_weights
+    model, _ = load(str(model_dir))
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType("checkpoint")))
+    out = []
+    for n, prompts in sorted(prompts_by_n.items()):
+        if n == 1:
+            for rep in range(warm + 2):
+                stamps = []
+                for _tok, _ in generate_step(mx.array(prompts[0]), model, max_tokens=max_tokens):
+                    stamps.append(time.perf_counter())
+                if rep >= warm:
+                    out.append({"what": "library bare loop", "streams": 1, "rep": rep - warm,
+                                "decode_tok_s_row": round((len(stamps) - 1)
+                                                          / (stamps[-1] - stamps[0]), 1)})
+            continue
+        for rep in range(warm + 1):
+            gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=n,
+                                 prefill_batch_size=n)
+            t0 = time.perf_counter()
+            uids = gen.insert(prompts, [max_tokens] * n)
+            first: dict[int, float] = {}
+            count = 0
+            done = 0
+            while done < len(uids):
+                res = gen.next_generated()
+                if not res:
+                    break
+                now = time.perf_counter()
+                for r in res:
+                    first.setdefault(r.uid, now)
+                    count += 1
+                    done += r.finish_reason is not None
+            wall = time.perf_counter() - t0
+            gen.close()
+            if rep >= warm:
+                ttft = sorted(v - t0 for v in first.values())
+                out.append({"what": "library BatchGenerator", "streams": n,
+                            "agg_tok_s": round(count / wall, 1), "wall_s": round(wall, 3),
+                            "ttft_p50_s": round(ttft[len(ttft) // 2], 4)})
+        mx.clear_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", default="1,32")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=76)
+    ap.add_argument("--bias", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--library", choices=["all", "none"], default="all")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    from pipeline.engine import Engine
+    from pipeline.metrics import Metrics
+    cfg = compose_cfg(args.overrides)
+    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # as the server sets it
+    engine = Engine(cfg, Metrics(CollectorRegistry()))
+    clock = StepClock()
+    t0 = time.perf_counter()
+    engine.start()
+    assert engine.wait_ready(1800), f"engine failed: {engine.startup_error!r}"
+    instrument(engine, clock)   # the step exists once loaded; nothing is scheduled yet
+    import mlx.core as mx
+    print(json.dumps({"what": "loaded", "s": round(time.perf_counter() - t0, 1),
+                      "device": str(mx.default_device()), "model": str(engine.loaded.path)}),
+          flush=True)
+    vocab = min(engine.loaded.tokenizer.vocab_size, 500)
+    eos = sorted(engine.loaded.tokenizer.eos_token_ids)
+    rng = random.Random(7)
+    streams = [int(s) for s in args.streams.split(",")]
+    prompts_by_n = {n: [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+                        for _ in range(n)] for n in streams}
+    biases = {"on": [True], "off": [False], "both": [True, False]}[args.bias]
+    for n in streams:
+        for with_bias in biases:
+            bias = {t: -100.0 for t in eos} if with_bias else {}
+            warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
+            asyncio.run(run_batch(engine, warm, 16, bias))   # kernels for these shapes
+            for rep in range(args.reps):
+                clock.reset()
+                clock.on = True
+                if args.profile == n and rep == 0 and with_bias == biases[0]:
+                    clock.profile, clock.profiling = cProfile.Profile(), True
+                r = asyncio.run(run_batch(engine, prompts_by_n[n], args.max_tokens, bias))
+                clock.on = False
+                clock.profiling = False
+                r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
+                      "rep": rep, "per_step_ms": clock.report()}
+                print(json.dumps(r), flush=True)
+                if clock.profile is not None:
+                    asyncio.run(run_batch(engine, warm[:1], 2, {}))   # disables it, in-thread
+                    s = io.StringIO()
+                    pstats.Stats(clock.profile, stream=s).sort_stats(os.environ.get("EA_SORT", "tottime")).print_stats(int(os.environ.get("EA_TOP", "35")))
+                    print(s.getvalue(), flush=True)
+                    clock.profile = None
+    model_dir = engine.loaded.path
+    engine.stop()
+    del engine
+    mx.clear_cache()
+    if args.library == "all":
+        for r in library(model_dir, prompts_by_n, args.max_tokens, warm=1):
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)   # as serve.py: MLX's C++ thread state can abort during interpreter teardown
