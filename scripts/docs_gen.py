@@ -253,8 +253,8 @@ MEASURED = ["pipeline/", "stages/", "serve.py", "bench.py", "conf/"]   # what a 
 
 
 def _read_results(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """A result file: `# key: value` header lines (machine, date, commit, command, title, ...),
-    then the CSV bench.py wrote (or JSON lines)."""
+    """A result file: `# key: value` header lines (machine, date, commit, command; optional
+    title, note, columns, plot), then the CSV bench.py wrote (or JSON lines)."""
     meta: dict[str, str] = {}
     body: list[str] = []
     for line in path.read_text().splitlines():
@@ -315,6 +315,8 @@ def bench_tables() -> str:
         # the site build (scripts/docs_hooks.py) turns this into a warning when the serving
         # code changed after the commit; the page's text stays the same from commit to commit
         out += [f"<!-- measured-at: {meta['commit']} -->", ""]
+        if meta.get("plot"):   # the plot bench.py drew for this run, committed beside it
+            out += [f"![{meta.get('title', path.stem)}](bench/{meta['plot']})", ""]
         out += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
         out += ["| " + " | ".join(r.get(c, "").replace("|", "\\|") for c in cols) + " |"
                 for r in rows]
