@@ -129,6 +129,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
 
     @app.after_server_start
     async def _wait_ready(app: Sanic) -> None:
+        page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
+                if cfg.server.chat_page else "")
+
         async def wait() -> None:
             ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
             if not ok:
@@ -145,9 +148,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                                       "mlx_version": _version("mlx"),
                                       "config_hash": app.ctx.config_hash,
                                       "blas": blas.name or "bundled"})
-                log.info("ready: pool of %s, listening on %s:%d; chat page %s",
-                         ", ".join(app.ctx.pool.ids), cfg.server.host, cfg.server.port,
-                         chat_url(cfg.server.host, cfg.server.port))
+                log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
+                         cfg.server.host, cfg.server.port, page)
                 return
             loaded = engine.loaded
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
@@ -163,10 +165,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                 "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
                 "blas": blas.name or "bundled"})
             log.info("CPU BLAS: %s", blas.describe())
-            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d; "
-                     "chat page %s", cfg.model.name, loaded.path.name, loaded.num_params,
-                     engine.device, cfg.server.host, cfg.server.port,
-                     chat_url(cfg.server.host, cfg.server.port))
+            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
+                     cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
+                     cfg.server.host, cfg.server.port, page)
         app.add_task(wait())
 
     app.ctx.draining = False
