@@ -94,7 +94,7 @@ class TurboKvConfig(KvConfig):
 @register("kv", "mixed")
 @dataclass
 class MixedKvConfig(KvConfig):
-    """Per-layer key/value bits from a kv_config.json (format: README, KV layouts)."""
+    """Per-layer key/value bits from a kv_config.json (format: docs/generation.md, KV layouts)."""
 
     _target_: str = "pipeline.kv.layouts.MixedLayout"
     config_path: str = MISSING   # the kv_config.json with each layer's key/value bits
