@@ -1,6 +1,7 @@
 """bench.py: fixed client workloads against pipeserve started with the given config, optionally
 side by side with mlx_lm.server and the bare mlx-lm decode loop on the same model directory.
-Writes a Markdown and CSV table (one row per target; a -m sweep appends to one table).
+Writes a Markdown and CSV table (one row per target) under bench.out, new each run; the jobs of
+one -m sweep add to one table. Needs the bench extra: pip install -e '.[bench]'.
 
     python bench.py                                     # single stream, small bf16 model
     python bench.py bench.streams=16 bench.mlx_lm=true bench.bare_loop=false
@@ -23,7 +24,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+try:
+    import aiohttp
+except ImportError:   # the base install has no bench client
+    sys.exit("bench.py needs the bench extra (aiohttp, its client; matplotlib, its plots): "
+             "pip install -e '.[bench]'")
 import hydra
 import orjson
 from hydra.core.config_store import ConfigStore
@@ -522,6 +527,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
     model_dir = resolve_path(cfg.model)
     out = Path(b.out) if Path(b.out).is_absolute() else ROOT / b.out
     out.mkdir(parents=True, exist_ok=True)
+    _new_tables(out)
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("bench.")]
     eos = _eos_ids(model_dir)
     eos_bias = {str(i): -100.0 for i in eos}
@@ -536,7 +542,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
     adapters = _write_adapters(model_dir, out / "adapters", b.adapters) if b.adapters else None
     mount = ([f"model.adapter_dir={out / 'adapters'}", f"model.adapters=[{','.join(adapters)}]"]
              if adapters else [])
-    port = _free_port()
+    # server.port as given (a firewall rule, a port forward), else a free one
+    port = cfg.server.port if any(o.startswith("server.port=") for o in overrides) else _free_port()
     serve = [sys.executable, str(ROOT / "serve.py"), *overrides, *mount, f"model.path={model_dir}",
              f"model.name={cfg.model.name}",   # the id the bench asks for, not the dir's name
              f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
@@ -569,7 +576,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
             m = asyncio.run(drive(f"http://127.0.0.1:{port}", str(model_dir), b, eos_bias))
             rows.append(_row("mlx_lm.server", b, m, _peak_rss_mb(peer.proc.pid), ""))
             _write(out, rows[-1:])
-            _plot_run(out, "mlx_lm.server", m, None)
+            _plot_run(out, "mlx_lm.server", m, rows[-1])
         finally:
             peer.stop()
 
@@ -693,19 +700,23 @@ def _plot_run(out: Path, target: str, m: dict[str, Any], ours: Row | None) -> No
         if target == "pipeserve":
             (out / "requests.csv").unlink(missing_ok=True)
         bench_plots.write_requests(out, target, m["per_request"])
-        print(f"bench: plot {bench_plots.plot_latency(out)}", flush=True)
+        drawn = bench_plots.plot_latency(out)
+        if drawn is not None:
+            print(f"bench: plot {drawn}", flush=True)
     elif ours is not None:   # all of the job's overrides, bench.* too: any may be swept
         ours = replace(ours, overrides=" ".join(hc.overrides.task))
+        if hc.job.num == 0 and target == "pipeserve":   # the first row of this sweep
+            (out / "sweep.csv").unlink(missing_ok=True)
         table = out / "sweep.csv"
-        if hc.job.num == 0:
-            table.unlink(missing_ok=True)
         new = not table.exists()
         with open(table, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(asdict(ours).keys()))
             if new:
                 w.writeheader()
             w.writerow(asdict(ours))
-        print(f"bench: plot {bench_plots.plot_sweep(out)}", flush=True)
+        drawn = bench_plots.plot_sweep(out)   # None until the sweep has two rows
+        if drawn is not None:
+            print(f"bench: plot {drawn}", flush=True)
 
 
 def _write_adapters(model_dir: Path, root: Path, n: int) -> list[str]:
@@ -737,6 +748,20 @@ def _write_adapters(model_dir: Path, root: Path, n: int) -> list[str]:
     return ids
 
 
+SUMMARY = ["target", "workload", "streams", "requests", "output_tokens", "agg_tok_s",
+           "stream_tok_s_p50", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "errors"]
+
+
+def _new_tables(out: Path) -> None:
+    """A run starts its own results.csv / results.md; the jobs of one -m sweep share them
+    (the first job starts them)."""
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN or hc.job.num == 0:
+        for name in ("results.csv", "results.md"):
+            (out / name).unlink(missing_ok=True)
+
+
 def _write(out: Path, rows: list[Row]) -> None:
     for r in rows:
         print(f"bench: {r.target} done: {r.agg_tok_s} tok/s aggregate", flush=True)
@@ -754,7 +779,10 @@ def _write(out: Path, rows: list[Row]) -> None:
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r[c] for c in cols) + " |" for r in all_rows]
     (out / "results.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    # the terminal gets the headline columns; results.csv / results.md have every column
+    short = ["| " + " | ".join(SUMMARY) + " |", "|" + "---|" * len(SUMMARY)]
+    short += ["| " + " | ".join(r.get(c, "") for c in SUMMARY) + " |" for r in all_rows]
+    print("\n".join(short) + f"\n(all {len(cols)} columns: {out / 'results.md'})")
 
 
 @dataclass

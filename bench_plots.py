@@ -66,9 +66,11 @@ def sweep_series(rows: list[dict[str, str]]) -> tuple[str, list[str], dict[str, 
     x_key = max(keys, key=rank)
     others = [k for k in keys if k != x_key]
     order = _axis_order([p.get(x_key, "") for p in parsed])
+    targets = len({r.get("target", "pipeserve") for r in rows}) > 1   # mlx_lm.server ran too
     lines: dict[str, dict[str, list[float]]] = {}
     for p, r in zip(parsed, rows):
-        label = ", ".join(f"{k}={p.get(k, '')}" for k in others) or "pipeserve"
+        label = ", ".join([r.get("target", "pipeserve")] * targets
+                          + [f"{k}={p.get(k, '')}" for k in others]) or "pipeserve"
         line = lines.setdefault(label, {c: [math.nan] * len(order)
                                         for c in ("agg_tok_s", "ttft_p50_s", "ttft_p95_s")})
         i = order.index(p.get(x_key, ""))
@@ -78,7 +80,8 @@ def sweep_series(rows: list[dict[str, str]]) -> tuple[str, list[str], dict[str, 
 
 
 def plot_sweep(out: Path) -> Path | None:
-    """sweep.png from sweep.csv (this sweep's pipeserve rows); None when it holds no sweep."""
+    """sweep.png from sweep.csv (this sweep's rows: pipeserve's, and mlx_lm.server's when it
+    ran); None when it holds no sweep yet."""
     path = out / "sweep.csv"
     if not path.exists():
         return None
@@ -111,6 +114,12 @@ def plot_sweep(out: Path) -> Path | None:
     return target
 
 
+def latency_xlim(starts: list[float]) -> tuple[float, float]:
+    """latency.png's x range: from 0, at least one second wide."""
+    last = max(starts, default=0.0)
+    return -0.02 * max(last, 1.0), max(last * 1.05, 1.0)
+
+
 def plot_latency(out: Path) -> Path | None:
     """latency.png from requests.csv (one row per timed request)."""
     path = out / "requests.csv"
@@ -130,6 +139,10 @@ def plot_latency(out: Path) -> Path | None:
         line, = ax.plot(starts, [_num(r["latency_s"]) for r in rs], "o", label=f"{target}: total")
         ax.plot(starts, [_num(r["ttft_s"]) for r in rs], "x", color=line.get_color(),
                 label=f"{target}: TTFT")
+    # from 0, at least a second wide: one request (or a burst sent together) is a point on a
+    # readable axis, not a dot on an axis of microseconds
+    ax.set_xlim(*latency_xlim([_num(r["start_s"]) for r in reqs]))
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("request sent at (s after the first)")
     ax.set_ylabel("seconds")
     ax.set_title("per-request latency")

@@ -1,7 +1,11 @@
 """pipeserve entry point: compose the config with Hydra, build the app, serve it.
 
-    python serve.py                          # embedded tiny model on 127.0.0.1:8080
-    python serve.py model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000
+    pipeserve                                # SmolLM2-135M demo model on 127.0.0.1:8080
+    pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000
+    python serve.py ...                      # the same, from a checkout
+
+Every launch error (a bad override, a model that is not there, a port in use, a model that
+fails to load) is one or two lines on stderr and exit code 2 (pipeline/launch.py).
 """
 from __future__ import annotations
 
@@ -13,18 +17,39 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import check_overrides, register_configs, load_config
+from pipeline import launch
+from pipeline.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeline.errors import ConfigError
 from pipeline.run_files import write_run_files
 
 log = logging.getLogger("pipeserve")
 register_configs()
+CONF = launch.conf_dir()
 
 
-@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
-def main(raw: DictConfig) -> None:
+def main() -> None:
+    """The `pipeserve` command and `python serve.py`: our --help and override check, then
+    Hydra's main (which owns the run dir and logging)."""
+    args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args):
+        print(launch.help_text(CONF))
+        return
+    overrides = [a for a in args if not a.startswith("-")]
+    if len(overrides) == len(args):   # Hydra's own flags (--cfg, -m, ...) get Hydra's handling
+        try:
+            check_overrides(overrides)
+            launch.check_overrides_compose(CONF, overrides)
+        except ConfigError as e:
+            launch.fail(f"config error: {e}")
+    hydra_main()
+
+
+@hydra.main(config_path=str(CONF), config_name="serve", version_base="1.3")
+def hydra_main(raw: DictConfig) -> None:
     try:
         serve(raw)
+    except SystemExit:
+        raise
     except Exception:
         # reported here, not by Hydra: its report echoes the overrides, literal keys included
         log.exception("serve.py failed")
@@ -40,10 +65,12 @@ def serve(raw: DictConfig) -> None:
         cfg = load_config(raw)
         from pipeline.pool.members import compose_members   # pool=...: each model's config
         members = compose_members(cfg, list(hydra_cfg.overrides.task))
+        _check_models(cfg, members)
+        if not cfg.distributed.enabled:   # rank 0 of a group is known only once MLX runs
+            launch.check_port(cfg.server.host, cfg.server.port)
     except ConfigError as e:
-        log.error("config error: %s", e)
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        log.debug("config error: %s", e)   # into the run's log file; the terminal gets one line
+        _fail(f"config error: {e}")
     if cfg.distributed.enabled:   # mlx.launch: ranks > 0 follow rank 0 and never listen
         from pipeline.distributed.follower import follow
         if (code := follow(cfg)) is not None:
@@ -51,10 +78,29 @@ def serve(raw: DictConfig) -> None:
     from pipeline.server import build_app
     app = build_app(cfg, members=members)
     app.ctx.exit_code = 0
-    app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
-            motd=False)
+    app.ctx.launch_error = None
+    try:
+        app.run(host=cfg.server.host, port=cfg.server.port, single_process=True,
+                access_log=False, motd=False)
+    except OSError as e:   # lost the port between check_port and the bind
+        _fail(f"config error: {launch.port_message(cfg.server.host, cfg.server.port, e)}")
+    if app.ctx.launch_error:   # a ConfigError while the engine loaded the model
+        _fail(f"config error: {app.ctx.launch_error}")
     # The engine has stopped and the prompt cache is flushed and closed by now.
     _exit(app.ctx.exit_code)
+
+
+def _check_models(cfg: ServeConfig, members: dict[str, ServeConfig] | None) -> None:
+    """model.path exists, before anything loads. A pool's members load on first use and one
+    that fails is a 503 for its id while the others serve (pipeline/pool/), so not here."""
+    from pipeline.loader import locate
+    if not members and cfg.model.path is not None:
+        locate(cfg.model)
+
+
+def _fail(message: str) -> None:
+    print(f"pipeserve: {message}", file=sys.stderr)
+    _exit(launch.LAUNCH_ERROR)
 
 
 def _exit(code: int) -> None:

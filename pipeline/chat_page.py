@@ -9,12 +9,20 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 PAGE = files("pipeline").joinpath("static/chat.html")
+ICON = files("pipeline").joinpath("static/favicon.svg")
 
 
 def add_chat_page(app: Sanic, enabled: bool) -> None:
     if not enabled:
         return
     body = PAGE.read_bytes()   # read once at startup; a few KB
+    icon = ICON.read_bytes()
+
+    @app.get("/favicon.svg")
+    @app.get("/favicon.ico", name="favicon_ico")   # browsers ask for it without a <link>
+    async def favicon(http: sanic.Request) -> HTTPResponse:
+        return HTTPResponse(icon, content_type="image/svg+xml",
+                            headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/")
     async def chat_page(http: sanic.Request) -> HTTPResponse:

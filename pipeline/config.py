@@ -94,7 +94,7 @@ class ModelConfig:
     dtype: DType = DType.float32       # dtype of the generated model when path is unset
     compute_dtype: ComputeDType = ComputeDType.auto  # dtype unquantized weights are cast to at load
     revision: Optional[str] = None     # revision of a Hugging Face id in the local cache
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False   # run the checkpoint's own Python (mlx-lm's option); off by default
     chat_template: Optional[str] = None  # Jinja text, or a path to a .jinja file; overrides the model's
     max_context: Optional[int] = None    # tokens; default: the model's max_position_embeddings
     use_generation_config: bool = True   # let generation_config.json fill omitted sampling fields
@@ -197,13 +197,13 @@ class ContinuousSchedulerConfig(SchedulerConfig):
 class SamplingConfig:
     """Server-wide sampling defaults; unset fields fall back to generation_config.json."""
 
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    temperature: Optional[float] = None   # used when a request sets none; 0 is greedy
+    top_p: Optional[float] = None         # nucleus sampling, (0, 1]
+    top_k: Optional[int] = None           # keep the k most likely tokens; 0 is off
+    min_p: Optional[float] = None         # drop tokens below min_p x the top probability
+    repetition_penalty: Optional[float] = None   # > 1 discourages repeated tokens
+    presence_penalty: Optional[float] = None     # OpenAI's: subtracted once per seen token
+    frequency_penalty: Optional[float] = None    # OpenAI's: subtracted per occurrence
     penalty_context_size: int = 20   # tokens of history the penalties look at
 
     def __post_init__(self) -> None:
@@ -281,8 +281,8 @@ class BudgetAdmissionConfig(AdmissionConfig):
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
+    host: str = "127.0.0.1"   # address to listen on; 0.0.0.0 for every interface
+    port: int = 8080          # TCP port to listen on
     api_key: Optional[str] = None     # when set, requests need `Authorization: Bearer <key>`
     admin_key: Optional[str] = None   # guards /admin/* when set
     api_key_file: Optional[str] = None    # read api_key from this file at launch (stripped)
@@ -291,7 +291,7 @@ class ServerConfig:
     max_body_mb: float = 16.0         # request bodies above this get 413
     shutdown_timeout_s: float = 120.0  # how long SIGTERM waits for active requests
     cors_origins: list[str] = field(default_factory=list)  # Access-Control-Allow-Origin values
-    log_format: LogFormat = LogFormat.text
+    log_format: LogFormat = LogFormat.text   # text lines, or one JSON object per line
     keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
     responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)

@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any
 
 from pipeline.config import ServeConfig, build
-from pipeline.errors import EngineUnavailable, ServeError, row_failure, step_failed
+from pipeline.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeline.inbox import Inbox
 from pipeline.events import Abort, AdapterSwap, Command, Failed, Finished, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel
@@ -104,7 +104,8 @@ class Engine:
         try:
             self._load()
         except BaseException as e:  # the startup boundary: keep the error for start()'s caller
-            log.exception("model load failed")
+            if not isinstance(e, ConfigError):   # a ConfigError is serve.py's one-line report
+                log.exception("model load failed")
             self.startup_error = e
             self.state = EngineState.DEAD
             self._ready.set()

@@ -51,28 +51,54 @@ def resolve_path(cfg: ModelConfig) -> Path:
     if cfg.path is None:
         from pipeline.tiny import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)
-    local = Path(cfg.path).expanduser()
+    local = locate(cfg)
     if local.is_file():
         from pipeline.gguf import ensure_converted
+        return ensure_converted(local, cfg.cache_dir)
+    return local
+
+
+def _origin(cfg: ModelConfig, path: Path, made: bool) -> str:
+    """How this launch got the model directory, for the load log: made now, or found."""
+    from pipeline.config import ModelSource
+    if cfg.path is None:
+        kind = "fetched and converted" if cfg.source is ModelSource.smollm2 else "generated"
+        return kind if made else f"found {kind.split()[-1]}"   # "found generated", "found converted"
+    if Path(cfg.path).expanduser().is_file():   # a GGUF, converted into the model cache
+        return "converted GGUF to" if made else "found converted GGUF in"
+    return "found"
+
+
+def locate(cfg: ModelConfig) -> Path:
+    """Where model.path's weights are, checked before anything loads (serve.py runs it at
+    launch): a local directory with config.json, a GGUF file, or a Hugging Face id already in
+    the local cache; anything else is a ConfigError naming the fix."""
+    assert cfg.path is not None
+    local = Path(cfg.path).expanduser()
+    if local.is_file():
         with local.open("rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
             raise ConfigError(f"model.path '{cfg.path}' is a file but not a GGUF file; point it "
                               "at a .gguf file or a model directory")
-        return ensure_converted(local, cfg.cache_dir)
+        return local
     if local.exists():
         if not (local / "config.json").exists():
             raise ConfigError(f"model.path '{cfg.path}' has no config.json; point it at a model directory")
         return local
+    if cfg.path.startswith(("/", ".", "~")) or cfg.path.count("/") > 1 or cfg.path.endswith(".gguf"):
+        raise ConfigError(f"model.path '{cfg.path}' does not exist; point it at a model "
+                          "directory (with config.json), a .gguf file, or a Hugging Face id "
+                          "already downloaded (e.g. model.path=Qwen/Qwen3-0.6B)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError, OSError) as e:
+    except (LocalEntryNotFoundError, ValueError, OSError):
         raise ConfigError(
-            f"model.path '{cfg.path}' is neither a local directory nor in the local Hugging Face "
-            "cache (pipeserve never downloads); download it first, e.g. "
-            f"`huggingface-cli download {cfg.path}`") from e
+            f"model.path '{cfg.path}' is not a local path and not in the local Hugging Face "
+            f"cache (pipeserve never downloads); download it first: `hf download {cfg.path}`, "
+            "or point model.path at a model directory or a .gguf file") from None
 
 
 def _fingerprint(path: Path) -> str:
@@ -120,8 +146,9 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
 
     ids = cfg.adapter_ids
     progress = _Progress(cfg.name, 6 if ids else 5)
+    t0 = time.time()
     path = resolve_path(cfg)
-    progress.step("found %s", path)
+    progress.step("%s %s", _origin(cfg, path, made=path.stat().st_mtime >= t0), path)
     model, config = load_model(path, lazy=shard is not None,
                                trust_remote_code=cfg.trust_remote_code)
     if shard is not None:

@@ -252,7 +252,7 @@ class Metrics:
 
 def family_names(registry: CollectorRegistry) -> dict[str, str]:
     """Every metric family the registry exports, as written in /metrics (`_total` on counters,
-    `_info` on info) → its type. The README's Metrics table lists exactly these."""
+    `_info` on info) → its type. docs/operations.md's metrics table is generated from them."""
     suffix = {"counter": "_total", "info": "_info"}
     return {m.name + suffix.get(m.type, ""): m.type for m in registry.collect()}
 

@@ -28,7 +28,9 @@ from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
+from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, ServeError,
+                             Unauthorized)
+from pipeline.launch import LAUNCH_ERROR, chat_url
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
@@ -127,11 +129,18 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
 
     @app.after_server_start
     async def _wait_ready(app: Sanic) -> None:
+        page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
+                if cfg.server.chat_page else "")
+
         async def wait() -> None:
             ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
             if not ok:
-                log.error("engine failed to start: %r; stopping", engine.startup_error)
-                app.ctx.exit_code = 1
+                err = engine.startup_error
+                if isinstance(err, ConfigError):   # reported by serve.py as a launch error
+                    app.ctx.launch_error = str(err)
+                else:
+                    log.error("engine failed to start: %r; stopping", err)
+                app.ctx.exit_code = LAUNCH_ERROR
                 app.stop()
                 return
             if app.ctx.pool is not None:   # models load on first use (pipeline/pool/)
@@ -139,8 +148,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                                       "mlx_version": _version("mlx"),
                                       "config_hash": app.ctx.config_hash,
                                       "blas": blas.name or "bundled"})
-                log.info("ready: pool of %s, listening on %s:%d", ", ".join(app.ctx.pool.ids),
-                         cfg.server.host, cfg.server.port)
+                log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
+                         cfg.server.host, cfg.server.port, page)
                 return
             loaded = engine.loaded
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
@@ -156,9 +165,9 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                 "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
                 "blas": blas.name or "bundled"})
             log.info("CPU BLAS: %s", blas.describe())
-            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d",
+            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
                      cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
-                     cfg.server.host, cfg.server.port)
+                     cfg.server.host, cfg.server.port, page)
         app.add_task(wait())
 
     app.ctx.draining = False

@@ -11,10 +11,37 @@ from pathlib import Path
 import pytest
 
 import bench_plots
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["model=tiny", "bench.max_tokens=6", "bench.prompt_words=8", "bench.warmup=false",
          "bench.bare_loop=false"]
+
+
+def test_without_the_bench_extra_bench_says_which_extra_to_install() -> None:
+    blocked = ("import runpy, sys; sys.modules['aiohttp'] = None; sys.argv = ['bench.py']; "
+               "runpy.run_path('bench.py', run_name='__main__')")
+    res = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    assert "pip install -e '.[bench]'" in res.stderr
+
+
+def test_a_sweep_with_mlx_lm_server_draws_both_servers() -> None:
+    base = {"workload": "concurrent", "ttft_p50_s": "0.1", "ttft_p95_s": "0.2"}
+    table = [{**base, "target": t, "overrides": f"bench.streams={n}", "agg_tok_s": str(v)}
+             for t, n, v in (("pipeserve", 1, 10), ("mlx_lm.server", 1, 8),
+                             ("pipeserve", 4, 30), ("mlx_lm.server", 4, 12))]
+    x_key, order, lines = bench_plots.sweep_series(table)
+    assert x_key == "bench.streams" and order == ["1", "4"]
+    assert lines["pipeserve"]["agg_tok_s"] == [10, 30]
+    assert lines["mlx_lm.server"]["agg_tok_s"] == [8, 12]
+
+
+def test_one_request_is_a_point_on_a_readable_axis() -> None:
+    low, high = bench_plots.latency_xlim([0.0001])
+    assert low <= 0 and high >= 1.0
+    assert bench_plots.latency_xlim([0.0, 12.0])[1] >= 12.0
 
 
 def run_bench(out: Path, model_cache: Path, *args: str) -> str:
@@ -41,7 +68,8 @@ def rows(path: Path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 def test_sweep_writes_a_plot_of_its_own_numbers(tmp_path: Path, model_cache: Path) -> None:
-    run_bench(tmp_path, model_cache, "-m", "bench.streams=1,2", "scheduler.max_batch=2,4")
+    out = run_bench(tmp_path, model_cache, "-m", "bench.streams=1,2", "scheduler.max_batch=2,4")
+    assert "plot None" not in out   # the first job has no sweep to draw yet, and says nothing
     png = tmp_path / "sweep.png"
     w, h = png_size(png)
     assert w > 600 and h > 300
@@ -60,7 +88,13 @@ def test_sweep_writes_a_plot_of_its_own_numbers(tmp_path: Path, model_cache: Pat
 
 @pytest.mark.slow
 def test_single_run_writes_a_per_request_latency_plot(tmp_path: Path, model_cache: Path) -> None:
-    out = run_bench(tmp_path, model_cache, "bench.streams=3", "bench.batch_generator=true")
+    (tmp_path / "results.csv").write_text("target,workload\nan earlier run,single\n")
+    port = free_port()
+    out = run_bench(tmp_path, model_cache, "bench.streams=3", "bench.batch_generator=true",
+                    f"server.port={port}")
+    assert f"listening on 127.0.0.1:{port}" in (tmp_path / "pipeserve.log").read_text()
+    # a run's table is its own (it appended to the last run's before)
+    assert "an earlier run" not in (tmp_path / "results.csv").read_text()
     assert "latency.png" in out
     png_size(tmp_path / "latency.png")
     reqs = rows(tmp_path / "requests.csv")

@@ -180,10 +180,13 @@ def tool_choice(choice: str, name: str | None, tools: list[dict[str, Any]],
     return choice, name
 
 
+BASE_TAG = "latest"
+
+
 def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
     """The adapter a request picks, as Request.adapter holds it: the `adapter` field (an id,
     an array of ids stacked, or "none" for the base model) or an OpenAI `model` of
-    "<base>:<id>" (vLLM-style); None
+    "<base>:<id>" (vLLM-style; "<base>:latest" is the base model, as Ollama's tag); None
     when it names none, or names the launch default. `mounted` is the model's AdapterSet (or
     None: no adapters). An id that is not mounted is a 404 naming the field and the ids."""
     from pipeline.adapters import NONE
@@ -200,6 +203,8 @@ def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
     model = body.get("model")
     if choice is None and isinstance(model, str) and model.startswith(base + ":"):
         choice, param = model[len(base) + 1:], "model"
+        if choice == BASE_TAG:   # Ollama's default tag: `smollm2:latest` is the model itself
+            return None
     if choice is None:
         return None
     if mounted is None:

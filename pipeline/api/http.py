@@ -15,7 +15,8 @@ from sanic import HTTPResponse, Sanic
 
 from pipeline.api.generation import Generation
 from pipeline.engine import EngineState
-from pipeline.errors import AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound
+from pipeline.errors import (AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound,
+                             ServeError)
 from pipeline.request import Request
 from pipeline.stream import RequestStream
 
@@ -134,16 +135,17 @@ class Scope:
             if outcome == "cancelled":
                 gen.finish_reason = "abort"
             self.ctx.metrics.e2e.observe(elapsed)
-        self._log(outcome, elapsed)
+        self._log(outcome, elapsed, exc)
         if getattr(self.ctx, "draining", False) and self.http.stream is not None:
             # shutting down: close this connection after the response instead of keeping it
             # alive, so the graceful shutdown does not wait for idle keep-alive sockets
             self.http.stream.keep_alive = False
         return False
 
-    def _log(self, outcome: str, elapsed: float) -> None:
+    def _log(self, outcome: str, elapsed: float, exc: BaseException | None = None) -> None:
         """One line per request at INFO; its fields are also LogRecord attributes, so the
-        JSON formatter (server.log_format=json) writes them as keys."""
+        JSON formatter (server.log_format=json) writes them as keys. A refused request's line
+        ends with its status and the reason the client was given."""
         req, gen = self.request, self.gen
         ttft = gen.first_token_s - self.t0 if gen is not None and gen.first_token_s else None
         fields: dict[str, Any] = {
@@ -156,8 +158,11 @@ class Scope:
             "ttft_s": round(ttft, 4) if ttft is not None else None,
             "total_s": round(elapsed, 4),
             "finish": gen.finish_reason if gen is not None else None}
-        text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()
-                        if k != "request_id")
+        if isinstance(exc, ServeError):
+            fields["status"] = exc.status
+            fields["reason"] = exc.message[:300]   # what the client's error body says
+        text = " ".join(f"{k}={'-' if v is None else (repr(v) if k == 'reason' else v)}"
+                        for k, v in fields.items() if k != "request_id")
         log.info("request %s %s", fields["request_id"] or "-", text,
                  extra={"event": "request", **fields})
 

@@ -18,7 +18,7 @@ class DraftConfig:
     """Speculative decoding: who proposes tokens for the target to verify (SPEC §4)."""
 
     _target_: str = MISSING
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = 3   # tokens proposed per step for the target to verify
     path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
@@ -50,8 +50,8 @@ class NoDraftConfig(DraftConfig):
 class NgramDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.NgramProposer"
     num_draft_tokens: int = 10
-    ngram_min: int = 1
-    ngram_max: int = 3
+    ngram_min: int = 1   # shortest suffix of the text looked up earlier in it
+    ngram_max: int = 3   # longest suffix looked up (the longest match proposes)
 
     def __post_init__(self) -> None:
         super().__post_init__()

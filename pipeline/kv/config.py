@@ -54,8 +54,8 @@ class QuantizedKvConfig(KvConfig):
     """Uniform affine quantization (mlx-lm's QuantizedKVCache scheme)."""
 
     _target_: str = "pipeline.kv.layouts.QuantizedLayout"
-    bits: int = 8
-    group_size: int = 64
+    bits: int = 8              # key and value bits: 4 (kv=q4) or 8 (kv=q8)
+    group_size: int = 64       # elements sharing one scale and bias: 32, 64 or 128
     quantized_start: int = 0   # tokens a row keeps dense before it converts
 
     @property
@@ -75,10 +75,10 @@ class TurboKvConfig(KvConfig):
     """TurboQuant: affine keys, Hadamard-rotated Lloyd-Max values."""
 
     _target_: str = "pipeline.kv.layouts.TurboLayout"
-    k_bits: int = 8
-    v_bits: int = 3
-    group_size: int = 64
-    quantized_start: int = 0
+    k_bits: int = 8            # key bits (affine): 2, 4, 5 or 8
+    v_bits: int = 3            # value bits (Lloyd-Max codebook after a Hadamard rotation): 2-5 or 8
+    group_size: int = 64       # key elements sharing one scale and bias
+    quantized_start: int = 0   # tokens a row keeps dense before it converts
 
     def __post_init__(self) -> None:
         if self.k_bits not in TURBO_K_BITS:
@@ -94,11 +94,11 @@ class TurboKvConfig(KvConfig):
 @register("kv", "mixed")
 @dataclass
 class MixedKvConfig(KvConfig):
-    """Per-layer key/value bits from a kv_config.json (format: README, KV layouts)."""
+    """Per-layer key/value bits from a kv_config.json (format: docs/generation.md, KV layouts)."""
 
     _target_: str = "pipeline.kv.layouts.MixedLayout"
-    config_path: str = MISSING
-    quantized_start: int = 0
+    config_path: str = MISSING   # the kv_config.json with each layer's key/value bits
+    quantized_start: int = 0     # tokens a row keeps dense before it converts
 
     def __post_init__(self) -> None:
         _check_start(self.name, self.quantized_start)
@@ -110,7 +110,7 @@ class PagedKvConfig(KvConfig):
     """Fixed-size blocks in one pool per layer; rows sharing a cached prefix share its blocks."""
 
     _target_: str = "pipeline.kv.layouts.PagedLayout"
-    block_size: int = 256
+    block_size: int = 256   # tokens per KV block
     pool_blocks: Optional[int] = None   # blocks per layer; unset: from pool_gb, else from memory
     pool_gb: Optional[float] = None     # GiB for all layers' pools together
 

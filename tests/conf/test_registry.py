@@ -101,7 +101,7 @@ def test_register_refuses_a_second_schema_for_a_name() -> None:
 # -- a new option: its module + its YAML ------------------------------------------------------
 @pytest.fixture
 def new_options(tmp_path: Path) -> Iterator[Path]:
-    """kv=probe and draft=probe, declared the way the README's recipe says (schema with
+    """kv=probe and draft=probe, declared the way docs/development.md's recipe says (schema with
     @register, `_target_` naming the class), plus a copy of conf/ with their YAMLs; removed
     from the registry and the ConfigStore afterwards."""
     saved = {g: dict(o) for g, o in registry._OPTIONS.items()}

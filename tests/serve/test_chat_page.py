@@ -4,7 +4,6 @@ an API-key server asks for the key. The screenshot goes to the test's tmp dir.""
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,12 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    if shutil.which("apt-get") is None:
-        pytest.skip("no chromium and no apt-get to install it (Debian's `chromium` package)",
-                    allow_module_level=True)
-    raise RuntimeError("chromium is missing: .ci/run installs Debian's `chromium` package")
+from tests.system_tools import find_or_skip
+
+CHROMIUM = find_or_skip("chromium", "chromium", "the chat page's browser tests")
 
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Monitoring checked for real: the committed Grafana dashboard is what dashboards/build.py
 makes; promtool accepts the scrape config and the alert rules; a real Prometheus (Debian's
-package, installed here when missing) scrapes a live serve.py while the openai SDK drives
+package, which .ci/run installs; the tests skip, saying so, without it) scrapes a live serve.py while the openai SDK drives
 traffic, and every PromQL expression of the dashboard and of the rules is run through its
 HTTP API. Prometheus is started and stopped by its own PID; every wait is bounded."""
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.metrics import Metrics, family_names, sample_names
+from tests.system_tools import find_or_skip
 from tests.conftest import ROOT, free_port, wait_http
 
 DASHBOARDS = ROOT / "dashboards"
@@ -135,40 +135,24 @@ def test_dashboard_and_rules_use_only_exported_names() -> None:
     assert used and used <= exported, sorted(used - exported)
 
 
-def test_readme_metrics_table_lists_every_family() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+def test_docs_metrics_table_lists_every_family() -> None:
+    page = (ROOT / "docs" / "operations.md").read_text()
+    section = page.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(pipeserve_[a-z0-9_]+)` \| (\w+) \|", section, re.M)
     documented = dict(rows)
     assert documented == family_names(Metrics(CollectorRegistry()).registry)
 
 
-# -- Prometheus, installed from Debian ------------------------------------------------------------
-def _install_prometheus() -> None:
-    """Debian's `prometheus` package brings both the server and promtool. Installed once per
-    machine; a later run finds them on PATH and skips this."""
-    if shutil.which("promtool") and shutil.which("prometheus"):
-        return
-    if shutil.which("apt-get") is None:
-        pytest.skip("Prometheus and promtool are not installed and apt-get is not available "
-                    "to install Debian's `prometheus` package; install Prometheus >= 2.40 to run "
-                    "the monitoring checks")
-    if os.geteuid() != 0:
-        pytest.skip("Prometheus and promtool are not installed and apt-get needs root; run "
-                    "`sudo apt-get install -y prometheus` to run the monitoring checks")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:   # an empty or stale package list: update once, then retry
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"apt-get install prometheus failed:\n{done.stdout}\n{done.stderr}"
-    assert shutil.which("promtool") and shutil.which("prometheus")
+# -- Prometheus, installed by .ci/run from Debian ------------------------------------------------------------
+def _find_prometheus() -> None:
+    """Debian's `prometheus` package brings both the server and promtool."""
+    for program in ("prometheus", "promtool"):
+        find_or_skip(program, "prometheus", "the monitoring checks against a live Prometheus")
 
 
 @pytest.fixture(scope="module")
 def prometheus_bin() -> None:
-    _install_prometheus()
+    _find_prometheus()
 
 
 def test_promtool_accepts_config_and_rules(prometheus_bin: None) -> None:

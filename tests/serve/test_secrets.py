@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.config import config_hash
 from pipeline.errors import ConfigError
 from tests.conftest import ROOT, make_config
-from tests.serve.test_monitoring import Prometheus, _install_prometheus
+from tests.serve.test_monitoring import Prometheus, _find_prometheus
 
 LIT_API = "lit-api-Q7xw93k"       # given on the command line
 ENV_API = "env-api-Zr4m21p"       # from $PIPESERVE_TEST_API_KEY
@@ -256,10 +256,11 @@ def test_a_failed_launch_does_not_echo_a_literal_key(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        done = launch(tmp_path, f"server.port={taken.getsockname()[1]}",
+        port = taken.getsockname()[1]
+        done = launch(tmp_path, f"server.port={port}",
                       f"server.api_key={LIT_BESIDE}")
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "Address already in use" in done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"server.port {port} on 127.0.0.1 is already in use" in done.stderr
     assert LIT_BESIDE not in done.stdout + done.stderr
     assert grep(tmp_path / "run", LIT_BESIDE) == []
 
@@ -283,7 +284,7 @@ class KeyedPrometheus(Prometheus):
 
 def test_prometheus_scrapes_with_the_key_from_a_file(launches: dict[str, Any],
                                                      tmp_path: Path) -> None:
-    _install_prometheus()
+    _find_prometheus()
     prom = KeyedPrometheus(f"127.0.0.1:{launches['port']}", launches["key_file"], tmp_path)
     try:
         prom.wait_ready()

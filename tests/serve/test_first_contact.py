@@ -1,0 +1,131 @@
+"""What a new user meets first, on a real `serve.py`: launch errors are one or two lines with
+exit code 2 and no traceback; --help lists the groups a user picks; on a running server the
+model id rule, the ready line, the favicon, the chat page's sampling default and the log line
+of a refused request."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.loader import locate
+from tests.conftest import make_config
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _launch(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "serve.py"), *overrides,
+                             f"hydra.run.dir={tmp_path / 'run'}",
+                             f"model.cache_dir={tmp_path / 'models'}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = {   # overrides → what the one line must say (the problem and the fix)
+            ("model.path=/nonexistent/model",):
+                "model.path '/nonexistent/model' does not exist; point it at a model directory",
+            ("scheduler.max_batchh=4",):
+                "unknown config key 'scheduler.max_batchh' (did you mean scheduler.max_batch?); "
+                "'scheduler' has: max_batch, max_num_batched_tokens",
+            ("kv=turb",): "kv=turb is not an option of kv (did you mean kv=turbo?); options: dense",
+            ("model=tiny", f"server.port={port}"):
+                f"server.port {port} on 127.0.0.1 is already in use",
+        }
+        procs = {args: _launch(tmp_path / str(i), *args) for i, args in enumerate(cases)}
+        outputs = {args: (p.wait(60), *p.communicate()) for args, p in procs.items()}
+    for args, (rc, out, err) in outputs.items():
+        lines = [line for line in (out + err).splitlines() if line.strip()]
+        assert rc == 2, (args, out, err)
+        assert len(lines) <= 2 and "Traceback" not in out + err, (args, out + err)
+        assert cases[args] in err, (args, err)
+        assert "huggingface-cli" not in err and "+scheduler" not in err
+    assert not (tmp_path / "3" / "models").exists(), "a model was generated before the port check"
+
+
+@pytest.mark.parametrize("path, message", [
+    ("Org/not-downloaded-9z", "is not a local path and not in the local Hugging Face cache "
+     "(pipeserve never downloads); download it first: `hf download Org/not-downloaded-9z`"),
+    ("./no/such/dir", "does not exist; point it at a model directory"),
+    ("{tmp}", "has no config.json; point it at a model directory"),
+    ("{tmp}/x.bin", "is a file but not a GGUF file"),
+])
+def test_model_path_is_checked_before_anything_loads(tmp_path: Path, path: str, message: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.py runs this check (pipeline/loader.py: locate) right after the config, so each of
+    these is the one-line launch error of the test above."""
+    (tmp_path / "x.bin").write_bytes(b"not a gguf")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = make_config(f"model.path={path.replace('{tmp}', str(tmp_path))}")
+    with pytest.raises(ConfigError) as e:
+        locate(cfg.model)
+    assert message in str(e.value)
+
+
+def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    groups = dict(re.findall(r"^  (\w+) +(.+)$", done.stdout, re.M))
+    assert {"model", "kv", "draft", "cache", "scheduler", "admission"} <= set(groups)
+    assert "turbo" in groups["kv"] and "dense*" in groups["kv"]   # the default is marked
+    assert not {"hydra", "schema", "bench", "job_logging"} & set(groups)
+    assert "schema/" not in done.stdout and "hydra/" not in done.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_server(server_factory: Any) -> Any:
+    return server_factory()
+
+
+def _greedy(client: openai.OpenAI, model: str) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=6, temperature=0)
+    return r.choices[0].message.content
+
+
+def test_one_model_id_rule(tiny_server: Any) -> None:
+    """A single-model server answers any model name with its one model (clients hard-code
+    names); `<id>:<tag>` names adapter <tag>, and `:latest` (Ollama's tag) is the model."""
+    client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="x")
+    base = _greedy(client, "tiny")
+    for name in ("gpt-4o", "qwen2.5:7b", "tiny:latest"):
+        assert _greedy(client, name) == base, name
+    with pytest.raises(openai.NotFoundError) as e:
+        _greedy(client, "tiny:legal")
+    assert "adapter 'legal', which is not mounted" in e.value.body["message"]
+
+
+def test_ready_line_log_lines_favicon_and_page_default(tiny_server: Any) -> None:
+    url = tiny_server.base_url
+    log = tiny_server.log()
+    assert f"chat page {url}/" in log
+    assert re.search(r"loading tiny \[1/\d\] (generated|found generated) /", log), log
+    icon = httpx.get(url + "/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    page = httpx.get(url + "/").text
+    box = re.search(r'<input id="temperature"[^>]*>', page).group(0)
+    assert "value=" not in box   # blank: the request leaves temperature to the server's default
+    assert 'href="/favicon.svg"' in page
+    bad = httpx.post(url + "/v1/chat/completions",
+                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3})
+    assert bad.status_code == 400
+    reason = bad.json()["error"]["message"]
+    line = [x for x in tiny_server.log().splitlines() if "outcome=invalid" in x][-1]
+    assert "status=400" in line and json.dumps(reason)[1:-1][:40] in line, line

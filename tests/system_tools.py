@@ -1,0 +1,24 @@
+"""System programs some tests drive (Chromium, Prometheus). The suite never installs them:
+`.ci/run` does, with apt. A missing program skips its tests with the reason and the install
+command, unless PIPESERVE_REQUIRE_SYSTEM_TOOLS=1 (set by .ci/run once its install succeeded),
+where a missing program is a failure instead of a skip that would hide one."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+REQUIRE = "PIPESERVE_REQUIRE_SYSTEM_TOOLS"
+
+
+def find_or_skip(program: str, debian_package: str, what: str) -> str:
+    """The path of `program`, or skip the calling module (fail under PIPESERVE_REQUIRE_...)."""
+    path = shutil.which(program)
+    if path:
+        return path
+    reason = (f"{program} is not installed, so {what} cannot run; install it "
+              f"(`sudo apt-get install -y {debian_package}` on Debian/Ubuntu, as .ci/run does)")
+    if os.environ.get(REQUIRE) == "1":
+        pytest.fail(f"{reason} [{REQUIRE}=1]", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
