@@ -161,6 +161,13 @@ class SchedulerConfig:
     # (unset: 2048 on a CPU, 16384 on a GPU); at least max_batch
     max_num_batched_tokens: Optional[int] = None
     prefill_chunk: int = 2048   # most prompt tokens one request computes in a step
+    # hand a step to the device after the previous step's tokens are applied and posted to the
+    # streams, not before: the event loop then writes them while this thread waits in
+    # mx.async_eval (which releases the GIL) instead of competing with its Python. On MLX's CUDA
+    # backend async_eval returns about when the device is done, so host work outside it is
+    # device idle time either way (docs/notes/2026-12-01-h200-engine-alone.md); off until an
+    # H200 A/B says otherwise (a CPU's device idles while it waits: keep it off there)
+    dispatch_late: bool = False
 
     def __post_init__(self) -> None:
         _positive("scheduler.max_batch", self.max_batch)

@@ -160,6 +160,8 @@ class Engine:
                 self._apply(launched)   # the next plan needs these results: no pipelining
                 launched = None
             self._out.flush()
+            if launched is not None:
+                self.step.dispatch(launched)   # scheduler.dispatch_late: only now
             pending = launched
             self.step.passed()
 

@@ -41,6 +41,7 @@ class Launched:
     sampled: Sampled | None = None
     output: StepOutput | None = None
     sync: bool = False
+    queued: list[Any] | None = None   # arrays not yet handed to the device (Step.dispatch)
 
     @property
     def samples(self) -> bool:
@@ -70,6 +71,7 @@ class Step:
         self._timers = {n: metrics.stage_seconds.labels(n) for n in names}
         self._tokens = {p: metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
         self._batch_size = metrics.batch_size
+        self.dispatch_late = cfg.scheduler.dispatch_late   # the engine loop calls dispatch
 
     def _timed(self, name: str, call: Callable[[], T]) -> T:
         t0 = time.perf_counter()
@@ -98,10 +100,20 @@ class Step:
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
             return Launched(plan, logits, output=output, sync=True)
         sampled = self._timed("sample", lambda: self.sample(logits, rows))
+        launched = Launched(plan, logits, sampled, sync=sampled.sync or drafts.sync)
         if rows:
             kv.set_next(sampled.order, sampled.token_ids)
-            mx.async_eval(sampled.arrays())
-        return Launched(plan, logits, sampled, sync=sampled.sync or drafts.sync)
+            launched.queued = sampled.arrays()
+            if not self.dispatch_late:
+                self.dispatch(launched)
+        return launched
+
+    @staticmethod
+    def dispatch(launched: Launched) -> None:
+        """Hand the step's queued arrays to the device (mx.async_eval); at most once."""
+        if launched.queued is not None:
+            arrays, launched.queued = launched.queued, None
+            mx.async_eval(arrays)
 
     def _count(self, plan: StepPlan) -> None:
         self._batch_size.observe(len(plan.rows))
@@ -117,6 +129,7 @@ class Step:
         """The step's results on the host (waits for the device)."""
         if launched.output is not None:
             return launched.output
+        Step.dispatch(launched)
         s = launched.sampled
         out = StepOutput(failed=dict(s.failed) if s is not None else {})
         if s is None or not s.order:
