@@ -123,7 +123,22 @@ def _sentencepiece(meta: dict[str, Any], arch: str) -> Any:
     if "tokenizer.ggml.add_space_prefix" in meta:
         spec["add_prefix_space"] = bool(meta["tokenizer.ggml.add_space_prefix"])
     tok, _ = convert_gguf_tokenizer(arch, spec)
+    if not arch.startswith("gemma") and bool(meta.get("tokenizer.ggml.add_space_prefix", True)):
+        _space_prefix(tok)
     return tok
+
+
+def _space_prefix(tok: Any) -> None:
+    """llama.cpp's SentencePiece prefix: one space before every text fragment (the text's start
+    and after each special token), even one that starts with spaces, where `Metaspace` adds none;
+    decoding drops it again."""
+    from tokenizers import decoders, normalizers
+
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
 
 
 def _types(meta: dict[str, Any]) -> np.ndarray:
