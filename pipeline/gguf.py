@@ -153,8 +153,9 @@ def check_supported(path: Path, header: Header) -> None:
         if shape[-1] % per or (t in gguf_quants.BLOCKS and shape[-1] % gguf_quants.GROUP):
             raise ConfigError(f"model.path '{path}': tensor {n!r} ({t}) has rows of {shape[-1]} "
                               f"values, not a multiple of its {per}-value blocks or of 32")
+    config_tensors = gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
     for n in header.tensors:
-        if gguf_arch.map_name(arch, n) is None:
+        if gguf_arch.map_name(arch, n) is None and n not in config_tensors:
             raise ConfigError(
                 f"model.path '{path}': tensor {n!r} has no place in an mlx-lm {name} model "
                 f"(supported names: token_embd, output_norm, output, "
@@ -182,6 +183,8 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     bits: dict[str, int] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     for name, (ttype, shape, offset) in header.tensors.items():
+        if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
+            continue
         raw = np.asarray(data[offset:offset + gguf_quants.nbytes(ttype, shape)])
         conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
         report.add(ttype, conv, int(np.prod(shape)))
@@ -224,6 +227,11 @@ def convert(src: Path, out: Path) -> None:
     tied = "output.weight" not in header.tensors
     has_bias = "blk.0.attn_q.bias" in header.tensors
     cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
+    if "rope_freqs.weight" in header.tensors:
+        ttype, shape, offset = header.tensors["rope_freqs.weight"]
+        freqs = gguf_quants.reference(ttype, np.fromfile(
+            src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset), shape)
+        cfg["rope_scaling"] = gguf_arch.rope_from_freqs(cfg, freqs)
     weights, quant, report = _weights(src, header, arch_name, cfg)
     if quant:
         cfg["quantization"] = quant

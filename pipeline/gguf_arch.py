@@ -191,6 +191,46 @@ def map_name(arch: Arch, name: str) -> str | None:
     return None
 
 
+# Tensors that hold configuration, not weights: read into config.json, not written.
+CONFIG_TENSORS = {"llama": ("rope_freqs.weight",)}
+# Llama 3.x's rope scaling as its config.json states it; llama.cpp stores only the per-frequency
+# factors it implies (rope_freqs), so the conversion finds the setting that reproduces them.
+LLAMA3_ROPE = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},)
+
+
+def llama3_factors(base: float, dim: int, factor: float, low: float, high: float,
+                   old_len: int) -> Any:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs for rope_type llama3."""
+    import math
+
+    import numpy as np
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def rope_from_freqs(cfg: dict[str, Any], freqs: Any) -> dict[str, Any]:
+    """The llama3 `rope_scaling` whose factors equal the file's rope_freqs, or a refusal."""
+    import numpy as np
+    factor = float(freqs.max())
+    for known in LLAMA3_ROPE:
+        want = llama3_factors(cfg["rope_theta"], cfg["head_dim"], factor, known["low_freq_factor"],
+                              known["high_freq_factor"], known["original_max_position_embeddings"])
+        if want.shape == freqs.shape and np.allclose(want, freqs, rtol=1e-5, atol=1e-6):
+            return {"rope_type": "llama3", "factor": float(np.float32(factor)), **known}
+    raise ConfigError(f"GGUF rope_freqs ({freqs.shape[0]} factors, max {factor:g}) match no "
+                      "Llama 3 rope scaling (low 1, high 4, original context 8192)")
+
+
 def model_config(arch_name: str, meta: dict[str, Any], vocab_rows: int, tied: bool,
                  has_bias: bool) -> dict[str, Any]:
     arch = lookup(arch_name)

@@ -341,10 +341,10 @@ def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, mod
 def test_unknown_tensor_and_not_a_gguf_are_refused(tmp_path: Path, model_cache: Path,
                                                    tok_meta: dict[str, Any]) -> None:
     tensors, meta = _small(tok_meta)
-    tensors["rope_freqs.weight"] = np.ones(HEAD_DIM // 2, np.float32)
+    tensors["rope_factors_long.weight"] = np.ones(HEAD_DIM // 2, np.float32)
     src = save_mlx_gguf(tmp_path / "rope.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tensor 'rope_freqs.weight' has no place" in msg
+    assert "tensor 'rope_factors_long.weight' has no place" in msg
     junk = tmp_path / "notes.txt"
     junk.write_text("hello")
     msg = startup_error(model_cache, "model=llama", f"model.path={junk}")

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline import gguf
 from pipeline.config import ComputeDType, ModelConfig
+from pipeline.errors import ConfigError
 from pipeline.loader import load
 from tests.pipeline.test_gguf import permute, save_mlx_gguf, tokenizer_metadata
 
@@ -214,3 +215,52 @@ def test_architecture_converts_to_its_mlx_lm_class(tmp_path: Path, tok_meta: dic
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     os.utime(src, ns=(stamp + 10**9, stamp + 10**9))
     assert gguf.ensure_converted(src, cache) != first
+
+
+def llama3_rope_freqs(base: float, dim: int, factor: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3 (low 1,
+    high 4, original context 8192), in numpy."""
+    import math
+    low, high, old = 1.0, 4.0, 8192
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])   # Llama 3.1 and 3.2
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path: Path, tok_meta: dict[str, Any],
+                                                          factor: float) -> None:
+    """llama.cpp keeps Llama 3.x's rope scaling only as the `rope_freqs` tensor; the conversion
+    finds the llama3 setting that reproduces it, so logits at long positions equal mlx-lm's llama
+    with that config.json setting; factors matching no Llama 3 setting are refused."""
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg, hf = hf_model("llama", vocab)
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg.update(rope_theta=500000.0, rope_scaling=scaling)
+    tensors = {**llama_cpp_tensors("llama", hf),
+               "rope_freqs.weight": llama3_rope_freqs(500000.0, HEAD_DIM, factor)}
+    meta = {**gguf_metadata("llama", cfg), "llama.rope.freq_base": 500000.0, **tok_meta}
+    src = save_mlx_gguf(tmp_path / "llama3.gguf", tensors, meta)
+    ids = [(7 * i) % vocab for i in range(300)]
+    want = np.array(reference_model(cfg, hf)(mx.array([ids]))[0])
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(tmp_path / "cache"),
+                          compute_dtype=ComputeDType.float32))
+    assert lm.config["rope_scaling"] == scaling
+    np.testing.assert_allclose(np.array(lm.model(mx.array([ids]))[0]), want, rtol=1e-3, atol=1e-3)
+    plain = {**cfg, "rope_scaling": None}
+    assert not np.allclose(np.array(reference_model(plain, hf)(mx.array([ids]))[0]), want,
+                           atol=1e-3)                  # the scaling matters at these positions
+
+    tensors["rope_freqs.weight"] = np.linspace(1, factor, HEAD_DIM // 2).astype(np.float32)
+    odd = save_mlx_gguf(tmp_path / "odd.gguf", tensors, meta)
+    with pytest.raises(ConfigError, match="match no Llama 3 rope scaling"):
+        load(ModelConfig(name="g", path=str(odd), cache_dir=str(tmp_path / "cache")))
