@@ -1,0 +1,56 @@
+"""PromptMedia: what one request's images became — pixel arrays for the tower, their digests
+(prompt-cache keys, the record) and the image-token count — and, once its prefill starts on the
+engine thread, the prompt's input embeddings. Built by tokenize (no MLX); `chunk` runs on the
+engine thread only."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class PromptMedia:
+    encoder: Any                     # pipeline.vision.encoder.VisionEncoder (engine thread only)
+    pixels: dict[str, np.ndarray]
+    digests: list[str]               # sha256 of each image's bytes, in prompt order
+    image_token_id: int
+    tokens_per_image: list[int] = field(default_factory=list)
+    embedded: Any = None             # encoder.Embedded, made at the row's first prompt chunk
+    encode_s: float = 0.0            # vision-encoder seconds this request cost
+
+    @property
+    def num_images(self) -> int:
+        return len(self.digests)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(self.tokens_per_image)
+
+    def key_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt-cache key of the prompt: each image token replaced by an id outside the
+        vocabulary derived from its image's digest (so the same image and prefix hit, another
+        image never does); for M-RoPE models, whose stored prefix depends on every image's
+        layout, the first token also carries all digests."""
+        marks = []
+        for digest, n in zip(self.digests, self.tokens_per_image):
+            marks.extend([-1 - int(digest[:15], 16)] * n)
+        out, it = list(prompt_ids), iter(marks)
+        for i, t in enumerate(out):
+            if t == self.image_token_id:
+                out[i] = next(it, out[i])
+        if self.encoder.mrope and out:
+            import hashlib
+            salt = hashlib.sha256(("|".join(self.digests)).encode()).hexdigest()
+            out[0] = -(1 << 62) - int(salt[:15], 16)
+        return out
+
+    def chunk(self, prompt_ids: list[int], start: int, num: int) -> AbstractContextManager[dict[str, Any]]:
+        """The model kwargs of prompt chunk [start, start + num): the tower runs at the first."""
+        if self.embedded is None:
+            self.embedded = self.encoder.embed(prompt_ids, self.pixels)
+            self.encode_s = self.embedded.encode_s
+            self.pixels = {}
+        return self.encoder.chunk(self.embedded, start, num)
