@@ -13,8 +13,7 @@ from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
 ARCHS = ("gemma3", "qwen2_5_vl")
-FORMAT_VERSION = 1
-MODEL_VOCAB = 528   # embedding rows: the tokenizer's 512 + image tokens, rounded up
+FORMAT_VERSION = 2
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
@@ -46,16 +45,17 @@ def chat_template(arch: str) -> str:
 
 
 def _config(arch: str, ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
+    vocab = len(ids)   # one embedding row per token (mlx-vlm's detokenizer has no others)
     if arch == "gemma3":
         text = tiny._model_config("gemma3", "tiny", eos)
-        text.update(vocab_size=MODEL_VOCAB, rope_global_base_freq=text["rope_theta"],
+        text.update(vocab_size=vocab, rope_global_base_freq=text["rope_theta"],
                     mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE)
         vision = {"model_type": "siglip_vision_model", "hidden_size": 32,
                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "patch_size": GEMMA_PATCH, "image_size": GEMMA_IMAGE_SIZE,
                   "layer_norm_eps": 1e-6}
         return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-                "text_config": text, "vision_config": vision, "vocab_size": MODEL_VOCAB,
+                "text_config": text, "vision_config": vision, "vocab_size": vocab,
                 "hidden_size": text["hidden_size"], "mm_tokens_per_image": GEMMA_TOKENS_PER_IMAGE,
                 "image_token_index": ids["<image_soft_token>"],
                 "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
@@ -63,7 +63,7 @@ def _config(arch: str, ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
     text = tiny._model_config("qwen3", "tiny", eos)
     for key in ("head_dim", "attention_bias"):
         text.pop(key)
-    text.update(model_type="qwen2_5_vl", vocab_size=MODEL_VOCAB,
+    text.update(model_type="qwen2_5_vl", vocab_size=vocab,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # head_dim 16
     vision = {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
               "out_hidden_size": text["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,

@@ -140,7 +140,8 @@ def _image(block: dict[str, Any], where: str) -> MediaPart:
         return from_base64(source.get("data"), where)
     if kind == "url":
         return from_url(source.get("url"), where)
-    raise InvalidRequest(f"{where}.source.type is {kind!r}; allowed: base64, url", param=where)
+    raise InvalidRequest(f"{where} is an image block with source.type {kind!r}; allowed: base64, "
+                         "url (or send a text block)", param=where)
 
 
 def _result_text(content: Any, where: str) -> str:
