@@ -20,6 +20,7 @@ class PromptMedia:
     tokens_per_image: list[int] = field(default_factory=list)
     embedded: Any = None             # encoder.Embedded, made at the row's first prompt chunk
     encode_s: float = 0.0            # vision-encoder seconds this request cost
+    counted: bool = False            # its images are in the metrics (stages/prefill.py)
 
     @property
     def num_images(self) -> int:

@@ -101,9 +101,13 @@ def first_image_token(path: Path, text: str) -> int:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path) -> Any:
+def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Any:
     arch = request.param
-    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000")
+    # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
+                            "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
+                            "cache.ram_gb=0.0001")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
     return server
@@ -216,3 +220,54 @@ def test_remote_urls_refused_by_default(vlm: Any) -> None:
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*remote"):
         greedy(vlm, messages)
+
+
+def metric(server: Any, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def test_ssd_tier_serves_an_image_prefix_after_ram_eviction(vlm: Any) -> None:
+    text = "Once more about this very picture, kept on disk."
+    first = greedy(vlm, image_message(IMAGE_B, text))
+    for k in range(5):   # other images push it out of the RAM tier onto the SSD tier
+        greedy(vlm, image_message(png(10 + k, (40, 40)), f"Filler {k} pushing the cache."))
+    ssd_hits = metric(vlm, 'pipeserve_prompt_cache_hits_total{cache_tier="ssd"}')
+    again = greedy(vlm, image_message(IMAGE_B, text))
+    assert metric(vlm, 'pipeserve_prompt_cache_hits_total{cache_tier="ssd"}') == ssd_hits + 1
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert served_bytes(again) == served_bytes(first)
+
+
+def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
+    models = client(vlm).models.list().data
+    assert models[0].model_extra["modalities"] == ["text", "image"]
+    images, tokens = metric(vlm, "pipeserve_images_total"), metric(vlm, "pipeserve_image_tokens_total")
+    encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_A)}},
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_C)}}]}]
+    resp = client(vlm).chat.completions.with_raw_response.create(
+        model="tiny_vlm", messages=messages, max_tokens=4, temperature=0)
+    import hashlib
+    digests = ",".join("sha256:" + hashlib.sha256(d).hexdigest() for d in (IMAGE_A, IMAGE_C))
+    assert resp.parse().usage.model_extra["pipeserve"]["images"] == digests
+    assert f"images={digests}" in resp.headers["x-pipeserve-record"]
+    assert metric(vlm, "pipeserve_images_total") == images + 2
+    assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes + 1
+    assert metric(vlm, "pipeserve_image_tokens_total") > tokens
+
+
+def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
+    c = client(vlm)
+    first = c.responses.create(model="tiny_vlm", max_output_tokens=16, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMAGE_A)},
+                                     {"type": "input_text", "text": QUESTION}]}])
+    assert first.output_text == greedy(vlm, image_message(IMAGE_A)).choices[0].message.content
+    follow = c.responses.create(model="tiny_vlm", max_output_tokens=4, temperature=0,
+                                previous_response_id=first.id, input="And the colours?")
+    # the stored turn brought its image along: the follow-up's prompt has it, from the cache
+    assert follow.output_text and follow.usage.input_tokens > first.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0
