@@ -162,6 +162,11 @@ def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dic
             media.append(from_url(url, at))
             parts.append({"type": "image"})
             continue
+        if kind in ("input_audio", "audio", "video_url", "video", "file"):
+            raise InvalidRequest(
+                f"{at} has type {kind!r}: this server takes text and image parts only (no "
+                "audio or video tower is served; GET /v1/models lists each model's "
+                "modalities)", param=at)
         if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
             raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url",
                                  param="messages")

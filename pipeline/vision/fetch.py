@@ -51,7 +51,7 @@ def fetch(url: str, where: str, limits: Any) -> bytes:
                 raise InvalidRequest(f"{where}: fetching the image took longer than "
                                      f"{limits.fetch_timeout_s} s (server.media_fetch_timeout_s)",
                                      param=where)
-            chunk = resp.read(65536)
+            chunk = resp.read1(65536)   # what has arrived: the deadline bounds a slow sender
             if not chunk:
                 return b"".join(chunks)
             total += len(chunk)

@@ -229,3 +229,14 @@ def test_an_image_to_a_text_model_is_a_400_naming_the_part(server: Any) -> None:
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBORw0KGgo="}}]}]})
     assert r.status_code == 400 and "messages[0].content[0]" in r.json()["error"]["message"]
+
+
+def test_audio_and_video_parts_are_400s_naming_the_part(server: Any) -> None:
+    for part in ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                 {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}):
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hear this"}, part]}]})
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert "messages[0].content[1]" in message and "modalities" in message
