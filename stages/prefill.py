@@ -33,7 +33,8 @@ class Prefill:
                 media.counted = True
                 self.metrics.images.inc(media.num_images)
                 self.metrics.image_tokens.inc(media.num_image_tokens)
-                self.metrics.vision_seconds.observe(media.encode_s)
+                if media.encoded:   # a prompt-cache hit over every image skips the tower
+                    self.metrics.vision_seconds.observe(media.encode_s)
         if grouped:
             self.metrics.grouped_prefills.inc(grouped)
         return self.forward.decode(plan.decode, kv)

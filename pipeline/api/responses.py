@@ -152,7 +152,6 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
         if isinstance(part, dict) and part.get("type") == "input_image":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            from_url(url, at)   # a malformed URL is refused now, naming the part
             out.append({"type": "image", "image_url": url, "where": at})
         else:
             kind = part.get("type") if isinstance(part, dict) else None

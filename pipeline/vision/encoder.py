@@ -102,11 +102,19 @@ class VisionEncoder:
         encoder.num_params = sum(v.size for t in towers for _, v in tree_flatten(t.parameters()))
         return encoder
 
-    def embed(self, prompt_ids: list[int], pixels: dict[str, Any]) -> Embedded:
-        """The prompt's input embeddings with its images' features merged in (evaluated)."""
+    def embed(self, prompt_ids: list[int], pixels: dict[str, Any],
+              tokens_per_image: list[int] | None = None) -> Embedded:
+        """The prompt's input embeddings with its images' features merged in (evaluated).
+        `tokens_per_image` given: the images lie in a prefix the prompt cache already holds,
+        so the tower is skipped (their positions get zeros that no chunk reads)."""
         t0 = time.perf_counter()
         ids = mx.array([prompt_ids], dtype=mx.int32)
         extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
+        if tokens_per_image is not None:
+            width = self.vlm.language_model.model.embed_tokens.weight.shape[-1]
+            shape = ((len(tokens_per_image), tokens_per_image[0], width) if not self.mrope
+                     else (sum(tokens_per_image), width))
+            extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
         out = self.vlm.get_input_embeddings(ids, mx.array(pixels["pixel_values"]),
                                             mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         embeddings = out.inputs_embeds[0].astype(self.dtype)

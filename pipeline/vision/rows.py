@@ -23,6 +23,11 @@ class PromptMedia:
     counted: bool = False            # its images are in the metrics (stages/prefill.py)
 
     @property
+    def encoded(self) -> bool:
+        """Whether the tower ran for this request (not skipped on a prompt-cache hit)."""
+        return self.embedded is not None and self.encode_s > 0
+
+    @property
     def num_images(self) -> int:
         return len(self.digests)
 
@@ -51,7 +56,10 @@ class PromptMedia:
     def chunk(self, prompt_ids: list[int], start: int, num: int) -> AbstractContextManager[dict[str, Any]]:
         """The model kwargs of prompt chunk [start, start + num): the tower runs at the first."""
         if self.embedded is None:
-            self.embedded = self.encoder.embed(prompt_ids, self.pixels)
-            self.encode_s = self.embedded.encode_s
+            last = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.image_token_id)
+            cached = start > last   # a prompt-cache hit covers every image: no tower
+            self.embedded = self.encoder.embed(prompt_ids, self.pixels,
+                                               self.tokens_per_image if cached else None)
+            self.encode_s = 0.0 if cached else self.embedded.encode_s
             self.pixels = {}
         return self.encoder.chunk(self.embedded, start, num)

@@ -162,7 +162,9 @@ def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
 def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     text = "A long shared question about the picture, asked twice to test the cache."
     first = greedy(vlm, image_message(IMAGE_A, text))
+    encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
     again = greedy(vlm, image_message(IMAGE_A, text))
+    assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes   # tower skipped
     other = greedy(vlm, image_message(IMAGE_C, text))   # an image no request sent before
     n = first.usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens == n - 1
