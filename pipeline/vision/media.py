@@ -13,7 +13,20 @@ from typing import Any
 
 from pipeline.errors import InvalidRequest
 
-FORMATS = "PNG, JPEG, WebP, GIF, BMP, TIFF"
+FORMATS = "PNG, JPEG, WebP, AVIF, HEIC, GIF, BMP, TIFF"
+_HEIF: list[bool] = []   # pillow-heif's opener registered (once, at the first decode)
+
+
+def _register_heif() -> None:
+    """HEIC/HEIF through pillow-heif (the vision extra), when it is installed."""
+    if _HEIF:
+        return
+    try:
+        from pillow_heif import register_heif_opener
+        register_heif_opener()
+    except ImportError:
+        pass
+    _HEIF.append(True)
 
 
 @dataclass(slots=True)
@@ -107,6 +120,7 @@ def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
 def decode(data: bytes, where: str, limits: MediaLimits) -> Decoded:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
+    _register_heif()
     if len(data) > limits.max_image_bytes:
         raise InvalidRequest(f"{where}: the image is {len(data)} bytes; the limit is "
                              f"{limits.max_image_bytes} bytes per image (server.max_image_mb)",

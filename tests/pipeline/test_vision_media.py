@@ -37,6 +37,17 @@ def test_exif_orientation_is_applied() -> None:
     assert decode(jpeg((40, 20), orientation=6), "p", limits()).image.size == (20, 40)
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "AVIF", "HEIF", "GIF", "BMP", "TIFF"])
+def test_every_listed_format_decodes(fmt: str) -> None:
+    if fmt == "HEIF":
+        pytest.importorskip("pillow_heif", reason="the vision extra: pip install -e '.[vision]'")
+        from pillow_heif import register_heif_opener
+        register_heif_opener()
+    buf = io.BytesIO()
+    Image.new("RGB", (24, 12), (10, 200, 30)).save(buf, format=fmt)
+    assert decode(buf.getvalue(), "p", limits()).image.size == (24, 12)
+
+
 def test_caps_and_corrupt_images_name_the_part() -> None:
     with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[2\].*could not be decoded"):
         decode(b"GIF89a-but-not-really", "messages[0].content[2]", limits())
