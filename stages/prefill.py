@@ -29,7 +29,7 @@ class Prefill:
         grouped = self.forward.prefill(plan.prefill, kv)
         for row in plan.prefill:   # images whose tower ran in this step's prompt chunks
             media = row.request.media
-            if media is not None and media.embedded is not None and not media.counted:
+            if media is not None and media.started and not media.counted:
                 media.counted = True
                 self.metrics.images.inc(media.num_images)
                 self.metrics.image_tokens.inc(media.num_image_tokens)

@@ -64,16 +64,18 @@ def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
 _REFERENCE: dict[str, Any] = {}
 
 
-def mlx_vlm_greedy(path: Path, image: bytes, text: str, max_tokens: int) -> list[list[int]]:
-    """mlx_vlm.stream_generate's greedy tokens (stopped at EOS), as token bytes."""
-    from mlx_vlm import load, stream_generate
+def _reference(path: Path) -> Any:
+    from mlx_vlm import load
     if str(path) not in _REFERENCE:
         _REFERENCE[str(path)] = load(str(path))
-    model, processor = _REFERENCE[str(path)]
+    return _REFERENCE[str(path)]
+
+
+def reference_bytes(path: Path, prompt: str, image: bytes, max_tokens: int) -> list[list[int]]:
+    """mlx_vlm.stream_generate's greedy tokens for a rendered prompt (stopped at EOS), as bytes."""
+    from mlx_vlm import stream_generate
+    model, processor = _reference(path)
     tok = processor.tokenizer
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
-        tokenize=False, add_generation_prompt=True)
     eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     ids = []
     for r in stream_generate(model, processor, prompt, image=[Image.open(io.BytesIO(image))],
@@ -82,6 +84,15 @@ def mlx_vlm_greedy(path: Path, image: bytes, text: str, max_tokens: int) -> list
             break
         ids.append(r.token)
     return token_bytes(tok, ids[:max_tokens])   # its loop yields one token past max_tokens
+
+
+def mlx_vlm_greedy(path: Path, image: bytes, text: str, max_tokens: int) -> list[list[int]]:
+    """mlx-vlm's greedy answer to one user turn: the image, then `text`."""
+    _, processor = _reference(path)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        tokenize=False, add_generation_prompt=True)
+    return reference_bytes(path, prompt, image, max_tokens)
 
 
 def first_image_token(path: Path, text: str) -> int:
@@ -107,7 +118,7 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
     # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
     server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
                             "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
-                            "cache.ram_gb=0.0001")
+                            "cache.ram_gb=0.0001", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
     return server
@@ -141,6 +152,24 @@ def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
     # the image matters: two images, two answers
     assert served_bytes(greedy(vlm, image_message(IMAGE_A))) != served_bytes(
         greedy(vlm, image_message(IMAGE_B)))
+
+
+def test_an_image_inside_a_prompt_of_several_chunks(vlm: Any) -> None:
+    """scheduler.prefill_chunk=64: the image's features and positions are cut per chunk."""
+    before = "Some context first. " * 14
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": before},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_B)}},
+        {"type": "text", "text": "Now the question: " + QUESTION}]}]
+    resp = greedy(vlm, messages)
+    assert resp.usage.prompt_tokens > 2 * 64
+    model, processor = _reference(vlm.path)
+    tok = processor.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": before}, {"type": "image"},
+        {"type": "text", "text": "Now the question: " + QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert served_bytes(resp) == reference_bytes(vlm.path, prompt, IMAGE_B, 16)
 
 
 def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
