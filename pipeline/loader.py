@@ -37,6 +37,8 @@ class LoadedModel:
     compute_dtype: str = ""        # dtype of the unquantized weights as served
     adapter: Adapter | None = None  # the LoRA/DoRA adapter mounted at launch (model.adapter)
     adapters: AdapterSet | None = None  # every mounted adapter (model.adapter + model.adapters)
+    vision: Any = None   # pipeline.vision.encoder.VisionEncoder: the checkpoint's vision tower
+                         # (config.json has vision_config), loaded through mlx-vlm
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
@@ -51,6 +53,11 @@ def resolve_path(cfg: ModelConfig) -> Path:
     if cfg.path is None and cfg.source is ModelSource.gemma3:
         from pipeline.embedded_gemma3 import ensure_gemma3
         return ensure_gemma3(cfg.cache_dir)
+    if cfg.path is None and cfg.source is ModelSource.generated_vlm:
+        from pipeline.vision import require_mlx_vlm
+        require_mlx_vlm("model=tiny_vlm")
+        from pipeline.tiny_vlm import ensure_model as ensure_vlm
+        return ensure_vlm(cfg.arch.value, cfg.dtype.value, cfg.cache_dir)
     if cfg.path is None:
         from pipeline.tiny import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)
@@ -172,6 +179,12 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     progress.step("weights in %s", compute)
     text_cfg = config.get("text_config", config)
     native = int(text_cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
+    vision = None
+    if "vision_config" in config:   # a vision-language checkpoint: its tower through mlx-vlm
+        from pipeline.vision.encoder import VisionEncoder
+        vision = VisionEncoder.load(path, config, model)
+        progress.stages += 1
+        progress.step("vision tower (%s, through mlx-vlm)", vision.family)
     params = tree_flatten(model.parameters())
     mx.eval(model.parameters())
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
@@ -185,6 +198,7 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         compute_dtype=compute,
         adapter=adapter,
         adapters=adapters,
+        vision=vision,
     )
 
 

@@ -76,6 +76,14 @@ class Metrics:
         self.step_tokens = Counter(
             f"{PREFIX}_step_tokens", "Tokens computed by engine steps, by phase",
             ["phase"], registry=r)
+        self.images = Counter(
+            f"{PREFIX}_images", "Images of requests, encoded by the vision tower", registry=r)
+        self.image_tokens = Counter(
+            f"{PREFIX}_image_tokens", "Prompt tokens that carry image features", registry=r)
+        self.vision_seconds = Histogram(
+            f"{PREFIX}_vision_encoder_seconds",
+            "Vision-tower time per request (all its images, at its first prompt chunk)",
+            buckets=LATENCY_BUCKETS_S, registry=r)
         self.grouped_prefills = Counter(
             f"{PREFIX}_prefill_grouped_prompts",
             "Prompts prefilled together with others in one padded forward", registry=r)

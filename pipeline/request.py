@@ -73,6 +73,8 @@ class PromptInput:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_choice: str = "auto"                       # auto | none | required | named
     tool_name: str | None = None                    # the tool a `named` choice forces
+    media: list[Any] = field(default_factory=list)  # pipeline.vision.media.MediaPart, in prompt
+                                                    # order; messages hold {"type": "image"} parts
 
 
 @dataclass(slots=True)
@@ -93,6 +95,7 @@ class Request:
                               # (an open <think>, a forced tool-call start); output follows it
     adapter: str | None = None   # set by the protocol adapter: the mounted adapter id its rows run
                                  # with, "none" for the base model; None: the launch default
+    media: Any = None   # set by tokenize: pipeline.vision.rows.PromptMedia (images; None: text)
     arrival_s: float = field(default_factory=time.perf_counter)
     # engine state
     status: RequestStatus = RequestStatus.WAITING
@@ -113,3 +116,9 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The prompt as the prompt cache and checkpoints key it: the prompt ids, each image
+        token named by its image's digest (pipeline/vision/rows.py), position for position."""
+        return self.prompt_ids if self.media is None else self.media.key_ids(self.prompt_ids)

@@ -187,8 +187,8 @@ class Scheduler:
         n = SHARED_PREFIX_MIN
         if req.num_prompt_tokens <= n:
             return False
-        head = req.prompt_ids[:n]
-        return any(self._prefilling(r) and r.num_prompt_tokens > n and r.prompt_ids[:n] == head
+        head = req.key_ids[:n]   # images by digest: two images never share a prefix
+        return any(self._prefilling(r) and r.num_prompt_tokens > n and r.key_ids[:n] == head
                    for r in self.running)
 
     def _prefilling(self, req: Request) -> bool:

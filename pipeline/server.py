@@ -363,8 +363,12 @@ def _add_routes(app: Sanic) -> None:
         ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]
                         if loaded is not None and loaded.adapters is not None else [])
         now = int(time.time())
+        # what each id takes in (an extension field; OpenAI's own fields are unchanged)
+        modalities = ["text", "image"] if loaded is not None and loaded.vision is not None \
+            else ["text"]
         return json_response({"object": "list", "data": [
-            {"id": i, "object": "model", "created": now, "owned_by": "pipeserve"} for i in ids]})
+            {"id": i, "object": "model", "created": now, "owned_by": "pipeserve",
+             "modalities": modalities} for i in ids]})
 
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:

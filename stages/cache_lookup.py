@@ -26,7 +26,7 @@ class CacheLookup:
             hit = self._resume(req, checkpoints)
             if hit is not None:
                 return hit
-        found = self.cache.lookup(req.prompt_ids, req.adapter)
+        found = self.cache.lookup(req.key_ids, req.adapter)
         if found.caches is None:
             return None
         return CacheHit(found.num_tokens, self.layout.adopt(found.caches))

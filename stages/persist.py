@@ -39,7 +39,7 @@ class Persist:
             if done == req.num_prompt_tokens - 1 and req.num_cached_tokens < done:
                 caches = kv.caches_of(row.request_id)
                 if caches is not None:
-                    self.cache.put(req.prompt_ids[:-1], caches, req.adapter)
+                    self.cache.put(req.key_ids[:-1], caches, req.adapter)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:
@@ -63,7 +63,7 @@ class Persist:
         caches = kv.caches_of(req.request_id)
         if caches is None:
             return
-        known = req.prompt_ids + req.output_ids
+        known = req.key_ids + req.output_ids
         fed = req.num_computed_tokens + self.tokens_ahead(req.request_id)   # KV held
         if fed > len(known):            # e.g. the stop token was fed one step ahead
             if not all(c.is_trimmable() for c in caches):

@@ -12,18 +12,29 @@ from pipeline.forward import Forward
 from pipeline.kv.rows import RowStore
 from pipeline.plan import Logits, StepPlan
 from pipeline.stage import StageDeps
+from pipeline.vision import check_vision
 
 
 class Prefill:
     name: ClassVar[str] = "prefill"
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        if deps.loaded.vision is not None:
+            check_vision(cfg, keep_hidden=deps.keep_hidden)
         self.forward = Forward(deps.model, keep_hidden=deps.keep_hidden,
                                grouped=deps.layout.grouped_prefill and not deps.keep_hidden)
         self.metrics = deps.metrics
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Logits:
         grouped = self.forward.prefill(plan.prefill, kv)
+        for row in plan.prefill:   # images whose tower ran in this step's prompt chunks
+            media = row.request.media
+            if media is not None and media.started and not media.counted:
+                media.counted = True
+                self.metrics.images.inc(media.num_images)
+                self.metrics.image_tokens.inc(media.num_image_tokens)
+                if media.encoded:   # a prompt-cache hit over every image skips the tower
+                    self.metrics.vision_seconds.observe(media.encode_s)
         if grouped:
             self.metrics.grouped_prefills.inc(grouped)
         return self.forward.decode(plan.decode, kv)

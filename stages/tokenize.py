@@ -16,6 +16,8 @@ from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
+from pipeline.vision.media import MediaLimits, decode_all
+from pipeline.vision.rows import PromptMedia
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -46,6 +48,9 @@ class Tokenize:
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
+        self.vision = loaded.vision
+        self.model_name = cfg.model.name
+        self.media_limits = MediaLimits.of(cfg.server)
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -53,7 +58,12 @@ class Tokenize:
             request.prompt_ids = self._checked_ids(inputs.token_ids)
         else:
             template = self._request_template(inputs)
-            small = template is None and _small(inputs)
+            if inputs.media and self.vision is None:
+                raise InvalidRequest(
+                    f"{inputs.media[0].where} is an image, but model {self.model_name!r} has no "
+                    "vision tower and takes text only; serve a vision-language model "
+                    "(model.path=<an mlx-vlm checkpoint>) for images", param=inputs.media[0].where)
+            small = template is None and not inputs.media and _small(inputs)
             await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
             raise InvalidRequest("prompt is empty after tokenization; send at least one token",
@@ -72,11 +82,35 @@ class Tokenize:
             request.output_prefix = self.markup.open_span(text)
             forced = self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
+            media = None
+            if inputs.media:
+                text, media = self._images(inputs, text)
             request.prompt_ids = self.encode_rendered(text + forced)
+            if media is not None:
+                self._check_images(request.prompt_ids, media)
+                request.media = media
         else:
             assert inputs.text is not None
             self._check_length(inputs.text, "prompt")
             request.prompt_ids = self.encode(inputs.text)
+
+    def _images(self, inputs: PromptInput, text: str) -> tuple[str, PromptMedia]:
+        """Decode the request's images (caps, EXIF), expand the template's placeholders."""
+        decoded = decode_all(inputs.media, self.media_limits)
+        prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
+                                                 [p.where for p in inputs.media])
+        media = PromptMedia(self.vision, prepared.pixels, [d.digest for d in decoded],
+                            self.vision.processor.image_token_id, prepared.tokens_per_image)
+        return prepared.text, media
+
+    @staticmethod
+    def _check_images(prompt_ids: list[int], media: PromptMedia) -> None:
+        found = sum(1 for t in prompt_ids if t == media.image_token_id)
+        if found != media.num_image_tokens or prompt_ids[-1] == media.image_token_id:
+            raise InvalidRequest(
+                f"the prompt has {found} image tokens where its {media.num_images} images need "
+                f"{media.num_image_tokens} (a message's text spells the image token, or the "
+                "prompt ends in an image); remove image markup from the text", param="messages")
 
     def _checked_ids(self, token_ids: list[int]) -> list[int]:
         if len(token_ids) > self.max_context:

@@ -17,6 +17,7 @@ from pipeline.api.http import (SSE_HEADERS, Scope, check_ready, json_response, r
 from pipeline.api.openai import sampling_fields
 from pipeline.errors import InvalidRequest, ServeError
 from pipeline.offload import off_loop
+from pipeline.vision.media import MediaPart, from_base64, from_url
 from pipeline.request import PromptInput, Request
 
 # our error types → Anthropic's (the rest are shared names)
@@ -35,8 +36,9 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
         raise InvalidRequest("messages must be a non-empty array of {role, content} turns",
                              param="messages")
     turns = _system(body.get("system"))
+    media: list[MediaPart] = []
     for i, m in enumerate(messages):
-        turns.extend(_turn(m, f"messages[{i}]"))
+        turns.extend(_turn(m, f"messages[{i}]", media))
     tools = [F.anthropic_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]
     choice, name = _tool_choice(F.get(body, "tool_choice", dict), tools)
@@ -49,7 +51,7 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
                                  "adaptive", param="thinking")
         kwargs.setdefault("enable_thinking", kind != "disabled")
     inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name)
+                         tool_choice=choice, tool_name=name, media=media)
     if count_only:
         return inputs, {}
     requested = sampling_fields(body, "stop_sequences")
@@ -89,7 +91,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _turn(m: Any, where: str) -> list[dict[str, Any]]:
+def _turn(m: Any, where: str, media: list[MediaPart]) -> list[dict[str, Any]]:
     """One Anthropic turn → template messages: tool_result blocks become `tool` messages,
     tool_use blocks the assistant's tool_calls; thinking blocks are dropped."""
     role = m.get("role") if isinstance(m, dict) else None
@@ -98,6 +100,7 @@ def _turn(m: Any, where: str) -> list[dict[str, Any]]:
                              param="messages")
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []   # text and image parts, when the turn has an image
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(_blocks(m.get("content"), where)):
         at = f"{where}.content[{j}]"
@@ -114,14 +117,31 @@ def _turn(m: Any, where: str) -> list[dict[str, Any]]:
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
+        elif kind == "image" and role == "user":
+            media.append(_image(block, at))
+            parts.append({"type": "image"})
         else:
             texts.append(_text(block, at, "messages"))
-    if texts or calls or not out:
-        turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            parts.append({"type": "text", "text": texts[-1]})
+    if texts or calls or parts or not out:
+        content: Any = parts if any(p["type"] == "image" for p in parts) else "".join(texts)
+        turn: dict[str, Any] = {"role": role, "content": content}
         if calls:
             turn["tool_calls"] = calls
         out.append(turn)
     return out
+
+
+def _image(block: dict[str, Any], where: str) -> MediaPart:
+    """An image block: source {type: base64, media_type, data} or {type: url, url}."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return from_base64(source.get("data"), where)
+    if kind == "url":
+        return from_url(source.get("url"), where)
+    raise InvalidRequest(f"{where} is an image block with source.type {kind!r}; allowed: base64, "
+                         "url (or send a text block)", param=where)
 
 
 def _result_text(content: Any, where: str) -> str:

@@ -148,7 +148,7 @@ class Generation:
             self.batch_size_max = reported   # the engine saw every step; better than our samples
         adapters = self.app_ctx.engine.loaded.adapters
         self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
-            .with_batch_size(self.batch_size_max or None)
+            .with_batch_size(self.batch_size_max or None).with_media(self.request.media)
         self.usage.record = self.record.body()
         if adapters is not None:
             label = adapters.name(self.request.adapter) or "none"

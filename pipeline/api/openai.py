@@ -15,6 +15,7 @@ from pipeline.api.tools import ToolCall
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
+from pipeline.vision.media import MediaPart, from_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128   # OpenAI's bound on `n`
@@ -101,9 +102,10 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
         kwargs.setdefault("reasoning_effort", effort)
     stream, include = _stream_flags(body)
-    return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
-                              tools=tools or None, template_kwargs=kwargs,
-                              tool_choice=choice, tool_name=name),
+    media: list[MediaPart] = []
+    turns = [_message(m, i, media) for i, m in enumerate(messages)]
+    return Parsed(PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
+                              tool_choice=choice, tool_name=name, media=media),
                   requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
 
 
@@ -120,7 +122,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | No
     return F.tool_choice("named", fn["name"], tools, "tool_choice")
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
+def _message(m: Any, i: int, media: list[MediaPart]) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise InvalidRequest(f"{where} must be an object with role and content", param="messages")
@@ -129,7 +131,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}",
                              param="messages")
     out: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                           "content": _content(m.get("content"), where)}
+                           "content": _content(m.get("content"), where, media)}
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
@@ -142,20 +144,36 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or (with image parts) the parts a chat template renders,
+    each image as {"type": "image"} and its bytes appended to `media`."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content must be a string or an array of parts",
                              param="messages")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind in ("image_url", "input_image"):
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            media.append(from_url(url, at))
+            parts.append({"type": "image"})
+            continue
+        if kind in ("input_audio", "audio", "video_url", "video", "file"):
+            raise InvalidRequest(
+                f"{at} has type {kind!r}: this server takes text and image parts only (no "
+                "audio or video tower is served; GET /v1/models lists each model's "
+                "modalities)", param=at)
         if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}.content[{j}] has type {kind!r}; this model takes "
-                                 "text parts only", param="messages")
-        texts.append(part["text"])
-    return "".join(texts)
+            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url",
+                                 param="messages")
+        parts.append({"type": "text", "text": part["text"]})
+    if not any(p["type"] == "image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:

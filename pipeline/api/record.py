@@ -22,6 +22,7 @@ class Record:
     model: str | None = None        # the model id (model.name; a pool member's id)
     adapter: str | None = None      # the request's adapter as id@digest; absent when none
     batch_size: int | None = None   # most rows decoded together while this request decoded
+    images: str | None = None       # the request's images as sha256:<digest>, comma-separated
 
     def body(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -32,6 +33,12 @@ class Record:
 
     def with_batch_size(self, batch_size: int | None) -> Record:
         return replace(self, batch_size=batch_size)
+
+    def with_media(self, media: Any) -> Record:
+        """The record of a request with images (Request.media), naming each by its digest."""
+        if media is None:
+            return self
+        return replace(self, images=",".join(f"sha256:{d}" for d in media.digests))
 
     def with_adapter(self, adapters: Any, choice: str | None) -> Record:
         """The record of a request that chose `choice` (Request.adapter) among `adapters`

@@ -20,6 +20,7 @@ from pipeline.api.openai import sampling_fields, tool_call_body
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.api.store import ResponseStore
+from pipeline.vision.media import MediaPart, from_url
 from pipeline.errors import InvalidRequest, NotFound, ServeError
 from pipeline.grammar import Constraint
 from pipeline.offload import off_loop
@@ -75,7 +76,7 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name)
+                         tool_choice=choice, tool_name=name, media=_media(messages))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint)
 
@@ -135,8 +136,37 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}",
                              param="input")
     content = item.get("content")
-    text = content if isinstance(content, str) else _text(content, f"{where}.content")
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
     return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
+    """Text parts joined; with an input_image, the parts a template renders — each image keeps
+    its URL (and where it was sent), so a stored conversation carries it to the next turn."""
+    if not isinstance(parts, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+        return _text(parts, where)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            out.append({"type": "image", "image_url": url, "where": at})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image",
+                                     param="input")
+            out.append({"type": "text", "text": part["text"]})
+    return out
+
+
+def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
+    """The images of the whole conversation (history included), in prompt order."""
+    return [from_url(p["image_url"], p["where"]) for m in messages
+            if isinstance(m.get("content"), list) for p in m["content"] if p.get("type") == "image"]
 
 
 def _text(parts: Any, where: str) -> str:

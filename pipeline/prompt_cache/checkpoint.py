@@ -35,7 +35,7 @@ class Checkpoints:
         sp = dataclasses.asdict(req.sampling)
         sp["logit_bias"] = sorted(sp["logit_bias"].items())
         constraint = getattr(req.constraint, "key", None) if req.constraint is not None else None
-        text = json.dumps({"prompt": req.prompt_ids, "sampling": sp, "constraint": constraint,
+        text = json.dumps({"prompt": req.key_ids, "sampling": sp, "constraint": constraint,
                            **({"adapter": req.adapter} if req.adapter is not None else {}),
                            **self.scope}, sort_keys=True, default=str)
         return "c:" + hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -56,7 +56,7 @@ class Checkpoints:
                 return   # recurrent state cannot step back: skip this checkpoint
             for c in caches:
                 c.trim(extra)
-        tokens = req.prompt_ids + req.output_ids[:-1]
+        tokens = req.key_ids + req.output_ids[:-1]
         value = {"kv": stage(tokens, caches), "output_ids": list(req.output_ids), "key": key}
         self.ssd.put_raw(self.identity(req), value)
         self.ssd.metrics.checkpoint_writes.inc()
@@ -69,7 +69,7 @@ class Checkpoints:
         try:
             tokens, caches = decode(value["kv"], self.ssd.verify)
             outputs = list(value["output_ids"])
-            if tokens != req.prompt_ids + outputs[:-1]:
+            if tokens != req.key_ids + outputs[:-1]:
                 raise CorruptEntry("checkpoint tokens do not match its request")
         except (CorruptEntry, KeyError, TypeError) as e:
             log.warning("dropping corrupt checkpoint for %s: %s", req.request_id, e)

@@ -142,3 +142,45 @@ def test_the_page_asks_for_the_api_key(browser: Any, server_factory: Any) -> Non
 def test_chat_page_can_be_turned_off(server_factory: Any) -> None:
     off = server_factory("server.chat_page=false")
     assert httpx.get(off.base_url + "/").status_code == 404
+
+
+def test_the_page_attaches_an_image_and_shows_it(browser: Any, server_factory: Any,
+                                                 page_server: Any, tmp_path: Path) -> None:
+    """A model that takes images (model=tiny_vlm): the page offers Attach, sends the image as a
+    data: URL part, shows it in the transcript, and the answer is the API's for that message."""
+    import base64
+
+    import numpy as np
+    from PIL import Image
+
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+    text_only = browser.new_page()
+    text_only.goto(page_server.base_url + "/")
+    text_only.wait_for_selector("#model-name:not(:empty)", timeout=10_000)
+    assert text_only.is_hidden("#attach-label")   # model=tiny takes text only
+    text_only.close()
+
+    vlm = server_factory("model=tiny_vlm")
+    pixels = (np.random.default_rng(5).random((40, 56, 3)) * 255).astype("uint8")
+    path = tmp_path / "picture.png"
+    Image.fromarray(pixels).save(path)
+    page = open_page(browser, vlm.base_url)
+    page.wait_for_selector("#attach-label:not([hidden])", timeout=10_000)
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    page.set_input_files("#attach", str(path))
+    page.wait_for_selector("#attached img", timeout=10_000)
+    send(page, "What is in the picture?")
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    assert page.query_selector(".msg.error") is None
+    assert page.query_selector(".msg.user img") is not None
+    assert page.query_selector("#attached img") is None   # attachments go with one message
+    shown = page.inner_text(".msg.assistant .content")
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    api = httpx.post(vlm.base_url + "/v1/chat/completions", timeout=60, json={
+        "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in the picture?"},
+            {"type": "image_url", "image_url": {"url": url}}]}]}).json()
+    assert shown == api["choices"][0]["message"]["content"]
+    assert api["usage"]["pipeserve"]["images"].startswith("sha256:")
+    page.close()

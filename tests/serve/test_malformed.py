@@ -213,3 +213,30 @@ def test_every_place_of_every_type_gets_no_5xx_and_no_exception_text(server: Any
     assert sum(statuses.values()) == len(jobs) > 800
     for path in BODIES:   # both outcomes occur: the sweep reaches past the first check
         assert statuses[(path, 200)] and statuses[(path, 400)], statuses
+
+
+def test_an_image_to_a_text_model_is_a_400_naming_the_part(server: Any) -> None:
+    """model=tiny has no vision tower: an image part (OpenAI or Anthropic) is refused, by path."""
+    url = "data:image/png;base64,iVBORw0KGgo="
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+    assert r.status_code == 400
+    assert "messages[0].content[1]" in r.json()["error"]["message"]
+    assert "vision tower" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/v1/messages", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}]}]})
+    assert r.status_code == 400 and "messages[0].content[0]" in r.json()["error"]["message"]
+
+
+def test_audio_and_video_parts_are_400s_naming_the_part(server: Any) -> None:
+    for part in ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                 {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}):
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hear this"}, part]}]})
+        assert r.status_code == 400
+        message = r.json()["error"]["message"]
+        assert "messages[0].content[1]" in message and "modalities" in message

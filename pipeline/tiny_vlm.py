@@ -1,0 +1,187 @@
+"""Owns the generated vision-language test models (`model=tiny_vlm`): deterministic random-weight
+mlx-vlm checkpoints (a language model, a vision tower and its projector) with the byte-level BPE
+of pipeline/tiny.py plus each family's image tokens, and the image processor config its
+processor reads. Loadable by mlx_vlm.load and, for the language model, mlx_lm.load. Engine
+thread (weights are numpy; mlx only builds shapes and writes safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline import tiny
+from pipeline.model_cache import cache_root, publish
+
+ARCHS = ("gemma3", "qwen2_5_vl")
+FORMAT_VERSION = 2
+IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
+    "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+    "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+}
+# What a user message's image part renders as: the family's own placeholder, which its
+# processor expands to one token per image feature.
+IMAGE_MARK = {"gemma3": "<start_of_image>",
+              "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE = 32, 8, 4
+QWEN_PATCH, QWEN_MERGE = 14, 2
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 112 * 112   # 4 to 16 merged tokens per image
+
+
+def chat_template(arch: str) -> str:
+    """ChatML, with content parts: text as is, an image as the family's placeholder."""
+    mark = IMAGE_MARK[arch]
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{%- if message.content is string %}{{- message.content }}"
+        "{%- else %}{%- for part in message.content %}"
+        "{%- if part.type == 'image' or part.type == 'image_url' %}{{- '" + mark + "' }}"
+        "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+def _config(arch: str, ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
+    vocab = len(ids)   # one embedding row per token (mlx-vlm's detokenizer has no others)
+    if arch == "gemma3":
+        text = tiny._model_config("gemma3", "tiny", eos)
+        text.update(vocab_size=vocab, rope_global_base_freq=text["rope_theta"],
+                    mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE)
+        vision = {"model_type": "siglip_vision_model", "hidden_size": 32,
+                  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "patch_size": GEMMA_PATCH, "image_size": GEMMA_IMAGE_SIZE,
+                  "layer_norm_eps": 1e-6}
+        return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                "text_config": text, "vision_config": vision, "vocab_size": vocab,
+                "hidden_size": text["hidden_size"], "mm_tokens_per_image": GEMMA_TOKENS_PER_IMAGE,
+                "image_token_index": ids["<image_soft_token>"],
+                "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+                "pad_token_id": eos[1], "eos_token_id": eos}
+    text = tiny._model_config("qwen3", "tiny", eos)
+    for key in ("head_dim", "attention_bias"):
+        text.pop(key)
+    text.update(model_type="qwen2_5_vl", vocab_size=vocab,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # head_dim 16
+    vision = {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+              "out_hidden_size": text["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
+              "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
+              "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+              "in_channels": 3, "tokens_per_second": 2}
+    token_ids = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                 "vision_start_token_id": ids["<|vision_start|>"],
+                 "vision_end_token_id": ids["<|vision_end|>"],
+                 "vision_token_id": ids["<|vision_start|>"]}
+    # the text fields at the top (mlx-vlm reads them there) and under text_config (mlx-lm)
+    return {**text, "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "text_config": dict(text), "vision_config": vision, **token_ids}
+
+
+def _processor_files(arch: str) -> dict[str, Any]:
+    norm = {"do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_convert_rgb": True, "resample": 3}
+    if arch == "gemma3":
+        return {"preprocessor_config.json": {
+                    "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+                    "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE}, "do_resize": True,
+                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": False,
+                    **norm, "resample": 2},
+                "processor_config.json": {"processor_class": "Gemma3Processor",
+                                          "image_seq_length": GEMMA_TOKENS_PER_IMAGE}}
+    return {"preprocessor_config.json": {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2_5_VLProcessor", "do_resize": True,
+                "min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS,
+                "size": {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
+                "patch_size": QWEN_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711], **norm},
+            "processor_config.json": {"processor_class": "Qwen2_5_VLProcessor"}}
+
+
+def _vision_fill(name: str, shape: tuple[int, ...]) -> Any:
+    """Deterministic value of a vision-side parameter, seeded by (SEED, crc32(name))."""
+    import zlib
+
+    import numpy as np
+
+    rng = np.random.default_rng([tiny.SEED, zlib.crc32(name.encode())])
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 1:
+        return (np.ones(shape, np.float32) if "norm" in name and leaf == "weight"
+                else np.zeros(shape, np.float32))
+    fan_in = int(np.prod(shape[1:])) if "mm_input_projection" not in name else shape[0]
+    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def _write(out: Path, arch: str, dtype: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+    from tokenizers import AddedToken
+
+    tok = tiny.build_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in IMAGE_TOKENS[arch]])
+    ids = tok.get_vocab()
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    config = _config(arch, ids, eos)
+    config["torch_dtype"] = dtype
+    module, _ = get_model_and_args(json.loads(json.dumps(config)))
+    built = json.loads(json.dumps(config))
+    model_config = module.ModelConfig.from_dict(built)
+    model_config = update_module_configs(model_config, module, built, ["text", "vision", "projector"])
+    model = module.Model(model_config)
+    hidden = config.get("text_config", config)["hidden_size"]
+    weights: dict[str, Any] = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        if name.startswith("language_model."):   # the text trunk's weights, as model=tiny's
+            lm_name = name.removeprefix("language_model.")
+            arr = tiny._fill(lm_name, tuple(param.shape), "gemma3" if arch == "gemma3" else "qwen3",
+                             hidden)
+            if arch == "gemma3" and lm_name == "lm_head.weight":   # tied, as gemma3 is
+                arr = tiny._fill("model.embed_tokens.weight", tuple(param.shape), "gemma3", hidden)
+        else:   # vision tower and projector: plain norms (weight 1), fan-in scaled matrices
+            arr = _vision_fill(name, tuple(param.shape))
+        weights[name] = mx.array(arr).astype(getattr(mx, dtype))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tok.save(str(out / "tokenizer.json"))
+    special = tiny.SPECIAL_TOKENS + IMAGE_TOKENS[arch]
+    added = {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                           "single_word": False, "special": t in special}
+             for t in tiny.SPECIAL_TOKENS + tiny.ADDED_TOKENS + IMAGE_TOKENS[arch]}
+    extra = ({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+              "eoi_token": "<end_of_image>"} if arch == "gemma3" else
+             {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+              "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"})
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+        "add_prefix_space": False, "added_tokens_decoder": added, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "extra_special_tokens": extra, "clean_up_tokenization_spaces": False, "errors": "replace",
+        "model_max_length": 4096, "split_special_tokens": False, "chat_template": chat_template(arch),
+    }
+    files: dict[str, Any] = {
+        "config.json": config, "tokenizer_config.json": tok_cfg,
+        "special_tokens_map.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "generation_config.json": {"do_sample": True, "temperature": 0.7, "top_p": 0.9,
+                                   "eos_token_id": eos, "pad_token_id": eos[1]},
+        **_processor_files(arch),
+    }
+    for fname, obj in files.items():
+        (out / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "chat_template.jinja").write_text(chat_template(arch), encoding="utf-8")
+
+
+def ensure_model(arch: str = "gemma3", dtype: str = "float32",
+                 cache_dir: str | Path | None = None) -> Path:
+    """A generated VLM directory (config.json with vision_config, model.safetensors, tokenizer,
+    preprocessor_config.json), made on first use into the model cache and reused after."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown vision arch {arch!r}; expected one of {ARCHS}")
+    if dtype not in tiny.DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tiny.DTYPES}")
+    final = cache_root(cache_dir) / f"vlm-{arch}-tiny-{dtype}-v{FORMAT_VERSION}"
+    return publish(final, lambda tmp: _write(tmp, arch, dtype))

@@ -1,0 +1,138 @@
+"""VisionEncoder: a checkpoint's vision tower and projector, loaded through mlx-vlm, sharing
+the token embedding of the language model pipeserve runs (mlx-lm's, in the step core). At
+prefill it turns a row's prompt ids and pixels into the prompt's input embeddings (image
+features merged at the image tokens, exactly as mlx-vlm's get_input_embeddings does) and, for
+M-RoPE models (Qwen2-VL / Qwen2.5-VL), the prompt's 3-D positions. Engine thread."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from pipeline.errors import ConfigError
+
+# mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
+FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True}
+
+
+class _Hidden:
+    """Holds objects on a module without making them part of its parameter tree."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+
+class PositionedRope(nn.Module):
+    """Stands in for an attention layer's RoPE in an M-RoPE decoder. Without positions armed
+    it is the layer's own rope at the cache offset (text rows, decode); with positions armed
+    (an image row's prompt chunk) it rotates by the given 3-D positions, with mlx-vlm's M-RoPE.
+    Image rows store their prompt shifted by -rope_delta, so their decode positions are the
+    cache offset, as every other row's (rotary scores depend on position differences only)."""
+
+    def __init__(self, rope: nn.Module, rotary: Any, armed: _Hidden) -> None:
+        super().__init__()
+        self._h = _Hidden(rope=rope, rotary=rotary, armed=armed)
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        positions = self._h.armed.positions
+        if positions is None:
+            return self._h.rope(x, offset=offset)
+        rotated, _ = self._h.rotary.apply_rotary(x, x, positions, unsqueeze_dim=1)
+        return rotated.astype(x.dtype)
+
+
+@dataclass
+class Embedded:
+    """One prompt's input embeddings (L, D), and its M-RoPE positions (3, 1, L) shifted so that
+    position L-1+1 is the cache offset L (None for 1-D RoPE models)."""
+
+    embeddings: mx.array
+    positions: mx.array | None
+    encode_s: float
+
+
+class VisionEncoder:
+    def __init__(self, vlm: Any, family: str, lm_dtype: Any) -> None:
+        self.vlm = vlm
+        self.family = family
+        self.mrope = FAMILIES[family]
+        self.dtype = lm_dtype
+        self.armed = _Hidden(positions=None)
+
+    @classmethod
+    def load(cls, path: Path, config: dict[str, Any], lm: Any) -> VisionEncoder:
+        from pipeline.vision import require_mlx_vlm
+        require_mlx_vlm(f"model.path '{path}'")
+        from mlx.utils import tree_flatten, tree_map
+        from mlx_vlm.utils import load_model
+
+        family = config.get("model_type", "")
+        if family not in FAMILIES:
+            raise ConfigError(
+                f"model.path '{path}' is a {family!r} vision-language model; pipeserve serves "
+                f"the mlx-vlm families {', '.join(sorted(FAMILIES))} so far — serve it with "
+                "mlx-vlm's own server, or a text-only checkpoint here")
+        vlm = load_model(Path(path), lazy=True)
+        inner = vlm.language_model
+        embed = lm.language_model.model.embed_tokens
+        rotary = inner.model.layers[0].self_attn.rotary_emb if FAMILIES[family] else None
+        # the tower shares the served decoder's embedding; mlx-vlm's own decoder is never run,
+        # so its layers (lazy, never read from disk) are dropped
+        inner.model.embed_tokens = embed
+        inner.model.layers = []
+        lm_dtype = embed.weight.dtype if mx.issubdtype(embed.weight.dtype, mx.floating) else mx.float32
+        towers = [m for name, m in vlm.children().items() if name != "language_model"]
+        for tower in towers:
+            tower.update(tree_map(lambda a: a.astype(lm_dtype) if mx.issubdtype(a.dtype, mx.floating)
+                                  else a, tower.parameters()))
+            mx.eval(tower.parameters())
+        encoder = cls(vlm, family, lm_dtype)
+        from pipeline.vision.processor import VisionProcessor
+        encoder.processor = VisionProcessor(path, family)
+        if rotary is not None:
+            for layer in lm.layers:
+                attn = layer.self_attn
+                attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
+        encoder.num_params = sum(v.size for t in towers for _, v in tree_flatten(t.parameters()))
+        return encoder
+
+    def embed(self, prompt_ids: list[int], pixels: dict[str, Any],
+              tokens_per_image: list[int] | None = None) -> Embedded:
+        """The prompt's input embeddings with its images' features merged in (evaluated).
+        `tokens_per_image` given: the images lie in a prefix the prompt cache already holds,
+        so the tower is skipped (their positions get zeros that no chunk reads)."""
+        t0 = time.perf_counter()
+        ids = mx.array([prompt_ids], dtype=mx.int32)
+        extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
+        if tokens_per_image is not None:
+            width = self.vlm.language_model.model.embed_tokens.weight.shape[-1]
+            shape = ((len(tokens_per_image), tokens_per_image[0], width) if not self.mrope
+                     else (sum(tokens_per_image), width))
+            extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
+        out = self.vlm.get_input_embeddings(ids, mx.array(pixels["pixel_values"]),
+                                            mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+        embeddings = out.inputs_embeds[0].astype(self.dtype)
+        positions = None
+        if self.mrope:
+            delta = out.rope_deltas.reshape(-1)[0]
+            positions = out.position_ids - delta   # decode at cache offset == true position
+            mx.eval(embeddings, positions)
+        else:
+            mx.eval(embeddings)
+        return Embedded(embeddings, positions, time.perf_counter() - t0)
+
+    @contextmanager
+    def chunk(self, embedded: Embedded, start: int, num: int) -> Iterator[dict[str, Any]]:
+        """The model kwargs of one prompt chunk [start, start + num), positions armed for it."""
+        if embedded.positions is not None:
+            self.armed.positions = embedded.positions[:, :, start:start + num]
+        try:
+            yield {"input_embeddings": embedded.embeddings[None, start:start + num]}
+        finally:
+            self.armed.positions = None

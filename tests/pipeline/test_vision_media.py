@@ -1,0 +1,108 @@
+"""Image inputs without a model: Pillow decoding under the caps (EXIF orientation applied,
+corrupt and oversized images refused by part), and remote fetching against a real HTTP server
+on 127.0.0.1 — refused unless enabled, refused for loopback unless private hosts are allowed."""
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+from collections.abc import Iterator
+
+import pytest
+from PIL import Image
+
+from pipeline.errors import InvalidRequest
+from pipeline.vision.media import MediaLimits, MediaPart, decode, decode_all, from_url
+
+
+def limits(**kw) -> MediaLimits:
+    base = dict(max_image_bytes=1_000_000, max_image_pixels=1_000_000, max_images=4,
+                max_request_bytes=2_000_000, allow_remote=False, allow_private=False,
+                fetch_timeout_s=5.0)
+    return MediaLimits(**{**base, **kw})
+
+
+def jpeg(size: tuple[int, int], orientation: int | None = None) -> bytes:
+    img = Image.new("RGB", size, (200, 30, 30))
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    if orientation is not None:
+        exif[0x0112] = orientation
+    img.save(buf, format="JPEG", exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied() -> None:
+    assert decode(jpeg((40, 20)), "p", limits()).image.size == (40, 20)
+    assert decode(jpeg((40, 20), orientation=6), "p", limits()).image.size == (20, 40)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP", "AVIF", "HEIF", "GIF", "BMP", "TIFF"])
+def test_every_listed_format_decodes(fmt: str) -> None:
+    if fmt == "HEIF":
+        pytest.importorskip("pillow_heif", reason="the vision extra: pip install -e '.[vision]'")
+        from pillow_heif import register_heif_opener
+        register_heif_opener()
+    buf = io.BytesIO()
+    Image.new("RGB", (24, 12), (10, 200, 30)).save(buf, format=fmt)
+    assert decode(buf.getvalue(), "p", limits()).image.size == (24, 12)
+
+
+def test_caps_and_corrupt_images_name_the_part() -> None:
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[2\].*could not be decoded"):
+        decode(b"GIF89a-but-not-really", "messages[0].content[2]", limits())
+    with pytest.raises(InvalidRequest, match=r"p: the image is 80x60 = 4800 pixels; the limit is 1000"):
+        decode(jpeg((80, 60)), "p", limits(max_image_pixels=1000))
+    with pytest.raises(InvalidRequest, match=r"p: the image is \d+ bytes; the limit is 100 bytes"):
+        decode(jpeg((80, 60)), "p", limits(max_image_bytes=100))
+    parts = [MediaPart(f"m[{i}]", data=jpeg((8, 8))) for i in range(3)]
+    with pytest.raises(InvalidRequest, match=r"3 images; the limit is 2"):
+        decode_all(parts, limits(max_images=2))
+    with pytest.raises(InvalidRequest, match=r"m\[1\]: the request's images add up"):
+        decode_all(parts, limits(max_request_bytes=len(parts[0].data) + 10))
+    with pytest.raises(InvalidRequest, match="scheme 'file'"):
+        from_url("file:///etc/passwd", "p")
+
+
+@pytest.fixture(scope="module")
+def local_images() -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 serving one JPEG (and a redirect), stopped after."""
+    body = jpeg((30, 10))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "/cat.jpg")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/jpeg")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_remote_fetch_policy(local_images: str) -> None:
+    part = from_url(f"{local_images}/cat.jpg", "messages[0].content[0]")
+    with pytest.raises(InvalidRequest, match=r"content\[0\] is a remote image URL.*allow_remote_media"):
+        decode_all([part], limits())
+    with pytest.raises(InvalidRequest, match=r"resolves to 127\.0\.0\.1, a loopback, private"):
+        decode_all([part], limits(allow_remote=True))
+    got = decode_all([part], limits(allow_remote=True, allow_private=True))
+    assert got[0].image.size == (30, 10)
+    with pytest.raises(InvalidRequest, match=r"larger than 100 bytes"):
+        decode_all([part], limits(allow_remote=True, allow_private=True, max_image_bytes=100))
+    moved = from_url(f"{local_images}/moved", "p")
+    with pytest.raises(InvalidRequest, match=r"HTTP 302 \(redirects are not followed\)"):
+        decode_all([moved], limits(allow_remote=True, allow_private=True))

@@ -1,0 +1,304 @@
+"""Images in (issue 27), end to end: `model=tiny_vlm` (a generated mlx-vlm checkpoint) served
+by a real serve.py on 127.0.0.1 and called with the real openai and anthropic SDKs. Greedy
+output equals mlx_vlm's own generate on the same weights, prompt and image, token for token;
+image rows batch with text rows and another image's rows without changing any of them; the
+prompt cache keys images by content; bad images are 400s that name the part."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from pipeline.tiny_vlm import ensure_model
+
+pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+
+ARCHS = ["gemma3", "qwen2_5_vl"]
+QUESTION = "What is in the picture?"
+
+
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+IMAGE_A, IMAGE_B, IMAGE_C = png(1, (56, 40)), png(2, (48, 64)), png(4, (40, 40))
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_message(data: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(data)}},
+                                         {"type": "text", "text": text}]}]
+
+
+def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
+    """Each token's bytes, as the OpenAI logprobs `bytes` field spells them (byte-level BPE)."""
+    # GPT-2's byte <-> printable-character table, which byte-level BPE pieces are spelt in
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    table = {c: b for b, c in chars.items()}
+    return [[table[c] for c in tokenizer.convert_ids_to_tokens(i)] for i in ids]
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def _reference(path: Path) -> Any:
+    from mlx_vlm import load
+    if str(path) not in _REFERENCE:
+        _REFERENCE[str(path)] = load(str(path))
+    return _REFERENCE[str(path)]
+
+
+def reference_bytes(path: Path, prompt: str, image: bytes, max_tokens: int) -> list[list[int]]:
+    """mlx_vlm.stream_generate's greedy tokens for a rendered prompt (stopped at EOS), as bytes."""
+    from mlx_vlm import stream_generate
+    model, processor = _reference(path)
+    tok = processor.tokenizer
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    ids = []
+    for r in stream_generate(model, processor, prompt, image=[Image.open(io.BytesIO(image))],
+                             max_tokens=max_tokens, temperature=0.0):
+        if r.token in eos:
+            break
+        ids.append(r.token)
+    return token_bytes(tok, ids[:max_tokens])   # its loop yields one token past max_tokens
+
+
+def mlx_vlm_greedy(path: Path, image: bytes, text: str, max_tokens: int) -> list[list[int]]:
+    """mlx-vlm's greedy answer to one user turn: the image, then `text`."""
+    _, processor = _reference(path)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        tokenize=False, add_generation_prompt=True)
+    return reference_bytes(path, prompt, image, max_tokens)
+
+
+def first_image_token(path: Path, text: str) -> int:
+    """Where mlx-vlm's processor puts the prompt's first image token."""
+    from mlx_vlm.utils import prepare_inputs
+    mlx_vlm_greedy(path, IMAGE_A, text, 1)
+    _, processor = _REFERENCE[str(path)]
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+        tokenize=False, add_generation_prompt=True)
+    ids = prepare_inputs(processor, images=[Image.open(io.BytesIO(IMAGE_A))],
+                         prompts=[prompt])["input_ids"][0].tolist()
+    image_id = processor.tokenizer.convert_tokens_to_ids(
+        "<image_soft_token>" if "<image_soft_token>" in processor.tokenizer.get_vocab()
+        else "<|image_pad|>")
+    return ids.index(image_id)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch = request.param
+    # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
+                            "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
+                            "cache.ram_gb=0.0001", "scheduler.prefill_chunk=64")
+    server.arch = arch
+    server.path = ensure_model(arch, "float32", model_cache)
+    return server
+
+
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def greedy(server: Any, messages: list[dict[str, Any]], max_tokens: int = 16) -> Any:
+    return client(server).chat.completions.create(model="tiny_vlm", messages=messages,
+                                                  max_tokens=max_tokens, temperature=0,
+                                                  logprobs=True)
+
+
+def served_bytes(resp: Any) -> list[list[int]]:
+    return [list(t.bytes) for t in resp.choices[0].logprobs.content]
+
+
+def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
+    for image in (IMAGE_A, IMAGE_B):
+        resp = greedy(vlm, image_message(image))
+        ours = served_bytes(resp)
+        assert len(ours) >= 8
+        assert ours == mlx_vlm_greedy(vlm.path, image, QUESTION, 16), vlm.arch
+        stream = client(vlm).chat.completions.create(
+            model="tiny_vlm", messages=image_message(image), max_tokens=16, temperature=0,
+            stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == resp.choices[0].message.content
+    # the image matters: two images, two answers
+    assert served_bytes(greedy(vlm, image_message(IMAGE_A))) != served_bytes(
+        greedy(vlm, image_message(IMAGE_B)))
+
+
+def test_an_image_inside_a_prompt_of_several_chunks(vlm: Any) -> None:
+    """scheduler.prefill_chunk=64: the image's features and positions are cut per chunk."""
+    before = "Some context first. " * 14
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": before},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_B)}},
+        {"type": "text", "text": "Now the question: " + QUESTION}]}]
+    resp = greedy(vlm, messages)
+    assert resp.usage.prompt_tokens > 2 * 64
+    model, processor = _reference(vlm.path)
+    tok = processor.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": before}, {"type": "image"},
+        {"type": "text", "text": "Now the question: " + QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert served_bytes(resp) == reference_bytes(vlm.path, prompt, IMAGE_B, 16)
+
+
+def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
+    rows = [image_message(IMAGE_A), [{"role": "user", "content": "Tell me about trains."}],
+            image_message(IMAGE_B, "Describe it."), image_message(IMAGE_A, "And the colours?")]
+    alone = [served_bytes(greedy(vlm, m)) for m in rows]
+    aclient = openai.AsyncOpenAI(base_url=f"{vlm.base_url}/v1", api_key="x", max_retries=0,
+                                 timeout=60)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(aclient.chat.completions.create(
+            model="tiny_vlm", messages=m, max_tokens=16, temperature=0, logprobs=True)
+            for m in rows))
+    batched = asyncio.run(together())
+    assert [served_bytes(r) for r in batched] == alone
+    assert max(r.usage.model_extra["pipeserve"]["batch_size"] for r in batched) > 1
+
+
+def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
+    text = "A long shared question about the picture, asked twice to test the cache."
+    first = greedy(vlm, image_message(IMAGE_A, text))
+    encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
+    again = greedy(vlm, image_message(IMAGE_A, text))
+    assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes   # tower skipped
+    other = greedy(vlm, image_message(IMAGE_C, text))   # an image no request sent before
+    n = first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == n - 1
+    assert served_bytes(again) == served_bytes(first)
+    # another image: at most the text before the image is reused, never the image
+    assert other.usage.prompt_tokens_details.cached_tokens <= first_image_token(vlm.path, text)
+    assert served_bytes(other) == mlx_vlm_greedy(vlm.path, IMAGE_C, text, 16)
+
+
+def test_anthropic_image_block(vlm: Any) -> None:
+    c = anthropic.Anthropic(base_url=vlm.base_url, api_key="x", max_retries=0, timeout=60)
+    msg = c.messages.create(model="tiny_vlm", max_tokens=16, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(IMAGE_B).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert msg.content[0].text == greedy(vlm, image_message(IMAGE_B)).choices[0].message.content
+
+
+def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
+    big = png(3, (200, 150))   # 30000 pixels > server.max_image_pixels=20000
+    cases = [
+        (b"not an image at all", "could not be decoded"),
+        (big, "30000 pixels"),
+    ]
+    for data, reason in cases:
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "Look:"},
+            {"type": "image_url", "image_url": {"url": data_url(data)}}]}]
+        with pytest.raises(openai.BadRequestError) as e:
+            greedy(vlm, messages)
+        assert "messages[0].content[1]" in str(e.value) and reason in str(e.value)
+    bad_url = [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*base64"):
+        greedy(vlm, bad_url)
+
+    # a valid stream beside a bad request finishes
+    async def both() -> tuple[Any, Any]:
+        async with httpx.AsyncClient(base_url=vlm.base_url, timeout=60) as h:
+            good = h.post("/v1/chat/completions", json={
+                "model": "tiny_vlm", "messages": image_message(IMAGE_A), "max_tokens": 16,
+                "temperature": 0, "stream": True})
+            bad = h.post("/v1/chat/completions", json={
+                "model": "tiny_vlm", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG broken")}}]}]})
+            return await asyncio.gather(good, bad)
+    good, bad = asyncio.run(both())
+    assert bad.status_code == 400 and "messages[0].content[0]" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.text.rstrip().endswith("data: [DONE]")
+
+
+def test_remote_urls_refused_by_default(vlm: Any) -> None:
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*remote"):
+        greedy(vlm, messages)
+
+
+def metric(server: Any, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def test_ssd_tier_serves_an_image_prefix_after_ram_eviction(vlm: Any) -> None:
+    text = "Once more about this very picture, kept on disk."
+    first = greedy(vlm, image_message(IMAGE_B, text))
+    for k in range(5):   # other images push it out of the RAM tier onto the SSD tier
+        greedy(vlm, image_message(png(10 + k, (40, 40)), f"Filler {k} pushing the cache."))
+    ssd_hits = metric(vlm, 'pipeserve_prompt_cache_hits_total{cache_tier="ssd"}')
+    again = greedy(vlm, image_message(IMAGE_B, text))
+    assert metric(vlm, 'pipeserve_prompt_cache_hits_total{cache_tier="ssd"}') == ssd_hits + 1
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert served_bytes(again) == served_bytes(first)
+
+
+def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
+    models = client(vlm).models.list().data
+    assert models[0].model_extra["modalities"] == ["text", "image"]
+    images, tokens = metric(vlm, "pipeserve_images_total"), metric(vlm, "pipeserve_image_tokens_total")
+    encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_A)}},
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_C)}}]}]
+    resp = client(vlm).chat.completions.with_raw_response.create(
+        model="tiny_vlm", messages=messages, max_tokens=4, temperature=0)
+    import hashlib
+    digests = ",".join("sha256:" + hashlib.sha256(d).hexdigest() for d in (IMAGE_A, IMAGE_C))
+    assert resp.parse().usage.model_extra["pipeserve"]["images"] == digests
+    assert f"images={digests}" in resp.headers["x-pipeserve-record"]
+    assert metric(vlm, "pipeserve_images_total") == images + 2
+    assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes + 1
+    assert metric(vlm, "pipeserve_image_tokens_total") > tokens
+
+
+def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
+    c = client(vlm)
+    first = c.responses.create(model="tiny_vlm", max_output_tokens=16, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMAGE_A)},
+                                     {"type": "input_text", "text": QUESTION}]}])
+    assert first.output_text == greedy(vlm, image_message(IMAGE_A)).choices[0].message.content
+    follow = c.responses.create(model="tiny_vlm", max_output_tokens=4, temperature=0,
+                                previous_response_id=first.id, input="And the colours?")
+    # the stored turn brought its image along: the follow-up's prompt has it, from the cache
+    assert follow.output_text and follow.usage.input_tokens > first.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0
