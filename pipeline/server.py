@@ -19,7 +19,7 @@ from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
 from pipeline import blas
-from pipeline.api import anthropic, openai_http, responses
+from pipeline.api import anthropic, openai_http, responses, tokenizer_http
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
 from pipeline.api.record import HEADER as RECORD_HEADER
@@ -232,6 +232,14 @@ async def _drain(app: Sanic, timeout: float) -> None:
     app.stop(terminate=False)
 
 
+# Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
+API_PATHS = ("/tokenize", "/detokenize")
+
+
+def _api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in API_PATHS
+
+
 def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     origins = cfg.server.cors_origins
 
@@ -243,11 +251,11 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         # POST/DELETE /v1/adapters take the admin key instead, when one is set (their handler)
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
                 and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")))
-        if key and http.path.startswith("/v1/") and not swap:
+        if key and _api_path(http.path) and not swap:
             if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
-        if app.ctx.draining and http.path.startswith("/v1/"):
+        if app.ctx.draining and _api_path(http.path):
             if http.stream is not None:
                 http.stream.keep_alive = False
             raise EngineUnavailable("the server is shutting down; retry after Retry-After "
@@ -417,6 +425,18 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/completions")
     async def completions(http: sanic.Request) -> HTTPResponse | None:
         return await openai_http.handle(app, http, "completions")
+
+    @app.post("/tokenize")
+    async def tokenize(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_tokenize(app, http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_detokenize(app, http)
+
+    @app.post("/v1/chat/template")
+    async def chat_template(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_chat_template(app, http)
 
     @app.post("/v1/messages")
     async def messages(http: sanic.Request) -> HTTPResponse | None:
