@@ -233,7 +233,7 @@ async def _drain(app: Sanic, timeout: float) -> None:
 
 
 # Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
-API_PATHS = ("/tokenize", "/detokenize")
+API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def _api_path(path: str) -> bool:
@@ -433,6 +433,10 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/detokenize")
     async def detokenize(http: sanic.Request) -> HTTPResponse:
         return await tokenizer_http.handle_detokenize(app, http)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_tokenizer_info(app, http)
 
     @app.post("/v1/chat/template")
     async def chat_template(http: sanic.Request) -> HTTPResponse:

@@ -101,3 +101,18 @@ async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
     ids, text = await off_loop(len(http.body or b""), _tokenize, front, chat)
     return json_response({"object": "chat.template", "model": _model_name(ctx),
                           "prompt": text, "num_tokens": len(ids)})
+
+
+async def handle_tokenizer_info(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """GET /tokenizer_info[?model=id] (vLLM's): the special tokens and the chat template,
+    which clients with a remote-tokenizer mode (lm-evaluation-harness) read before /tokenize."""
+    ctx = await route(app, {"model": http.args.get("model")})
+    front = ready_front(app, ctx)
+    tok = front.tokenize.tokenizer
+    inner = getattr(tok, "_tokenizer", tok)
+    return json_response({
+        "tokenizer_class": type(inner).__name__, "model": _model_name(ctx),
+        "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+        "pad_token": getattr(inner, "pad_token", None), "unk_token": getattr(inner, "unk_token", None),
+        "chat_template": getattr(inner, "chat_template", None),
+        "model_max_length": front.tokenize.max_context, "vocab_size": front.tokenize.vocab_size})

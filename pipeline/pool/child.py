@@ -136,6 +136,10 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
             done, n = engine.flush_cache(), msg["n"]
             threading.Thread(target=lambda: (done.wait(600), send({"op": "reply", "n": n})),
                              daemon=True).start()
+        elif op == "score":   # prompt logprobs (pipeline/scoring.py), between steps
+            from pipeline.scoring import Score, reply_fields
+            engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
+                {"op": "reply", "n": n, **reply_fields(cmd)})))
         elif op == "metrics":
             send({"op": "reply", "n": msg["n"], "body": exposition()})
         elif op == "stop":

@@ -61,6 +61,7 @@ class ChildEngine:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._scores: dict[int, Any] = {}   # pipeline.scoring.Score awaiting the child's reply
         self._seq = itertools.count()
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = 0
@@ -148,7 +149,19 @@ class ChildEngine:
                 pass
 
     def command(self, cmd: Any) -> None:
-        """Adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
+        adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        from pipeline.scoring import Score
+        if isinstance(cmd, Score):
+            n = next(self._seq)
+            self._scores[n] = cmd
+            try:
+                self._send({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top})
+            except EngineUnavailable as e:
+                if self._scores.pop(n, None) is not None:
+                    cmd.error = e
+                    cmd.on_done(cmd)
+            return
         cmd.error = EngineUnavailable("adapter hot-swap is not available for pool models")
         cmd.done.set()
 
@@ -206,7 +219,10 @@ class ChildEngine:
 
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
-        if op == "reply":
+        if op == "reply" and msg["n"] in self._scores:
+            from pipeline.scoring import apply_reply
+            apply_reply(self._scores.pop(msg["n"]), msg)
+        elif op == "reply":
             done, box = self._replies.pop(msg["n"], (threading.Event(), []))
             box.append(msg)
             done.set()
@@ -270,6 +286,11 @@ class ChildEngine:
         post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
         for done, _ in list(self._replies.values()):
             done.set()
+        from pipeline.scoring import apply_reply
+        for n in list(self._scores):
+            cmd = self._scores.pop(n, None)
+            if cmd is not None:
+                apply_reply(cmd, {})
         self._ready.set()
         if streams or not self._stopping:
             log.log(logging.INFO if self._stopping else logging.ERROR,
