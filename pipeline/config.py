@@ -297,6 +297,9 @@ class ServerConfig:
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
     chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
+    # a request field the endpoint does not implement is a 400 naming it; false: it is ignored,
+    # named in the x-pipeserve-ignored header and counted (pipeline/api/known_fields.py)
+    strict_fields: bool = False
     request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
     # how long a Python thread holds the GIL while another waits for it (sys.setswitchinterval):
     # the engine thread builds each step's graph while the event loop writes every stream's

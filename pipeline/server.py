@@ -22,6 +22,7 @@ from pipeline import blas
 from pipeline.api import anthropic, openai_http, responses, tokenizer_http
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
+from pipeline.api.known_fields import HEADER as IGNORED_HEADER
 from pipeline.api.record import HEADER as RECORD_HEADER
 from pipeline.api.record import base_record
 from pipeline.api.store import ResponseStore
@@ -271,6 +272,12 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             record = gen.record if gen is not None and gen.record is not None else app.ctx.record
             response.headers[RECORD_HEADER] = record.header()
 
+    @app.on_response
+    async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
+        names = getattr(http.ctx, "ignored", None)   # pipeline/api/known_fields.py
+        if names:
+            response.headers[IGNORED_HEADER] = ", ".join(names)
+
     if origins:
         @app.on_response
         async def _cors(http: sanic.Request, response: HTTPResponse) -> None:
@@ -280,7 +287,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                 response.headers["Access-Control-Allow-Headers"] = (
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-                response.headers["Access-Control-Expose-Headers"] = RECORD_HEADER
+                response.headers["Access-Control-Expose-Headers"] = (
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:

@@ -11,6 +11,7 @@ from sanic import HTTPResponse, Sanic
 
 from pipeline.api import completions_http
 from pipeline.api import fields as F
+from pipeline.api import known_fields
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_data
@@ -27,6 +28,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         chat = endpoint == "chat"
         parse = oa.parse_chat if chat else oa.parse_completion
         body = await off_loop(len(http.body or b""), read_body, http)
+        known_fields.check(app.ctx, http, endpoint, body)
         parsed = await off_loop(len(http.body or b""), parse, body)
         front = await scope.route(body)
         ctx = scope.ctx

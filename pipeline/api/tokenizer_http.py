@@ -10,14 +10,17 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeline.api import fields as F
+from pipeline.api import known_fields
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response, read_body, ready_front, route
 from pipeline.errors import InvalidRequest
 from pipeline.offload import off_loop
 
 
-async def _front(app: Sanic, http: sanic.Request) -> tuple[dict[str, Any], Any, Any]:
+async def _front(app: Sanic, http: sanic.Request,
+                 endpoint: str) -> tuple[dict[str, Any], Any, Any]:
     body = await off_loop(len(http.body or b""), read_body, http)
+    known_fields.check(app.ctx, http, endpoint, body)
     ctx = await route(app, body)
     return body, ctx, ready_front(app, ctx)
 
@@ -68,7 +71,7 @@ async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """{"prompt": str} or {"messages": [...], "add_generation_prompt", "continue_final_message"}
     (+ "add_special_tokens", "return_token_strs") → {"count", "max_model_len", "tokens",
     "token_strs"}. The ids are those a completion (or chat completion) of the same input runs."""
-    body, ctx, front = await _front(app, http)
+    body, ctx, front = await _front(app, http, "tokenize")
     ids, _ = await off_loop(len(http.body or b""), _tokenize, front, body)
     strs = ([front.detokenize.token_text(i) for i in ids]
             if F.get(body, "return_token_strs", bool, False) else None)
@@ -79,7 +82,7 @@ async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
 async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """{"tokens": [ids]} → {"prompt": text}; special tokens are kept (as vLLM does), so
     /tokenize then /detokenize round-trips a rendered chat."""
-    body, ctx, front = await _front(app, http)
+    body, ctx, front = await _front(app, http, "detokenize")
     tokens = F.get(body, "tokens", list)
     if tokens is None:
         raise InvalidRequest("tokens (an array of token ids) is required", param="tokens")
@@ -96,7 +99,7 @@ async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
 async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """A chat request's body → {"prompt": the rendered text, "num_tokens": its length in
     tokens}, exactly what /v1/chat/completions would feed the model."""
-    body, ctx, front = await _front(app, http)
+    body, ctx, front = await _front(app, http, "chat_template")
     chat = {"messages": None, **{k: v for k, v in body.items() if k != "prompt"}}
     ids, text = await off_loop(len(http.body or b""), _tokenize, front, chat)
     return json_response({"object": "chat.template", "model": _model_name(ctx),
