@@ -49,7 +49,7 @@ def serve(raw: DictConfig) -> None:
         if (code := follow(cfg)) is not None:
             _exit(code)
     from pipeline.server import build_app
-    app = build_app(cfg, members=members)
+    app = build_app(cfg, members=members, launch=list(hydra_cfg.overrides.task))
     app.ctx.exit_code = 0
     app.run(host=cfg.server.host, port=cfg.server.port, single_process=True, access_log=False,
             motd=False)

@@ -19,7 +19,7 @@ from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
 from pipeline import blas
-from pipeline.api import anthropic, openai_http, responses, tokenizer_http
+from pipeline.api import anthropic, models_http, openai_http, responses, tokenizer_http
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
 from pipeline.api.known_fields import HEADER as IGNORED_HEADER
@@ -29,7 +29,8 @@ from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
+from pipeline.errors import (AdmissionRejected, EngineUnavailable, NotFound, ServeError,
+                             Unauthorized)
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
@@ -93,9 +94,11 @@ def _key_ok(http: sanic.Request, key: str) -> bool:
 
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
-              members: dict[str, ServeConfig] | None = None) -> Sanic:
+              members: dict[str, ServeConfig] | None = None,
+              launch: list[str] | None = None) -> Sanic:
     """`members` (pipeline/pool/members.py): the models of a pool by id, each engine in its
-    own process; None serves cfg's one model in-process."""
+    own process; None serves cfg's one model in-process. `launch`: the launch's overrides
+    (members found later by POST /v1/models/rescan compose over them)."""
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
     app.config.RESPONSE_TIMEOUT = 24 * 3600
@@ -108,10 +111,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.pool = None
     if members:
         from pipeline.pool.pool import ModelPool, PoolEngine
-        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry)
+        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     engine = PoolEngine(app.ctx.pool, metrics) if app.ctx.pool is not None else Engine(cfg, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
+    app.ctx.created = int(time.time())   # /v1/models' `created`
     app.ctx.config_hash = config_hash(cfg)
     app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
     adm = cfg.admission
@@ -249,9 +253,11 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         if origins and http.method == "OPTIONS":
             return HTTPResponse(status=204)
         key = cfg.server.api_key
-        # POST/DELETE /v1/adapters take the admin key instead, when one is set (their handler)
+        # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
+        # admin key instead, when one is set (their handlers check it)
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
-                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")))
+                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")
+                     or (http.method == "POST" and http.path.startswith("/v1/models/"))))
         if key and _api_path(http.path) and not swap:
             if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
@@ -362,16 +368,27 @@ def _add_routes(app: Sanic) -> None:
     @app.get("/v1/models")
     async def models(http: sanic.Request) -> HTTPResponse:
         """The base model, then `base:adapter` for every mounted adapter (vLLM-style: an
-        OpenAI client selects one with `model`). A pool lists its ids with `loaded`."""
-        if app.ctx.pool is not None:
-            return json_response(app.ctx.pool.models_body())
-        name = app.ctx.cfg.model.name
-        loaded = app.ctx.engine.loaded
-        ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]
-                        if loaded is not None and loaded.adapters is not None else [])
-        now = int(time.time())
-        return json_response({"object": "list", "data": [
-            {"id": i, "object": "model", "created": now, "owned_by": "pipeserve"} for i in ids]})
+        OpenAI client selects one with `model`); a pool's ids. pipeline/api/models_http.py."""
+        return await models_http.handle_list(app, http)
+
+    @app.get("/v1/models/<target:path>")   # the same parameter name as the POST route's
+    async def model(http: sanic.Request, target: str) -> HTTPResponse:
+        return await models_http.handle_get(app, http, target)
+
+    @app.post("/v1/models/<target:path>")
+    async def model_action(http: sanic.Request, target: str) -> HTTPResponse | None:
+        """POST /v1/models/{id}/load, /v1/models/{id}/unload, /v1/models/rescan (an id may
+        hold '/', a Hugging Face id's, so the action is the path's last part)."""
+        _admin(http)
+        model_id, _, action = target.rpartition("/")
+        if target == "rescan":
+            return await models_http.handle_rescan(app, http)
+        if action == "load" and model_id:
+            return await models_http.handle_load(app, http, model_id)
+        if action == "unload" and model_id:
+            return await models_http.handle_unload(app, http, model_id)
+        raise NotFound(f"POST /v1/models/{target[:200]}: the actions are /v1/models/{{id}}/load, "
+                       "/v1/models/{id}/unload and /v1/models/rescan")
 
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:

@@ -1,0 +1,33 @@
+"""pool.model_dir: the models a directory holds — each subdirectory with a config.json and
+safetensors weights, and each .gguf file, directly under it — as pool member ids and their
+overrides (`model.path=<it>`). Main thread at launch; event loop on POST /v1/models/rescan
+(a directory listing, no file is read)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pipeline.errors import ConfigError
+from pipeline.pool.config import ID_PATTERN
+
+
+def member_id(name: str) -> str:
+    """A directory or file name as a pool id: characters ids cannot hold become '-'."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name.removesuffix(".gguf"))
+    return cleaned.lstrip("._-")[:64]
+
+
+def scan(model_dir: str) -> dict[str, list[str]]:
+    """id → member overrides for every model under `model_dir`, in name order."""
+    root = Path(model_dir).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"pool.model_dir {model_dir!r} is not a directory")
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.iterdir()):
+        is_model = ((path.is_dir() and (path / "config.json").is_file()
+                     and any(path.glob("*.safetensors")))
+                    or (path.is_file() and path.suffix == ".gguf"))
+        model_id = member_id(path.name)
+        if is_model and ID_PATTERN.match(model_id) and model_id not in found:
+            found[model_id] = [f"model.path='{path.absolute()}'"]   # quoted: any characters
+    return found
