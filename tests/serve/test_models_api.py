@@ -180,3 +180,25 @@ def test_model_dir_members_serve_and_rescan_finds_new_ones(srv: Any, model_dir: 
                    headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.json()["removed"] == [DIR_MODEL]
     assert httpx.get(f"{srv.base_url}/v1/models/{DIR_MODEL}", timeout=TIMEOUT).status_code == 404
+
+
+def test_prompt_scoring_and_tokenize_reach_the_routed_member(srv: Any, model_cache: Path) -> None:
+    """Echo with logprobs runs in the member's engine process (its pipe's `score` op) and
+    equals mlx-lm on the same weights; /tokenize uses the member's tokenizer."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    text = "The quiet library, students whispered."
+    ids = httpx.post(srv.base_url + "/tokenize", json={"model": LLAMA, "prompt": text},
+                     timeout=TIMEOUT).json()["tokens"]
+    r = httpx.post(srv.base_url + "/v1/completions", timeout=TIMEOUT, json={
+        "model": LLAMA, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    model, tokenizer = load(str(ensure_model("llama", "tiny", "float32", model_cache)))
+    assert ids == tokenizer.encode(text)
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    lps = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    assert got[0] is None
+    assert got[1:] == pytest.approx([lps[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
+                                    abs=1e-4)
