@@ -57,6 +57,14 @@ class ModelSource(Enum):
 EMBEDDED_ARCH = {ModelSource.smollm2: "llama"}
 
 
+class ModelTask(Enum):
+    """What the model serves: text generation (mlx-lm), or embeddings (mlx-embeddings:
+    POST /v1/embeddings only; without model.path, the generated tiny BERT)."""
+
+    generate = "generate"
+    embed = "embed"
+
+
 class ComputeDType(Enum):
     auto = "auto"            # CPU with a real BLAS: float32; otherwise the checkpoint's dtype
     checkpoint = "checkpoint"  # compute in the dtype the weights are stored in (as mlx-lm does)
@@ -89,6 +97,7 @@ class ModelConfig:
     name: str = "tiny"                 # model id served in /v1/models and responses
     path: Optional[str] = None         # local dir, .gguf file or Hugging Face id (local cache only)
     source: ModelSource = ModelSource.generated  # what to serve when path is unset
+    task: ModelTask = ModelTask.generate  # embed: an embedding model (pipeline/embedding.py)
     arch: Arch = Arch.qwen3            # architecture of the generated model when path is unset
     size: ModelSize = ModelSize.tiny   # size of the generated model when path is unset
     dtype: DType = DType.float32       # dtype of the generated model when path is unset

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import sanic
 from prometheus_client import CollectorRegistry, generate_latest
@@ -112,7 +113,14 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if members:
         from pipeline.pool.pool import ModelPool, PoolEngine
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
-    engine = PoolEngine(app.ctx.pool, metrics) if app.ctx.pool is not None else Engine(cfg, metrics)
+    embedder = cfg.model.task.value == "embed"   # an embedding model (pipeline/embedding.py)
+    if app.ctx.pool is not None:
+        engine: Any = PoolEngine(app.ctx.pool, metrics)
+    elif embedder:
+        from pipeline.embedding import EmbedEngine
+        engine = EmbedEngine(cfg, metrics)
+    else:
+        engine = Engine(cfg, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
     app.ctx.created = int(time.time())   # /v1/models' `created`
@@ -150,7 +158,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             loaded = engine.loaded
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
             app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
-            app.ctx.front = Front(cfg, engine)
+            app.ctx.front = None if embedder else Front(cfg, engine)
             # what startup made lives as long as the process: out of the collector's view, a full
             # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
             gc.collect()
@@ -329,7 +337,8 @@ def _add_routes(app: Sanic) -> None:
         engine: Engine = app.ctx.engine
         draining = getattr(app.ctx, "draining", False)
         ready = (engine.state is EngineState.READY and not draining
-                 and (app.ctx.front is not None or app.ctx.pool is not None))
+                 and (app.ctx.front is not None or app.ctx.pool is not None
+                      or app.ctx.cfg.model.task.value == "embed"))
         state = "draining" if draining else ("ok" if ready else engine.state.value)
         pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
         model = (app.ctx.cfg.model.name if pool is None
@@ -466,6 +475,11 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/chat/template")
     async def chat_template(http: sanic.Request) -> HTTPResponse:
         return await tokenizer_http.handle_chat_template(app, http)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: sanic.Request) -> HTTPResponse:
+        from pipeline.api import embeddings_http
+        return await embeddings_http.handle(app, http)
 
     @app.post("/v1/messages")
     async def messages(http: sanic.Request) -> HTTPResponse | None:

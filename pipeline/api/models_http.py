@@ -29,13 +29,15 @@ class Conflict(ServeError):
 
 def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
     """What the loaded model says of itself (None before its first load)."""
+    task = cfg.model.task.value   # generate | embed
     if loaded is None:
-        return {"context_length": None, "modalities": ["text"], "tool_format": None}
+        return {"context_length": None, "modalities": ["text"], "tool_format": None,
+                "task": task}
     from pipeline.stage import EngineLimits
     modalities = ["text", "image"] if loaded.config.get("vision_config") else ["text"]
     fmt = front.markup.tool_format if front is not None else None
     return {"context_length": EngineLimits.of(cfg, loaded).max_context, "modalities": modalities,
-            "tool_format": fmt.name if fmt is not None else None}
+            "tool_format": fmt.name if fmt is not None else None, "task": task}
 
 
 def member_body(pool: Any, m: Any) -> dict[str, Any]:
@@ -52,7 +54,8 @@ def single_bodies(app: Sanic) -> list[dict[str, Any]]:
     ctx = app.ctx
     engine, name = ctx.engine, ctx.cfg.model.name
     loaded = engine.loaded
-    ready = engine.state is EngineState.READY and ctx.front is not None
+    ready = engine.state is EngineState.READY and (ctx.front is not None
+                                                   or ctx.cfg.model.task.value == "embed")
     state = {EngineState.READY: "loaded", EngineState.LOADING: "loading",
              EngineState.DEAD: "failed", EngineState.STOPPED: "unloaded"}[engine.state]
     base = {"object": "model", "created": ctx.created, "owned_by": "pipeserve",

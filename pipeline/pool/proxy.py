@@ -61,7 +61,9 @@ class ChildEngine:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
-        self._scores: dict[int, Any] = {}   # pipeline.scoring.Score awaiting the child's reply
+        # Score (pipeline/scoring.py) and Embed (pipeline/embedding.py) awaiting the child's reply
+        self._scores: dict[int, Any] = {}
+        self.dimensions = 0   # an embedding model's width
         self._seq = itertools.count()
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = 0
@@ -151,12 +153,15 @@ class ChildEngine:
     def command(self, cmd: Any) -> None:
         """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
         adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        from pipeline.embedding import Embed
         from pipeline.scoring import Score
-        if isinstance(cmd, Score):
+        if isinstance(cmd, (Score, Embed)):
             n = next(self._seq)
             self._scores[n] = cmd
+            message = ({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
+                       if isinstance(cmd, Score) else {"op": "embed", "n": n, "ids": cmd.inputs})
             try:
-                self._send({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top})
+                self._send(message)
             except EngineUnavailable as e:
                 if self._scores.pop(n, None) is not None:
                     cmd.error = e
@@ -220,8 +225,7 @@ class ChildEngine:
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "reply" and msg["n"] in self._scores:
-            from pipeline.scoring import apply_reply
-            apply_reply(self._scores.pop(msg["n"]), msg)
+            _reply(self._scores.pop(msg["n"]), msg)
         elif op == "reply":
             done, box = self._replies.pop(msg["n"], (threading.Event(), []))
             box.append(msg)
@@ -261,6 +265,7 @@ class ChildEngine:
         self.memory = MemoryModel(**facts["memory"]) if facts["memory"] else None
         self.kv_pool_bytes, self.device = facts["kv_pool_bytes"], facts["device"]
         self.scheduler.max_batch = facts["max_batch"]
+        self.dimensions = int(facts.get("dimensions") or 0)
         self.state = EngineState.READY
         self._ready.set()
 
@@ -286,11 +291,10 @@ class ChildEngine:
         post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
         for done, _ in list(self._replies.values()):
             done.set()
-        from pipeline.scoring import apply_reply
         for n in list(self._scores):
             cmd = self._scores.pop(n, None)
             if cmd is not None:
-                apply_reply(cmd, {})
+                _reply(cmd, {})   # no reply: the child is gone
         self._ready.set()
         if streams or not self._stopping:
             log.log(logging.INFO if self._stopping else logging.ERROR,
@@ -298,6 +302,13 @@ class ChildEngine:
                     self.model_id, self.pid, how, len(streams))
         if self._on_exit is not None:
             self._on_exit(self)
+
+
+def _reply(cmd: Any, msg: dict[str, Any]) -> None:
+    """The child's reply to a Score or an Embed (each module reads its own fields)."""
+    from pipeline import embedding, scoring
+    module = embedding if isinstance(cmd, embedding.Embed) else scoring
+    module.apply_reply(cmd, msg)
 
 
 def parent_loaded(facts: dict[str, Any], cfg: ServeConfig,

@@ -1,9 +1,10 @@
 """pool.model_dir: the models a directory holds — each subdirectory with a config.json and
 safetensors weights, and each .gguf file, directly under it — as pool member ids and their
-overrides (`model.path=<it>`). Main thread at launch; event loop on POST /v1/models/rescan
-(a directory listing, no file is read)."""
+overrides (`model.path=<it>`, and `model.task=embed` for an embedding model). Main thread at
+launch; an executor thread on POST /v1/models/rescan (a listing and each config.json)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -15,6 +16,21 @@ def member_id(name: str) -> str:
     """A directory or file name as a pool id: characters ids cannot hold become '-'."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name.removesuffix(".gguf"))
     return cleaned.lstrip("._-")[:64]
+
+
+# encoder architectures mlx-embeddings loads: such a directory is an embedding model, as is any
+# sentence-transformers export (it ships config_sentence_transformers.json)
+ENCODER_TYPES = frozenset({"bert", "xlm-roberta", "xlm_roberta", "modernbert"})
+
+
+def is_embedding_model(path: Path) -> bool:
+    if (path / "config_sentence_transformers.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in ENCODER_TYPES
 
 
 def scan(model_dir: str) -> dict[str, list[str]]:
@@ -30,4 +46,6 @@ def scan(model_dir: str) -> dict[str, list[str]]:
         model_id = member_id(path.name)
         if is_model and ID_PATTERN.match(model_id) and model_id not in found:
             found[model_id] = [f"model.path='{path.absolute()}'"]   # quoted: any characters
+            if path.is_dir() and is_embedding_model(path):
+                found[model_id].append("model.task=embed")
     return found
