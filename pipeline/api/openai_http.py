@@ -37,8 +37,9 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         fp = f"fp_{ctx.config_hash}"
         if not chat:
             completions_http.with_suffix(parsed, front)
-        if parsed.n * len(parsed.prompts or [None]) > 1:
-            _check_room(ctx, parsed.n * len(parsed.prompts or [None]))
+        rows = parsed.n * len(parsed.prompts or [None])   # max_tokens 0 (scoring) runs none
+        if rows > 1 and parsed.requested.get("max_tokens") != 0:
+            _check_room(ctx, rows)
         if not chat and not parsed.stream:   # prompt arrays, echo scoring, max_tokens 0
             shape = oa.CompletionShape(rid, ctx.cfg.model.name, front.token_info, fp)
             return json_response(await completions_http.respond(scope, parsed, front, rid,
