@@ -63,6 +63,7 @@ class ModelTask(Enum):
 
     generate = "generate"
     embed = "embed"
+    rerank = "rerank"   # a cross-encoder (POST /v1/rerank); without model.path, a tiny ModernBERT
 
 
 class ComputeDType(Enum):
@@ -119,6 +120,11 @@ class ModelConfig:
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
                                        # at launch; requests pick one (`model: base:<id>`, `adapter`)
+
+    @property
+    def encoder(self) -> bool:
+        """An embedding or reranking model: served by pipeline/embedding.py, not the Engine."""
+        return self.task is not ModelTask.generate
 
     @property
     def adapter_ids(self) -> list[str]:

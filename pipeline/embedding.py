@@ -1,7 +1,9 @@
-"""EmbedEngine: the engine of an embedding model (model.task=embed). One thread owns MLX: it
-loads the model through mlx-embeddings and runs Embed commands, every command waiting when a
-batch starts joining it (right-padded, with the attention mask), and returns the library's own
-pooled embedding (`text_embeds`: the pooling its model card defines, L2-normalised) in float32.
+"""EmbedEngine: the engine of an embedding model (model.task=embed) or a cross-encoder
+(model.task=rerank). One thread owns MLX: it loads the model through mlx-embeddings and runs
+Embed commands, every command waiting when a batch starts joining it (right-padded, with the
+attention mask), and returns per input the library's own output in float32: an embedding's
+pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
+cross-encoder's scores (`pooler_output`: its classifier head, sigmoid for one label).
 The same interface as Engine where the server reads it (state, loaded, counts, command, stop),
 so it serves alone or as a pool member. Public methods: any thread."""
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pipeline.metrics import Metrics
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 16384   # padded tokens (rows x longest row) per forward
-NOT_GENERATIVE = "this is an embedding model (model.task=embed): use POST /v1/embeddings"
+NOT_GENERATIVE = ("this is an embedding or reranking model (model.task=embed|rerank): use POST "
+                  "/v1/embeddings or /v1/rerank")
 
 
 @dataclass(slots=True)
@@ -150,10 +153,16 @@ class EmbedEngine:
         model, wrapper = load(str(path))
         tokenizer = getattr(wrapper, "_tokenizer", wrapper)
         config = dict(getattr(model.config, "__dict__", {}))
+        heads = [a for a in config.get("architectures") or [] if "SequenceClassification" in a]
+        if self.cfg.model.task.value == "rerank" and not heads:
+            from pipeline.errors import ConfigError
+            raise ConfigError(f"model.task=rerank needs a cross-encoder (a sequence-"
+                              f"classification head, e.g. ModernBertForSequenceClassification); "
+                              f"{path.name} has architectures {config.get('architectures')}")
         from mlx.utils import tree_flatten
         params = tree_flatten(model.parameters())
         probe = model(mx.array([[0]]), attention_mask=mx.ones((1, 1)))
-        vec = _pooled(probe)
+        vec = self._output(probe)
         mx.eval(vec)
         self.dimensions = int(vec.shape[-1])
         max_context = int(config.get("max_position_embeddings") or 512)
@@ -201,15 +210,17 @@ class EmbedEngine:
         width = max(len(ids) for ids in inputs)
         ids = mx.array([row + [0] * (width - len(row)) for row in inputs])
         mask = mx.array([[1] * len(row) + [0] * (width - len(row)) for row in inputs])
-        vec = _pooled(self.loaded.model(ids, attention_mask=mask)).astype(mx.float32)
+        vec = self._output(self.loaded.model(ids, attention_mask=mask)).astype(mx.float32)
         mx.eval(vec)
         return vec.tolist()
 
-
-def _pooled(output: Any) -> Any:
-    """The model's sentence embedding as mlx-embeddings defines it for the architecture."""
-    vec = getattr(output, "text_embeds", None)
-    return vec if vec is not None else output.pooler_output
+    def _output(self, output: Any) -> Any:
+        """A cross-encoder's scores; else the sentence embedding mlx-embeddings defines for
+        the architecture."""
+        if self.cfg.model.task.value == "rerank":
+            return output.pooler_output
+        vec = getattr(output, "text_embeds", None)
+        return vec if vec is not None else output.pooler_output
 
 
 def _jsonable(config: dict[str, Any]) -> dict[str, Any]:

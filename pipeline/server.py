@@ -113,7 +113,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if members:
         from pipeline.pool.pool import ModelPool, PoolEngine
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
-    embedder = cfg.model.task.value == "embed"   # an embedding model (pipeline/embedding.py)
+    embedder = cfg.model.encoder   # an embedding or reranking model (pipeline/embedding.py)
     if app.ctx.pool is not None:
         engine: Any = PoolEngine(app.ctx.pool, metrics)
     elif embedder:
@@ -246,7 +246,7 @@ async def _drain(app: Sanic, timeout: float) -> None:
 
 
 # Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
-API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/v2/rerank")
 
 
 def _api_path(path: str) -> bool:
@@ -338,7 +338,7 @@ def _add_routes(app: Sanic) -> None:
         draining = getattr(app.ctx, "draining", False)
         ready = (engine.state is EngineState.READY and not draining
                  and (app.ctx.front is not None or app.ctx.pool is not None
-                      or app.ctx.cfg.model.task.value == "embed"))
+                      or app.ctx.cfg.model.encoder))
         state = "draining" if draining else ("ok" if ready else engine.state.value)
         pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
         model = (app.ctx.cfg.model.name if pool is None
@@ -480,6 +480,12 @@ def _add_routes(app: Sanic) -> None:
     async def embeddings(http: sanic.Request) -> HTTPResponse:
         from pipeline.api import embeddings_http
         return await embeddings_http.handle(app, http)
+
+    async def rerank(http: sanic.Request) -> HTTPResponse:
+        from pipeline.api import rerank_http
+        return await rerank_http.handle(app, http)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):   # vLLM serves all three
+        app.add_route(rerank, path, methods=["POST"], name=f"rerank{path.replace('/', '_')}")
 
     @app.post("/v1/messages")
     async def messages(http: sanic.Request) -> HTTPResponse | None:

@@ -58,7 +58,7 @@ def ready_front(app: Sanic, ctx: Any = None) -> Any:
         raise EngineUnavailable("the server is shutting down; send this request elsewhere")
     if getattr(app.ctx, "pool", None) is not None and ctx is app.ctx:
         raise EngineUnavailable("this request was not routed to a pool model")
-    if ctx.cfg.model.task.value == "embed":
+    if ctx.cfg.model.encoder:
         from pipeline.embedding import NOT_GENERATIVE
         raise InvalidRequest(f"model {ctx.cfg.model.name!r}: {NOT_GENERATIVE}", param="model",
                              code="embedding_model")

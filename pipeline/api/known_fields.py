@@ -39,6 +39,8 @@ HONOURED: dict[str, frozenset[str]] = {
     "detokenize": frozenset({"model", "tokens"}),
     "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user",
                              "keep_alive"}),
+    "rerank": frozenset({"model", "query", "documents", "top_n", "return_documents",
+                         "keep_alive", "user"}),
 }
 
 # Fields that other servers implement and clients send, counted under their own name (any

@@ -55,7 +55,7 @@ def single_bodies(app: Sanic) -> list[dict[str, Any]]:
     engine, name = ctx.engine, ctx.cfg.model.name
     loaded = engine.loaded
     ready = engine.state is EngineState.READY and (ctx.front is not None
-                                                   or ctx.cfg.model.task.value == "embed")
+                                                   or ctx.cfg.model.encoder)
     state = {EngineState.READY: "loaded", EngineState.LOADING: "loading",
              EngineState.DEAD: "failed", EngineState.STOPPED: "unloaded"}[engine.state]
     base = {"object": "model", "created": ctx.created, "owned_by": "pipeserve",

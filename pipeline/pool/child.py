@@ -72,7 +72,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
 
     t0 = time.perf_counter()
     registry = CollectorRegistry()
-    if cfg.model.task.value == "embed":   # an embedding model (pipeline/embedding.py)
+    if cfg.model.encoder:   # an embedding or reranking model (pipeline/embedding.py)
         from pipeline.embedding import EmbedEngine
         engine: Any = EmbedEngine(cfg, Metrics(registry))
     else:

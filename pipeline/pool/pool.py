@@ -207,7 +207,7 @@ class ModelPool:
                                         "has the details", code="model_load_failed")
             m.weight_bytes = int(engine.facts.get("weight_bytes") or m.weight_bytes)
             await self._fit_memory(m)
-            m.front = None if m.cfg.model.task.value == "embed" else Front(m.cfg, engine)
+            m.front = None if m.cfg.model.encoder else Front(m.cfg, engine)
             m.record = base_record(m.cfg, m.config_hash, engine.loaded.fingerprint, None)
             outcome = "ok"
             m.num_loads += 1

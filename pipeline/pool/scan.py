@@ -23,14 +23,20 @@ def member_id(name: str) -> str:
 ENCODER_TYPES = frozenset({"bert", "xlm-roberta", "xlm_roberta", "modernbert"})
 
 
-def is_embedding_model(path: Path) -> bool:
-    if (path / "config_sentence_transformers.json").is_file():
-        return True
+def encoder_task(path: Path) -> str | None:
+    """`rerank` for a cross-encoder (a sequence-classification head), `embed` for another
+    encoder or a sentence-transformers export, None for a generative model."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") in ENCODER_TYPES
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    if config.get("model_type") in ENCODER_TYPES and any(
+            "SequenceClassification" in str(a) for a in config.get("architectures") or []):
+        return "rerank"
+    if (path / "config_sentence_transformers.json").is_file():
+        return "embed"
+    return "embed" if config.get("model_type") in ENCODER_TYPES else None
 
 
 def scan(model_dir: str) -> dict[str, list[str]]:
@@ -46,6 +52,7 @@ def scan(model_dir: str) -> dict[str, list[str]]:
         model_id = member_id(path.name)
         if is_model and ID_PATTERN.match(model_id) and model_id not in found:
             found[model_id] = [f"model.path='{path.absolute()}'"]   # quoted: any characters
-            if path.is_dir() and is_embedding_model(path):
-                found[model_id].append("model.task=embed")
+            task = encoder_task(path) if path.is_dir() else None
+            if task is not None:
+                found[model_id].append(f"model.task={task}")
     return found

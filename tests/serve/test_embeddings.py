@@ -129,3 +129,40 @@ def test_an_embedding_model_in_a_pool_beside_a_chat_model(server_factory: Any, a
     assert chat.status_code == 200
     wrong = post(srv, {"model": "tiny-qwen3", "input": "x"})
     assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "not_an_embedding_model"
+
+
+def test_rerank_scores_equal_the_cross_encoders_and_sort(server_factory: Any,
+                                                         model_cache: Path) -> None:
+    """model=tiny_rerank (a ModernBERT cross-encoder): every (query, document) pair's score is
+    mlx-embeddings' own classifier output on the tokenizer's pair encoding; best first."""
+    import mlx.core as mx
+    from mlx_embeddings import load
+
+    srv = server_factory("model=tiny_rerank")
+    query = "Where are my keys?"
+    docs = ["On the table.", {"text": "The morning train left at seven."}, "In the river."]
+    r = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
+                   json={"model": "tiny_rerank", "query": query, "documents": docs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    model, tokenizer = load(str(ensure_embed_model(model_cache, "rerank")))
+    texts = [d if isinstance(d, str) else d["text"] for d in docs]
+    want = []
+    for text in texts:
+        ids = tokenizer._tokenizer(query, text)["input_ids"]
+        out = model(mx.array([ids]), attention_mask=mx.ones((1, len(ids))))
+        want.append(out.pooler_output[0, 0].item())
+    results = body["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=TOL)
+        assert x["document"]["text"] == texts[x["index"]]
+    assert body["usage"]["total_tokens"] > 0 and body["model"] == "tiny_rerank"
+    top = httpx.post(srv.base_url + "/rerank", timeout=TIMEOUT, json={
+        "query": query, "documents": texts, "top_n": 1, "return_documents": False}).json()
+    assert top["results"] == [{k: v for k, v in results[0].items() if k != "document"}]
+    bad = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
+                     json={"query": query, "documents": [3]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+    wrong = post(srv, {"input": "x"})   # a reranker is not an embedding model
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "not_an_embedding_model"
