@@ -76,7 +76,7 @@ def serve(raw: DictConfig) -> None:
         if (code := follow(cfg)) is not None:
             _exit(code)
     from pipeline.server import build_app
-    app = build_app(cfg, members=members)
+    app = build_app(cfg, members=members, launch=list(hydra_cfg.overrides.task))
     app.ctx.exit_code = 0
     app.ctx.launch_error = None
     try:

@@ -61,6 +61,15 @@ class ModelSource(Enum):
 EMBEDDED_ARCH = {ModelSource.smollm2: "llama", ModelSource.gemma3: "gemma3"}
 
 
+class ModelTask(Enum):
+    """What the model serves: text generation (mlx-lm), or embeddings (mlx-embeddings:
+    POST /v1/embeddings only; without model.path, the generated tiny BERT)."""
+
+    generate = "generate"
+    embed = "embed"
+    rerank = "rerank"   # a cross-encoder (POST /v1/rerank); without model.path, a tiny ModernBERT
+
+
 class ComputeDType(Enum):
     auto = "auto"            # CPU with a real BLAS: float32; otherwise the checkpoint's dtype
     checkpoint = "checkpoint"  # compute in the dtype the weights are stored in (as mlx-lm does)
@@ -93,6 +102,7 @@ class ModelConfig:
     name: str = "tiny"                 # model id served in /v1/models and responses
     path: Optional[str] = None         # local dir, .gguf file or Hugging Face id (local cache only)
     source: ModelSource = ModelSource.generated  # what to serve when path is unset
+    task: ModelTask = ModelTask.generate  # embed: an embedding model (pipeline/embedding.py)
     arch: Arch = Arch.qwen3            # architecture of the generated model when path is unset
     size: ModelSize = ModelSize.tiny   # size of the generated model when path is unset
     dtype: DType = DType.float32       # dtype of the generated model when path is unset
@@ -114,6 +124,11 @@ class ModelConfig:
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
                                        # at launch; requests pick one (`model: base:<id>`, `adapter`)
+
+    @property
+    def encoder(self) -> bool:
+        """An embedding or reranking model: served by pipeline/embedding.py, not the Engine."""
+        return self.task is not ModelTask.generate
 
     @property
     def adapter_ids(self) -> list[str]:
@@ -318,6 +333,9 @@ class ServerConfig:
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
     chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
+    # a request field the endpoint does not implement is a 400 naming it; false: it is ignored,
+    # named in the x-pipeserve-ignored header and counted (pipeline/api/known_fields.py)
+    strict_fields: bool = False
     request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
     # how long a Python thread holds the GIL while another waits for it (sys.setswitchinterval):
     # the engine thread builds each step's graph while the event loop writes every stream's

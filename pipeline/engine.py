@@ -18,6 +18,7 @@ from pipeline.metrics import Metrics
 from pipeline.plan import StepPlan
 from pipeline.request import FinishReason, Request
 from pipeline.scheduler import Scheduler, finished_event
+from pipeline.scoring import Score
 from pipeline.step import Launched, load_parts
 from pipeline.outbox import Outbox
 from pipeline.stream import RequestStream
@@ -201,7 +202,7 @@ class Engine:
         """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
         if isinstance(cmd, Flush):
             cmd.reply(getattr(self.prompt_cache, "flush", lambda: None)())
-        elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeline/adapter_swap.py
+        elif isinstance(cmd, (AdapterSwap, Score)):   # hot-swap; prompt scoring (scoring.py)
             cmd.run(self)
         elif isinstance(cmd, Submit):
             self._out.open(cmd.request.request_id, cmd.stream)

@@ -47,6 +47,9 @@ def resolve_path(cfg: ModelConfig) -> Path:
     .gguf file is converted once into the model cache (pipeline/gguf.py)."""
     from pipeline.config import ModelSource
 
+    if cfg.path is None and cfg.encoder:
+        from pipeline.tiny_embed import ensure_embed_model
+        return ensure_embed_model(cfg.cache_dir, cfg.task.value)
     if cfg.path is None and cfg.source is ModelSource.smollm2:
         from pipeline.embedded import ensure_smollm2
         return ensure_smollm2(cfg.cache_dir)

@@ -41,6 +41,10 @@ class Metrics:
         self.requests = Counter(
             f"{PREFIX}_requests", "Finished HTTP generation requests by endpoint and outcome",
             ["endpoint", "outcome"], registry=r)
+        self.ignored_fields = Counter(
+            f"{PREFIX}_ignored_fields", "Request fields the endpoint does not implement, accepted "
+            "and ignored (server.strict_fields=false), by endpoint and field (unlisted names: "
+            "other)", ["endpoint", "field"], registry=r)
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests admitted and waiting for the engine", registry=r)
         self.active_rows = Gauge(

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import sanic
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,17 +20,18 @@ from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
 from pipeline import blas
-from pipeline.api import anthropic, openai_http, responses
+from pipeline.api import anthropic, models_http, openai_http, responses, tokenizer_http
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
+from pipeline.api.known_fields import HEADER as IGNORED_HEADER
 from pipeline.api.record import HEADER as RECORD_HEADER
 from pipeline.api.record import base_record
 from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, ServeError,
-                             Unauthorized)
+from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotFound,
+                             ServeError, Unauthorized)
 from pipeline.launch import LAUNCH_ERROR, chat_url
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
@@ -94,9 +96,11 @@ def _key_ok(http: sanic.Request, key: str) -> bool:
 
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
-              members: dict[str, ServeConfig] | None = None) -> Sanic:
+              members: dict[str, ServeConfig] | None = None,
+              launch: list[str] | None = None) -> Sanic:
     """`members` (pipeline/pool/members.py): the models of a pool by id, each engine in its
-    own process; None serves cfg's one model in-process."""
+    own process; None serves cfg's one model in-process. `launch`: the launch's overrides
+    (members found later by POST /v1/models/rescan compose over them)."""
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
     app.config.RESPONSE_TIMEOUT = 24 * 3600
@@ -109,10 +113,18 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.pool = None
     if members:
         from pipeline.pool.pool import ModelPool, PoolEngine
-        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry)
-    engine = PoolEngine(app.ctx.pool, metrics) if app.ctx.pool is not None else Engine(cfg, metrics)
+        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
+    embedder = cfg.model.encoder   # an embedding or reranking model (pipeline/embedding.py)
+    if app.ctx.pool is not None:
+        engine: Any = PoolEngine(app.ctx.pool, metrics)
+    elif embedder:
+        from pipeline.embedding import EmbedEngine
+        engine = EmbedEngine(cfg, metrics)
+    else:
+        engine = Engine(cfg, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
+    app.ctx.created = int(time.time())   # /v1/models' `created`
     app.ctx.config_hash = config_hash(cfg)
     app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
     adm = cfg.admission
@@ -154,7 +166,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             loaded = engine.loaded
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
             app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
-            app.ctx.front = Front(cfg, engine)
+            app.ctx.front = None if embedder else Front(cfg, engine)
             # what startup made lives as long as the process: out of the collector's view, a full
             # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
             gc.collect()
@@ -241,6 +253,14 @@ async def _drain(app: Sanic, timeout: float) -> None:
     app.stop(terminate=False)
 
 
+# Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
+API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/v2/rerank")
+
+
+def _api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in API_PATHS
+
+
 def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     origins = cfg.server.cors_origins
 
@@ -249,14 +269,16 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         if origins and http.method == "OPTIONS":
             return HTTPResponse(status=204)
         key = cfg.server.api_key
-        # POST/DELETE /v1/adapters take the admin key instead, when one is set (their handler)
+        # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
+        # admin key instead, when one is set (their handlers check it)
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
-                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")))
-        if key and http.path.startswith("/v1/") and not swap:
+                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")
+                     or (http.method == "POST" and http.path.startswith("/v1/models/"))))
+        if key and _api_path(http.path) and not swap:
             if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
-        if app.ctx.draining and http.path.startswith("/v1/"):
+        if app.ctx.draining and _api_path(http.path):
             if http.stream is not None:
                 http.stream.keep_alive = False
             raise EngineUnavailable("the server is shutting down; retry after Retry-After "
@@ -272,6 +294,12 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             record = gen.record if gen is not None and gen.record is not None else app.ctx.record
             response.headers[RECORD_HEADER] = record.header()
 
+    @app.on_response
+    async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
+        names = getattr(http.ctx, "ignored", None)   # pipeline/api/known_fields.py
+        if names:
+            response.headers[IGNORED_HEADER] = ", ".join(names)
+
     if origins:
         @app.on_response
         async def _cors(http: sanic.Request, response: HTTPResponse) -> None:
@@ -281,7 +309,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                 response.headers["Access-Control-Allow-Headers"] = (
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-                response.headers["Access-Control-Expose-Headers"] = RECORD_HEADER
+                response.headers["Access-Control-Expose-Headers"] = (
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
@@ -316,7 +345,8 @@ def _add_routes(app: Sanic) -> None:
         engine: Engine = app.ctx.engine
         draining = getattr(app.ctx, "draining", False)
         ready = (engine.state is EngineState.READY and not draining
-                 and (app.ctx.front is not None or app.ctx.pool is not None))
+                 and (app.ctx.front is not None or app.ctx.pool is not None
+                      or app.ctx.cfg.model.encoder))
         state = "draining" if draining else ("ok" if ready else engine.state.value)
         pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
         model = (app.ctx.cfg.model.name if pool is None
@@ -355,20 +385,27 @@ def _add_routes(app: Sanic) -> None:
     @app.get("/v1/models")
     async def models(http: sanic.Request) -> HTTPResponse:
         """The base model, then `base:adapter` for every mounted adapter (vLLM-style: an
-        OpenAI client selects one with `model`). A pool lists its ids with `loaded`."""
-        if app.ctx.pool is not None:
-            return json_response(app.ctx.pool.models_body())
-        name = app.ctx.cfg.model.name
-        loaded = app.ctx.engine.loaded
-        ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]
-                        if loaded is not None and loaded.adapters is not None else [])
-        now = int(time.time())
-        # what each id takes in (an extension field; OpenAI's own fields are unchanged)
-        modalities = ["text", "image"] if loaded is not None and loaded.vision is not None \
-            else ["text"]
-        return json_response({"object": "list", "data": [
-            {"id": i, "object": "model", "created": now, "owned_by": "pipeserve",
-             "modalities": modalities} for i in ids]})
+        OpenAI client selects one with `model`); a pool's ids. pipeline/api/models_http.py."""
+        return await models_http.handle_list(app, http)
+
+    @app.get("/v1/models/<target:path>")   # the same parameter name as the POST route's
+    async def model(http: sanic.Request, target: str) -> HTTPResponse:
+        return await models_http.handle_get(app, http, target)
+
+    @app.post("/v1/models/<target:path>")
+    async def model_action(http: sanic.Request, target: str) -> HTTPResponse | None:
+        """POST /v1/models/{id}/load, /v1/models/{id}/unload, /v1/models/rescan (an id may
+        hold '/', a Hugging Face id's, so the action is the path's last part)."""
+        _admin(http)
+        model_id, _, action = target.rpartition("/")
+        if target == "rescan":
+            return await models_http.handle_rescan(app, http)
+        if action == "load" and model_id:
+            return await models_http.handle_load(app, http, model_id)
+        if action == "unload" and model_id:
+            return await models_http.handle_unload(app, http, model_id)
+        raise NotFound(f"POST /v1/models/{target[:200]}: the actions are /v1/models/{{id}}/load, "
+                       "/v1/models/{id}/unload and /v1/models/rescan")
 
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:
@@ -430,6 +467,33 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/completions")
     async def completions(http: sanic.Request) -> HTTPResponse | None:
         return await openai_http.handle(app, http, "completions")
+
+    @app.post("/tokenize")
+    async def tokenize(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_tokenize(app, http)
+
+    @app.post("/detokenize")
+    async def detokenize(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_detokenize(app, http)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_tokenizer_info(app, http)
+
+    @app.post("/v1/chat/template")
+    async def chat_template(http: sanic.Request) -> HTTPResponse:
+        return await tokenizer_http.handle_chat_template(app, http)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: sanic.Request) -> HTTPResponse:
+        from pipeline.api import embeddings_http
+        return await embeddings_http.handle(app, http)
+
+    async def rerank(http: sanic.Request) -> HTTPResponse:
+        from pipeline.api import rerank_http
+        return await rerank_http.handle(app, http)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):   # vLLM serves all three
+        app.add_route(rerank, path, methods=["POST"], name=f"rerank{path.replace('/', '_')}")
 
     @app.post("/v1/messages")
     async def messages(http: sanic.Request) -> HTTPResponse | None:

@@ -202,9 +202,11 @@ class Tokenize:
                                  code="context_length_exceeded")
         return ids if self.backend is None else encoding.ids
 
-    def render_text(self, inputs: PromptInput, template: str | None = None) -> str:
+    def render_text(self, inputs: PromptInput, template: str | None = None, *,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """The chat as the model's template (or the request's, when allowed) writes it,
-        generation prompt included."""
+        generation prompt included (unless `add_generation_prompt` is False; POST /tokenize
+        and /v1/chat/template may ask for either, as vLLM's do)."""
         tok, messages = self.tokenizer, inputs.messages or []
         if template is None and not tok.has_chat_template:
             return "".join(str(m.get("content") or "") + "\n" for m in messages)
@@ -216,19 +218,22 @@ class Tokenize:
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:
-            return self._render_sandboxed(template, messages, kwargs)
+            return self._render_sandboxed(template, messages, kwargs, add_generation_prompt)
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True,
+            return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
 
     def _render_sandboxed(self, template: str, messages: list[dict[str, Any]],
-                          kwargs: dict[str, Any]) -> str:
+                          kwargs: dict[str, Any], add_generation_prompt: bool = True) -> str:
         special = {k: v for k, v in self.tokenizer.special_tokens_map.items()
                    if isinstance(v, (str, list))}
-        context = {**special, **kwargs, "messages": messages, "add_generation_prompt": True}
+        context = {**special, **kwargs, "messages": messages,
+                   "add_generation_prompt": add_generation_prompt}
         # past this many characters the prompt cannot fit the context (or, with no sound bound,
         # is far past any real prompt): the sandbox stops writing it
         max_chars = self.max_context * (self.bound.max_token_chars * self.bound.shrink

@@ -9,6 +9,7 @@ from typing import Any
 import sanic
 from sanic import HTTPResponse, Sanic
 
+from pipeline.api import known_fields
 from pipeline.api import fields as F
 from pipeline.api import structured
 from pipeline.api.generation import Delta, Generation, Usage
@@ -257,6 +258,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
     async with Scope(app, "messages", http) as scope:
         check_ready(app)
         body = await off_loop(len(http.body or b""), read_body, http)
+        known_fields.check(app.ctx, http, "messages", body)
         inputs, requested = await off_loop(len(http.body or b""), parse, body)
         await scope.route(body)
         ctx = scope.ctx
@@ -276,6 +278,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
 async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     check_ready(app)
     body = await off_loop(len(http.body or b""), read_body, http)
+    known_fields.check(app.ctx, http, "count_tokens", body)
     inputs, _ = await off_loop(len(http.body or b""), lambda: parse(body, True))
     front = ready_front(app, await route(app, body))
     req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",

@@ -214,3 +214,31 @@ def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
                        "(launch with model.adapter_dir and model.adapters)", param=param,
                        code="adapter_not_found")
     return mounted.canonical(choice, param)
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive(body: dict[str, Any]) -> float | None:
+    """`keep_alive` (Ollama's): how long the model stays loaded after this request — seconds
+    as a number, or a duration string ("30s", "5m", "1h"); negative: until unloaded by hand;
+    0: unload once it is done. None when absent."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        for unit in sorted(_DURATION_UNITS, key=len, reverse=True):
+            if text.endswith(unit):
+                number, scale = text[:-len(unit)], _DURATION_UNITS[unit]
+                break
+        else:
+            number, scale = text, 1.0
+        try:
+            return float(number) * scale
+        except ValueError:
+            pass
+    raise InvalidRequest(f"keep_alive must be seconds (a number; negative: keep loaded) or a "
+                         f"duration such as \"5m\", got {short(value)}", param="keep_alive")

@@ -59,6 +59,10 @@ def ready_front(app: Sanic, ctx: Any = None) -> Any:
         raise EngineUnavailable("the server is shutting down; send this request elsewhere")
     if getattr(app.ctx, "pool", None) is not None and ctx is app.ctx:
         raise EngineUnavailable("this request was not routed to a pool model")
+    if ctx.cfg.model.encoder:
+        from pipeline.embedding import NOT_GENERATIVE
+        raise InvalidRequest(f"model {ctx.cfg.model.name!r}: {NOT_GENERATIVE}", param="model",
+                             code="embedding_model")
     if engine.state is not EngineState.READY or ctx.front is None:
         raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
     return ctx.front
@@ -71,11 +75,16 @@ def check_ready(app: Sanic) -> None:
         ready_front(app)
 
 
-async def route(app: Sanic, body: dict[str, Any]) -> Any:
+async def route(app: Sanic, body: dict[str, Any], pin: bool = False) -> Any:
     """The context a request runs in: the app's, or under pool=... the member its `model`
-    names, loaded (a 404 listing the ids for an unknown one; waits while it loads)."""
+    names, loaded (a 404 listing the ids for an unknown one; waits while it loads). `pin`:
+    the member stays loaded until its `release()` (a generation's Scope does that)."""
+    from pipeline.api.fields import keep_alive
     pool = getattr(app.ctx, "pool", None)
-    return app.ctx if pool is None else await pool.context(body.get("model"))
+    if pool is None:
+        keep_alive(body)   # checked, so a bad value is a 400 here too; one model stays loaded
+        return app.ctx
+    return await pool.context(body.get("model"), pin=pin, keep_alive=keep_alive(body))
 
 
 class Scope:
@@ -91,11 +100,13 @@ class Scope:
         self.gen: Generation | None = None
         self.more: list[Generation] = []   # choices 1.. of an n > 1 request
         self.failed = False   # a stream that ended with an error event
+        self.pinned: Any = None   # the pool member routed to, released on exit
 
     async def route(self, body: dict[str, Any]) -> Any:
         """Route by the body's `model` (a pool; pipeline/pool/) and return the request
         stages: from here on `self.ctx` is the model's context (engine, front, cfg, metrics)."""
-        self.ctx = await route(self.app, body)
+        self.ctx = await route(self.app, body, pin=True)
+        self.pinned = self.ctx if self.ctx is not self.app.ctx else None
         return ready_front(self.app, self.ctx)
 
     async def start(self, request: Request, parse_output: bool = True) -> Generation:
@@ -125,6 +136,8 @@ class Scope:
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
         outcome = self._outcome(exc)
+        if self.pinned is not None:
+            self.pinned.release()
         gen, req = self.gen, self.request
         for g in ([gen] if gen is not None else []) + self.more:
             if not g.stream.finished:

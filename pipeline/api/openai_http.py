@@ -9,7 +9,9 @@ from typing import Any, AsyncIterator
 import sanic
 from sanic import HTTPResponse, Sanic
 
+from pipeline.api import completions_http
 from pipeline.api import fields as F
+from pipeline.api import known_fields
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_data
@@ -26,19 +28,27 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         chat = endpoint == "chat"
         parse = oa.parse_chat if chat else oa.parse_completion
         body = await off_loop(len(http.body or b""), read_body, http)
+        known_fields.check(app.ctx, http, endpoint, body)
         parsed = await off_loop(len(http.body or b""), parse, body)
         front = await scope.route(body)
         ctx = scope.ctx
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if parsed.n > 1:
-            _check_room(ctx, parsed.n)
+        fp = f"fp_{ctx.config_hash}"
+        if not chat:
+            completions_http.with_suffix(parsed, front)
+        rows = parsed.n * len(parsed.prompts or [None])   # max_tokens 0 (scoring) runs none
+        if rows > 1 and parsed.requested.get("max_tokens") != 0:
+            _check_room(ctx, rows)
+        if not chat and not parsed.stream:   # prompt arrays, echo scoring, max_tokens 0
+            shape = oa.CompletionShape(rid, ctx.cfg.model.name, front.token_info, fp)
+            return json_response(await completions_http.respond(scope, parsed, front, rid,
+                                                                adapter, shape))
         # every choice is its own row: tokenized and admitted now (errors before any output)
         reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i, adapter))
                 for i in range(parsed.n)]
         gen = scope.submit(reqs[0], parse_output=chat)
         choices = _choices(scope, gen, reqs[1:], chat)
-        fp = f"fp_{ctx.config_hash}"
         shape: Any = (oa.ChatShape if chat else oa.CompletionShape)(
             rid, ctx.cfg.model.name, front.token_info, fp)
         try:

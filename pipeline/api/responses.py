@@ -12,6 +12,7 @@ from typing import Any
 import sanic
 from sanic import HTTPResponse, Sanic
 
+from pipeline.api import known_fields
 from pipeline.api import fields as F
 from pipeline.api import structured
 from pipeline.api.generation import Generation
@@ -200,6 +201,7 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         check_ready(app)
         # the JSON off the loop when large; parse reads the response store, so it stays here
         body = await off_loop(len(http.body or b""), read_body, http)
+        known_fields.check(app.ctx, http, "responses", body)
         parsed = parse(body, app.ctx.responses)
         await scope.route(body)
         ctx = scope.ctx

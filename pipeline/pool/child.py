@@ -53,7 +53,8 @@ def _facts(engine: Any, load_s: float) -> dict[str, Any]:
             "compute_dtype": loaded.compute_dtype, "device": engine.device,
             "memory": dataclasses.asdict(engine.memory) if engine.memory is not None else None,
             "kv_pool_bytes": engine.kv_pool_bytes, "max_batch": engine.scheduler.max_batch,
-            "pid": os.getpid(), "load_s": load_s}
+            "pid": os.getpid(), "load_s": load_s,
+            "dimensions": getattr(engine, "dimensions", 0)}
 
 
 def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
@@ -71,7 +72,11 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
 
     t0 = time.perf_counter()
     registry = CollectorRegistry()
-    engine = Engine(cfg, Metrics(registry))
+    if cfg.model.encoder:   # an embedding or reranking model (pipeline/embedding.py)
+        from pipeline.embedding import EmbedEngine
+        engine: Any = EmbedEngine(cfg, Metrics(registry))
+    else:
+        engine = Engine(cfg, Metrics(registry))
     engine.start()
     if not engine.wait_ready():
         send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
@@ -136,6 +141,16 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
             done, n = engine.flush_cache(), msg["n"]
             threading.Thread(target=lambda: (done.wait(600), send({"op": "reply", "n": n})),
                              daemon=True).start()
+        elif op == "embed":   # an embedding model's batch (pipeline/embedding.py)
+            from pipeline.embedding import Embed
+            from pipeline.pool.codec import encode_error
+            engine.command(Embed(msg["ids"], lambda cmd, n=msg["n"]: send(
+                {"op": "reply", "n": n, "vecs": cmd.result,
+                 "error": encode_error(cmd.error) if cmd.error is not None else None})))
+        elif op == "score":   # prompt logprobs (pipeline/scoring.py), between steps
+            from pipeline.scoring import Score, reply_fields
+            engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
+                {"op": "reply", "n": n, **reply_fields(cmd)})))
         elif op == "metrics":
             send({"op": "reply", "n": msg["n"], "body": exposition()})
         elif op == "stop":

@@ -30,10 +30,14 @@ class PoolConfig:
     memory_gb: Optional[float] = None
     idle_unload_s: float = 0.0    # unload a model idle this long (seconds); 0 = never
     load_timeout_s: float = 120.0  # a request waits at most this long for its model to load
+    # every model directory (config.json + *.safetensors) or .gguf file directly under it is a
+    # member too, its id the directory's (or file's) name; POST /v1/models/rescan looks again
+    model_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not self.models:
-            raise ConfigError("pool.models is empty; list at least one model under an id")
+        if not self.models and self.model_dir is None:
+            raise ConfigError("pool.models is empty; list at least one model under an id, or "
+                              "set pool.model_dir to a directory of models")
         for model_id in self.models:
             if not ID_PATTERN.match(model_id):
                 raise ConfigError(
@@ -53,5 +57,6 @@ class PoolConfig:
             raise ConfigError(f"pool.load_timeout_s must be > 0, got {self.load_timeout_s}")
 
     @property
-    def default_id(self) -> str:
-        return self.default if self.default is not None else next(iter(self.models))
+    def default_id(self) -> str | None:
+        """The id a request without `model` runs on (None: a model_dir pool found none)."""
+        return self.default if self.default is not None else next(iter(self.models), None)

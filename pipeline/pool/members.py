@@ -10,6 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from pipeline.config import ServeConfig, check_overrides, load_config
 from pipeline.errors import ConfigError
+from pipeline.pool.scan import scan
 
 CONF = Path(__file__).resolve().parent.parent.parent / "conf"
 
@@ -36,6 +37,26 @@ def _compose(overrides: list[str]) -> ServeConfig:
         return load_config(compose("serve", overrides=overrides))
 
 
+def compose_member(launch: list[str], model_id: str, overrides: list[str]) -> ServeConfig:
+    """One member's ServeConfig: the launch's overrides, then its own (checked: a member sets
+    its model and engine, never the server or the pool)."""
+    for o in overrides:
+        if _key(o).startswith(("pool", "server", "hydra")):
+            raise ConfigError(f"pool.models.{model_id}.overrides has {o!r}: a member sets "
+                              "its model, kv, draft, cache, scheduler, admission, sampling "
+                              "or pipeline; the server and the pool are the launch's")
+    try:
+        cfg = _compose(member_overrides(launch, overrides, model_id))
+    except ConfigError as e:
+        raise ConfigError(f"pool.models.{model_id}: {e}") from e
+    except Exception as e:  # Hydra's compose errors (an unknown group option)
+        raise ConfigError(f"pool.models.{model_id}: {str(e).splitlines()[0]}") from e
+    if cfg.model.adapter_ids:
+        raise ConfigError(f"pool.models.{model_id} mounts adapters; LoRA adapters are not "
+                          "carried to a pool's engine processes yet: serve that model alone")
+    return cfg
+
+
 def compose_members(cfg: ServeConfig, launch: list[str]) -> dict[str, ServeConfig] | None:
     """id → that model's ServeConfig; None for a launch that runs its one model in-process.
     `server.isolate=true` without a pool is a pool of that one model."""
@@ -47,20 +68,12 @@ def compose_members(cfg: ServeConfig, launch: list[str]) -> dict[str, ServeConfi
                           "own process (that is what lets it unload one and survive a crash); "
                           "drop server.isolate, or serve one model without pool")
     members: dict[str, ServeConfig] = {}
-    for model_id, member in cfg.pool.models.items():
-        for o in member.overrides:
-            if _key(o).startswith(("pool", "server", "hydra")):
-                raise ConfigError(f"pool.models.{model_id}.overrides has {o!r}: a member sets "
-                                  "its model, kv, draft, cache, scheduler, admission, sampling "
-                                  "or pipeline; the server and the pool are the launch's")
-        try:
-            members[model_id] = _compose(member_overrides(launch, list(member.overrides),
-                                                          model_id))
-        except ConfigError as e:
-            raise ConfigError(f"pool.models.{model_id}: {e}") from e
-        except Exception as e:  # Hydra's compose errors (an unknown group option)
-            raise ConfigError(f"pool.models.{model_id}: {str(e).splitlines()[0]}") from e
-        if members[model_id].model.adapter_ids:
-            raise ConfigError(f"pool.models.{model_id} mounts adapters; LoRA adapters are not "
-                              "carried to a pool's engine processes yet: serve that model alone")
+    listed = {i: list(m.overrides) for i, m in cfg.pool.models.items()}
+    found = scan(cfg.pool.model_dir) if cfg.pool.model_dir is not None else {}
+    for model_id, overrides in {**listed, **found, **listed}.items():
+        members[model_id] = compose_member(launch, model_id, overrides)
+    if not members:
+        raise ConfigError(f"pool.model_dir {cfg.pool.model_dir!r} holds no model (a directory "
+                          "with config.json and *.safetensors, or a .gguf file) and pool.models "
+                          "is empty")
     return members

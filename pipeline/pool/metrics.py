@@ -20,7 +20,8 @@ MEMBER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_e2e_request_
 # families the server itself owns (requests before routing: an unknown model, a bad body)
 SERVER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_build_info",
                              f"{PREFIX}_admission_memory_budget_bytes",
-                             f"{PREFIX}_queue_capacity", f"{PREFIX}_cache_flush_seconds"})
+                             f"{PREFIX}_queue_capacity", f"{PREFIX}_cache_flush_seconds",
+                             f"{PREFIX}_ignored_fields_total"})
 
 
 class PoolMetrics:

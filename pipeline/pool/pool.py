@@ -15,13 +15,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pipeline.config import ServeConfig, config_hash
 from pipeline.engine import EngineState
-from pipeline.errors import AdmissionRejected, EngineUnavailable, NotFound
+from pipeline.errors import EngineUnavailable, NotFound
 from pipeline.metrics import Metrics
 from pipeline.pool import metrics as pool_metrics
 from pipeline.pool.config import PoolConfig
 from pipeline.pool.proxy import ChildEngine
 
 log = logging.getLogger("pipeserve.pool")
+ROOM_POLL_S = 0.05   # how often a load waiting for room looks for an idle model to evict
 
 
 class Member:
@@ -42,7 +43,10 @@ class Member:
         self.last_used = time.monotonic()
         self.num_loads = 0
         self.weight_bytes = _weight_files_bytes(cfg)   # exact once it has loaded
-
+        self.pins = 0   # requests routed here and not finished (Scope): never evicted under them
+        self.admitted = False   # its load has made room (until then it holds no slot)
+        self.keep_alive_s: float | None = None   # the last request's keep_alive; None: the pool's
+        self.created = int(time.time())
 
     @property
     def draining(self) -> bool:
@@ -56,7 +60,16 @@ class Member:
 
     @property
     def resident(self) -> bool:
-        return self.loading is not None or self.ready
+        return self.ready or (self.loading is not None and self.admitted)
+
+    @property
+    def evictable(self) -> bool:
+        return self.ready and self.num_inflight == 0 and self.pins == 0
+
+    def release(self) -> None:
+        """A request routed here (context(pin=True)) has finished."""
+        self.pins -= 1
+        self.last_used = time.monotonic()
 
     @property
     def num_inflight(self) -> int:
@@ -78,7 +91,7 @@ class Member:
 
 class ModelPool:
     def __init__(self, cfg: ServeConfig, members: dict[str, ServeConfig], app_ctx: Any,
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, launch: list[str] | None = None) -> None:
         # a one-model launch with server.isolate=true is a pool of that model, which every
         # request runs on whatever its `model` says (as in-process)
         self.single = cfg.pool is None
@@ -92,6 +105,11 @@ class ModelPool:
             self.metrics.loading.labels(i).set(0)
         self._idle_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._room = asyncio.Lock()
+        self.launch = list(launch or [])   # the launch's overrides: members compose over them
+        self.scanned = ({i for i in members if i not in self.cfg.models}
+                        if self.cfg.model_dir is not None else set())   # ids from model_dir
+        self.default_id = self.cfg.default_id or next(iter(self.members))
 
     @property
     def ids(self) -> list[str]:
@@ -102,7 +120,7 @@ class ModelPool:
         """The member a request's `model` names (`<id>:<adapter>` names the id's adapter); the
         default member when it names none; a 404 listing the ids otherwise."""
         if model is None or model == "" or self.single:
-            return self.members[self.cfg.default_id]
+            return self.members[self.default_id]
         name = model.partition(":")[0] if isinstance(model, str) else None
         found = self.members.get(name) if name is not None else None
         if found is None:
@@ -111,17 +129,33 @@ class ModelPool:
                            f"{', '.join(self.members)}", param="model", code="model_not_found")
         return found
 
-    async def context(self, model: Any) -> Member:
-        """The request's member, loaded: waits while it loads, at most pool.load_timeout_s."""
+    async def context(self, model: Any, *, pin: bool = False,
+                      keep_alive: float | None = None) -> Member:
+        """The request's member, loaded: waits while it (or, to make room, another) loads, at
+        most pool.load_timeout_s. `pin`: a generation's; the member is not evicted until
+        its `release()`. Its `keep_alive` (seconds; < 0: never) then replaces
+        pool.idle_unload_s for this member until the next generation request."""
         m = self.member(model)
         m.last_used = time.monotonic()
+        if pin:
+            m.pins += 1
+            m.keep_alive_s = keep_alive
+        try:
+            await self.loaded(m)
+        except BaseException:
+            if pin:
+                m.release()
+            raise
+        return m
+
+    async def loaded(self, m: Member) -> None:
+        """Load `m` unless it is loaded; waits for a load under way."""
         if m.ready:
-            return m
+            return
         if m.loading is None:
             m.loading = asyncio.get_running_loop().create_task(self._load(m))
         await asyncio.shield(m.loading)
         m.last_used = time.monotonic()
-        return m
 
     def models_body(self) -> dict[str, Any]:
         now = int(time.time())
@@ -140,7 +174,13 @@ class ModelPool:
         self.metrics.loading.labels(m.id).set(1)
         outcome = "failed"
         try:
-            await self._make_room(m)
+            try:
+                async with self._room:   # one load at a time picks what to evict
+                    await self._make_room(m, time.monotonic() + timeout)
+                    m.admitted = True
+            except EngineUnavailable:
+                outcome = "busy"   # traffic, not the model: it never started loading
+                raise
             previous = m.engine.loaded if m.engine is not None else None
             engine = ChildEngine(m.id, m.cfg, m.metrics, previous, self._exited)
             m.engine = engine
@@ -167,7 +207,7 @@ class ModelPool:
                                         "has the details", code="model_load_failed")
             m.weight_bytes = int(engine.facts.get("weight_bytes") or m.weight_bytes)
             await self._fit_memory(m)
-            m.front = Front(m.cfg, engine)
+            m.front = None if m.cfg.model.encoder else Front(m.cfg, engine)
             m.record = base_record(m.cfg, m.config_hash, engine.loaded.fingerprint, None)
             outcome = "ok"
             m.num_loads += 1
@@ -180,38 +220,71 @@ class ModelPool:
             self.metrics.load_seconds.labels(m.id, outcome).observe(elapsed)
             self.metrics.loads.labels(m.id, outcome).inc()
             self.metrics.loading.labels(m.id).set(0)
-            m.loading = None
+            m.loading, m.admitted = None, False
             if outcome != "ok":
                 log.error("model %s: load %s after %.2f s", m.id, outcome, elapsed)
+
+    async def rescan(self) -> tuple[list[str], list[str]]:
+        """pool.model_dir again: (ids added, ids removed). A member whose files went away
+        stays while it is loaded or loading."""
+        from pipeline.pool.members import compose_member
+        from pipeline.pool.scan import scan
+
+        assert self.cfg.model_dir is not None
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, scan, self.cfg.model_dir)
+        added = [i for i in found if i not in self.members]
+        for model_id in added:   # Hydra's compose: in the executor, one at a time
+            cfg = await loop.run_in_executor(None, compose_member, self.launch, model_id,
+                                             found[model_id])
+            self.members[model_id] = Member(model_id, cfg, self.app_ctx)
+            self.metrics.resident.labels(model_id).set(0)
+            self.metrics.loading.labels(model_id).set(0)
+            self.scanned.add(model_id)
+        removed = [i for i in sorted(self.scanned) if i not in found and i != self.default_id
+                   and not self.members[i].resident and not self.members[i].pins]
+        for model_id in removed:
+            del self.members[model_id]
+            self.scanned.discard(model_id)
+        if added or removed:
+            log.info("pool.model_dir rescanned: added %s; removed %s", ", ".join(added) or "none",
+                     ", ".join(removed) or "none")
+        return added, removed
 
     def _over_memory(self, m: Member, others: list[Member]) -> bool:
         budget = self.cfg.memory_gb
         return budget is not None and (m.weight_bytes + sum(x.weight_bytes for x in others)
                                        > budget * 1e9)
 
-    async def _make_room(self, m: Member) -> None:
+    async def _make_room(self, m: Member, deadline: float) -> None:
         """Evict least recently used idle members until `m` fits in pool.max_resident and in
-        pool.memory_gb (with its weights as last loaded, or as its files weigh)."""
+        pool.memory_gb (with its weights as last loaded, or as its files weigh). While every
+        resident member is busy or loading, wait for one to go idle (until `deadline`)."""
         while True:
             others = [x for x in self.members.values() if x is not m and x.resident]
             over = self._over_memory(m, others)
             if len(others) < self.cfg.max_resident and not over:
                 return
-            idle = [x for x in others if x.ready and x.num_inflight == 0]
-            if not idle:
+            idle = [x for x in others if x.evictable]
+            if idle:
+                await self.unload(min(idle, key=lambda x: x.last_used),
+                                  "memory" if over else "lru")
+                continue
+            if time.monotonic() >= deadline:
                 limit = (f"pool.memory_gb={self.cfg.memory_gb:g}" if over
                          else f"pool.max_resident={self.cfg.max_resident}")
-                raise AdmissionRejected(
-                    f"model {m.id} is not loaded and the {len(others)} resident model(s) "
-                    f"({', '.join(x.id for x in others)}) are busy or loading ({limit}); "
-                    "retry shortly", retry_after_s=1, code="pool_busy")
-            await self.unload(min(idle, key=lambda x: x.last_used), "memory" if over else "lru")
+                raise EngineUnavailable(
+                    f"model {m.id} is not loaded and for pool.load_timeout_s="
+                    f"{self.cfg.load_timeout_s:g} s the resident model(s) "
+                    f"({', '.join(x.id for x in others)}) stayed busy or loading ({limit}); "
+                    "retry shortly", code="pool_busy")
+            await asyncio.sleep(ROOM_POLL_S)
 
     async def _fit_memory(self, m: Member) -> None:
         """After `m` loaded (its weights now known): unload idle others it does not fit beside."""
         while True:
             others = [x for x in self.members.values() if x is not m and x.resident]
-            idle = [x for x in others if x.ready and x.num_inflight == 0]
+            idle = [x for x in others if x.evictable]
             if not self._over_memory(m, others) or not idle:
                 return
             await self.unload(min(idle, key=lambda x: x.last_used), "memory")
@@ -242,20 +315,23 @@ class ModelPool:
                                          "model_fingerprint": "", "device": "pool"})
         loop = asyncio.get_running_loop()
         self._loop = loop
-        if self.cfg.idle_unload_s > 0:
-            self._idle_task = loop.create_task(self._sweep())
-        default = self.members[self.cfg.default_id]
+        self._idle_task = loop.create_task(self._sweep())   # idle_unload_s and keep_alive
+        default = self.members[self.default_id]
         default.loading = loop.create_task(self._load(default))
         default.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _sweep(self) -> None:
-        tick = min(1.0, self.cfg.idle_unload_s / 4)
+        """Unload members idle past their limit: the last request's keep_alive (seconds; 0:
+        right after it; < 0: never), else pool.idle_unload_s (0: never)."""
+        idle = self.cfg.idle_unload_s
+        tick = min(1.0, idle / 4) if idle > 0 else 0.25
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for m in list(self.members.values()):
-                if m.ready and m.num_inflight == 0 and m.idle_s(now) >= self.cfg.idle_unload_s:
-                    await self.unload(m, "idle")
+                limit = m.keep_alive_s if m.keep_alive_s is not None else (idle or -1.0)
+                if limit >= 0 and m.evictable and m.idle_s(now) >= limit:
+                    await self.unload(m, "idle" if m.keep_alive_s is None else "keep_alive")
 
     def live(self) -> list[ChildEngine]:
         return [m.engine for m in self.members.values() if m.ready and m.engine is not None]

@@ -61,6 +61,9 @@ class ChildEngine:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
+        # Score (pipeline/scoring.py) and Embed (pipeline/embedding.py) awaiting the child's reply
+        self._scores: dict[int, Any] = {}
+        self.dimensions = 0   # an embedding model's width
         self._seq = itertools.count()
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = 0
@@ -148,7 +151,22 @@ class ChildEngine:
                 pass
 
     def command(self, cmd: Any) -> None:
-        """Adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
+        adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        from pipeline.embedding import Embed
+        from pipeline.scoring import Score
+        if isinstance(cmd, (Score, Embed)):
+            n = next(self._seq)
+            self._scores[n] = cmd
+            message = ({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
+                       if isinstance(cmd, Score) else {"op": "embed", "n": n, "ids": cmd.inputs})
+            try:
+                self._send(message)
+            except EngineUnavailable as e:
+                if self._scores.pop(n, None) is not None:
+                    cmd.error = e
+                    cmd.on_done(cmd)
+            return
         cmd.error = EngineUnavailable("adapter hot-swap is not available for pool models")
         cmd.done.set()
 
@@ -206,7 +224,9 @@ class ChildEngine:
 
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
-        if op == "reply":
+        if op == "reply" and msg["n"] in self._scores:
+            _reply(self._scores.pop(msg["n"]), msg)
+        elif op == "reply":
             done, box = self._replies.pop(msg["n"], (threading.Event(), []))
             box.append(msg)
             done.set()
@@ -245,6 +265,7 @@ class ChildEngine:
         self.memory = MemoryModel(**facts["memory"]) if facts["memory"] else None
         self.kv_pool_bytes, self.device = facts["kv_pool_bytes"], facts["device"]
         self.scheduler.max_batch = facts["max_batch"]
+        self.dimensions = int(facts.get("dimensions") or 0)
         self.state = EngineState.READY
         self._ready.set()
 
@@ -270,6 +291,10 @@ class ChildEngine:
         post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
         for done, _ in list(self._replies.values()):
             done.set()
+        for n in list(self._scores):
+            cmd = self._scores.pop(n, None)
+            if cmd is not None:
+                _reply(cmd, {})   # no reply: the child is gone
         self._ready.set()
         if streams or not self._stopping:
             log.log(logging.INFO if self._stopping else logging.ERROR,
@@ -277,6 +302,13 @@ class ChildEngine:
                     self.model_id, self.pid, how, len(streams))
         if self._on_exit is not None:
             self._on_exit(self)
+
+
+def _reply(cmd: Any, msg: dict[str, Any]) -> None:
+    """The child's reply to a Score or an Embed (each module reads its own fields)."""
+    from pipeline import embedding, scoring
+    module = embedding if isinstance(cmd, embedding.Embed) else scoring
+    module.apply_reply(cmd, msg)
 
 
 def parent_loaded(facts: dict[str, Any], cfg: ServeConfig,

@@ -106,7 +106,8 @@ def test_groups_match_schema() -> None:
 # Options that are errors on their own: what each needs to make sense.
 REQUIRED = {("admission", "budget"): ["admission.memory_budget_gb=8"],
             ("kv", "mixed"): ["kv.config_path=kv_config.json"],
-            ("draft", "model"): ["draft.path=/models/draft"]}
+            ("draft", "model"): ["draft.path=/models/draft"],
+            ("pool", "dir"): ["pool.model_dir=/models"]}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
