@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.loader import locate
-from tests.conftest import make_config
+from tests.conftest import make_config, startup_error
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -129,3 +129,13 @@ def test_ready_line_log_lines_favicon_and_page_default(tiny_server: Any) -> None
     reason = bad.json()["error"]["message"]
     line = [x for x in tiny_server.log().splitlines() if "outcome=invalid" in x][-1]
     assert "status=400" in line and json.dumps(reason)[1:-1][:40] in line, line
+
+
+def test_a_directory_mlx_lm_cannot_load_is_a_config_error(tmp_path: Path,
+                                                          model_cache: Path) -> None:
+    """A config.json without weights gets past the launch check; the load then fails as a
+    ConfigError (serve.py's one-line report, exit 2) naming model.path and the fix."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    message = startup_error(model_cache, f"model.path={tmp_path}")
+    assert message.startswith(f"model.path '{tmp_path}' cannot be loaded by mlx-lm: "), message
+    assert "point it at an MLX checkpoint" in message
