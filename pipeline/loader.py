@@ -162,8 +162,13 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     t0 = time.time()
     path = resolve_path(cfg)
     progress.step("%s %s", _origin(cfg, path, made=path.stat().st_mtime >= t0), path)
-    model, config = load_model(path, lazy=shard is not None,
-                               trust_remote_code=cfg.trust_remote_code)
+    try:
+        model, config = load_model(path, lazy=shard is not None,
+                                   trust_remote_code=cfg.trust_remote_code)
+    except (FileNotFoundError, ValueError) as e:   # no weights; a model_type mlx-lm lacks
+        raise ConfigError(f"model.path '{cfg.path or path}' cannot be loaded by mlx-lm: {e}; "
+                          "point it at an MLX checkpoint (config.json + *.safetensors) or a "
+                          ".gguf file") from e
     if shard is not None:
         shard(model, config)
     progress.step("built %s with its weights", config.get("model_type", "model"))

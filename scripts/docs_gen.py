@@ -114,6 +114,11 @@ def _rows(schema: type, values: Any, prefix: str, keep_target: bool) -> list[lis
         inner = [a for a in (typing.get_args(tp) or (tp,)) if a is not type(None)]
         nested = next((a for a in inner if isinstance(a, type) and dataclasses.is_dataclass(a)),
                       None)
+        if nested is not None and typing.get_origin(tp) in (dict, typing.Dict):   # id → item
+            rows.append([f"`{prefix}{f.name}`", f"mapping of id to {nested.__name__}",
+                         "`{}`", comments.get(f.name, "").replace("|", "\\|")])
+            rows += _rows(nested, OmegaConf.structured(nested), f"{prefix}{f.name}.<id>.", True)
+            continue
         if nested is not None and (isinstance(node, DictConfig) or node is None):
             if node is None and isinstance(values, DictConfig) and f.name in values:
                 rows.append([f"`{prefix}{f.name}`", _type_name(tp), "null",

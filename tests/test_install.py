@@ -43,7 +43,8 @@ def test_the_wheel_holds_every_module_the_config_and_the_page(wheel: Path) -> No
             for p in (ROOT / "conf").rglob("*.yaml")}
     assert conf - names == set(), "config files left out of the wheel"
     assert {"serve.py", "pipeline/static/chat.html", "pipeline/static/favicon.svg"} <= names
-    entry = zipfile.ZipFile(wheel).read("pipeserve-0.1.0.dist-info/entry_points.txt").decode()
+    entry = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "pipeserve = serve:main" in entry
 
 

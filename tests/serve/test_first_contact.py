@@ -4,6 +4,7 @@ model id rule, the ready line, the favicon, the chat page's sampling default and
 of a refused request."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,9 +18,11 @@ import httpx
 import openai
 import pytest
 
+from pipeline.config import SchedulerConfig
+
 from pipeline.errors import ConfigError
 from pipeline.loader import locate
-from tests.conftest import make_config
+from tests.conftest import make_config, startup_error
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -33,6 +36,12 @@ def _launch(tmp_path: Path, *overrides: str) -> subprocess.Popen:
                             text=True)
 
 
+def _keys(schema: type) -> str:
+    """The keys a group's error lists: its schema's fields, as the user may set them."""
+    return ", ".join(sorted(f.name for f in dataclasses.fields(schema)
+                            if not f.name.startswith("_")))
+
+
 def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -43,7 +52,7 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
                 "model.path '/nonexistent/model' does not exist; point it at a model directory",
             ("scheduler.max_batchh=4",):
                 "unknown config key 'scheduler.max_batchh' (did you mean scheduler.max_batch?); "
-                "'scheduler' has: max_batch, max_num_batched_tokens",
+                f"'scheduler' has: {_keys(SchedulerConfig)}",
             ("kv=turb",): "kv=turb is not an option of kv (did you mean kv=turbo?); options: dense",
             ("model=tiny", f"server.port={port}"):
                 f"server.port {port} on 127.0.0.1 is already in use",
@@ -129,3 +138,13 @@ def test_ready_line_log_lines_favicon_and_page_default(tiny_server: Any) -> None
     reason = bad.json()["error"]["message"]
     line = [x for x in tiny_server.log().splitlines() if "outcome=invalid" in x][-1]
     assert "status=400" in line and json.dumps(reason)[1:-1][:40] in line, line
+
+
+def test_a_directory_mlx_lm_cannot_load_is_a_config_error(tmp_path: Path,
+                                                          model_cache: Path) -> None:
+    """A config.json without weights gets past the launch check; the load then fails as a
+    ConfigError (serve.py's one-line report, exit 2) naming model.path and the fix."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    message = startup_error(model_cache, f"model.path={tmp_path}")
+    assert message.startswith(f"model.path '{tmp_path}' cannot be loaded by mlx-lm: "), message
+    assert "point it at an MLX checkpoint" in message
