@@ -418,6 +418,11 @@ class CacheConfig:
         """The option (`cache=<name>`)."""
         return registry.name_of(self)
 
+    @property
+    def enabled(self) -> bool:
+        """A prompt cache is built (every option but cache=off)."""
+        return True
+
     def __post_init__(self) -> None:
         if self.ram_gb < 0:
             raise ConfigError(f"cache.ram_gb must be >= 0, got {self.ram_gb}")
@@ -453,6 +458,10 @@ class OffCacheConfig(CacheConfig):
     _target_: str = "pipeline.prompt_cache.ram.RamPromptCache"
     ram_gb: float = 0.0
 
+    @property
+    def enabled(self) -> bool:
+        return False
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.ram_gb != 0:
@@ -473,7 +482,9 @@ def _slot(target: str) -> Any:
 
 @dataclass
 class PipelineConfig:
-    """The fixed slots, in order: request stages (event loop), then step stages (engine)."""
+    """The fixed slots, in order: request stages (event loop), then step stages (engine).
+    These defaults are the only place a slot's built-in class is named
+    (conf/pipeline/default.yaml extends this schema; `load_config` checks every field)."""
 
     tokenize: StageConfig = _slot("stages.tokenize.Tokenize")
     cache_lookup: StageConfig = _slot("stages.cache_lookup.CacheLookup")
@@ -602,9 +613,8 @@ def load_config(cfg: DictConfig) -> ServeConfig:
     _import_target(typed.kv._target_, "kv")
     _import_target(typed.draft._target_, "draft")
     _check_combination(typed)
-    for name in ("tokenize", "cache_lookup", "draft", "prefill", "sample", "verify", "persist",
-                 "detokenize"):
-        _import_target(getattr(typed.pipeline, name)._target_, f"pipeline.{name}")
+    for slot in dataclasses.fields(PipelineConfig):
+        _import_target(getattr(typed.pipeline, slot.name)._target_, f"pipeline.{slot.name}")
     return typed
 
 
@@ -631,13 +641,6 @@ def _check_combination(cfg: ServeConfig) -> None:
     if cfg.kv.name == "paged" and cfg.draft.name == "model":
         raise ConfigError("kv=paged with draft=model is not supported: the draft model's KV "
                           "would live outside the block pool; use kv=dense (or q4/q8/turbo)")
-    sample = cfg.pipeline.sample._target_
-    if cfg.draft.name != "none" and sample != PipelineConfig().sample._target_:
-        raise ConfigError(
-            f"pipeline.sample._target_={sample} with draft={cfg.draft.name} is not supported: "
-            "verify accepts drafts against the built-in sampler's distribution (that is what "
-            "keeps speculation lossless), which a replaced sample stage does not give; use "
-            "draft=none with a custom sample stage")
 
 
 def config_hash(cfg: DictConfig | ServeConfig) -> str:

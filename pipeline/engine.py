@@ -201,7 +201,7 @@ class Engine:
     def run_command(self, cmd: Command) -> None:
         """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
         if isinstance(cmd, Flush):
-            cmd.reply(getattr(self.prompt_cache, "flush", lambda: None)())
+            cmd.reply(self.prompt_cache.flush() if self.prompt_cache is not None else None)
         elif isinstance(cmd, (AdapterSwap, Score)):   # hot-swap; prompt scoring (scoring.py)
             cmd.run(self)
         elif isinstance(cmd, Submit):

@@ -112,23 +112,26 @@ class Forward:
                                                             for r in rows})
         width = _width(rows)
         if width > 1:
-            snapshot = kv.snapshot()
+            kv.before_verify(width)   # what a rollback of the rejected drafts needs
             pad = [(list(by_id[r].drafts) + [0] * width)[:width - 1] for r in order]
             tokens = mx.concatenate([inputs[:, None].astype(mx.uint32),
                                      mx.array(pad, dtype=mx.uint32)], axis=1)
             logits = self._run(tokens, caches, order, by_id, hidden)
-            return Logits(order, logits, width, hidden, snapshot)
+            return Logits(order, logits, width, hidden)
         logits = self._run(inputs[:, None], caches, order, by_id, hidden)[:, -1, :]
         return Logits(order, logits, 1, hidden)
 
     def feed(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
-        """Decoding rows feed `num_tokens` host tokens each from `start`, their input last (a
-        draft model catching up on what the target accepted): one forward over the decode
-        batch, right-padded and masked like a prompt group; logits at each row's last token."""
+        """Decoding rows feed `num_tokens` host tokens each from `start`, then their drafts (a
+        draft model catching up on what the target accepted; the row store replaying a verify's
+        kept tokens): one forward over the decode batch, right-padded and masked like a prompt
+        group; logits at each row's last token."""
         by_id = {r.request_id: r for r in rows}
         caches, order, _ = kv.decode_batch(list(by_id), {r.request_id: r.known_input()
                                                          for r in rows})
-        chunks = [by_id[rid].token_ids() for rid in order]
+        chunks = [by_id[rid].token_ids() + list(by_id[rid].drafts) for rid in order]
+        assert all(len(t) == by_id[rid].width for t, rid in zip(chunks, order)), \
+            "feed: a row's tokens are not all on the host"
         lengths = [len(t) for t in chunks]
         padding = [max(lengths) - n for n in lengths]
         if max(padding):

@@ -11,13 +11,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import llguidance.numpy as lln
 import numpy as np
 
 from pipeline.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from pipeline.request import Request
 
 CACHE_SIZE = 64   # compiled grammars kept (LRU by constraint)
 # JSON defaults (a schema's own "x-guidance" overrides them): whitespace between JSON tokens
@@ -112,22 +115,22 @@ class Matcher:
             ok = self.accept(output_ids[self.num_accepted]) and ok
         return ok
 
-    def draft_masks(self, drafts: Sequence[int], out: np.ndarray) -> None:
-        """Verify masks: row j of `out` (positions, words) gets the mask after the first j
-        drafts (which must be valid here: see `valid_prefix`); the matcher ends where it began."""
-        masks = np.full((out.shape[0], self.num_words), -1, dtype=np.int32)
-        consumed = 0
-        for j in range(out.shape[0]):
-            if j:
-                if j - 1 >= len(drafts) or not self.ll.consume_token(drafts[j - 1]):
-                    break   # past this row's drafts: never accepted, any mask will do
-                consumed += 1
-            lln.fill_next_token_bitmask(self.ll, masks, j)
-        if consumed:
-            self.ll.rollback(consumed)
-        n = min(out.shape[1], self.num_words)
-        out[:, :n] = masks[:, :n]
-        out[:, n:] = 0
+    def look_ahead(self, token_id: int) -> bool:
+        """Stand after one more draft (verify: position j's mask is the grammar's after the
+        row's first j drafts, which `valid_prefix` accepted); `back` returns. False, the
+        matcher unchanged, when the grammar cannot take it after all (a parser limit that
+        validation does not reach): an error state is sticky, so the draft is tried on a copy
+        of the state kept for that. The output's own tokens (`num_accepted`) are untouched."""
+        before = self.ll.deep_copy()   # ~10 us
+        if self.ll.consume_token(token_id):
+            return True
+        self.ll = before
+        return False
+
+    def back(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` look-aheads."""
+        if num_tokens:
+            self.ll.rollback(num_tokens)
 
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of `drafts` the grammar would accept from here, in order."""
@@ -143,6 +146,37 @@ class Matcher:
     @property
     def error(self) -> str:
         return self.ll.get_error()
+
+
+def catch_up(reqs: Iterable[Request]) -> dict[str, BaseException]:
+    """The one place matchers advance: each constrained row's matcher accepts the output
+    applied since the last step (engine thread, before a step's stages read the masks).
+    Returns the rows whose grammar could not go on, with the client error to fail them with."""
+    failed: dict[str, BaseException] = {}
+    for req in reqs:
+        m = req.grammar
+        if m is None:
+            continue
+        try:
+            ok = m.advance(req.output_ids)
+        except Exception as e:   # this row's grammar: fail it, keep the others
+            failed[req.request_id] = e
+            continue
+        if not ok:
+            failed[req.request_id] = grammar_failed(req)
+    return failed
+
+
+def grammar_failed(req: Request) -> InvalidRequest:
+    """The row's grammar could not go on (it hit a parser limit, or allows nothing): a
+    client error naming the constraint's field, with the grammar library's reason."""
+    c, m = req.constraint, req.grammar
+    assert m is not None
+    param = c.param if c is not None else "grammar"
+    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
+    reason = lines[0][:300] if lines else "no token is allowed"   # the rest: parser state
+    return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
+                          f"tokens: {reason}", param=param, code="constraint_failed")
 
 
 def fill_bitmask(matchers: Iterable[tuple[int, Matcher]], out: np.ndarray) -> None:

@@ -105,13 +105,12 @@ class Logits:
     """The forward's output for the rows that sample, in `order` (request ids): `logits` is
     (rows, vocab) for a plain step or (rows, width, vocab) when rows verify drafts; `hidden`
     the trunk's hidden states per row id, (1, positions, H) from that row's `start` (draft=mtp).
-    Arrays are lazy."""
+    Arrays are lazy; what a rollback needs stays in the row store."""
 
     order: list[str]
     logits: Any = None
     width: int = 1
     hidden: dict[str, Any] = field(default_factory=dict)
-    snapshot: Any = None   # the row store's state before a verify forward (rollback)
 
 
 @dataclass(slots=True)

@@ -90,7 +90,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
     constraint: Constraint | None = None   # set by the adapter: structured output to enforce
     grammar: Matcher | None = None         # set by admission: the constraint compiled; advanced
-                                           # by sample on the engine thread
+                                           # by the step (grammar.catch_up), engine thread
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
     adapter: str | None = None   # set by the protocol adapter: the mounted adapter id its rows run

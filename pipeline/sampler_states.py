@@ -2,14 +2,15 @@
 carries from step to step: its request-local PRNG key, the penalty processors and the history
 they read, its logit_bias. SamplerStates holds every row's, by request id: made on the row's
 first sampled step (from the key a checkpoint resume supplied, else its seed), advanced by the
-sample and verify stages, read for a checkpoint's key, dropped when the row is released.
-pipeline/step.py builds the one store and hands it to sample and verify (StageDeps.samplers);
-persist sees only `checkpoint_key`. Nothing of it lives on the Request. Engine thread."""
+sample stage (verify picks through it), read for a checkpoint's key, dropped when the row is
+released. pipeline/step.py builds the one store and hands it to the stages
+(StageDeps.samplers); persist reads only `checkpoint_key`. Nothing of it lives on the Request.
+Engine thread."""
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
@@ -93,6 +94,17 @@ class SamplerStates:
             return self._resume.get(request_id)
         key = state.prev_key if ahead and state.prev_key is not None else state.key
         return key.tolist()
+
+    def mark(self, request_id: str) -> RowSampling | None:
+        """A copy of the row's state as it is now (verify: after its pick at one position)."""
+        state = self._rows.get(request_id)
+        return replace(state) if state is not None else None
+
+    def rewind(self, request_id: str, mark: RowSampling | None) -> None:
+        """Back to `mark`: verify keeps the picks up to that position, so the row's stream
+        goes on exactly as if it had sampled only those (seeded output equals draft=none's)."""
+        if mark is not None:
+            self._rows[request_id] = mark
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

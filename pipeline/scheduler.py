@@ -48,14 +48,13 @@ class Scheduler:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.limits = Limits.fit(cfg, on_gpu=False)
-        self.num_drafts = cfg.draft.num_draft_tokens if cfg.draft.name != "none" else 0
+        self.num_drafts = cfg.draft.num_draft_tokens if cfg.draft.enabled else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.memory: MemoryModel | None = None
         self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
         self.kv_reserved = 0
         self.lookup: Callable[[Request], CacheHit | None] | None = None   # cache_lookup stage
-        self.share_prefixes = False   # set when a prompt cache can hand prefixes over
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
@@ -64,8 +63,12 @@ class Scheduler:
     def max_batch(self) -> int:
         return self.limits.max_batch
 
-    def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None) -> None:
+    def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
+                  lookup: Callable[[Request], CacheHit | None] | None = None) -> None:
+        """At load, once the device and the stages are known: the step's shape, the memory
+        model, and the cache_lookup stage when a prompt cache can hand prefixes over."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
+        self.lookup = lookup
 
     # -- membership -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -154,7 +157,7 @@ class Scheduler:
         try:
             while self.waiting and len(self.running) < self.limits.max_batch:
                 req = self.waiting[0]
-                if self.share_prefixes and self._donor_prefilling(req):
+                if self.lookup is not None and self._donor_prefilling(req):
                     deferred.append(self.waiting.popleft())
                     continue
                 if self.kv_budget is not None and self.memory is not None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pipeline.config import ServeConfig
     from pipeline.loader import LoadedModel
     from pipeline.metrics import Metrics
+    from pipeline.prompt_cache.ram import PromptCache
     from pipeline.sampler_states import SamplerStates
 
 
@@ -53,18 +54,31 @@ class Prefill(Protocol):
 
 class Sample(Protocol):
     """Engine thread. One token per sampling row (lazy arrays); a row whose own settings
-    fail is reported in `Sampled.failed`, the others' tokens do not depend on it."""
+    fail is reported in `Sampled.failed`, the others' tokens do not depend on it. With
+    drafts, verify calls it once per drafted position with the logits there (a grammar row's
+    matcher standing after the drafts before it): picks at positions past a rejected draft
+    are discarded, so a stage keeping state per call sees those calls too."""
 
     def __call__(self, logits: Logits, rows: Sequence[Request]) -> Sampled: ...
 
 
 class Verify(Protocol):
-    """Engine thread. Accept the longest prefix of each row's drafts the target agrees with
-    (lossless), plus the target's own next token; host results. The engine then rolls the
-    row store back to what was kept."""
+    """Engine thread; built as `Cls(cfg, deps, sample)` with the step's sample stage. Accept
+    the longest prefix of each row's drafts the target agrees with (lossless: the sample
+    stage's own picks), plus the target's own next token; host results. Rolls the row store
+    back to what was kept (`kv.rollback`); the step then sets each row's next input."""
 
     def __call__(self, logits: Logits, plan: StepPlan, rows: Sequence[Request],
                  kv: RowStore) -> StepOutput: ...
+
+
+class Ledger(Protocol):
+    """The scheduler's in-flight view (pipeline/scheduler.py): a row's tokens and decode
+    steps planned but not yet applied (their KV exists, their counters have not moved)."""
+
+    def tokens_ahead(self, request_id: str) -> int: ...
+
+    def outputs_ahead(self, request_id: str) -> int: ...
 
 
 class Persist(Protocol):
@@ -98,16 +112,19 @@ class EngineLimits:
 @dataclass(frozen=True)
 class StageDeps:
     """What step stages are built with, on the engine thread after the model loads. Read-only:
-    no stage publishes anything here for another. `samplers` is the one owner of the rows'
-    sampling state, built by the step: the sample stage makes and advances a row's state there,
-    verify advances it after an acceptance."""
+    no stage publishes anything here for another, and nothing is set on a stage after it is
+    built. `samplers` is the one owner of the rows' sampling state, built by the step: the
+    sample stage makes and advances a row's state there, persist reads a checkpoint's key.
+    `ledger` is the scheduler's in-flight view (persist: the KV a row holds beyond its
+    counters)."""
 
     cfg: ServeConfig
     loaded: LoadedModel
     metrics: Metrics
     layout: Any                # pipeline.kv.layouts.DenseLayout (or another layout)
-    prompt_cache: Any = None   # pipeline.prompt_cache.ram.RamPromptCache, or None (cache=off)
-    samplers: SamplerStates | None = None   # every row's sampling state (sample, verify)
+    prompt_cache: PromptCache | None = None   # None: cache=off
+    samplers: SamplerStates | None = None   # every row's sampling state (sample, persist)
+    ledger: Ledger | None = None            # None: nothing is ever planned ahead
 
     @property
     def model(self) -> Any:
@@ -115,6 +132,6 @@ class StageDeps:
 
     @property
     def keep_hidden(self) -> bool:
-        """draft=mtp: forwards also return the trunk's hidden states (the head drafts from
-        them)."""
-        return self.cfg.draft.name == "mtp"
+        """Forwards also return the trunk's hidden states (a proposer drafts from them: the
+        draft option's own schema says so)."""
+        return self.cfg.draft.keep_hidden

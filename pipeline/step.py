@@ -14,6 +14,8 @@ import mlx.core as mx
 
 from pipeline.config import ServeConfig, build
 from pipeline.distributed.shard import sharding
+from pipeline.forward import Forward
+from pipeline.grammar import catch_up
 from pipeline.kv.attention import install as install_attention
 from pipeline.kv.attention import on_cuda
 from pipeline.kv.layouts import build_layout
@@ -22,10 +24,11 @@ from pipeline.loader import LoadedModel, load
 from pipeline.memory import MemoryModel, setup_memory
 from pipeline.metrics import Metrics
 from pipeline.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
+from pipeline.prompt_cache.ram import PromptCache
 from pipeline.request import Request
 from pipeline.sampler_states import SamplerStates
 from pipeline.scheduler import Limits
-from pipeline.stage import StageDeps
+from pipeline.stage import Ledger, StageDeps
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,7 +37,8 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class Launched:
     """A step whose forward is queued on the device: `sampled` (lazy, read back later: the
-    next step may be planned first) or `output` (a verify step: already on the host)."""
+    next step may be planned first) or `output` (a verify step: already on the host).
+    `failed`: rows whose grammar could not take their output (they fail with the step)."""
 
     plan: StepPlan
     logits: Logits
@@ -42,6 +46,7 @@ class Launched:
     output: StepOutput | None = None
     sync: bool = False
     queued: list[Any] | None = None   # arrays not yet handed to the device (Step.dispatch)
+    failed: dict[str, BaseException] | None = None
 
     @property
     def samples(self) -> bool:
@@ -50,23 +55,22 @@ class Launched:
 
 class Step:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel, metrics: Metrics, layout: Any,
-                 prompt_cache: Any, ledger: Any) -> None:
-        self.samplers = SamplerStates()   # every row's sampling state (sample and verify)
+                 prompt_cache: PromptCache | None, ledger: Ledger) -> None:
+        self.samplers = SamplerStates()   # every row's sampling state (sample, persist)
         self._metrics, self._layout, self._cache, self._steps = metrics, layout, prompt_cache, 0
-        self._ticking = hasattr(prompt_cache, "tick")   # a prompt cache with idle work
-        deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers)
+        self._ticking = prompt_cache is not None and prompt_cache.idle_work
+        deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers, ledger)
         slots = cfg.pipeline
-        self.kv = RowStore(lambda: layout.make_cache(loaded.model))
+        # a verify's rollback replays kept tokens of recurrent layers through the target
+        self.kv = RowStore(lambda: layout.make_cache(loaded.model), Forward(loaded.model).feed)
         self.lookup = build(slots.cache_lookup._target_, cfg, deps)
         self.prefill = build(slots.prefill._target_, cfg, deps)
         self.sample = build(slots.sample._target_, cfg, deps)
         self.persist = build(slots.persist._target_, cfg, deps)
-        self.persist.tokens_ahead = ledger.tokens_ahead     # the KV a row holds beyond its
-        self.persist.outputs_ahead = ledger.outputs_ahead   # counters (planned, not applied)
-        self.persist.sampler_key = self.samplers.checkpoint_key   # a checkpoint's PRNG key
-        speculative = cfg.draft.name != "none"
+        speculative = cfg.draft.enabled
         self.draft = build(slots.draft._target_, cfg, deps) if speculative else None
-        self.verify = build(slots.verify._target_, cfg, deps) if speculative else None
+        self.verify = (build(slots.verify._target_, cfg, deps, self.sample)   # picks with it
+                       if speculative else None)
         names = ["draft", "prefill", "sample", "verify", "persist"]
         self._timers = {n: metrics.stage_seconds.labels(n) for n in names}
         self._tokens = {p: metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
@@ -87,6 +91,7 @@ class Step:
             kv.adopt(rid, hit.caches)
             if hit.key is not None:   # a checkpoint resume: its sampler stream goes on
                 self.samplers.resume(rid, hit.key)
+        failed = catch_up(r.request for r in plan.decode)   # grammars take the applied output
         drafts = NO_DRAFTS
         if self.draft is not None and plan.decode:
             drafts = self._timed("draft", lambda: self.draft(plan, kv))
@@ -98,9 +103,12 @@ class Step:
         rows = [by_id[rid] for rid in logits.order]
         if plan.has_drafts:
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
-            return Launched(plan, logits, output=output, sync=True)
+            kv.set_next(logits.order, mx.array([output.rows[rid].token_ids[-1]
+                                                for rid in logits.order], dtype=mx.uint32))
+            return Launched(plan, logits, output=output, sync=True, failed=failed)
         sampled = self._timed("sample", lambda: self.sample(logits, rows))
-        launched = Launched(plan, logits, sampled, sync=sampled.sync or drafts.sync)
+        launched = Launched(plan, logits, sampled, sync=sampled.sync or drafts.sync,
+                            failed=failed)
         if rows:
             kv.set_next(sampled.order, sampled.token_ids)
             launched.queued = sampled.arrays()
@@ -127,6 +135,13 @@ class Step:
     @staticmethod
     def read(launched: Launched) -> StepOutput:
         """The step's results on the host (waits for the device)."""
+        out = Step._read(launched)
+        for rid, cause in (launched.failed or {}).items():
+            out.failed.setdefault(rid, cause)
+        return out
+
+    @staticmethod
+    def _read(launched: Launched) -> StepOutput:
         if launched.output is not None:
             return launched.output
         Step.dispatch(launched)
@@ -186,7 +201,7 @@ class Step:
             sample_memory(self._metrics, self.kv, self._layout)
 
     def close(self) -> None:
-        if hasattr(self._cache, "close"):
+        if self._cache is not None:
             self._cache.close()   # drains the SSD writer
 
 
@@ -199,7 +214,7 @@ class Parts:
     layout: Any
     memory: MemoryModel
     kv_pool_bytes: int | None
-    prompt_cache: Any
+    prompt_cache: PromptCache | None
     step: Step
 
 
@@ -209,22 +224,21 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     loaded = load(cfg.model, shard=sharding(cfg))   # None unless distributed≠none
     layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
     composed = cfg.model.composed_attention
-    if layout.name != "dense" or (composed and on_cuda()):
+    if layout.own_attention or (composed and on_cuda()):
         install_attention(loaded.model, composed_on_cuda=composed,
                           compose_decode=cfg.model.composed_decode)
     limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
     memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
-    scheduler.configure(limits, memory, kv_budget)
-    log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
-             limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
     prompt_cache = None
-    if cfg.cache.name != "off":
+    if cfg.cache.enabled:
         prompt_cache = build(cfg.cache._target_, cfg, metrics, cache_identity(loaded, layout))
     layout.attach(prompt_cache)
     step = Step(cfg, loaded, metrics, layout, prompt_cache, scheduler)
-    if prompt_cache is not None:
-        scheduler.lookup = step.lookup
-        scheduler.share_prefixes = True
+    # with a prompt cache, admission looks each request up (and may wait for a shared prefix)
+    scheduler.configure(limits, memory, kv_budget,
+                        lookup=step.lookup if prompt_cache is not None else None)
+    log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
+             limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
     return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)
 
 

@@ -21,7 +21,7 @@ class CacheLookup:
     def __call__(self, req: Request) -> CacheHit | None:
         if self.cache is None:
             return None
-        checkpoints = getattr(self.cache, "checkpoints", None)
+        checkpoints = self.cache.checkpoints
         if checkpoints is not None:
             hit = self._resume(req, checkpoints)
             if hit is not None:

@@ -58,8 +58,7 @@ class Draft:
         for i, row in enumerate(rows):
             grammar = row.request.grammar
             if grammar is not None and proposals[i]:
-                try:
-                    grammar.advance(row.request.output_ids)
+                try:   # (the step advanced the matcher to the row's output)
                     proposals[i] = proposals[i][:grammar.valid_prefix(proposals[i])]
                 except Exception as e:   # a draft is only a guess: this row drafts nothing
                     log.warning("grammar could not check drafts of %s: %s",

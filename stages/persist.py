@@ -1,11 +1,12 @@
 """Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
 done, each finished request's prompt + output before its KV is freed, and (cache.
 checkpoint_every) a checkpoint of each running row that emitted N more tokens. It asks the
-row store for a row's caches; it never looks for them, and a checkpoint's sampler key comes
-from `sampler_key` (wired by pipeline/step.py), not from another stage's state. Engine thread."""
+row store for a row's caches; it never looks for them. The scheduler's in-flight ledger and a
+checkpoint's sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from
+another stage's state. Engine thread."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from pipeline.config import ServeConfig
@@ -21,12 +22,12 @@ class Persist:
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.cache = deps.prompt_cache
-        self.checkpoints = getattr(self.cache, "checkpoints", None)
-        # the scheduler's ledger: tokens of a row planned but not applied (their KV exists)
-        self.tokens_ahead: Callable[[str], int] = lambda _rid: 0
-        self.outputs_ahead: Callable[[str], int] = lambda _rid: 0
-        # the sampler's key a checkpoint resumes with (request id, a sampled step is ahead)
-        self.sampler_key: Callable[[str, bool], list[int] | None] = lambda _rid, _ahead: None
+        self.checkpoints = self.cache.checkpoints if self.cache is not None else None
+        self.ledger = deps.ledger       # tokens of a row planned but not applied (KV exists)
+        self.samplers = deps.samplers   # the key a checkpoint resumes its sampler with
+
+    def _tokens_ahead(self, rid: str) -> int:
+        return self.ledger.tokens_ahead(rid) if self.ledger is not None else 0
 
     def prompts(self, plan: StepPlan, kv: RowStore) -> None:
         """Right after the forward: the prompts whose prefill finished in it (the prefix every
@@ -64,7 +65,7 @@ class Persist:
         if caches is None:
             return
         known = req.key_ids + req.output_ids
-        fed = req.num_computed_tokens + self.tokens_ahead(req.request_id)   # KV held
+        fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
         if fed > len(known):            # e.g. the stop token was fed one step ahead
             if not all(c.is_trimmable() for c in caches):
                 return
@@ -80,7 +81,9 @@ class Persist:
         caches = kv.caches_of(req.request_id)
         if caches is None:
             return
-        # the key the next unseen token will be sampled with
-        key = self.sampler_key(req.request_id, self.outputs_ahead(req.request_id) > 0)
+        # the key the next unseen token will be sampled with (a sampled step may be ahead)
+        ahead = self.ledger is not None and self.ledger.outputs_ahead(req.request_id) > 0
+        key = (self.samplers.checkpoint_key(req.request_id, ahead)
+               if self.samplers is not None else None)
         self.checkpoints.save(req, [lend(c) for c in caches], key,
-                              req.num_computed_tokens + self.tokens_ahead(req.request_id))
+                              req.num_computed_tokens + self._tokens_ahead(req.request_id))

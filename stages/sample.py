@@ -11,8 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from pipeline.config import ServeConfig
-from pipeline.errors import InvalidRequest
-from pipeline.grammar import fill_bitmask
+from pipeline.grammar import fill_bitmask, grammar_failed
 from pipeline.plan import Logits, Sampled
 from pipeline.request import Request
 from pipeline.sampler_states import RowSampling, SamplerStates
@@ -100,8 +99,8 @@ class Sample:
 
     def _constrain(self, failed: dict[str, BaseException], logits: mx.array,
                    reqs: list[Request]) -> mx.array:
-        """Constrained rows: tokens their grammar does not allow get -inf. Each matcher first
-        accepts the tokens emitted since the last step (the engine read them back: sync).
+        """Constrained rows: tokens their grammar does not allow get -inf, from the matcher's
+        state (the step advanced it to the output read back: sync; verify, past the drafts).
         Free rows get an all-ones mask, so their logits pass through unchanged. A matcher that
         fails (its grammar hit a parser limit, or nothing is allowed) fails its row."""
         rows, vocab = logits.shape
@@ -110,7 +109,6 @@ class Sample:
         for i, req in enumerate(reqs):
             if req.grammar is not None:
                 try:
-                    advance(req)
                     fill_bitmask([(i, req.grammar)], host)
                     if not host[i].any():
                         raise grammar_failed(req)
@@ -152,22 +150,3 @@ def top_k(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
     vals = mx.take_along_axis(logprobs, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-
-
-def advance(req: Request) -> None:
-    """The row's matcher accepts the tokens emitted since the last step."""
-    assert req.grammar is not None
-    if not req.grammar.advance(req.output_ids):
-        raise grammar_failed(req)
-
-
-def grammar_failed(req: Request) -> InvalidRequest:
-    """The row's grammar could not go on (it hit a parser limit, or allows nothing): a
-    client error naming the constraint's field, with the grammar library's reason."""
-    c, m = req.constraint, req.grammar
-    assert m is not None
-    param = c.param if c is not None else "grammar"
-    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
-    reason = lines[0][:300] if lines else "no token is allowed"   # the rest: parser state
-    return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
-                          f"tokens: {reason}", param=param, code="constraint_failed")

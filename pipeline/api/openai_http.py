@@ -104,7 +104,7 @@ def _choices(scope: Scope, first: Generation, rest: list[Request],
     if not rest:
         return None
     return Choices(first, lambda: [scope.submit(r, parse_output=chat) for r in rest],
-                   wait_first=scope.ctx.cfg.cache.name != "off")
+                   wait_first=scope.ctx.cfg.cache.enabled)
 
 
 async def _one(gen: Generation) -> AsyncIterator[tuple[int, Delta | None]]:

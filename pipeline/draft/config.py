@@ -28,6 +28,17 @@ class DraftConfig:
         """The option (`draft=<name>`): the `proposer` metric label, the name in messages."""
         return name_of(self)
 
+    @property
+    def enabled(self) -> bool:
+        """Rows draft and verify (every option but draft=none)."""
+        return True
+
+    @property
+    def keep_hidden(self) -> bool:
+        """The target's forwards also return the trunk's hidden states (the proposer drafts
+        from them)."""
+        return False
+
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 64:
             raise ConfigError(
@@ -43,6 +54,10 @@ class DraftConfig:
 @dataclass
 class NoDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.NoDraft"
+
+    @property
+    def enabled(self) -> bool:
+        return False
 
 
 @register("draft", "ngram")
@@ -71,3 +86,7 @@ class ModelDraftConfig(DraftConfig):
 @dataclass
 class MtpDraftConfig(DraftConfig):
     _target_: str = "pipeline.draft.proposers.MtpProposer"
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the MTP head drafts from the trunk's hidden states

@@ -1,7 +1,7 @@
 """Proposers for speculative decoding (the `draft` config group): each offers up to
 `draft.num_draft_tokens` tokens per decode row; the verify stage checks them against the target.
-Engine thread. Each proposer keeps its per-row state itself, by request id, and drops it in
-`release`."""
+Engine thread. Each proposer keeps its per-row state by request id and drops it in `release`;
+a proposer with KV of its own (draft=model, draft=mtp) keeps it in its own RowStore."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,7 @@ import mlx.core as mx
 from pipeline.config import ServeConfig
 from pipeline.draft.ngram import NgramIndex
 from pipeline.errors import ConfigError
+from pipeline.kv.rows import RowStore
 from pipeline.plan import PlannedRow
 from pipeline.request import Request
 from pipeline.stage import StageDeps
@@ -98,7 +99,6 @@ class ModelProposer(NoDraft):
         from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
         from pipeline.forward import Forward
-        from pipeline.kv.rows import RowStore
         from pipeline.loader import load
         draft_cfg = replace(cfg.model, path=cfg.draft.path, name="draft", chat_template=None,
                             adapter=None, adapters=[])   # the draft runs without the adapter (verify uses it)
@@ -222,13 +222,13 @@ class ModelProposer(NoDraft):
 
 
 class _MtpRow:
-    """The MTP head's KV for one row: `end` is the next target position it has not consumed;
-    `pending` holds the target's hidden states (position, (1, n, H)) not yet consumed."""
+    """Where the MTP head is in one row (its KV is the proposer's row store's): `end` is the
+    next target position it has not consumed; `pending` holds the target's hidden states
+    (position, (1, n, H)) not yet consumed."""
 
-    __slots__ = ("cache", "end", "pending", "extra")
+    __slots__ = ("end", "pending", "extra")
 
-    def __init__(self, cache: list[Any]) -> None:
-        self.cache = cache
+    def __init__(self) -> None:
         self.end: int | None = None
         self.pending: list[tuple[int, mx.array]] = []
         self.extra = 0   # speculative entries appended while drafting (trimmed at settle)
@@ -238,7 +238,9 @@ class MtpProposer(NoDraft):
     """draft=mtp: the checkpoint's multi-token-prediction head (mtp.* weights) drafts from the
     target's own hidden states, sharing its embeddings and output head. Positions whose hidden
     states were never computed here (a prompt-cache hit) are skipped: the head's KV starts at
-    the first position this server computed (RoPE is relative, so the shift is harmless)."""
+    the first position this server computed (RoPE is relative, so the shift is harmless).
+    The head's per-row KV lives in the proposer's own RowStore (each row's own caches: the
+    head drafts row by row)."""
 
     name = "mtp"
 
@@ -253,16 +255,18 @@ class MtpProposer(NoDraft):
                 f"draft=mtp: model {ctx.loaded.path} has no multi-token-prediction head "
                 "(no mtp.* weights); use draft=ngram or draft=model")
         self.rows: dict[str, _MtpRow] = {}
+        self.kv = RowStore(self.head.make_cache)
         log.info("draft=mtp: %d MTP layer(s) loaded", self.head.num_layers)
 
     def _row(self, req: Request) -> _MtpRow:
         row = self.rows.get(req.request_id)
         if row is None:
-            row = self.rows[req.request_id] = _MtpRow(self.head.make_cache())
+            row = self.rows[req.request_id] = _MtpRow()
         return row
 
     def release(self, req: Request) -> None:
         self.rows.pop(req.request_id, None)
+        self.kv.release(req.request_id)
 
     def capture(self, req: Request, position: int, hidden: mx.array) -> None:
         self._row(req).pending.append((position, hidden))
@@ -271,22 +275,22 @@ class MtpProposer(NoDraft):
                 limits: list[int]) -> list[list[int]]:
         out = []
         for req, ctx, k in zip(reqs, contexts, limits):
-            row = self._row(req)
-            logits, g = self._catch_up(row, ctx)
+            row, cache = self._row(req), self.kv.own(req.request_id)
+            logits, g = self._catch_up(row, cache, ctx)
             if logits is None or k <= 0:
                 out.append([])
                 continue
             token = mx.argmax(logits[:, -1, :], axis=-1)
             drafts = [token]
             for step in range(1, k):
-                logits, g = self.head(g[:, -1:, :], token[:, None], row.cache, step)
+                logits, g = self.head(g[:, -1:, :], token[:, None], cache, step)
                 row.extra += 1
                 token = mx.argmax(logits[:, -1, :], axis=-1)
                 drafts.append(token)
             out.append(mx.concatenate(drafts).tolist())
         return out
 
-    def _catch_up(self, row: _MtpRow, ctx: list[int]) -> tuple[Any, Any]:
+    def _catch_up(self, row: _MtpRow, cache: list[Any], ctx: list[int]) -> tuple[Any, Any]:
         """Feed the head every pending hidden state whose next token is known; returns the
         logits and hidden output at the last fed position (predicting the next input's
         successor: the first draft)."""
@@ -304,7 +308,7 @@ class MtpProposer(NoDraft):
                 row.pending.append((pos, hidden))
                 continue
             nxt = mx.array(ctx[pos + 1:pos + 1 + n], dtype=mx.uint32)[None]
-            logits, g = self.head(hidden[:, :n], nxt, row.cache, 0)
+            logits, g = self.head(hidden[:, :n], nxt, cache, 0)
             row.end = pos + n
             if n < hidden.shape[1]:
                 row.pending.append((pos + n, hidden[:, n:]))
@@ -316,6 +320,5 @@ class MtpProposer(NoDraft):
         for req in reqs:
             row = self.rows.get(req.request_id)
             if row is not None and row.extra:
-                for c in row.cache:
-                    c.trim(row.extra)
+                self.kv.trim_own(req.request_id, row.extra)
                 row.extra = 0

@@ -55,6 +55,7 @@ class DenseLayout:
 
     grouped_prefill = True   # prompts of similar length may share one padded prefill forward
     quantizes = False        # full-attention layers convert to quantized KV
+    own_attention = False    # its caches need pipeserve's attention (pipeline/kv/attention.py)
     # on_convert(rows): rows' caches converted to the quantized layout, in shares of a row (one
     # layer cache of a row is 1 / its converting layers); set by build_layout
     on_convert: Callable[[float], None] | None = None
@@ -120,6 +121,7 @@ class _Converting(DenseLayout, ABC):
     """Layouts that quantize: rows stay dense until `quantized_start` tokens, then convert."""
 
     grouped_prefill = False
+    own_attention = True
     quantizes = True
 
     @abstractmethod
@@ -303,6 +305,7 @@ class PagedLayout(DenseLayout):
     the first divergent block), so the prompt cache and the running rows are one pool."""
 
     grouped_prefill = False
+    own_attention = True
 
     def prepare(self, model: Any) -> None:
         super().prepare(model)

@@ -2,15 +2,20 @@
 a row's own per-layer caches (prefill, prompt-cache hits), a group of rows prefilled together
 in one batched cache, or the decode batch (one batched cache per layer, rows in order, with
 each row's next input token). Rows are request ids; this module knows no request state.
-Merging, extending, filtering and padding live here. Engine thread only."""
+Merging, extending, filtering, padding and a verify step's rollback live here (the replay a
+recurrent layout needs runs through the forward the store is built with). Engine thread only."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from pipeline.plan import PlannedRow
+
+Replay = Callable[[list[PlannedRow], "RowStore"], Any]   # Forward.feed: rows feed host tokens
 
 
 @dataclass(eq=False)
@@ -35,10 +40,14 @@ class RowStore:
     """Rows join the decode batch after their prefill (own caches are merged in, a prefill
     group is extended in whole) and leave when released (filtered out). A lone decode row keeps
     plain per-row caches (`solo`): no padding mask, the exact arithmetic of mlx-lm; the batch
-    converts when a second row joins and back when it drains to one."""
+    converts when a second row joins and back when it drains to one. `replay` is the forward
+    a rollback replays kept tokens through (recurrent layers); a store that never rolls back a
+    recurrent batch needs none."""
 
-    def __init__(self, make_cache: Callable[[], list[Any]]) -> None:
+    def __init__(self, make_cache: Callable[[], list[Any]], replay: Replay | None = None) -> None:
         self.make_cache = make_cache
+        self.replay = replay
+        self._verify: tuple[int, Snapshot | None] | None = None   # (width, state) of a verify
         self._own: dict[str, list[Any]] = {}
         self._groups: dict[str, _Group] = {}
         self._rows: list[str] = []            # the decode batch, in row order
@@ -113,6 +122,7 @@ class RowStore:
         """Make the batch hold exactly `rids`: continuing rows keep their order, the rest are
         dropped (their KV kept as their own caches), newcomers join at the end with their
         input from `known` (host tokens). Returns (caches, row order, next-input tokens)."""
+        self._verify = None   # a forward follows: an earlier verify's state is stale
         wanted = set(rids)
         keep = [i for i, r in enumerate(self._rows) if r in wanted]
         if len(keep) != len(self._rows):
@@ -241,10 +251,40 @@ class RowStore:
                 if c.is_trimmable():
                     c.trim(drop)
 
-    @property
-    def batch_caches(self) -> list[Any] | None:
-        """The decode batch's caches (for a rollback replay forward)."""
-        return self._caches
+    def before_verify(self, width: int) -> None:
+        """The decode batch is about to feed `width` positions per row (its input, then its
+        drafts, right-padded): keep what `rollback` needs — the recurrent layers' state (a
+        zero-copy snapshot) and the width."""
+        self._verify = (width, self.snapshot())
+
+    def rollback(self, rows: Sequence[PlannedRow], kept: Mapping[str, int]) -> None:
+        """After that verify forward: keep, per decode row, the KV of its input and its first
+        `kept[rid]` drafts and drop the rest. Attention-only: each row's surplus is trimmed (a
+        batched row's becomes left padding). With recurrent layers their state goes back to the
+        snapshot, every trimmable layer drops the whole width, and each row's input + kept
+        drafts are fed again through `replay`. `rows` are the plan's decode rows (any order)."""
+        held, self._verify = self._verify, None
+        assert held is not None and self._caches is not None, "rollback without a verify"
+        width, snap = held
+        drop = [width - 1 - kept[rid] for rid in self._rows]
+        if not any(drop):
+            return
+        if snap is None:
+            self.trim_decode(drop)
+            return
+        assert self.replay is not None, "a recurrent rollback needs the store's replay forward"
+        self.restore(snap, drop=width)
+        by_id = {r.request_id: r for r in rows}
+        again = [replace(by_id[rid], num_tokens=1, drafts=by_id[rid].drafts[:kept[rid]])
+                 for rid in self._rows]
+        self.replay(again, self)
+        mx.eval([c.state for c in self._caches])
+
+    def trim_own(self, rid: str, n: int) -> None:
+        """Drop the last `n` positions of the row's own caches (a draft head's speculative
+        entries)."""
+        for c in self._own.get(rid, ()):
+            c.trim(n)
 
     def trim_decode(self, drop: Sequence[int]) -> None:
         """Drop the last `drop[i]` positions of decode row i (rejected drafts): a batched
@@ -279,6 +319,7 @@ class RowStore:
         drop it; returns the rows that lost their KV (rows with their own caches keep them)."""
         lost = list(self._rows) + list(self._groups)
         self._groups.clear()
+        self._verify = None
         self._rows, self._caches, self._next, self.solo = [], None, None, False
         return lost
 

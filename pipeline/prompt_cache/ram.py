@@ -7,11 +7,12 @@ copies, so the entry stays intact. Both go through the caches' `state` / `from_s
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, PromptTrie, can_trim_prompt_cache
@@ -19,6 +20,9 @@ from mlx_lm.models.cache import CacheList, PromptTrie, can_trim_prompt_cache
 from pipeline.config import ServeConfig
 from pipeline.metrics import Metrics
 from pipeline.prompt_cache.protocol import content_state, lend, rebuild
+
+if TYPE_CHECKING:
+    from pipeline.prompt_cache.checkpoint import Checkpoints
 
 log = logging.getLogger(__name__)
 TRIE_KEY = "model"   # the trie root of requests on the launch default (Request.adapter None)
@@ -109,8 +113,28 @@ class Lookup:
     reason: str                # "hit", or why nothing was reused
 
 
+class PromptCache(Protocol):
+    """What the step and its stages use of a prompt cache (cache=ram, cache=ssd); every
+    member is there on every tier, so nothing probes for one."""
+
+    checkpoints: Checkpoints | None   # generation checkpoints (cache.checkpoint_every), or None
+    idle_work: bool                   # `tick` has work to do while the engine is idle
+
+    def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup: ...
+
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> Any: ...
+
+    def tick(self) -> None: ...
+
+    def flush(self) -> threading.Event: ...
+
+    def close(self) -> None: ...
+
+
 class RamPromptCache:
     tier = "ram"
+    checkpoints: Checkpoints | None = None   # RAM only: no generation checkpoints
+    idle_work = False
 
     def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str = "") -> None:
         self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
@@ -236,6 +260,18 @@ class RamPromptCache:
             self.on_evict(entry)
         self._report()
         return True
+
+    def tick(self) -> None:
+        """Engine idle: nothing to do in RAM."""
+
+    def flush(self) -> threading.Event:
+        """Nothing waits for a disk: already set."""
+        done = threading.Event()
+        done.set()
+        return done
+
+    def close(self) -> None:
+        """Nothing to drain."""
 
     def _report(self) -> None:
         self.metrics.cache_entries.labels(self.tier).set(len(self.entries))

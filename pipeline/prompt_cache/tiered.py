@@ -25,6 +25,8 @@ TICK_BYTES = 64 << 20    # host bytes encoded per idle tick, so the engine answe
 
 
 class TieredPromptCache:
+    idle_work = True   # write-behind and demotion run in `tick`
+
     def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str) -> None:
         ssd = cfg.cache.ssd
         self.metrics = metrics

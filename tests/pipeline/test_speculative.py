@@ -282,3 +282,20 @@ def test_mtp_on_recurrent_models_rolls_back_every_layout(engine_factory, model: 
         assert 0 < accepted < proposed
     assert spec.metrics.batch_size._sum.get() > 4 * 5   # the rows shared verify forwards
     wait_idle(spec)
+
+
+@pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("mtp", "qwen")])
+def test_seeded_sampling_equals_plain_decode(engine_factory, proposer: str, model: str) -> None:
+    """Verify picks each drafted position with the sample stage and rewinds the row's sampler
+    to the last kept position, so a seeded sampled row draws the keys it draws without drafts:
+    the same tokens, batched, with drafts kept along the way."""
+    sampling = dict(max_tokens=32, temperature=0.8, top_k=8)
+
+    def go(h: EngineHarness) -> list[list[int]]:
+        reqs = [h.request(p, seed=10 + i, **sampling) for i, p in enumerate(prompts(h, 3))]
+        return [g["ids"] for g in asyncio.run(h.generate_many(reqs))]
+
+    expected = go(engine_factory(f"model={model}"))
+    spec = engine_factory(f"model={model}", f"draft={proposer}")
+    assert go(spec) == expected
+    assert counter(spec, "spec_accepted", proposer) > 0

@@ -2,7 +2,8 @@
 `pipeline.sample`, filled by a class of this module built as `Cls(cfg, deps)` and called as
 `(logits: Logits, rows) -> Sampled`, using only public names of pipeline.plan/pipeline.stage.
 Its effect is visible in the output: it always picks the second most likely token, and the
-served tokens equal mlx-lm's own loop with that sampler."""
+served tokens equal mlx-lm's own loop with that sampler — with drafts too (verify picks with
+the configured sample stage). A replaced persist gets all it needs from its constructor."""
 from __future__ import annotations
 
 import asyncio
@@ -62,20 +63,16 @@ class WrongCall:
 
 
 class PersistThatFailsOnce:
-    """The built-in persist, whose first retirement fails the way a full device does."""
+    """The built-in persist, whose first retirement fails the way a full device does. Only
+    the Persist protocol's two calls are forwarded: nothing is set on a stage after it is
+    built (the ledger and the sampler keys come in `deps`)."""
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         from stages.persist import Persist
         self.inner, self.failed = Persist(cfg, deps), False
 
-    def __getattr__(self, name: str):   # prompts(), the ledger hooks: the built-in's
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in ("inner", "failed"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)
+    def prompts(self, plan, kv) -> None:
+        self.inner.prompts(plan, kv)
 
     def __call__(self, finished, running, kv) -> None:
         if finished and not self.failed:
@@ -125,16 +122,30 @@ def test_a_third_party_sample_stage_serves_batched_rows(engine_factory) -> None:
     assert max(len(rows) for _, rows in h.engine.step.sample.calls) == len(PROMPTS)
 
 
-def test_a_third_party_sample_stage_with_drafts_is_refused_at_launch() -> None:
-    """With draft≠none the verify step picks the tokens of the steps that verify drafts, from
-    the built-in sampler's distribution (lossless speculation needs it): a replaced sample
-    stage would be bypassed behind the user's back, so the combination is refused."""
-    from pipeline.errors import ConfigError
-    from tests.conftest import make_config
-    with pytest.raises(ConfigError, match=r"pipeline.sample._target_=.*SecondBest with "
-                                          r"draft=ngram is not supported"):
-        make_config("draft=ngram", f"pipeline.sample._target_={HERE}.SecondBest")
-    make_config("draft=none", f"pipeline.sample._target_={HERE}.SecondBest")   # fine alone
+@pytest.mark.parametrize("model,draft", [("tiny", "ngram"), ("qwen", "mtp")])
+def test_a_third_party_sample_stage_drafts_and_equals_its_plain_path(
+        engine_factory, model: str, draft: str) -> None:
+    """With draft≠none, verify picks each drafted position's token with the configured sample
+    stage, so the class's output with drafts equals its output without, token for token —
+    batched rows, drafts proposed and some kept — and differs from the built-in sampler's."""
+    mine = f"pipeline.sample._target_={HERE}.SecondBest"
+    prompts = [[11, 12, 13, 14, 15] * 4, [40 + i % 9 for i in range(37)]]
+    builtin = engine_factory(f"model={model}", f"draft={draft}")
+    plain = engine_factory(f"model={model}", mine)
+    spec = engine_factory(f"model={model}", mine, f"draft={draft}")
+
+    def run(h) -> list[list[int]]:
+        got = asyncio.run(h.generate_many([h.request(p, max_tokens=24) for p in prompts]))
+        return [g["ids"] for g in got]
+
+    expected = run(plain)
+    assert run(spec) == expected
+    assert run(builtin) != expected
+    proposed = spec.metrics.spec_proposed.labels(draft)._value.get()
+    accepted = spec.metrics.spec_accepted.labels(draft)._value.get()
+    assert proposed > 0 and 0 < accepted <= proposed
+    # verify asked the class about drafted positions (more calls than tokens sampled plainly)
+    assert len(spec.engine.step.sample.calls) > len(plain.engine.step.sample.calls)
 
 
 def test_a_sample_class_with_the_wrong_constructor_fails_at_launch(model_cache) -> None:
