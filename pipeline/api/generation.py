@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from pipeline.api.harmony import HarmonySplitter
 from pipeline.api.reasoning import ReasoningSplitter
 from pipeline.api.record import Record
 from pipeline.api.tools import ToolCall, ToolCallParser
@@ -68,7 +69,8 @@ class OutputChain:
     """Text → Delta through the request's parsers, in order: reasoning, then tool calls.
     `prefix` is assistant text the prompt already holds; it sets the parsers' state."""
 
-    def __init__(self, splitter: ReasoningSplitter | None, tools: ToolCallParser | None,
+    def __init__(self, splitter: ReasoningSplitter | HarmonySplitter | None,
+                 tools: ToolCallParser | None,
                  prefix: str = "") -> None:
         self.splitter, self.tools = splitter, tools
         if prefix:
@@ -82,7 +84,9 @@ class OutputChain:
         if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
                 and request.constraint is None):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id)
-        splitter = ReasoningSplitter(think) if think is not None else None
+        splitter: ReasoningSplitter | HarmonySplitter | None = (
+            HarmonySplitter() if markup.channels else
+            ReasoningSplitter(think) if think is not None else None)
         return cls(splitter, tools, request.output_prefix)
 
     @property
