@@ -114,7 +114,7 @@ _INFERENCE: tuple[tuple[str, Any], ...] = (
     ("mistral", lambda t: "[TOOL_CALLS]" in t and "[ARGS]" in t),
     ("mistral_v3", lambda t: "[TOOL_CALLS]" in t),
     ("hermes", lambda t: "<tool_call>" in t),
-    ("pythonic", lambda t: "<|python_start|>" in t),
+    ("pythonic", lambda t: "<|python_start|>" in t or "[func_name1(" in t),
     ("llama3", lambda t: "<|python_tag|>" in t),
     ("gemma", lambda t: "tool_code" in t),
 )

@@ -4,6 +4,7 @@ starts from. Called on the event loop, once per request; large inputs render and
 preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -184,8 +185,15 @@ class Tokenize:
         if template is not None:
             return self._render_sandboxed(template, messages, kwargs)
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True,
-                                           tokenize=False, **kwargs)
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False, **kwargs)
+            except TypeError:   # a template that joins arguments as text: give it text
+                if not any(m.get("tool_calls") for m in messages):
+                    raise
+                return tok.apply_chat_template(template_messages(messages, as_text=True),
+                                               add_generation_prompt=True, tokenize=False,
+                                               **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
@@ -204,6 +212,28 @@ class Tokenize:
         except template_sandbox.TemplateRejected as e:
             raise InvalidRequest(f"chat_template_kwargs.chat_template {e}",
                                  param="chat_template_kwargs.chat_template") from e
+
+
+def template_messages(messages: list[dict[str, Any]], as_text: bool) -> list[dict[str, Any]]:
+    """The messages with each tool call's arguments as a mapping (the Hugging Face convention:
+    `|tojson`, `.items()`) or, `as_text`, as its JSON text (templates that write
+    `name + '<sep>' + arguments`, as DeepSeek's do). Copies; the request's messages stay."""
+    if not as_text:
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_text_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _text_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), dict):
+        return call
+    return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"], ensure_ascii=False)}}
 
 
 def _small(inputs: PromptInput) -> bool:
