@@ -43,10 +43,13 @@ class Constraint:
     kind: ConstraintKind
     source: str
     param: str
+    tool_call: bool = False   # built for tool_choice / strict tools: the output is still parsed
+                              # as tool calls, and the grammar covers an opened think span
 
     @property
     def key(self) -> tuple[str, str]:
         return self.kind.value, self.source
+
 
     @classmethod
     def json_object(cls, param: str) -> Constraint:

@@ -73,6 +73,7 @@ class PromptInput:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tool_choice: str = "auto"                       # auto | none | required | named
     tool_name: str | None = None                    # the tool a `named` choice forces
+    parallel_tool_calls: bool = True                # false: at most one call per turn
 
 
 @dataclass(slots=True)

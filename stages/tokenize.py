@@ -12,11 +12,13 @@ from jinja2 import TemplateError
 from pipeline import template_sandbox
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
+from pipeline.grammar import Constraint
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
+from pipeline.tool_grammar import enforced, marker_lit, tool_constraint
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -47,6 +49,7 @@ class Tokenize:
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
+        self.lit = marker_lit(_added_tokens(self.tokenizer))
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -71,7 +74,11 @@ class Tokenize:
             text = self.render_text(inputs, template)
             self._check_length(text, "messages")
             request.output_prefix = self.markup.open_span(text)
-            forced = self._forced_call(inputs, request.output_prefix)
+            forced = ""
+            if enforced(self.markup.tool_format, inputs.tool_choice, inputs.tools):
+                request.constraint = self._tool_constraint(request)
+            else:
+                forced = self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
             request.prompt_ids = self.encode_rendered(text + forced)
         else:
@@ -127,6 +134,22 @@ class Tokenize:
                 f"{self.bound.max_token_chars}, so that is at least {least} tokens and the "
                 f"context limit is {self.max_context} — shorten the prompt",
                 param=field, code="context_length_exceeded")
+
+    def _tool_constraint(self, request: Request) -> Constraint:
+        """tool_choice required / named: the grammar of a well-formed call (after the think span
+        when the prompt opened one)."""
+        inputs, fmt = request.inputs, self.markup.tool_format
+        assert fmt is not None and inputs.tools
+        if request.constraint is not None:
+            raise InvalidRequest(
+                f"tool_choice {inputs.tool_choice!r} and {request.constraint.param} both constrain "
+                "the output; a required tool call is the whole answer — send one of them",
+                param=request.constraint.param)
+        think = self.markup.think
+        return tool_constraint(fmt, inputs.tools,
+                               inputs.tool_name if inputs.tool_choice == "named" else None,
+                               inputs.parallel_tool_calls, self.lit,
+                               think.end if request.output_prefix and think else None)
 
     def _forced_call(self, inputs: PromptInput, open_think: str) -> str:
         """tool_choice required / named: start the assistant turn with the call's opening
@@ -256,6 +279,15 @@ def _small(inputs: PromptInput) -> bool:
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
     return True
+
+
+def _added_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (text → id): grammars name them as tokens, not text."""
+    try:
+        added = tokenizer.added_tokens_decoder
+    except AttributeError:
+        return {}
+    return {str(getattr(t, "content", t)): int(i) for i, t in added.items()}
 
 
 def _backend(tokenizer: Any) -> Any:

@@ -48,8 +48,12 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
             raise InvalidRequest(f"thinking.type is {kind!r}; allowed: enabled, disabled, "
                                  "adaptive", param="thinking")
         kwargs.setdefault("enable_thinking", kind != "disabled")
+    disable = (F.get(body, "tool_choice", dict) or {}).get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise InvalidRequest("tool_choice.disable_parallel_tool_use must be a boolean",
+                             param="tool_choice")
     inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name)
+                         tool_choice=choice, tool_name=name, parallel_tool_calls=not disable)
     if count_only:
         return inputs, {}
     requested = sampling_fields(body, "stop_sequences")

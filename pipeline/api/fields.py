@@ -154,6 +154,11 @@ def _function_spec(fn: dict[str, Any], schema_key: str, where: str, param: str) 
                            "parameters": schema or {"type": "object", "properties": {}}}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest(f"{where}.strict must be a boolean, got {_short(strict)}", param=param)
+    if strict:
+        out["strict"] = True   # the arguments are generated under the schema, extra keys refused
     return out
 
 

@@ -80,10 +80,13 @@ class OutputChain:
     def for_request(cls, request: Request, markup: OutputMarkup) -> OutputChain:
         inputs, fmt, think = request.inputs, markup.tool_format, markup.think
         tools = None
-        # a constrained output (structured output) is the answer itself, never a tool call
+        # a constrained output (structured output) is the answer itself, never a tool call;
+        # a tool grammar's output is the call
+        constraint = request.constraint
         if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
-                and request.constraint is None):
-            tools = ToolCallParser(fmt, inputs.tools, request.request_id)
+                and (constraint is None or constraint.tool_call)):
+            tools = ToolCallParser(fmt, inputs.tools, request.request_id,
+                                   max_calls=None if inputs.parallel_tool_calls else 1)
         splitter: ReasoningSplitter | HarmonySplitter | None = (
             HarmonySplitter() if markup.channels else
             ReasoningSplitter(think) if think is not None else None)

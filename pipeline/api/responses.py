@@ -75,7 +75,8 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name)
+                         tool_choice=choice, tool_name=name,
+                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint)
 

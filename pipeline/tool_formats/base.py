@@ -116,9 +116,15 @@ def args_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# JSON inside a call is written as the templates write it (json.dumps: ", " and ": "), so a
+# model cannot spend its tokens on whitespace between the values of an argument object.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def json_rule(name: str, schema: dict[str, Any]) -> str:
     """A Lark rule `name` matching JSON valid under `schema` (llguidance's %json)."""
-    return f"{name}: %json {json.dumps(args_schema(schema), ensure_ascii=False)}\n"
+    body = {**args_schema(schema), "x-guidance": JSON_OPTIONS}
+    return f"{name}: %json {json.dumps(body, ensure_ascii=False)}\n"
 
 
 def alternatives(rules: list[str]) -> str:
@@ -142,25 +148,40 @@ def calls_grammar(specs: list[Spec], single: bool, one: Callable[[str, str], str
             f"call: {calls}\n{rules}")
 
 
-def text_until(name: str, close: str, lit: Lit) -> str:
-    """Lark terminal `name`: any text up to and including the first `close` marker."""
-    body = r"/(?s:.*)/"
-    if not lit(close).startswith("<["):   # a text marker: the text must not hold it
-        body += f" & ~/(?s:.*{_regex(close)}.*)/"
-    return f"{name}: ({body}) {lit(close)}\n"
+def text_until(name: str, close: str, lit: Lit, max_chars: int | None = None) -> tuple[str, str]:
+    """(reference, definition): any text (at most `max_chars`) up to and including the first
+    `close` marker. A text marker makes one terminal (text that never holds the marker, then the
+    marker: a greedy lexeme must end where the marker does); a token marker a rule."""
+    text = "(?s:.*)" if max_chars is None else f"(?s:.{{0,{max_chars}}})"
+    if lit(close).startswith("<["):   # text never holds a special token
+        return name.lower(), f"{name.lower()}: /{text}/ {lit(close)}\n"
+    return name.upper(), (f"{name.upper()}: (/{text}/ & ~/(?s:.*{_regex(close)}.*)/) "
+                          f"{lit(close)}\n")
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
 def _regex(text: str) -> str:
-    import re
-    return re.escape(text).replace("/", r"\/")
+    """`text` as a literal inside a Lark /regex/: punctuation escaped, control characters as
+    escapes (a raw newline would end the regex)."""
+    out = []
+    for ch in text:
+        if ch not in _REGEX_META:
+            out.append(ch)
+        elif ch in "\n\t\r":
+            out.append({"\n": r"\n", "\t": r"\t", "\r": r"\r"}[ch])
+        else:
+            out.append("\\" + ch)
+    return "".join(out)
 
 
 def xml_params(specs: list[Spec], lit: Lit, open_param: Callable[[str], str], close: str) -> str:
     """Rules `params{i}` for tools whose arguments are written one element each: for every
     declared property in order, `open_param(key)`, the value, `close` (optional unless
-    required). String values are free text (that never holds `close`), others JSON valid under
-    the property's schema."""
-    out = [text_until("SVAL", close, lit)]
+    required). String values are free text (that never holds `close`; at most maxLength),
+    others JSON valid under the property's schema."""
+    out = []
     for i, (_, schema) in enumerate(specs):
         props = (schema or {}).get("properties") or {}
         required = set((schema or {}).get("required") or [])
@@ -168,7 +189,9 @@ def xml_params(specs: list[Spec], lit: Lit, open_param: Callable[[str], str], cl
         for j, (key, prop) in enumerate(props.items()):
             prop = prop if isinstance(prop, dict) else {}
             if prop.get("type") == "string" and "enum" not in prop:
-                value = "SVAL"
+                limit = prop.get("maxLength") if isinstance(prop.get("maxLength"), int) else None
+                value, rule = text_until(f"s{i}_{j}", close, lit, limit)
+                out.append(rule)
             else:
                 value = f"v{i}_{j} {lit(close)}"
                 out.append(json_rule(f"v{i}_{j}", prop))

@@ -222,7 +222,7 @@ def test_constrained_and_free_requests_share_a_batch(client: openai.OpenAI, srv:
      "guided_json"),
     ("/v1/chat/completions", {"guided_choice": ["a"], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-     "guided_choice"),   # the forced call's markup opens the answer: the grammar cannot apply
+     "guided_choice"),   # a required call is the whole answer: two constraints cannot both hold
     ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x",
                                            "schema": {"$ref": "#/nowhere"}}}}, "text.format"),
 ])

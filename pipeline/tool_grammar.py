@@ -1,0 +1,66 @@
+"""Tool calls enforced by grammar: for tool_choice "required" or a named tool (and strict
+function schemas), the llguidance grammar of a well-formed call in the model family's own
+markup, arguments valid under each tool's schema, at most one call when parallel calls are off,
+after the think span when the prompt opened one. Event loop (tokenize); pure Python."""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from pipeline.grammar import Constraint, ConstraintKind
+from pipeline.tool_formats import Lit, Spec, ToolFormat
+from pipeline.tool_formats.base import text_until
+
+PARAM = "tool_choice"
+
+
+def marker_lit(added: dict[str, int]) -> Lit:
+    """Lark terminals for markers: a marker that is one added token of the served tokenizer is
+    that token (`<[id]>`: llguidance keeps added tokens apart from text), anything else text."""
+    import json
+
+    def lit(marker: str) -> str:
+        token = added.get(marker)
+        return f"<[{token}]>" if token is not None else json.dumps(marker, ensure_ascii=False)
+    return lit
+
+
+def tool_specs(tools: list[dict[str, Any]], name: str | None) -> list[Spec]:
+    """(name, arguments schema) of the tools a call may name: `name` alone when given. A strict
+    tool's schema also refuses keys it does not declare."""
+    specs = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        schema = copy.deepcopy(fn.get("parameters") or {"type": "object", "properties": {}})
+        if fn.get("strict"):
+            schema.setdefault("additionalProperties", False)
+        specs.append((fn["name"], schema))
+    return specs
+
+
+def enforced(fmt: ToolFormat | None, tool_choice: str, tools: list[dict[str, Any]] | None) -> bool:
+    """Whether this request's calls are enforced by grammar: a call is required (or named) and
+    the family has a grammar."""
+    return bool(tools) and fmt is not None and fmt.grammar is not None and \
+        tool_choice in ("required", "named")
+
+
+def tool_constraint(fmt: ToolFormat, tools: list[dict[str, Any]], name: str | None,
+                    parallel: bool, lit: Lit, think_end: str | None = None) -> Constraint:
+    """The grammar of this request's call(s). `think_end`: the prompt opened a think span; the
+    model may reason (any text) until this marker, then the call follows."""
+    assert fmt.grammar is not None
+    text = fmt.grammar(tool_specs(tools, name), not parallel, lit)
+    if think_end is not None:
+        text = _after_think(text, think_end, lit)
+    return Constraint(ConstraintKind.GRAMMAR, text, PARAM, tool_call=True)
+
+
+def _after_think(grammar: str, think_end: str, lit: Lit) -> str:
+    """Rename the call grammar's start, and start with the reasoning up to `think_end`."""
+    body = re.sub(r"^start:", "calls:", grammar, count=1, flags=re.MULTILINE)
+    think, rule = text_until("think", think_end, lit)
+    return f"start: {think} WS? calls\nWS: /[ \\t\\n]+/\n{rule}{body}"
