@@ -149,7 +149,8 @@ class Generation:
         return delta
 
     def _settle(self, reason: str, event: Finished | None = None) -> None:
-        self.finish_reason = "tool_calls" if self.tool_calls else reason
+        # calls end the turn; a turn cut by max_tokens says length, even after a whole call
+        self.finish_reason = "tool_calls" if self.tool_calls and reason == "stop" else reason
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
             self.batch_size_max = reported   # the engine saw every step; better than our samples
