@@ -102,6 +102,10 @@ class ToolCallFormat(Enum):
 
 
 
+REASONING_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"                 # model id served in /v1/models and responses
@@ -120,6 +124,9 @@ class ModelConfig:
     tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
     reasoning_format: ReasoningFormat = ReasoningFormat.auto  # how reasoning is split from output
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
+    reasoning_budgets: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))
+    # reasoning_effort → the most thinking tokens before the end-of-thinking marker is forced
+    # (an effort not listed, e.g. xhigh, thinks without a budget)
     composed_attention: bool = True   # CUDA: attention as matmul + softmax where its scores fit
                                       # 512 MiB (verify, prompt chunks of many rows: no per-shape
                                       # cuDNN graph builds); no effect elsewhere
@@ -142,6 +149,11 @@ class ModelConfig:
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
+        for effort, budget in self.reasoning_budgets.items():
+            if effort not in REASONING_EFFORTS[1:]:
+                raise ConfigError(f"model.reasoning_budgets has effort {effort!r}; allowed: "
+                                  f"{', '.join(REASONING_EFFORTS[1:])}")
+            _positive(f"model.reasoning_budgets.{effort}", budget)
         if self.adapter is not None:
             if self.adapter_dir is None:
                 raise ConfigError(

@@ -43,8 +43,9 @@ class Constraint:
     kind: ConstraintKind
     source: str
     param: str
-    tool_call: bool = False   # built for tool_choice / strict tools: the output is still parsed
-                              # as tool calls, and the grammar covers an opened think span
+    whole_turn: bool = False  # built by the server for the turn (a thinking budget, a required
+                              # tool call): the output is still parsed as reasoning and calls,
+                              # and the grammar covers a think span the prompt opened
 
     @property
     def key(self) -> tuple[str, str]:

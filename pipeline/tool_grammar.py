@@ -5,12 +5,11 @@ after the think span when the prompt opened one. Event loop (tokenize); pure Pyt
 from __future__ import annotations
 
 import copy
-import re
 from typing import Any
 
 from pipeline.grammar import Constraint, ConstraintKind
 from pipeline.tool_formats import Lit, Spec, ToolFormat
-from pipeline.tool_formats.base import text_until
+from pipeline.think_grammar import ThinkSpan, span_grammar
 
 PARAM = "tool_choice"
 
@@ -49,18 +48,11 @@ def enforced(fmt: ToolFormat | None, tool_choice: str, tools: list[dict[str, Any
 
 
 def tool_constraint(fmt: ToolFormat, tools: list[dict[str, Any]], name: str | None,
-                    parallel: bool, lit: Lit, think_end: str | None = None) -> Constraint:
-    """The grammar of this request's call(s). `think_end`: the prompt opened a think span; the
-    model may reason (any text) until this marker, then the call follows."""
+                    parallel: bool, lit: Lit, think: ThinkSpan | None = None) -> Constraint:
+    """The grammar of this request's call(s); with `think`, after the reasoning span (a
+    harmony call then opens its own message)."""
     assert fmt.grammar is not None
     text = fmt.grammar(tool_specs(tools, name), not parallel, lit)
-    if think_end is not None:
-        text = _after_think(text, think_end, lit)
-    return Constraint(ConstraintKind.GRAMMAR, text, PARAM, tool_call=True)
-
-
-def _after_think(grammar: str, think_end: str, lit: Lit) -> str:
-    """Rename the call grammar's start, and start with the reasoning up to `think_end`."""
-    body = re.sub(r"^start:", "calls:", grammar, count=1, flags=re.MULTILINE)
-    think, rule = text_until("think", think_end, lit)
-    return f"start: {think} WS? calls\nWS: /[ \\t\\n]+/\n{rule}{body}"
+    if think is not None:
+        text = span_grammar(think, text)
+    return Constraint(ConstraintKind.GRAMMAR, text, PARAM, whole_turn=True)

@@ -12,12 +12,13 @@ from jinja2 import TemplateError
 from pipeline import template_sandbox
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
-from pipeline.grammar import Constraint
+from pipeline.grammar import Constraint, ConstraintKind
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
+from pipeline.think_grammar import ThinkSpan, span_grammar
 from pipeline.tool_grammar import enforced, marker_lit, tool_constraint
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
@@ -27,6 +28,9 @@ CALL_PARAMS = frozenset({"conversation", "messages", "add_generation_prompt",
                          "continue_final_message", "tokenize", "padding", "truncation",
                          "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# harmony: the analysis message opens and closes the reasoning; the next message's header follows
+HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
+HARMONY_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeError,
                    ArithmeticError, RecursionError)
 
@@ -44,12 +48,14 @@ class Tokenize:
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
         self.markup = markup
         self.enable_thinking = cfg.model.enable_thinking
+        self.budgets = dict(cfg.model.reasoning_budgets)
         self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
         self.allow_templates = cfg.server.allow_request_templates
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
-        self.lit = marker_lit(_added_tokens(self.tokenizer))
+        self.lit_ids = _added_tokens(self.tokenizer)
+        self.lit = marker_lit(self.lit_ids)
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -75,10 +81,15 @@ class Tokenize:
             self._check_length(text, "messages")
             request.output_prefix = self.markup.open_span(text)
             forced = ""
+            span = self._think_span(inputs, request.output_prefix,
+                                    request.requested.get("max_tokens"))
             if enforced(self.markup.tool_format, inputs.tool_choice, inputs.tools):
-                request.constraint = self._tool_constraint(request)
+                request.constraint = self._tool_constraint(request, span)
             else:
                 forced = self._forced_call(inputs, request.output_prefix)
+                if span is not None and span.budget is not None and request.constraint is None:
+                    request.constraint = Constraint(ConstraintKind.GRAMMAR, span_grammar(span),
+                                                    "max_reasoning_tokens", whole_turn=True)
             request.output_prefix = forced or request.output_prefix
             request.prompt_ids = self.encode_rendered(text + forced)
         else:
@@ -135,9 +146,41 @@ class Tokenize:
                 f"context limit is {self.max_context} — shorten the prompt",
                 param=field, code="context_length_exceeded")
 
-    def _tool_constraint(self, request: Request) -> Constraint:
+    def _thinking(self, inputs: PromptInput) -> bool:
+        """Whether the template is asked to think (the request's switch, else the default)."""
+        default = self.enable_thinking
+        on = inputs.template_kwargs.get("enable_thinking",
+                                        self.markup.think is not None if default is None else default)
+        return on is not False
+
+    def _think_span(self, inputs: PromptInput, opened: str,
+                    request_max_tokens: Any = None) -> ThinkSpan | None:
+        """The reasoning span a turn grammar starts with: the model's markers as tokens, whether
+        the prompt opened it, the budget (the request's, else its effort's from
+        model.reasoning_budgets). None when the model does not think or thinking is off."""
+        m = self.markup
+        if m.channels:   # harmony: an analysis message, then the next message's header
+            open_text, close_text, after = HARMONY_ANALYSIS
+        elif m.think is not None and (opened or self._thinking(inputs)):
+            open_text, close_text, after = m.think.start, m.think.end, ""
+        else:
+            return None
+        budget = inputs.reasoning_budget
+        effort = inputs.template_kwargs.get("reasoning_effort")
+        if budget is None and isinstance(effort, str):
+            budget = self.budgets.get(effort)
+        max_tokens = request_max_tokens
+        if budget is not None and isinstance(max_tokens, int) and max_tokens <= budget:
+            budget = None   # the turn ends before the budget could: nothing to force
+        ids = lambda t: tuple(self._encode(t, False, "messages")) if t else ()   # noqa: E731
+        marker_ids = set(ids(open_text)) | set(ids(close_text))
+        special = tuple(sorted(set(self.lit_ids.values()) - marker_ids - self.stop_ids))
+        return ThinkSpan(open_text, ids(open_text), close_text, ids(close_text), bool(opened),
+                         budget, ids(after), special, newlines=not m.channels)
+
+    def _tool_constraint(self, request: Request, span: ThinkSpan | None) -> Constraint:
         """tool_choice required / named: the grammar of a well-formed call (after the think span
-        when the prompt opened one)."""
+        when the model thinks)."""
         inputs, fmt = request.inputs, self.markup.tool_format
         assert fmt is not None and inputs.tools
         if request.constraint is not None:
@@ -145,11 +188,9 @@ class Tokenize:
                 f"tool_choice {inputs.tool_choice!r} and {request.constraint.param} both constrain "
                 "the output; a required tool call is the whole answer — send one of them",
                 param=request.constraint.param)
-        think = self.markup.think
         return tool_constraint(fmt, inputs.tools,
                                inputs.tool_name if inputs.tool_choice == "named" else None,
-                               inputs.parallel_tool_calls, self.lit,
-                               think.end if request.output_prefix and think else None)
+                               inputs.parallel_tool_calls, self.lit, span)
 
     def _forced_call(self, inputs: PromptInput, open_think: str) -> str:
         """tool_choice required / named: start the assistant turn with the call's opening
@@ -203,6 +244,12 @@ class Tokenize:
             default = self.enable_thinking
             thinks = self.markup.think is not None
             kwargs["enable_thinking"] = thinks if default is None else default
+        if self.markup.channels:   # gpt-oss always reasons; its template knows low/medium/high
+            effort = kwargs.get("reasoning_effort")
+            if effort is None and kwargs["enable_thinking"] is False:
+                effort = "low"
+            if effort is not None:
+                kwargs["reasoning_effort"] = HARMONY_EFFORTS.get(effort, effort)
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:

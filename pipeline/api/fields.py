@@ -214,3 +214,14 @@ def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
                        "(launch with model.adapter_dir and model.adapters)", param=param,
                        code="adapter_not_found")
     return mounted.canonical(choice, param)
+
+
+def reasoning_budget(body: dict[str, Any]) -> int | None:
+    """The extension `max_reasoning_tokens` (every chat endpoint): at most this many thinking
+    tokens, then the end-of-thinking marker is forced and the answer follows."""
+    value = get(body, "max_reasoning_tokens", int)
+    if value is not None and value < 1:
+        raise InvalidRequest(f"max_reasoning_tokens is {value}; it must be at least 1 (send "
+                             "reasoning_effort 'none' to turn thinking off)",
+                             param="max_reasoning_tokens")
+    return value

@@ -84,7 +84,7 @@ class OutputChain:
         # a tool grammar's output is the call
         constraint = request.constraint
         if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
-                and (constraint is None or constraint.tool_call)):
+                and (constraint is None or constraint.whole_turn)):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id,
                                    max_calls=None if inputs.parallel_tool_calls else 1)
         splitter: ReasoningSplitter | HarmonySplitter | None = (

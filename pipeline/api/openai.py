@@ -104,7 +104,8 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
                               tools=tools or None, template_kwargs=kwargs,
                               tool_choice=choice, tool_name=name,
-                              parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True)),
+                              parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
+                              reasoning_budget=F.reasoning_budget(body)),
                   requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
 
 

@@ -76,7 +76,8 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name,
-                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True))
+                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
+                         reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint)
 

@@ -67,8 +67,9 @@ def streamed_call(client: openai.OpenAI, **kw: Any) -> tuple[str, str, str, list
 def test_openai_agent_loop_streams_a_call_then_answers(servers: dict[str, Any], family: str) -> None:
     srv = servers[family]
     client = oa(srv)
-    kw = {"model": MODEL, "tools": TOOLS, "temperature": 0, "max_tokens": 64,
-          "parallel_tool_calls": False}
+    # the model may reason first (harmony's analysis channel, GLM's <think>): at most 4 tokens
+    kw = {"model": MODEL, "tools": TOOLS, "temperature": 0, "max_tokens": 128,
+          "parallel_tool_calls": False, "extra_body": {"max_reasoning_tokens": 4}}
     call_id, name, arguments, kinds = streamed_call(
         client, messages=[USER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
         **kw)
@@ -80,11 +81,12 @@ def test_openai_agent_loop_streams_a_call_then_answers(servers: dict[str, Any], 
         {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 21 C"}]
     final = client.chat.completions.create(messages=history, logit_bias=NO_EOS, **{
-        **kw, "max_tokens": 12})
+        **kw, "max_tokens": 12, "extra_body": {}})
     answer = final.choices[0]
     assert answer.message.tool_calls is None and answer.message.content
     assert answer.finish_reason == "length"
-    first = client.chat.completions.create(messages=[USER], **{**kw, "max_tokens": 1})
+    first = client.chat.completions.create(messages=[USER], **{**kw, "max_tokens": 1,
+                                                                "extra_body": {}})
     assert final.usage.prompt_tokens > first.usage.prompt_tokens   # the call and result went in
     markup = next(ln for ln in srv.log().splitlines() if "output markup: " in ln)
     print(f"\n[{family}] server: {markup.split('output markup: ')[1]}")

@@ -23,6 +23,8 @@ NO_EOS = {"0": -100, "2": -100}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
 CALL_TOKENS = 64   # room for a whole call of get_weather under the grammar
+MINIMAL_BUDGET = 3   # thinking tokens reasoning_effort "minimal" gets on the thinking server
+CLOSE_TOKENS = 7     # "</think>" is seven tokens of the tiny tokenizer
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 GEN_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 THINKING_PROMPT = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -57,7 +59,8 @@ def thinker(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> An
     assert GEN_PROMPT in CHAT_TEMPLATE
     path = tmp_path_factory.mktemp("templates") / "thinking.jinja"
     path.write_text(CHAT_TEMPLATE.replace(GEN_PROMPT, THINKING_PROMPT))
-    return server_factory(f"model.chat_template={path}", "model.enable_thinking=false")
+    return server_factory(f"model.chat_template={path}", "model.enable_thinking=false",
+                          f"model.reasoning_budgets.minimal={MINIMAL_BUDGET}")
 
 
 def oa(srv: Any) -> openai.OpenAI:
@@ -285,3 +288,50 @@ def test_calls_across_protocols_in_one_batch(coder: Any) -> None:
         futures = [pool.submit(f, i) for i in range(2) for f in (chat, messages, plain)]
         results = [f.result(timeout=TIMEOUT) for f in futures]
     assert results == ["get_weather", "get_weather", "length"] * 2
+
+
+# -- thinking budget -------------------------------------------------------------------------
+def test_thinking_budget_forces_the_end_marker_and_the_answer_follows(thinker: Any) -> None:
+    client = oa(thinker)
+    kw = {"model": MODEL, "messages": USER, "max_tokens": 20, "temperature": 0,
+          "logit_bias": NO_EOS}
+    for budget, extra in ((5, {"reasoning_effort": "high", "extra_body": {"max_reasoning_tokens": 5}}),
+                          (MINIMAL_BUDGET, {"reasoning_effort": "minimal"})):
+        r = client.chat.completions.create(**kw, **extra)
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning_content"] and msg.content   # the answer follows
+        # the span is the budget's tokens and the forced marker, counted exactly
+        assert r.usage.completion_tokens_details.reasoning_tokens == budget + CLOSE_TOKENS
+        assert r.usage.completion_tokens == 20
+        chunks = sse(thinker, "/v1/chat/completions", {**kw, **extra.get("extra_body", {}),
+                                                        **{k: v for k, v in extra.items()
+                                                           if k != "extra_body"}})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == \
+            msg.model_extra["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == msg.content
+        assert "</think>" not in msg.content
+    # a budget the turn cannot reach changes nothing: the whole turn is reasoning
+    r = client.chat.completions.create(**kw, reasoning_effort="low",
+                                       extra_body={"max_reasoning_tokens": 500})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 20 and not r.choices[0].message.content
+
+
+def test_anthropic_budget_tokens_and_responses_budget(thinker: Any) -> None:
+    m = an(thinker).messages.create(
+        model=MODEL, max_tokens=16, messages=USER, thinking={"type": "enabled", "budget_tokens": 4},
+        extra_body={"temperature": 0, "logit_bias": NO_EOS})
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking and m.content[1].text and m.stop_reason == "max_tokens"
+    r = oa(thinker).responses.create(model=MODEL, input="Why is the sky blue?", max_output_tokens=16,
+                                     temperature=0, reasoning={"effort": "medium"},
+                                     extra_body={"logit_bias": NO_EOS, "max_reasoning_tokens": 4})
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens == 4 + CLOSE_TOKENS
+    for bad in ({"max_reasoning_tokens": 0}, {"max_reasoning_tokens": "x"}):
+        with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens"):
+            oa(thinker).chat.completions.create(model=MODEL, messages=USER, max_tokens=4,
+                                                extra_body=bad)
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        an(thinker).messages.create(model=MODEL, max_tokens=4, messages=USER,
+                                    thinking={"type": "enabled", "budget_tokens": -1})
