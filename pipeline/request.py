@@ -74,6 +74,8 @@ class PromptInput:
     tool_choice: str = "auto"                       # auto | none | required | named
     tool_name: str | None = None                    # the tool a `named` choice forces
     parallel_tool_calls: bool = True                # false: at most one call per turn
+    continue_final: bool = False                    # the last (assistant) message is continued,
+                                                    # not closed: its text opens the answer
     reasoning_budget: int | None = None             # most thinking tokens (thinking.budget_tokens,
                                                     # max_reasoning_tokens); None: by effort
 

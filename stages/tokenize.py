@@ -12,14 +12,12 @@ from jinja2 import TemplateError
 from pipeline import template_sandbox
 from pipeline.config import ServeConfig
 from pipeline.errors import InvalidRequest
-from pipeline.grammar import Constraint, ConstraintKind
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
-from pipeline.think_grammar import ThinkSpan, span_grammar
-from pipeline.tool_grammar import enforced, marker_lit, tool_constraint
+from pipeline.turn_grammar import TurnGrammars
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -28,8 +26,7 @@ CALL_PARAMS = frozenset({"conversation", "messages", "add_generation_prompt",
                          "continue_final_message", "tokenize", "padding", "truncation",
                          "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs"})
-# harmony: the analysis message opens and closes the reasoning; the next message's header follows
-HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
+# gpt-oss's template knows low / medium / high: the other efforts go to the nearest
 HARMONY_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeError,
                    ArithmeticError, RecursionError)
@@ -48,14 +45,14 @@ class Tokenize:
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
         self.markup = markup
         self.enable_thinking = cfg.model.enable_thinking
-        self.budgets = dict(cfg.model.reasoning_budgets)
         self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
         self.allow_templates = cfg.server.allow_request_templates
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
-        self.lit_ids = _added_tokens(self.tokenizer)
-        self.lit = marker_lit(self.lit_ids)
+        self.turns = TurnGrammars(markup, self.tokenizer,
+                                  lambda text: self._encode(text, False, "messages"),
+                                  cfg.model.reasoning_budgets, cfg.model.enable_thinking)
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -79,17 +76,12 @@ class Tokenize:
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)
             self._check_length(text, "messages")
-            request.output_prefix = self.markup.open_span(text)
-            forced = ""
-            span = self._think_span(inputs, request.output_prefix,
-                                    request.requested.get("max_tokens"))
-            if enforced(self.markup.tool_format, inputs.tool_choice, inputs.tools):
-                request.constraint = self._tool_constraint(request, span)
-            else:
-                forced = self._forced_call(inputs, request.output_prefix)
-                if span is not None and span.budget is not None and request.constraint is None:
-                    request.constraint = Constraint(ConstraintKind.GRAMMAR, span_grammar(span),
-                                                    "max_reasoning_tokens", whole_turn=True)
+            opened = self.markup.open_span(text)
+            prefill = _prefill(inputs, text)
+            request.output_prefix = prefill if len(prefill) > len(opened) else opened
+            turn = self.turns.constraint(request, opened, prefill)
+            request.constraint = turn or request.constraint
+            forced = "" if turn is not None else self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
             request.prompt_ids = self.encode_rendered(text + forced)
         else:
@@ -145,52 +137,6 @@ class Tokenize:
                 f"{self.bound.max_token_chars}, so that is at least {least} tokens and the "
                 f"context limit is {self.max_context} — shorten the prompt",
                 param=field, code="context_length_exceeded")
-
-    def _thinking(self, inputs: PromptInput) -> bool:
-        """Whether the template is asked to think (the request's switch, else the default)."""
-        default = self.enable_thinking
-        on = inputs.template_kwargs.get("enable_thinking",
-                                        self.markup.think is not None if default is None else default)
-        return on is not False
-
-    def _think_span(self, inputs: PromptInput, opened: str,
-                    request_max_tokens: Any = None) -> ThinkSpan | None:
-        """The reasoning span a turn grammar starts with: the model's markers as tokens, whether
-        the prompt opened it, the budget (the request's, else its effort's from
-        model.reasoning_budgets). None when the model does not think or thinking is off."""
-        m = self.markup
-        if m.channels:   # harmony: an analysis message, then the next message's header
-            open_text, close_text, after = HARMONY_ANALYSIS
-        elif m.think is not None and (opened or self._thinking(inputs)):
-            open_text, close_text, after = m.think.start, m.think.end, ""
-        else:
-            return None
-        budget = inputs.reasoning_budget
-        effort = inputs.template_kwargs.get("reasoning_effort")
-        if budget is None and isinstance(effort, str):
-            budget = self.budgets.get(effort)
-        max_tokens = request_max_tokens
-        if budget is not None and isinstance(max_tokens, int) and max_tokens <= budget:
-            budget = None   # the turn ends before the budget could: nothing to force
-        ids = lambda t: tuple(self._encode(t, False, "messages")) if t else ()   # noqa: E731
-        marker_ids = set(ids(open_text)) | set(ids(close_text))
-        special = tuple(sorted(set(self.lit_ids.values()) - marker_ids - self.stop_ids))
-        return ThinkSpan(open_text, ids(open_text), close_text, ids(close_text), bool(opened),
-                         budget, ids(after), special, newlines=not m.channels)
-
-    def _tool_constraint(self, request: Request, span: ThinkSpan | None) -> Constraint:
-        """tool_choice required / named: the grammar of a well-formed call (after the think span
-        when the model thinks)."""
-        inputs, fmt = request.inputs, self.markup.tool_format
-        assert fmt is not None and inputs.tools
-        if request.constraint is not None:
-            raise InvalidRequest(
-                f"tool_choice {inputs.tool_choice!r} and {request.constraint.param} both constrain "
-                "the output; a required tool call is the whole answer — send one of them",
-                param=request.constraint.param)
-        return tool_constraint(fmt, inputs.tools,
-                               inputs.tool_name if inputs.tool_choice == "named" else None,
-                               inputs.parallel_tool_calls, self.lit, span)
 
     def _forced_call(self, inputs: PromptInput, open_think: str) -> str:
         """tool_choice required / named: start the assistant turn with the call's opening
@@ -253,17 +199,22 @@ class Tokenize:
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:
+            if inputs.continue_final:
+                raise InvalidRequest("continue_final_message (an assistant prefill) works with the "
+                                     "server's chat template, not one sent in the request",
+                                     param="continue_final_message")
             return self._render_sandboxed(template, messages, kwargs)
+        # a prefilled assistant turn is left open (continued), else a new turn is opened
+        kwargs.update(add_generation_prompt=not inputs.continue_final,
+                      continue_final_message=inputs.continue_final)
         try:
             try:
-                return tok.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False, **kwargs)
+                return tok.apply_chat_template(messages, tokenize=False, **kwargs)
             except TypeError:   # a template that joins arguments as text: give it text
                 if not any(m.get("tool_calls") for m in messages):
                     raise
                 return tok.apply_chat_template(template_messages(messages, as_text=True),
-                                               add_generation_prompt=True, tokenize=False,
-                                               **kwargs)
+                                               tokenize=False, **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
@@ -328,13 +279,14 @@ def _small(inputs: PromptInput) -> bool:
     return True
 
 
-def _added_tokens(tokenizer: Any) -> dict[str, int]:
-    """The tokenizer's added tokens (text → id): grammars name them as tokens, not text."""
-    try:
-        added = tokenizer.added_tokens_decoder
-    except AttributeError:
-        return {}
-    return {str(getattr(t, "content", t)): int(i) for i, t in added.items()}
+def _prefill(inputs: PromptInput, text: str) -> str:
+    """A continued assistant turn: the rendered prompt from its text on (the output parsers
+    start from it, so a prefilled '<think>' or call markup is continued as such), else ''."""
+    if not inputs.continue_final or not inputs.messages:
+        return ""
+    content = inputs.messages[-1].get("content") or ""
+    at = text.rfind(content) if content else -1
+    return text[at:] if at >= 0 else ""
 
 
 def _backend(tokenizer: Any) -> Any:

@@ -55,7 +55,10 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
                              param="tool_choice")
     inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, parallel_tool_calls=not disable,
-                         reasoning_budget=thinking_budget)
+                         reasoning_budget=thinking_budget,
+                         # a final assistant turn is a prefill: the answer continues it
+                         continue_final=messages[-1].get("role") == "assistant"
+                         if isinstance(messages[-1], dict) else False)
     if count_only:
         return inputs, {}
     requested = sampling_fields(body, "stop_sequences")

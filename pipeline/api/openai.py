@@ -101,11 +101,18 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
         kwargs.setdefault("reasoning_effort", effort)
     stream, include = _stream_flags(body)
+    continue_final = F.get(body, "continue_final_message", bool, False)
+    if continue_final and (not isinstance(messages[-1], dict)
+                           or messages[-1].get("role") != "assistant"):
+        raise InvalidRequest("continue_final_message needs the last message to be the assistant's "
+                             f"(got role {messages[-1].get('role') if isinstance(messages[-1], dict) else None!r})",
+                             param="continue_final_message")
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
                               tools=tools or None, template_kwargs=kwargs,
                               tool_choice=choice, tool_name=name,
                               parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
-                              reasoning_budget=F.reasoning_budget(body)),
+                              reasoning_budget=F.reasoning_budget(body),
+                              continue_final=continue_final),
                   requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
 
 

@@ -16,7 +16,7 @@ from pipeline.api.tools import ToolCallParser
 from pipeline.grammar import GrammarCompiler
 from pipeline.tool_formats import FORMATS
 from pipeline.tool_grammar import marker_lit, tool_constraint
-from stages.tokenize import _added_tokens
+from pipeline.turn_grammar import added_tokens
 from tests.conftest import EngineHarness, make_config
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
@@ -43,7 +43,7 @@ def constrained(h: EngineHarness, compiler: GrammarCompiler, fmt: str, name: str
     tok = h.loaded.tokenizer
     req = h.request(tok.encode(PROMPT), max_tokens=max_tokens)
     req.constraint = tool_constraint(FORMATS[fmt], TOOLS, name, parallel,
-                                     marker_lit(_added_tokens(tok)))
+                                     marker_lit(added_tokens(tok)))
     req.grammar = compiler.matcher(req.constraint)
     return req
 
@@ -96,6 +96,6 @@ def test_parallel_calls_and_strict_extra_keys(harness: EngineHarness) -> None:
     assert delta.tool_calls and all(valid(c.name, c.arguments) for c in delta.tool_calls), text
     # strict: a key the schema does not declare cannot be generated
     ll = compiler.matcher(tool_constraint(FORMATS["hermes"], TOOLS, "get_weather", False,
-                                          marker_lit(_added_tokens(tok)))).ll
+                                          marker_lit(added_tokens(tok)))).ll
     ids = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "x": 1}}')
     assert not all(ll.consume_token(t) for t in ids)

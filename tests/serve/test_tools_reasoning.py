@@ -335,3 +335,38 @@ def test_anthropic_budget_tokens_and_responses_budget(thinker: Any) -> None:
     with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
         an(thinker).messages.create(model=MODEL, max_tokens=4, messages=USER,
                                     thinking={"type": "enabled", "budget_tokens": -1})
+
+
+# -- assistant prefill -----------------------------------------------------------------------
+def test_assistant_prefill_continues_the_turn(coder: Any, thinker: Any) -> None:
+    client = oa(coder)
+    prefill = [*USER, {"role": "assistant", "content": "The weather in Paris is"}]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS}
+    r = client.chat.completions.create(messages=prefill, **kw,
+                                       extra_body={"continue_final_message": True})
+    answer = r.choices[0].message.content
+    # the same prompt written out as a raw completion continues the same way
+    text = ("<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+            "The weather in Paris is")
+    c = client.completions.create(prompt=text, **kw)
+    assert answer == c.choices[0].text and r.usage.prompt_tokens == c.usage.prompt_tokens
+    closed = client.chat.completions.create(messages=prefill, **kw)   # a new turn after it
+    assert closed.usage.prompt_tokens > r.usage.prompt_tokens
+    # Anthropic: a final assistant turn is a prefill; only the continuation comes back
+    m = an(coder).messages.create(model=MODEL, max_tokens=6, messages=prefill,
+                                  extra_body={"temperature": 0, "logit_bias": NO_EOS})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == answer
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == r.usage.prompt_tokens
+    # the output parsers start where the prefill left them: an open <think> goes on as reasoning
+    t = oa(thinker).chat.completions.create(
+        messages=[*USER, {"role": "assistant", "content": "<think>\nLet me see"}], **kw,
+        extra_body={"continue_final_message": True})
+    assert t.choices[0].message.model_extra["reasoning_content"]
+    assert not t.choices[0].message.content
+    assert t.usage.completion_tokens_details.reasoning_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(messages=USER, **kw,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="prefills"):
+        client.chat.completions.create(messages=prefill, tools=CHAT_TOOLS, tool_choice="required",
+                                       **kw, extra_body={"continue_final_message": True})
