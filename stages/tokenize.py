@@ -4,6 +4,7 @@ starts from. Called on the event loop, once per request; large inputs render and
 preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -50,6 +51,8 @@ class Tokenize:
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
+        template = getattr(self.tokenizer, "chat_template", None)
+        self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,
                                   lambda text: self._encode(text, False, "messages"),
                                   cfg.model.reasoning_budgets, cfg.model.enable_thinking)
@@ -204,6 +207,11 @@ class Tokenize:
                                      "server's chat template, not one sent in the request",
                                      param="continue_final_message")
             return self._render_sandboxed(template, messages, kwargs)
+        if self._thinking_var and "thinking" not in kwargs:   # DeepSeek V3.1's switch
+            kwargs["thinking"] = kwargs["enable_thinking"]
+        fmt = self.markup.tool_format
+        if fmt is not None and fmt.name.startswith("mistral"):
+            messages = mistral_ids(messages)
         # a prefilled assistant turn is left open (continued), else a new turn is opened
         kwargs.update(add_generation_prompt=not inputs.continue_final,
                       continue_final_message=inputs.continue_final)
@@ -255,6 +263,24 @@ def _text_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), dict):
         return call
     return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"], ensure_ascii=False)}}
+
+
+def mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mistral templates refuse tool-call ids that are not 9 alphanumerics: other ids (this
+    server's call_..., a client's own) become 9 hex digits of their hash, the same in the call
+    and in its result. Copies."""
+    def nine(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum()):
+            return call_id
+        return hashlib.sha1(call_id.encode()).hexdigest()[:9]
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": nine(c.get("id"))} for c in m["tool_calls"]]}
+        if m.get("role") == "tool" and "tool_call_id" in m:
+            m = {**m, "tool_call_id": nine(m["tool_call_id"])}
+        out.append(m)
+    return out
 
 
 def _small(inputs: PromptInput) -> bool:

@@ -36,8 +36,9 @@ CALL = ("get_weather", {"city": "Paris", "days": 3})
 FAMILIES = [
     ("gpt-oss.jinja", "harmony", "harmony", "call_1", "<|start|>assistant to=", "<|call|>",
      False, len("<|start|>assistant")),
-    ("mistral-small-3.2-v11.jinja", "mistral", "none", "a1b2c3d4e", "[TOOL_CALLS]", None, False, 0),
-    ("mistral-nemo-v3.jinja", "mistral_v3", "none", "a1b2c3d4e", "[TOOL_CALLS]", None, False, 0),
+    # Mistral's templates take 9-character ids only: this server's call_... ids are mapped
+    ("mistral-small-3.2-v11.jinja", "mistral", "none", "call_1", "[TOOL_CALLS]", None, False, 0),
+    ("mistral-nemo-v3.jinja", "mistral_v3", "none", "call_1", "[TOOL_CALLS]", None, False, 0),
     ("glm-4.6.jinja", "glm", "think", "call_1", "<tool_call>get", "</tool_call>", True, 0),
     ("deepseek-v3.1.jinja", "deepseek_v31", "think", "call_1", "<｜tool▁calls▁begin｜>",
      "<｜tool▁calls▁end｜>", True, 0),
@@ -100,3 +101,25 @@ def test_real_template_renders_a_call_our_parser_reads_back(
     got.extend(chain.finish())
     assert [(c.name, c.arguments) for c in got.tool_calls] == [CALL], output
     assert got.content.strip() == ""
+
+
+@pytest.mark.parametrize("name, on, off", [
+    # DeepSeek V3.1 reads `thinking`, GLM enable_thinking; both end the prompt with the switch
+    ("deepseek-v3.1.jinja", "<｜Assistant｜><think>", "<｜Assistant｜></think>"),
+    ("glm-4.6.jinja", "<|user|>\nHi<|assistant|>", "<|user|>\nHi/nothink<|assistant|>\n<think></think>"),
+    # gpt-oss always reasons: reasoning_effort sets how much ("none" is its lowest, low)
+    ("gpt-oss.jinja", "Reasoning: high", "Reasoning: low"),
+])
+def test_each_template_honours_the_thinking_switches(tiny: tuple[Path, ServeConfig], name: str,
+                                                     on: str, off: str) -> None:
+    stage, markup, _ = tokenize_stage(tiny, (TEMPLATES / name).read_text())
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    thinking = stage.render_text(parse_chat({**body, "reasoning_effort": "high"}).inputs)
+    quiet = stage.render_text(parse_chat({**body, "reasoning_effort": "none"}).inputs)
+    if name == "gpt-oss.jinja":
+        assert on in thinking and off in quiet and on not in quiet
+    else:
+        assert thinking.endswith(on) and quiet.endswith(off)
+    # only a prompt that opens the span has the model start inside it
+    assert bool(markup.open_span(thinking)) == (name == "deepseek-v3.1.jinja")
+    assert not markup.open_span(quiet)
