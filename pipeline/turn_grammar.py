@@ -4,10 +4,11 @@ call (pipeline/tool_grammar.py) or free text. Built by tokenize once the prompt 
 Event loop; pure Python (the tokenizer only encodes markers)."""
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from pipeline.errors import InvalidRequest
-from pipeline.grammar import Constraint, ConstraintKind
+from pipeline.grammar import JSON_OPTIONS, Constraint, ConstraintKind
 from pipeline.markup import OutputMarkup
 from pipeline.request import Request
 from pipeline.think_grammar import ThinkSpan, span_grammar
@@ -15,6 +16,7 @@ from pipeline.tool_grammar import enforced, marker_lit, tool_constraint
 
 # harmony: the analysis message opens and closes the reasoning; the next message's header follows
 HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
+HARMONY_FINAL = "<|channel|>final<|message|>"
 
 
 class TurnGrammars:
@@ -49,10 +51,27 @@ class TurnGrammars:
             return tool_constraint(fmt, inputs.tools,
                                    inputs.tool_name if inputs.tool_choice == "named" else None,
                                    inputs.parallel_tool_calls, self.lit, span)
-        if span is not None and span.budget is not None and request.constraint is None:
+        if span is not None and request.constraint is not None:
+            return self._after_span(request.constraint, span)
+        if span is not None and span.budget is not None:
             return Constraint(ConstraintKind.GRAMMAR, span_grammar(span), "max_reasoning_tokens",
                               whole_turn=True)
         return None
+
+    def _after_span(self, c: Constraint, span: ThinkSpan) -> Constraint:
+        """Structured output on a thinking turn: the reasoning, then the constrained answer.
+        A grammar the client wrote (Lark or GBNF) cannot be joined to the span: a 400."""
+        # harmony: the answer is a final-channel message
+        head = (" ".join(f"<[{t}]>" for t in self.encode(HARMONY_FINAL))
+                if self.markup.channels else "")
+        answer = answer_grammar(c, head)
+        if answer is None:
+            raise InvalidRequest(
+                f"{c.param} cannot be honoured after the think span (a grammar joins only "
+                "JSON, regex and choice constraints to it); turn thinking off (reasoning_effort "
+                "'none') or send a JSON schema", param=c.param)
+        return Constraint(ConstraintKind.GRAMMAR, span_grammar(span, answer), c.param,
+                          whole_turn=True)
 
     def thinking(self, request: Request) -> bool:
         """Whether the template is asked to think (the request's switch, else the default)."""
@@ -93,3 +112,18 @@ def added_tokens(tokenizer: Any) -> dict[str, int]:
     except AttributeError:
         return {}
     return {str(getattr(t, "content", t)): int(i) for i, t in added.items()}
+
+
+def answer_grammar(c: Constraint, head: str = "") -> str | None:
+    """A structured-output constraint as a Lark grammar whose `start` is `head` (Lark) then the
+    answer (None: a client's own grammar, which cannot be renamed safely)."""
+    if c.kind in (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA):
+        schema = {**json.loads(c.source), "x-guidance": JSON_OPTIONS}
+        body = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    elif c.kind is ConstraintKind.REGEX:
+        body = "/" + c.source.replace("/", "\\/") + "/"
+    elif c.kind is ConstraintKind.CHOICE:
+        body = "(" + " | ".join(json.dumps(x, ensure_ascii=False) for x in json.loads(c.source)) + ")"
+    else:
+        return None
+    return f"start: {head} {body}\n"

@@ -12,6 +12,9 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from tokenizers import Tokenizer
+
+from pipeline.tiny import ensure_model
 
 MODEL = "tiny"
 TIMEOUT = 60.0
@@ -117,3 +120,33 @@ def test_anthropic_agent_loop_on_glm(servers: dict[str, Any]) -> None:
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text
     print(f"\n[glm-4.6 anthropic] tool_use {use.name}({json.dumps(use.input)}) id={use.id} -> "
           f"tool_result 'Sunny, 21 C' -> text {reply.content[0].text!r}")
+
+
+def test_gpt_oss_responses_items_and_structured_answer(servers: dict[str, Any],
+                                                       model_cache: Path) -> None:
+    """Harmony through Responses: the analysis channel is a reasoning item, the call a
+    function_call item; structured output is the final channel's message, after the analysis."""
+    client = oa(servers["gpt-oss"])
+    r = client.responses.create(
+        model=MODEL, input=[USER], max_output_tokens=128, temperature=0,
+        tools=[{"type": "function", **TOOLS[0]["function"]}], parallel_tool_calls=False,
+        tool_choice={"type": "function", "name": "get_weather"},
+        extra_body={"max_reasoning_tokens": 4})
+    kinds = [o.type for o in r.output]
+    assert kinds[-1] == "function_call" and set(kinds) <= {"reasoning", "function_call"}
+    assert r.output[-1].name == "get_weather" and set(json.loads(r.output[-1].arguments)) == {"city"}
+    # the analysis span: its 4 budgeted tokens and <|end|>'s, forced at the budget
+    end = len(Tokenizer.from_file(str(ensure_model("qwen3", "tiny", "float32", model_cache)
+                                      / "tokenizer.json")).encode("<|end|>").ids)
+    assert r.usage.output_tokens_details.reasoning_tokens == (4 + end if "reasoning" in kinds
+                                                              else 0)
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}},
+              "additionalProperties": False}
+    c = client.chat.completions.create(
+        model=MODEL, messages=[USER], max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        extra_body={"max_reasoning_tokens": 4})
+    assert set(json.loads(c.choices[0].message.content)) == {"ok"}
+    print(f"\n[gpt-oss responses] output items {kinds}; structured answer "
+          f"{c.choices[0].message.content!r} after reasoning "
+          f"{(c.choices[0].message.model_extra or {}).get('reasoning_content')!r}")
