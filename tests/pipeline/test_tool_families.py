@@ -155,3 +155,16 @@ def test_harmony_analysis_streams_as_reasoning_before_the_message_ends() -> None
 
 def test_harmony_text_without_headers_is_content() -> None:
     assert run("harmony", list("plain words"))[0].content == "plain words"
+
+
+def test_parallel_calls_off_keeps_the_first_call_only(caplog: pytest.LogCaptureFixture) -> None:
+    """parallel_tool_calls false in auto mode: a second call is dropped, and the log says so."""
+    text = ('<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": '
+            '"get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    for chunks in ([text], list(text)):
+        caplog.clear()
+        p = ToolCallParser(FORMATS["hermes"], TOOLS, "test", max_calls=1)
+        with caplog.at_level(logging.INFO, logger="pipeserve.tools"):
+            calls = [c for ch in chunks for c in p.feed(ch)[1]] + p.finish()[1]
+        assert [(c.name, c.arguments) for c in calls] == [NOW]
+        assert "get_weather dropped: parallel_tool_calls is false" in caplog.text
