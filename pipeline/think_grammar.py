@@ -47,9 +47,13 @@ def span_grammar(span: ThinkSpan, answer: str | None = None) -> str:
              f"THINK: /(?s:.+)/ & ~/(?s:.*{_regex(span.close_text)}.*)/",
              "WS: /\\n{1,2}/"]
     if answer is None:
-        lines.append("rest: ANSWER?\nANSWER: /(?s:.+)/")
-        direct = f"PLAIN: /(?s:.+)/ & ~/(?s:\\n*{_regex(span.open_text)}.*)/"
-        plain = "PLAIN"
+        # the free answer may hold added tokens (a tool call's <tool_call>, say); answering at
+        # once must not start with the opening marker (that path is the span's)
+        tokens = f" | <[{','.join(map(str, span.special_ids))}]>" if span.special_ids else ""
+        lines.append(f"rest: piece*\npiece: ANSWER{tokens}\nANSWER: /(?s:.+)/")
+        direct = (f"PLAIN: /(?s:.+)/ & ~/(?s:\\n*{_regex(span.open_text)}.*)/\n"
+                  f"plain: PLAIN piece*{' | ' + tokens[3:] + ' piece*' if tokens else ''}")
+        plain = "plain"
     else:
         lines.append(re.sub(r"^start:", "rest:", answer, count=1, flags=re.MULTILINE).rstrip())
         direct, plain = "", "rest"

@@ -3,7 +3,8 @@ model's own end marker, at the budget only that marker may follow, the answer af
 free, and a prompt that did not open the span lets the model answer at once."""
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
+
 
 import numpy as np
 import pytest
@@ -63,3 +64,18 @@ def test_the_model_may_close_early_and_may_skip_an_unopened_span(
     ids = tok.encode("<think>").ids + tok.encode("The morning train").ids[:2]
     assert all(m.accept(t) for t in ids)
     assert allowed(m) == {tok.encode("</think>").ids[0]}
+
+
+def test_added_tokens_pass_in_the_answer_whether_or_not_the_model_thinks(
+        tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    """A call after (or instead of) budgeted reasoning: <tool_call> is an added token, which
+    text never holds; the answer admits the added tokens it is given."""
+    call = tok.token_to_id("<tool_call>")
+    s = ThinkSpan("<think>", tuple(tok.encode("<think>").ids), "</think>",
+                  tuple(tok.encode("</think>").ids), True, 2, (), (call,))
+    m = matcher(compiler, span_grammar(s))
+    assert call not in allowed(m)   # budgeted reasoning is text
+    assert all(m.accept(t) for t in tok.encode("ab</think>\n").ids)
+    assert call in allowed(m) and m.accept(call)
+    m = matcher(compiler, span_grammar(dataclasses.replace(s, opened=False)))
+    assert call in allowed(m) and m.accept(call)   # answering at once with a call
