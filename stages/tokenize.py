@@ -212,6 +212,8 @@ class Tokenize:
         fmt = self.markup.tool_format
         if fmt is not None and fmt.name.startswith("mistral"):
             messages = mistral_ids(messages)
+        elif fmt is not None and fmt.name == "kimi_k2":
+            messages = kimi_ids(messages)
         # a prefilled assistant turn is left open (continued), else a new turn is opened
         kwargs.update(add_generation_prompt=not inputs.continue_final,
                       continue_final_message=inputs.continue_final)
@@ -279,6 +281,25 @@ def mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "tool_calls": [{**c, "id": nine(c.get("id"))} for c in m["tool_calls"]]}
         if m.get("role") == "tool" and "tool_call_id" in m:
             m = {**m, "tool_call_id": nine(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def kimi_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kimi-K2 was trained on call ids `functions.NAME:INDEX` (its template writes the id into
+    the call): other ids are renamed so, counting calls through the conversation. Copies."""
+    out, n = [], 0
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                name = (c.get("function") or {}).get("name", "")
+                call_id = c.get("id")
+                if not (isinstance(call_id, str) and call_id.startswith("functions.")):
+                    call_id = f"functions.{name}:{n}"
+                calls.append({**c, "id": call_id})
+                n += 1
+            m = {**m, "tool_calls": calls}
         out.append(m)
     return out
 

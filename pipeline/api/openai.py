@@ -142,6 +142,11 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
+    if role == "assistant":   # the reasoning a client sends back, for templates that render it
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(m.get(key), str) and m[key]:
+                out["reasoning_content"] = m[key]
+                break
     calls = m.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
         raise InvalidRequest(f"{where}.tool_calls must be an array of tool calls, got "

@@ -123,3 +123,28 @@ def test_each_template_honours_the_thinking_switches(tiny: tuple[Path, ServeConf
     # only a prompt that opens the span has the model start inside it
     assert bool(markup.open_span(thinking)) == (name == "deepseek-v3.1.jinja")
     assert not markup.open_span(quiet)
+
+
+def test_gpt_oss_history_keeps_the_reasoning_before_a_call(tiny: tuple[Path, ServeConfig]) -> None:
+    """The reasoning a client sends back (reasoning_content) renders as the analysis message
+    the call followed, as the gpt-oss template asks while the tool loop is open."""
+    stage, _, _ = tokenize_stage(tiny, (TEMPLATES / "gpt-oss.jinja").read_text())
+    body = conversation("call_1")
+    body["messages"][1]["reasoning_content"] = "Need the weather tool."
+    prompt = stage.render_text(parse_chat(body).inputs)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather") in prompt
+
+
+def test_history_ids_follow_what_each_family_was_trained_on() -> None:
+    from stages.tokenize import kimi_ids, mistral_ids
+    calls = [{"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": {}}},
+             {"id": "functions.g:7", "type": "function", "function": {"name": "g", "arguments": {}}}]
+    history = [{"role": "assistant", "content": "", "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "call_abc", "content": "x"}]
+    assert [c["id"] for c in kimi_ids(history)[0]["tool_calls"]] == ["functions.f:0",
+                                                                     "functions.g:7"]
+    mapped = mistral_ids(history)
+    nine = mapped[0]["tool_calls"][0]["id"]
+    assert len(nine) == 9 and nine.isalnum() and mapped[1]["tool_call_id"] == nine
+    assert history[0]["tool_calls"][0]["id"] == "call_abc"   # the request's own messages stay
