@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.tool_formats.base import _regex
+from pipeline.tool_formats.base import regex_literal
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,14 @@ def span_grammar(span: ThinkSpan, answer: str | None = None) -> str:
     body = f"(THINK{special})+" if special else "THINK"
     lines = [f"think_span: think? {close}",
              f"think{limit}: {body}",
-             f"THINK: /(?s:.+)/ & ~/(?s:.*{_regex(span.close_text)}.*)/",
+             f"THINK: /(?s:.+)/ & ~/(?s:.*{regex_literal(span.close_text)}.*)/",
              "WS: /\\n{1,2}/"]
     if answer is None:
         # the free answer may hold added tokens (a tool call's <tool_call>, say); answering at
         # once must not start with the opening marker (that path is the span's)
         tokens = f" | <[{','.join(map(str, span.special_ids))}]>" if span.special_ids else ""
         lines.append(f"rest: piece*\npiece: ANSWER{tokens}\nANSWER: /(?s:.+)/")
-        direct = (f"PLAIN: /(?s:.+)/ & ~/(?s:\\n*{_regex(span.open_text)}.*)/\n"
+        direct = (f"PLAIN: /(?s:.+)/ & ~/(?s:\\n*{regex_literal(span.open_text)}.*)/\n"
                   f"plain: PLAIN piece*{' | ' + tokens[3:] + ' piece*' if tokens else ''}")
         plain = "plain"
     else:

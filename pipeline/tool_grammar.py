@@ -1,10 +1,11 @@
-"""Tool calls enforced by grammar: for tool_choice "required" or a named tool (and strict
-function schemas), the llguidance grammar of a well-formed call in the model family's own
-markup, arguments valid under each tool's schema, at most one call when parallel calls are off,
-after the think span when the prompt opened one. Event loop (tokenize); pure Python."""
+"""Tool calls enforced by grammar: for tool_choice "required" or a named tool, the llguidance
+grammar of a well-formed call in the model family's own markup, arguments valid under each
+tool's schema (strict ones refusing undeclared keys), at most one call when parallel calls are
+off, after the think span when the model thinks. Event loop (tokenize); pure Python."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from pipeline.grammar import Constraint, ConstraintKind
@@ -17,8 +18,6 @@ PARAM = "tool_choice"
 def marker_lit(added: dict[str, int]) -> Lit:
     """Lark terminals for markers: a marker that is one added token of the served tokenizer is
     that token (`<[id]>`: llguidance keeps added tokens apart from text), anything else text."""
-    import json
-
     def lit(marker: str) -> str:
         token = added.get(marker)
         return f"<[{token}]>" if token is not None else json.dumps(marker, ensure_ascii=False)

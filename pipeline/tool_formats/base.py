@@ -155,19 +155,19 @@ def text_until(name: str, close: str, lit: Lit, max_chars: int | None = None) ->
     text = "(?s:.*)" if max_chars is None else f"(?s:.{{0,{max_chars}}})"
     if lit(close).startswith("<["):   # text never holds a special token
         return name.lower(), f"{name.lower()}: /{text}/ {lit(close)}\n"
-    return name.upper(), (f"{name.upper()}: (/{text}/ & ~/(?s:.*{_regex(close)}.*)/) "
+    return name.upper(), (f"{name.upper()}: (/{text}/ & ~/(?s:.*{regex_literal(close)}.*)/) "
                           f"{lit(close)}\n")
 
 
-_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
-def _regex(text: str) -> str:
+def regex_literal(text: str) -> str:
     """`text` as a literal inside a Lark /regex/: punctuation escaped, control characters as
     escapes (a raw newline would end the regex)."""
     out = []
     for ch in text:
-        if ch not in _REGEX_META:
+        if ch not in REGEX_META:
             out.append(ch)
         elif ch in "\n\t\r":
             out.append({"\n": r"\n", "\t": r"\t", "\r": r"\r"}[ch])
