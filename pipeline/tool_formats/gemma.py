@@ -6,9 +6,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any
+from typing import Any, Callable
 
-from pipeline.tool_formats.base import Lit, RawCall, Spec, ToolFormat, alternatives, python_call, quoted, repeat
+from pipeline.tool_formats.base import (Lit, RawCall, Spec, ToolFormat, alternatives, json_rule,
+                                        python_call, quoted, repeat, text_until)
 from pipeline.tool_formats.pythonic import kwargs_rules
 
 
@@ -106,10 +107,30 @@ def tool_code_grammar(specs: list[Spec], single: bool, lit: Lit) -> str:
             f"call: {calls}\n{kwargs_rules(specs)}")
 
 
+def call_grammar(quote: str, begin: str, end: str) -> Callable[[list[Spec], bool, Lit], str]:
+    """FunctionGemma / Gemma 4: `begin call:NAME{k:v,...} end` per call, string values between
+    `quote` marks (free text that never holds one; at most maxLength), other values JSON."""
+    def grammar(specs: list[Spec], single: bool, lit: Lit) -> str:
+        def value(rule: str, prop: dict[str, Any]) -> str:
+            if prop.get("type") != "string" or "enum" in prop:
+                return json_rule(rule, prop)
+            limit = prop.get("maxLength") if isinstance(prop.get("maxLength"), int) else None
+            ref, definition = text_until(rule.upper() + "T", quote, lit, limit)
+            return f"{rule}: {lit(quote)} {ref}\n{definition}"
+        calls = alternatives([f'{lit(begin)} {quoted("call:" + name + "{")} kw{i} "}}" {lit(end)}'
+                              for i, (name, _) in enumerate(specs)])
+        rules = kwargs_rules(specs, key=lambda k: quoted(k + ":"), sep='","', value=value)
+        return f"start: {repeat('call', single)}\ncall: {calls}\n{rules}"
+    return grammar
+
+
 GEMMA = ToolFormat("gemma", ("```tool_code",), "```", parse_tool_code,
                    lambda n: "```tool_code\n" + (n + "(" if n else ""), grammar=tool_code_grammar)
 FUNCTION_GEMMA = ToolFormat("function_gemma", ("<start_function_call>",), "<end_function_call>",
                             lambda b: _gemma_calls(b, "<escape>"),
-                            lambda n: "<start_function_call>call:" + (n + "{" if n else ""))
+                            lambda n: "<start_function_call>call:" + (n + "{" if n else ""),
+                            grammar=call_grammar("<escape>", "<start_function_call>",
+                                                 "<end_function_call>"))
 GEMMA4 = ToolFormat("gemma4", ("<|tool_call>",), "<tool_call|>", lambda b: _gemma_calls(b, '<|"|>'),
-                    lambda n: "<|tool_call>call:" + (n + "{" if n else ""))
+                    lambda n: "<|tool_call>call:" + (n + "{" if n else ""),
+                    grammar=call_grammar('<|"|>', "<|tool_call>", "<tool_call|>"))

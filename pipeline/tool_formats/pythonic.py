@@ -3,6 +3,7 @@ as the turn, optionally between `<|python_start|>` and `<|python_end|>`. Pure Py
 from __future__ import annotations
 
 import ast
+from typing import Any, Callable
 
 from pipeline.tool_formats.base import (Lit, RawCall, Spec, ToolFormat, alternatives, json_rule,
                                         python_call, quoted, repeat)
@@ -21,27 +22,32 @@ def parse(body: str) -> list[RawCall]:
     return calls
 
 
-def kwargs_rules(specs: list[Spec]) -> str:
-    """Rules `kw{i}`: a tool's keyword arguments `k=<JSON value>` in declared order, separated
-    by ", " (required ones always, optional ones maybe). JSON strings, numbers and lists are
-    Python literals; true/false/null are read as JSON's."""
+def kwargs_rules(specs: list[Spec], key: Callable[[str], str] = lambda k: quoted(k + "="),
+                 sep: str = '", "', value: Callable[[str, dict[str, Any]], str] | None = None,
+                 prefix: str = "") -> str:
+    """Rules `kw{i}`: a tool's arguments `key(k) <value>` in declared order, separated by `sep`
+    (required ones always, optional ones maybe). The value is JSON under the property's schema
+    unless `value(rule, prop)` writes it (returning the rule's definitions). JSON strings,
+    numbers and lists are Python literals; true/false/null are read as JSON's."""
     out = []
     for i, (_, schema) in enumerate(specs):
         props = list(((schema or {}).get("properties") or {}).items())
         required = set((schema or {}).get("required") or [])
         for j, (_, prop) in enumerate(props):
-            out.append(json_rule(f"p{i}_{j}", prop if isinstance(prop, dict) else {}))
+            prop = prop if isinstance(prop, dict) else {}
+            rule = f"{prefix}p{i}_{j}"
+            out.append(value(rule, prop) if value is not None else json_rule(rule, prop))
         # f{i}_{j}: the arguments from j on, none written yet; r{i}_{j}: after one was written
-        n = len(props)
-        out.append(f'f{i}_{n}: ""\nr{i}_{n}: ""\n')
+        n, f, r = len(props), f"{prefix}f{i}_", f"{prefix}r{i}_"
+        out.append(f'{f}{n}: ""\n{r}{n}: ""\n')
         for j in range(n - 1, -1, -1):
-            item = f"{quoted(props[j][0] + '=')} p{i}_{j}"
-            first = f"{item} r{i}_{j + 1}"
-            rest = f'", " {item} r{i}_{j + 1}'
+            item = f"{key(props[j][0])} {prefix}p{i}_{j}"
+            first = f"{item} {r}{j + 1}"
+            rest = f"{sep} {item} {r}{j + 1}"
             if props[j][0] not in required:
-                first, rest = f"{first} | f{i}_{j + 1}", f"{rest} | r{i}_{j + 1}"
-            out.append(f"f{i}_{j}: {first}\nr{i}_{j}: {rest}\n")
-        out.append(f"kw{i}: f{i}_0\n")
+                first, rest = f"{first} | {f}{j + 1}", f"{rest} | {r}{j + 1}"
+            out.append(f"{f}{j}: {first}\n{r}{j}: {rest}\n")
+        out.append(f"{prefix}kw{i}: {f}0\n")
     return "".join(out)
 
 
