@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from pipeline.grammar import Constraint, ConstraintKind
@@ -55,3 +56,28 @@ def tool_constraint(fmt: ToolFormat, tools: list[dict[str, Any]], name: str | No
     if think is not None:
         text = span_grammar(think, text)
     return Constraint(ConstraintKind.GRAMMAR, text, PARAM, whole_turn=True)
+
+
+def strict_auto_constraint(fmt: ToolFormat | None, tools: list[dict[str, Any]] | None,
+                           parallel: bool, lit: Lit, added: dict[str, int],
+                           stop_ids: frozenset[int], think: ThinkSpan | None = None
+                           ) -> Constraint | None:
+    """tool_choice auto with a `strict` tool: the model writes what it likes, but a call it
+    opens is finished well-formed and schema-valid. Only for families whose call opens with
+    one added token (free text can never spell it); None otherwise."""
+    if not tools or fmt is None or fmt.grammar is None or fmt.leading is not None:
+        return None
+    if not any(t["function"].get("strict") for t in tools):
+        return None
+    opener = lit(fmt.starts[0])
+    if not opener.startswith("<["):
+        return None
+    calls = fmt.grammar(tool_specs(tools, None), not parallel, lit)
+    calls = re.sub(r"^start:", "calls:", calls, count=1, flags=re.MULTILINE)
+    others = sorted(set(added.values()) - {added[fmt.starts[0]]} - stop_ids)
+    piece = "TEXT" + (f" | <[{','.join(map(str, others))}]>" if others else "")
+    text = (f"start: free (calls free){'?' if not parallel else '*'}\nfree: piece*\n"
+            f"piece: {piece}\nTEXT: /(?s:.+)/\n{calls}")
+    if think is not None:
+        text = span_grammar(think, text)
+    return Constraint(ConstraintKind.GRAMMAR, text, "tools", whole_turn=True)

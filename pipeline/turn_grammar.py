@@ -12,7 +12,7 @@ from pipeline.grammar import JSON_OPTIONS, Constraint, ConstraintKind
 from pipeline.markup import OutputMarkup
 from pipeline.request import Request
 from pipeline.think_grammar import ThinkSpan, span_grammar
-from pipeline.tool_grammar import enforced, marker_lit, tool_constraint
+from pipeline.tool_grammar import enforced, marker_lit, strict_auto_constraint, tool_constraint
 
 # harmony: the analysis message opens and closes the reasoning; the next message's header follows
 HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
@@ -51,6 +51,11 @@ class TurnGrammars:
             return tool_constraint(fmt, inputs.tools,
                                    inputs.tool_name if inputs.tool_choice == "named" else None,
                                    inputs.parallel_tool_calls, self.lit, span)
+        if request.constraint is None and inputs.tool_choice == "auto" and not prefill:
+            strict = strict_auto_constraint(fmt, inputs.tools, inputs.parallel_tool_calls,
+                                            self.lit, self.added, self.stop_ids, span)
+            if strict is not None:
+                return strict
         if span is not None and request.constraint is not None:
             return self._after_span(request.constraint, span)
         if span is not None and span.budget is not None:

@@ -370,3 +370,21 @@ def test_assistant_prefill_continues_the_turn(coder: Any, thinker: Any) -> None:
     with pytest.raises(openai.BadRequestError, match="prefills"):
         client.chat.completions.create(messages=prefill, tools=CHAT_TOOLS, tool_choice="required",
                                        **kw, extra_body={"continue_final_message": True})
+
+
+def test_strict_tools_in_auto_mode_finish_the_call_the_model_opens(
+        coder: Any, open_call: dict[str, int]) -> None:
+    """logit_bias makes the model open a call at every step. Without strict the markup is
+    garbage and comes back as text; with a strict tool the grammar finishes the opened call
+    schema-valid, and with parallel calls off no second call opens."""
+    client = oa(coder)
+    kw = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 48,
+          "logit_bias": open_call, "parallel_tool_calls": False}
+    loose = client.chat.completions.create(tools=CHAT_TOOLS, **kw)
+    assert loose.choices[0].message.tool_calls is None
+    assert loose.choices[0].message.content.startswith("<tool_call><tool_call>")
+    strict = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "strict": True}}]
+    r = client.chat.completions.create(tools=strict, **kw)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and args_ok(call.function.arguments)
+    assert "<tool_call>" not in (r.choices[0].message.content or "")
