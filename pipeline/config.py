@@ -83,6 +83,15 @@ class LogFormat(Enum):
     json = "json"
 
 
+class ReasoningFormat(Enum):
+    """How the model marks its reasoning; `auto` infers it from the tokenizer and template."""
+
+    auto = "auto"
+    none = "none"          # no reasoning split: everything is content
+    think = "think"        # a <think>...</think> span (or the tokenizer's own pair) opens the turn
+    harmony = "harmony"    # gpt-oss channels: analysis is reasoning, final (and commentary) content
+
+
 class ToolCallFormat(Enum):
     """How the model writes tool calls; `auto` infers it from the chat template."""
 
@@ -94,7 +103,20 @@ class ToolCallFormat(Enum):
     gemma = "gemma"                # ```tool_code\nf(a=1)\n```
     function_gemma = "function_gemma"  # <start_function_call>call:f{a:<escape>v<escape>}<end_function_call>
     gemma4 = "gemma4"              # <|tool_call>call:f{a:<|"|>v<|"|>}<tool_call|>
+    harmony = "harmony"            # gpt-oss: <|channel|>commentary to=functions.f ...<|message|>{...}
+    mistral = "mistral"            # [TOOL_CALLS]f[ARGS]{...} (v11+ tokenizers)
+    mistral_v3 = "mistral_v3"      # [TOOL_CALLS][{"name", "arguments"}] (v3 tokenizers)
+    glm = "glm"                    # GLM-4.5/4.6/4.7: <tool_call>f<arg_key>k</arg_key><arg_value>v...
+    deepseek_v31 = "deepseek_v31"  # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}
+    deepseek_v3 = "deepseek_v3"    # V3-0324 / R1: ...function<｜tool▁sep｜>f\n```json\n{...}\n```
+    kimi_k2 = "kimi_k2"            # <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0...
+    minimax_m2 = "minimax_m2"      # <minimax:tool_call><invoke name="f"><parameter name="k">v...
+    pythonic = "pythonic"          # Llama 4: [f(a=1), g(b="x")]
 
+
+
+REASONING_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass
@@ -114,7 +136,11 @@ class ModelConfig:
     use_generation_config: bool = True   # let generation_config.json fill omitted sampling fields
     cache_dir: Optional[str] = None      # where generated models go; default ~/.cache/pipeserve/models
     tool_call_format: ToolCallFormat = ToolCallFormat.auto  # how tool calls are parsed from output
+    reasoning_format: ReasoningFormat = ReasoningFormat.auto  # how reasoning is split from output
     enable_thinking: Optional[bool] = None  # template thinking default when a request sets none
+    reasoning_budgets: dict[str, int] = field(default_factory=lambda: dict(REASONING_BUDGETS))
+    # reasoning_effort → the most thinking tokens before the end-of-thinking marker is forced
+    # (an effort not listed, e.g. xhigh, thinks without a budget)
     composed_attention: bool = True   # CUDA: attention as matmul + softmax where its scores fit
                                       # 512 MiB (verify, prompt chunks of many rows: no per-shape
                                       # cuDNN graph builds); no effect elsewhere
@@ -142,6 +168,11 @@ class ModelConfig:
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
+        for effort, budget in self.reasoning_budgets.items():
+            if effort not in REASONING_EFFORTS[1:]:
+                raise ConfigError(f"model.reasoning_budgets has effort {effort!r}; allowed: "
+                                  f"{', '.join(REASONING_EFFORTS[1:])}")
+            _positive(f"model.reasoning_budgets.{effort}", budget)
         if self.adapter is not None:
             if self.adapter_dir is None:
                 raise ConfigError(

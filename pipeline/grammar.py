@@ -46,10 +46,14 @@ class Constraint:
     kind: ConstraintKind
     source: str
     param: str
+    whole_turn: bool = False  # built by the server for the turn (a thinking budget, a required
+                              # tool call): the output is still parsed as reasoning and calls,
+                              # and the grammar covers a think span the prompt opened
 
     @property
     def key(self) -> tuple[str, str]:
         return self.kind.value, self.source
+
 
     @classmethod
     def json_object(cls, param: str) -> Constraint:

@@ -75,6 +75,11 @@ class PromptInput:
     tool_name: str | None = None                    # the tool a `named` choice forces
     media: list[Any] = field(default_factory=list)  # pipeline.vision.media.MediaPart, in prompt
                                                     # order; messages hold {"type": "image"} parts
+    parallel_tool_calls: bool = True                # false: at most one call per turn
+    continue_final: bool = False                    # the last (assistant) message is continued,
+                                                    # not closed: its text opens the answer
+    reasoning_budget: int | None = None             # most thinking tokens (thinking.budget_tokens,
+                                                    # max_reasoning_tokens); None: by effort
 
 
 @dataclass(slots=True)

@@ -56,7 +56,8 @@ class Front:
     def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
         assert engine.loaded is not None
         loaded = engine.loaded
-        self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value)
+        self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value,
+                                         cfg.model.reasoning_format.value)
         log.info("output markup: %s", self.markup.describe())
         self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
         self.admission = build(cfg.admission._target_, cfg, loaded, engine)

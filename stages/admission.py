@@ -136,7 +136,7 @@ class Admission:
         the field when it cannot be honoured."""
         c = request.constraint
         assert c is not None
-        if request.output_prefix:
+        if request.output_prefix and not c.whole_turn:   # a turn grammar covers the span
             raise InvalidRequest(
                 f"{c.param} cannot be honoured: the prompt opens the answer with "
                 f"{request.output_prefix.strip()!r} (a think span or a forced tool call), and the "

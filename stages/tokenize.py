@@ -4,6 +4,8 @@ starts from. Called on the event loop, once per request; large inputs render and
 preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -18,6 +20,7 @@ from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
 from pipeline.vision.media import MediaLimits, decode_all
 from pipeline.vision.rows import PromptMedia
+from pipeline.turn_grammar import TurnGrammars
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -26,6 +29,8 @@ CALL_PARAMS = frozenset({"conversation", "messages", "add_generation_prompt",
                          "continue_final_message", "tokenize", "padding", "truncation",
                          "max_length", "return_tensors", "return_dict",
                          "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# gpt-oss's template knows low / medium / high: the other efforts go to the nearest
+HARMONY_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeError,
                    ArithmeticError, RecursionError)
 
@@ -51,6 +56,11 @@ class Tokenize:
         self.vision = loaded.vision
         self.model_name = cfg.model.name
         self.media_limits = MediaLimits.of(cfg.server)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self._thinking_var = isinstance(template, str) and "thinking is defined" in template
+        self.turns = TurnGrammars(markup, self.tokenizer,
+                                  lambda text: self._encode(text, False, "messages"),
+                                  cfg.model.reasoning_budgets, cfg.model.enable_thinking)
 
     async def __call__(self, request: Request) -> Request:
         inputs = request.inputs
@@ -79,8 +89,12 @@ class Tokenize:
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)
             self._check_length(text, "messages")
-            request.output_prefix = self.markup.open_span(text)
-            forced = self._forced_call(inputs, request.output_prefix)
+            opened = self.markup.open_span(text)
+            prefill = _prefill(inputs, text)
+            request.output_prefix = prefill if len(prefill) > len(opened) else opened
+            turn = self.turns.constraint(request, opened, prefill)
+            request.constraint = turn or request.constraint
+            forced = "" if turn is not None else self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
             media = None
             if inputs.media:
@@ -215,15 +229,40 @@ class Tokenize:
             default = self.enable_thinking
             thinks = self.markup.think is not None
             kwargs["enable_thinking"] = thinks if default is None else default
+        if self.markup.channels:   # gpt-oss always reasons; its template knows low/medium/high
+            effort = kwargs.get("reasoning_effort")
+            if effort is None and kwargs["enable_thinking"] is False:
+                effort = "low"
+            if effort is not None:
+                kwargs["reasoning_effort"] = HARMONY_EFFORTS.get(effort, effort)
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:
+            if inputs.continue_final:
+                raise InvalidRequest("continue_final_message (an assistant prefill) works with the "
+                                     "server's chat template, not one sent in the request",
+                                     param="continue_final_message")
             return self._render_sandboxed(template, messages, kwargs, add_generation_prompt)
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
+        if self._thinking_var and "thinking" not in kwargs:   # DeepSeek V3.1's switch
+            kwargs["thinking"] = kwargs["enable_thinking"]
+        fmt = self.markup.tool_format
+        if fmt is not None and fmt.name.startswith("mistral"):
+            messages = mistral_ids(messages)
+        elif fmt is not None and fmt.name == "kimi_k2":
+            messages = kimi_ids(messages)
+        # a prefilled assistant turn is left open (continued), else a new turn is opened
+        # (POST /tokenize and /v1/chat/template may ask for either, as vLLM's do)
+        continued = inputs.continue_final or continue_final_message
+        kwargs.update(add_generation_prompt=add_generation_prompt and not continued,
+                      continue_final_message=continued)
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **kwargs)
+            try:
+                return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+            except TypeError:   # a template that joins arguments as text: give it text
+                if not any(m.get("tool_calls") for m in messages):
+                    raise
+                return tok.apply_chat_template(template_messages(messages, as_text=True),
+                                               tokenize=False, **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
@@ -243,6 +282,65 @@ class Tokenize:
         except template_sandbox.TemplateRejected as e:
             raise InvalidRequest(f"chat_template_kwargs.chat_template {e}",
                                  param="chat_template_kwargs.chat_template") from e
+
+
+def template_messages(messages: list[dict[str, Any]], as_text: bool) -> list[dict[str, Any]]:
+    """The messages with each tool call's arguments as a mapping (the Hugging Face convention:
+    `|tojson`, `.items()`) or, `as_text`, as its JSON text (templates that write
+    `name + '<sep>' + arguments`, as DeepSeek's do). Copies; the request's messages stay."""
+    if not as_text:
+        return messages
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_text_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _text_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), dict):
+        return call
+    return {**call, "function": {**fn, "arguments": json.dumps(fn["arguments"], ensure_ascii=False)}}
+
+
+def mistral_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mistral templates refuse tool-call ids that are not 9 alphanumerics: other ids (this
+    server's call_..., a client's own) become 9 hex digits of their hash, the same in the call
+    and in its result. Copies."""
+    def nine(call_id: Any) -> Any:
+        if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isalnum()):
+            return call_id
+        return hashlib.sha1(call_id.encode()).hexdigest()[:9]
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": nine(c.get("id"))} for c in m["tool_calls"]]}
+        if m.get("role") == "tool" and "tool_call_id" in m:
+            m = {**m, "tool_call_id": nine(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def kimi_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kimi-K2 was trained on call ids `functions.NAME:INDEX` (its template writes the id into
+    the call): other ids are renamed so, counting calls through the conversation. Copies."""
+    out, n = [], 0
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                name = (c.get("function") or {}).get("name", "")
+                call_id = c.get("id")
+                if not (isinstance(call_id, str) and call_id.startswith("functions.")):
+                    call_id = f"functions.{name}:{n}"
+                calls.append({**c, "id": call_id})
+                n += 1
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def _small(inputs: PromptInput) -> bool:
@@ -265,6 +363,16 @@ def _small(inputs: PromptInput) -> bool:
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
     return True
+
+
+def _prefill(inputs: PromptInput, text: str) -> str:
+    """A continued assistant turn: the rendered prompt from its text on (the output parsers
+    start from it, so a prefilled '<think>' or call markup is continued as such), else ''."""
+    if not inputs.continue_final or not inputs.messages:
+        return ""
+    content = inputs.messages[-1].get("content") or ""
+    at = text.rfind(content) if content else -1
+    return text[at:] if at >= 0 else ""
 
 
 def _backend(tokenizer: Any) -> Any:

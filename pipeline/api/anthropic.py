@@ -51,8 +51,18 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
             raise InvalidRequest(f"thinking.type is {kind!r}; allowed: enabled, disabled, "
                                  "adaptive", param="thinking")
         kwargs.setdefault("enable_thinking", kind != "disabled")
+    thinking_budget = _thinking_budget(thinking, body)
+    disable = (F.get(body, "tool_choice", dict) or {}).get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise InvalidRequest("tool_choice.disable_parallel_tool_use must be a boolean",
+                             param="tool_choice")
     inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name, media=media)
+                         tool_choice=choice, tool_name=name, media=media,
+                         parallel_tool_calls=not disable,
+                         reasoning_budget=thinking_budget,
+                         # a final assistant turn is a prefill: the answer continues it
+                         continue_final=messages[-1].get("role") == "assistant"
+                         if isinstance(messages[-1], dict) else False)
     if count_only:
         return inputs, {}
     requested = sampling_fields(body, "stop_sequences")
@@ -151,6 +161,19 @@ def _result_text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content must be a string or text blocks", param="messages")
     return "".join(_text(b, f"{where}.content[{k}]", "messages") for k, b in enumerate(content))
+
+
+def _thinking_budget(thinking: dict[str, Any] | None, body: dict[str, Any]) -> int | None:
+    """thinking.budget_tokens (type enabled) and the max_reasoning_tokens extension: the
+    tighter of those sent."""
+    given = F.reasoning_budget(body)
+    budget = (thinking or {}).get("budget_tokens")
+    if (thinking or {}).get("type") != "enabled" or budget is None:
+        return given
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise InvalidRequest(f"thinking.budget_tokens is {budget!r}; it must be a positive "
+                             "integer", param="thinking.budget_tokens")
+    return min(budget, given) if given is not None else budget
 
 
 def _tool_choice(value: dict[str, Any] | None, tools: list[dict[str, Any]]) -> tuple[str, str | None]:

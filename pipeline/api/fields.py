@@ -154,6 +154,11 @@ def _function_spec(fn: dict[str, Any], schema_key: str, where: str, param: str) 
                            "parameters": schema or {"type": "object", "properties": {}}}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequest(f"{where}.strict must be a boolean, got {_short(strict)}", param=param)
+    if strict:
+        out["strict"] = True   # the arguments are generated under the schema, extra keys refused
     return out
 
 
@@ -242,3 +247,14 @@ def keep_alive(body: dict[str, Any]) -> float | None:
             pass
     raise InvalidRequest(f"keep_alive must be seconds (a number; negative: keep loaded) or a "
                          f"duration such as \"5m\", got {short(value)}", param="keep_alive")
+
+
+def reasoning_budget(body: dict[str, Any]) -> int | None:
+    """The extension `max_reasoning_tokens` (every chat endpoint): at most this many thinking
+    tokens, then the end-of-thinking marker is forced and the answer follows."""
+    value = get(body, "max_reasoning_tokens", int)
+    if value is not None and value < 1:
+        raise InvalidRequest(f"max_reasoning_tokens is {value}; it must be at least 1 (send "
+                             "reasoning_effort 'none' to turn thinking off)",
+                             param="max_reasoning_tokens")
+    return value

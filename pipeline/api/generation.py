@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from pipeline.api.harmony import HarmonySplitter
 from pipeline.api.reasoning import ReasoningSplitter
 from pipeline.api.record import Record
 from pipeline.api.tools import ToolCall, ToolCallParser
@@ -68,7 +69,8 @@ class OutputChain:
     """Text → Delta through the request's parsers, in order: reasoning, then tool calls.
     `prefix` is assistant text the prompt already holds; it sets the parsers' state."""
 
-    def __init__(self, splitter: ReasoningSplitter | None, tools: ToolCallParser | None,
+    def __init__(self, splitter: ReasoningSplitter | HarmonySplitter | None,
+                 tools: ToolCallParser | None,
                  prefix: str = "") -> None:
         self.splitter, self.tools = splitter, tools
         if prefix:
@@ -78,11 +80,16 @@ class OutputChain:
     def for_request(cls, request: Request, markup: OutputMarkup) -> OutputChain:
         inputs, fmt, think = request.inputs, markup.tool_format, markup.think
         tools = None
-        # a constrained output (structured output) is the answer itself, never a tool call
+        # a constrained output (structured output) is the answer itself, never a tool call;
+        # a tool grammar's output is the call
+        constraint = request.constraint
         if (fmt is not None and inputs.tools and inputs.tool_choice != "none"
-                and request.constraint is None):
-            tools = ToolCallParser(fmt, inputs.tools, request.request_id)
-        splitter = ReasoningSplitter(think) if think is not None else None
+                and (constraint is None or constraint.whole_turn)):
+            tools = ToolCallParser(fmt, inputs.tools, request.request_id,
+                                   max_calls=None if inputs.parallel_tool_calls else 1)
+        splitter: ReasoningSplitter | HarmonySplitter | None = (
+            HarmonySplitter() if markup.channels else
+            ReasoningSplitter(think) if think is not None else None)
         return cls(splitter, tools, request.output_prefix)
 
     @property
@@ -142,7 +149,8 @@ class Generation:
         return delta
 
     def _settle(self, reason: str, event: Finished | None = None) -> None:
-        self.finish_reason = "tool_calls" if self.tool_calls else reason
+        # calls end the turn; a turn cut by max_tokens says length, even after a whole call
+        self.finish_reason = "tool_calls" if self.tool_calls and reason == "stop" else reason
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
             self.batch_size_max = reported   # the engine saw every step; better than our samples

@@ -105,10 +105,19 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
         kwargs.setdefault("reasoning_effort", effort)
     stream, include = _stream_flags(body)
+    continue_final = F.get(body, "continue_final_message", bool, False)
+    if continue_final and (not isinstance(messages[-1], dict)
+                           or messages[-1].get("role") != "assistant"):
+        raise InvalidRequest("continue_final_message needs the last message to be the assistant's "
+                             f"(got role {messages[-1].get('role') if isinstance(messages[-1], dict) else None!r})",
+                             param="continue_final_message")
     media: list[MediaPart] = []
     turns = [_message(m, i, media) for i, m in enumerate(messages)]
     return Parsed(PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
-                              tool_choice=choice, tool_name=name, media=media),
+                              tool_choice=choice, tool_name=name, media=media,
+                              parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
+                              reasoning_budget=F.reasoning_budget(body),
+                              continue_final=continue_final),
                   requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
 
 
@@ -138,6 +147,11 @@ def _message(m: Any, i: int, media: list[MediaPart]) -> dict[str, Any]:
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
+    if role == "assistant":   # the reasoning a client sends back, for templates that render it
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(m.get(key), str) and m[key]:
+                out["reasoning_content"] = m[key]
+                break
     calls = m.get("tool_calls")
     if calls is not None and not isinstance(calls, list):
         raise InvalidRequest(f"{where}.tool_calls must be an array of tool calls, got "

@@ -77,7 +77,9 @@ def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name, media=_media(messages))
+                         tool_choice=choice, tool_name=name, media=_media(messages),
+                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
+                         reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint)
 

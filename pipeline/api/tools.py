@@ -120,8 +120,10 @@ class ToolCallParser:
     could start a call is held back, and so is whitespace next to a call. A call body that
     does not parse or fit its schema goes back into the text, and the reason is logged."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]], request_id: str = "") -> None:
+    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]], request_id: str = "",
+                 max_calls: int | None = None) -> None:
         self.fmt, self.tools, self.request_id = fmt, tools, request_id
+        self.max_calls = max_calls       # parallel_tool_calls false: 1; later calls are dropped
         self.calls: list[ToolCall] = []
         self._buf = ""                   # text not yet released
         self._marker: str | None = None  # start marker of the open call (None: in text)
@@ -199,6 +201,10 @@ class ToolCallParser:
             self._emit(out, self._gap + (self._marker or "") + body + closing)
         else:
             for name, args in calls:
+                if self.max_calls is not None and len(self.calls) >= self.max_calls:
+                    log.info("request %s: call to %s dropped: parallel_tool_calls is false and "
+                             "the turn already made a call", self.request_id, name)
+                    continue
                 self.calls.append(ToolCall(len(self.calls), name, args))
             self._after_call = True
             self._pending_ws = self._pending_ws or self._gap

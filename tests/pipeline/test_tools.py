@@ -187,6 +187,15 @@ def test_arguments_that_do_not_fit_the_schema_are_refused(prop: dict[str, Any], 
     ("{{ '<start_function_call>' }}", "function_gemma"),
     ("{%- if builtin_tools %}{{ '<|python_tag|>' }}{% endif %}", "llama3"),
     ("```tool_code\n", "gemma"),
+    ("{{ '<|start|>assistant to=functions.' }}<|channel|>commentary<|message|>", "harmony"),
+    ("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}", "mistral"),
+    ("{{ '[TOOL_CALLS] [' }}", "mistral_v3"),
+    ("<tool_call>{{ name }}<arg_key>{{ k }}</arg_key>", "glm"),
+    ("'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + args", "deepseek_v31"),
+    ("'<｜tool▁sep｜>' + name + '\\n```json\\n'", "deepseek_v3"),
+    ("<|tool_calls_section_begin|><|tool_call_begin|>", "kimi_k2"),
+    ("<minimax:tool_call><invoke name=", "minimax_m2"),
+    ("{{ '<|python_start|>' }}[func(a=1)]", "pythonic"),
     ("{{ messages[0].content }}", None),
 ])
 def test_format_is_inferred_from_the_chat_template(template: str, want: str | None) -> None:
@@ -203,7 +212,17 @@ def test_forced_prefix_opens_a_call_the_parser_then_closes(fmt: str) -> None:
             "llama3": ' {"city": "Paris"}}',
             "gemma": 'city="Paris")\n```',
             "function_gemma": "city:<escape>Paris<escape>}<end_function_call>",
-            "gemma4": 'city:<|"|>Paris<|"|>}<tool_call|>'}[fmt]
+            "gemma4": 'city:<|"|>Paris<|"|>}<tool_call|>',
+            "harmony": '{"city": "Paris"}',
+            "mistral": '{"city": "Paris"}',
+            "mistral_v3": '{"city": "Paris"}}]',
+            "glm": "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+            "deepseek_v31": '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            "deepseek_v3": '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            "kimi_k2": '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+            "minimax_m2": '<parameter name="city">Paris</parameter>\n</invoke>\n'
+                          "</minimax:tool_call>",
+            "pythonic": 'city="Paris")]'}[fmt]
     p = ToolCallParser(f, TOOLS)
     assert p.feed(f.forced("get_weather")) == ("", [])
     text, calls = p.feed(rest)

@@ -164,8 +164,9 @@ def test_anthropic_messages_take_the_guided_fields(srv: Any) -> None:
 def test_thinking_is_off_for_constrained_requests_unless_asked(
         server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A template that opens <think> (thinking on by default): a constrained request renders
-    with thinking off and its answer is the constrained output; asking to think as well is a 400,
-    since the constraint would apply inside the think span."""
+    with thinking off and its answer is the constrained output; asking to think as well gives
+    the reasoning first and then the constrained answer (the grammar starts after the span); a
+    client grammar, which cannot follow the span, is a 400."""
     path = tmp_path_factory.mktemp("templates") / "thinking.jinja"
     path.write_text(CHAT_TEMPLATE.replace(GEN_PROMPT, THINKING_PROMPT))
     srv = server_factory(f"model.chat_template={path}", "model.enable_thinking=true")
@@ -173,10 +174,15 @@ def test_thinking_is_off_for_constrained_requests_unless_asked(
     r = chat(client, max_tokens=16, temperature=0, extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].message.content in ("yes", "no")
     assert not (r.choices[0].message.model_extra or {}).get("reasoning_content")
+    r = chat(client, max_tokens=24, temperature=0, reasoning_effort="high",
+             extra_body={"guided_choice": ["yes", "no"], "max_reasoning_tokens": 6})
+    assert r.choices[0].message.content in ("yes", "no")
+    assert r.choices[0].message.model_extra["reasoning_content"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6 + 7   # + "</think>"'s tokens
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, max_tokens=16, reasoning_effort="high",
-             extra_body={"guided_choice": ["yes", "no"]})
-    assert info.value.response.json()["error"]["param"] == "guided_choice"
+             extra_body={"guided_grammar": 'start: "yes" | "no"'})
+    assert info.value.response.json()["error"]["param"] == "guided_grammar"
 
 
 # -- batches ---------------------------------------------------------------------------------
@@ -222,7 +228,7 @@ def test_constrained_and_free_requests_share_a_batch(client: openai.OpenAI, srv:
      "guided_json"),
     ("/v1/chat/completions", {"guided_choice": ["a"], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-     "guided_choice"),   # the forced call's markup opens the answer: the grammar cannot apply
+     "guided_choice"),   # a required call is the whole answer: two constraints cannot both hold
     ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x",
                                            "schema": {"$ref": "#/nowhere"}}}}, "text.format"),
 ])

@@ -1,8 +1,9 @@
 """End to end: tool calls and reasoning through every protocol on real `serve.py` processes.
 The random tiny model cannot choose to call a tool, so the calls here are real model tokens
-steered by real request fields: a named tool_choice makes the prompt end with the call's
-opening markup, and logit_bias makes the one generated token the closing marker. Reasoning
-uses a chat template that opens <think> in the generation prompt, as thinking models do."""
+steered by real request fields: a named or required tool_choice constrains decoding to the
+grammar of a well-formed call, and logit_bias forces markup where a test needs a broken call.
+Reasoning uses a chat template that opens <think> in the generation prompt, as thinking models
+do."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,10 @@ MODEL = "tiny"
 TIMEOUT = 60.0
 NO_EOS = {"0": -100, "2": -100}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
+CALL_TOKENS = 64   # room for a whole call of get_weather under the grammar
+MINIMAL_BUDGET = 3   # thinking tokens reasoning_effort "minimal" gets on the thinking server
+CLOSE_TOKENS = 7     # "</think>" is seven tokens of the tiny tokenizer
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 GEN_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 THINKING_PROMPT = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -30,11 +34,17 @@ THINKING_PROMPT = ("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n
 
 
 @pytest.fixture(scope="module")
-def close_call(model_cache: Path) -> dict[str, int]:
-    """logit_bias that makes `</tool_call>` the next token."""
+def open_call(model_cache: Path) -> dict[str, int]:
+    """logit_bias that makes `<tool_call>` every next token: markup that never forms a call."""
     path = ensure_model("qwen3", "tiny", "float32", model_cache) / "tokenizer.json"
     added = json.loads(path.read_text())["added_tokens"]
-    return {str(next(t["id"] for t in added if t["content"] == "</tool_call>")): 100}
+    return {str(next(t["id"] for t in added if t["content"] == "<tool_call>")): 100}
+
+
+def args_ok(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return set(args) <= {"city"} and isinstance(args.get("city", ""), str) and \
+        len(args.get("city", "")) <= 8
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,8 @@ def thinker(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> An
     assert GEN_PROMPT in CHAT_TEMPLATE
     path = tmp_path_factory.mktemp("templates") / "thinking.jinja"
     path.write_text(CHAT_TEMPLATE.replace(GEN_PROMPT, THINKING_PROMPT))
-    return server_factory(f"model.chat_template={path}", "model.enable_thinking=false")
+    return server_factory(f"model.chat_template={path}", "model.enable_thinking=false",
+                          f"model.reasoning_budgets.minimal={MINIMAL_BUDGET}")
 
 
 def oa(srv: Any) -> openai.OpenAI:
@@ -74,9 +85,9 @@ def sse(srv: Any, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # -- tool calls --------------------------------------------------------------------------------
-def test_chat_named_tool_choice_yields_a_tool_call(coder: Any, close_call: dict[str, int]) -> None:
-    body = {"model": MODEL, "messages": USER, "tools": CHAT_TOOLS, "max_tokens": 1,
-            "temperature": 0, "logit_bias": close_call,
+def test_chat_named_tool_choice_yields_a_tool_call(coder: Any) -> None:
+    body = {"model": MODEL, "messages": USER, "tools": CHAT_TOOLS, "max_tokens": CALL_TOKENS,
+            "temperature": 0,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     r = oa(coder).chat.completions.create(**body)
     choice = r.choices[0]
@@ -84,7 +95,7 @@ def test_chat_named_tool_choice_yields_a_tool_call(coder: Any, close_call: dict[
     assert choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {})
+    assert call.function.name == "get_weather" and args_ok(call.function.arguments)
 
     chunks = sse(coder, "/v1/chat/completions", body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
@@ -92,32 +103,34 @@ def test_chat_named_tool_choice_yields_a_tool_call(coder: Any, close_call: dict[
     calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
     assert calls[0]["index"] == 0 and calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert "".join(c["function"]["arguments"] for c in calls) == "{}"
+    assert "".join(c["function"]["arguments"] for c in calls) == call.function.arguments
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
     stream = oa(coder).chat.completions.create(stream=True, **body)
     typed = [c for c in stream]
     assert typed[-1].choices[0].finish_reason == "tool_calls"
-    assert typed[1].choices[0].delta.tool_calls[0].function.name == "get_weather"
+    named = [c.choices[0].delta.tool_calls[0] for c in typed
+             if c.choices and c.choices[0].delta.tool_calls]
+    assert named[0].function.name == "get_weather"
 
 
-def test_calls_that_do_not_parse_or_fit_the_schema_stay_text(coder: Any,
-                                                               close_call: dict[str, int]) -> None:
+def test_required_is_enforced_and_broken_markup_stays_text(coder: Any,
+                                                           open_call: dict[str, int]) -> None:
     client = oa(coder)
-    base = {"model": MODEL, "messages": USER, "max_tokens": 1, "temperature": 0,
-            "logit_bias": close_call}
-    # required: the turn opens with "<tool_call>\n<function=" and the model closes it at once
-    r = client.chat.completions.create(tools=CHAT_TOOLS, tool_choice="required", **base)
+    base = {"model": MODEL, "messages": USER, "temperature": 0}
+    # required: decoding is constrained to a call, whatever the model would write
+    r = client.chat.completions.create(tools=CHAT_TOOLS, tool_choice="required",
+                                       max_tokens=CALL_TOKENS, **base)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and args_ok(call.function.arguments)
+    # auto: markup the model writes that never forms a call comes back as text, not a 500
+    r = client.chat.completions.create(tools=CHAT_TOOLS, max_tokens=3, logit_bias=open_call,
+                                       **base)
     assert r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == "<tool_call>\n<function=</tool_call>"
+    assert r.choices[0].message.content == "<tool_call><tool_call><tool_call>"
     assert r.choices[0].finish_reason == "length"
-    # a well-formed call that lacks a required argument
-    strict = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        **SCHEMA, "required": ["city"]}}}]
-    r = client.chat.completions.create(
-        tools=strict, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **base)
-    assert r.choices[0].message.tool_calls is None and "get_weather" in r.choices[0].message.content
-    assert "kept as text" in coder.log() and "lacks required argument(s) city" in coder.log()
+    assert "kept as text" in coder.log()
 
 
 def test_tools_render_and_round_trip_and_none(coder: Any) -> None:
@@ -143,15 +156,16 @@ def test_tools_render_and_round_trip_and_none(coder: Any) -> None:
     assert r.choices[0].message.content
 
 
-def test_anthropic_tool_use(coder: Any, close_call: dict[str, int]) -> None:
+def test_anthropic_tool_use(coder: Any) -> None:
     tools = [{"name": "get_weather", "input_schema": SCHEMA}]
-    kw = {"model": MODEL, "max_tokens": 1, "messages": USER, "tools": tools,
+    kw = {"model": MODEL, "max_tokens": CALL_TOKENS, "messages": USER, "tools": tools,
           "tool_choice": {"type": "tool", "name": "get_weather"}}
-    extra = {"temperature": 0, "logit_bias": close_call}
+    extra = {"temperature": 0}
     m = an(coder).messages.create(**kw, extra_body=extra)
     assert m.stop_reason == "tool_use"
     [block] = m.content
-    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {}
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert args_ok(json.dumps(block.input))
     assert block.id.startswith("toolu_")
 
     events = sse(coder, "/v1/messages", {**kw, **extra})
@@ -163,21 +177,21 @@ def test_anthropic_tool_use(coder: Any, close_call: dict[str, int]) -> None:
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
     with an(coder).messages.stream(**kw, extra_body=extra) as stream:
         final = stream.get_final_message()
-    assert final.content[0].type == "tool_use" and final.content[0].input == {}
+    assert final.content[0].type == "tool_use" and final.content[0].input == block.input
 
 
-def test_responses_function_call_and_output_round_trip(coder: Any,
-                                                       close_call: dict[str, int]) -> None:
+def test_responses_function_call_and_output_round_trip(coder: Any) -> None:
     client = oa(coder)
     tools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
-    kw = {"model": MODEL, "input": "Weather in Paris?", "tools": tools, "max_output_tokens": 1,
-          "temperature": 0, "tool_choice": {"type": "function", "name": "get_weather"}}
-    r = client.responses.create(**kw, extra_body={"logit_bias": close_call})
+    kw = {"model": MODEL, "input": "Weather in Paris?", "tools": tools,
+          "max_output_tokens": CALL_TOKENS, "temperature": 0, "parallel_tool_calls": False,
+          "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = client.responses.create(**kw)
     assert r.status == "completed"
     [call] = r.output
     assert call.type == "function_call" and call.name == "get_weather"
-    assert json.loads(call.arguments) == {} and call.call_id.startswith("call_")
-    events = list(client.responses.create(**kw, stream=True, extra_body={"logit_bias": close_call}))
+    assert args_ok(call.arguments) and call.call_id.startswith("call_")
+    events = list(client.responses.create(**kw, stream=True))
     assert [e.type for e in events[2:]] == [
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done",
@@ -248,23 +262,21 @@ def test_responses_reasoning_items(thinker: Any) -> None:
     assert [o.type for o in events[-1].response.output] == ["reasoning"]
 
 
-def test_calls_across_protocols_in_one_batch(coder: Any, close_call: dict[str, int]) -> None:
+def test_calls_across_protocols_in_one_batch(coder: Any) -> None:
     """Concurrent requests share engine steps; each keeps its own output parser."""
     from concurrent.futures import ThreadPoolExecutor
 
     def chat(_: int) -> str:
         r = oa(coder).chat.completions.create(
-            model=MODEL, messages=USER, tools=CHAT_TOOLS, max_tokens=1, temperature=0,
-            logit_bias=close_call,
+            model=MODEL, messages=USER, tools=CHAT_TOOLS, max_tokens=CALL_TOKENS, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         return r.choices[0].message.tool_calls[0].function.name
 
     def messages(_: int) -> str:
         m = an(coder).messages.create(
-            model=MODEL, max_tokens=1, messages=USER, tools=[{"name": "get_weather",
-                                                              "input_schema": SCHEMA}],
-            tool_choice={"type": "tool", "name": "get_weather"},
-            extra_body={"temperature": 0, "logit_bias": close_call})
+            model=MODEL, max_tokens=CALL_TOKENS, messages=USER,
+            tools=[{"name": "get_weather", "input_schema": SCHEMA}],
+            tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
         return m.content[0].name
 
     def plain(_: int) -> str:
@@ -276,3 +288,103 @@ def test_calls_across_protocols_in_one_batch(coder: Any, close_call: dict[str, i
         futures = [pool.submit(f, i) for i in range(2) for f in (chat, messages, plain)]
         results = [f.result(timeout=TIMEOUT) for f in futures]
     assert results == ["get_weather", "get_weather", "length"] * 2
+
+
+# -- thinking budget -------------------------------------------------------------------------
+def test_thinking_budget_forces_the_end_marker_and_the_answer_follows(thinker: Any) -> None:
+    client = oa(thinker)
+    kw = {"model": MODEL, "messages": USER, "max_tokens": 20, "temperature": 0,
+          "logit_bias": NO_EOS}
+    for budget, extra in ((5, {"reasoning_effort": "high", "extra_body": {"max_reasoning_tokens": 5}}),
+                          (MINIMAL_BUDGET, {"reasoning_effort": "minimal"})):
+        r = client.chat.completions.create(**kw, **extra)
+        msg = r.choices[0].message
+        assert msg.model_extra["reasoning_content"] and msg.content   # the answer follows
+        # the span is the budget's tokens and the forced marker, counted exactly
+        assert r.usage.completion_tokens_details.reasoning_tokens == budget + CLOSE_TOKENS
+        assert r.usage.completion_tokens == 20
+        chunks = sse(thinker, "/v1/chat/completions", {**kw, **extra.get("extra_body", {}),
+                                                        **{k: v for k, v in extra.items()
+                                                           if k != "extra_body"}})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == \
+            msg.model_extra["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == msg.content
+        assert "</think>" not in msg.content
+    # a budget the turn cannot reach changes nothing: the whole turn is reasoning
+    r = client.chat.completions.create(**kw, reasoning_effort="low",
+                                       extra_body={"max_reasoning_tokens": 500})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 20 and not r.choices[0].message.content
+
+
+def test_anthropic_budget_tokens_and_responses_budget(thinker: Any) -> None:
+    m = an(thinker).messages.create(
+        model=MODEL, max_tokens=16, messages=USER, thinking={"type": "enabled", "budget_tokens": 4},
+        extra_body={"temperature": 0, "logit_bias": NO_EOS})
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking and m.content[1].text and m.stop_reason == "max_tokens"
+    r = oa(thinker).responses.create(model=MODEL, input="Why is the sky blue?", max_output_tokens=16,
+                                     temperature=0, reasoning={"effort": "medium"},
+                                     extra_body={"logit_bias": NO_EOS, "max_reasoning_tokens": 4})
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text
+    assert r.usage.output_tokens_details.reasoning_tokens == 4 + CLOSE_TOKENS
+    for bad in ({"max_reasoning_tokens": 0}, {"max_reasoning_tokens": "x"}):
+        with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens"):
+            oa(thinker).chat.completions.create(model=MODEL, messages=USER, max_tokens=4,
+                                                extra_body=bad)
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        an(thinker).messages.create(model=MODEL, max_tokens=4, messages=USER,
+                                    thinking={"type": "enabled", "budget_tokens": -1})
+
+
+# -- assistant prefill -----------------------------------------------------------------------
+def test_assistant_prefill_continues_the_turn(coder: Any, thinker: Any) -> None:
+    client = oa(coder)
+    prefill = [*USER, {"role": "assistant", "content": "The weather in Paris is"}]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS}
+    r = client.chat.completions.create(messages=prefill, **kw,
+                                       extra_body={"continue_final_message": True})
+    answer = r.choices[0].message.content
+    # the same prompt written out as a raw completion continues the same way
+    text = ("<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+            "The weather in Paris is")
+    c = client.completions.create(prompt=text, **kw)
+    assert answer == c.choices[0].text and r.usage.prompt_tokens == c.usage.prompt_tokens
+    closed = client.chat.completions.create(messages=prefill, **kw)   # a new turn after it
+    assert closed.usage.prompt_tokens > r.usage.prompt_tokens
+    # Anthropic: a final assistant turn is a prefill; only the continuation comes back
+    m = an(coder).messages.create(model=MODEL, max_tokens=6, messages=prefill,
+                                  extra_body={"temperature": 0, "logit_bias": NO_EOS})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == answer
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == r.usage.prompt_tokens
+    # the output parsers start where the prefill left them: an open <think> goes on as reasoning
+    t = oa(thinker).chat.completions.create(
+        messages=[*USER, {"role": "assistant", "content": "<think>\nLet me see"}], **kw,
+        extra_body={"continue_final_message": True})
+    assert t.choices[0].message.model_extra["reasoning_content"]
+    assert not t.choices[0].message.content
+    assert t.usage.completion_tokens_details.reasoning_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(messages=USER, **kw,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="prefills"):
+        client.chat.completions.create(messages=prefill, tools=CHAT_TOOLS, tool_choice="required",
+                                       **kw, extra_body={"continue_final_message": True})
+
+
+def test_strict_tools_in_auto_mode_finish_the_call_the_model_opens(
+        coder: Any, open_call: dict[str, int]) -> None:
+    """logit_bias makes the model open a call at every step. Without strict the markup is
+    garbage and comes back as text; with a strict tool the grammar finishes the opened call
+    schema-valid, and with parallel calls off no second call opens."""
+    client = oa(coder)
+    kw = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 48,
+          "logit_bias": open_call, "parallel_tool_calls": False}
+    loose = client.chat.completions.create(tools=CHAT_TOOLS, **kw)
+    assert loose.choices[0].message.tool_calls is None
+    assert loose.choices[0].message.content.startswith("<tool_call><tool_call>")
+    strict = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "strict": True}}]
+    r = client.chat.completions.create(tools=strict, **kw)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and args_ok(call.function.arguments)
+    assert "<tool_call>" not in (r.choices[0].message.content or "")
