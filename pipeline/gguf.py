@@ -227,11 +227,14 @@ def convert(src: Path, out: Path) -> None:
     tied = "output.weight" not in header.tensors
     has_bias = "blk.0.attn_q.bias" in header.tensors
     cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
-    if "rope_freqs.weight" in header.tensors:
-        ttype, shape, offset = header.tensors["rope_freqs.weight"]
-        freqs = gguf_quants.reference(ttype, np.fromfile(
-            src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset), shape)
-        cfg["rope_scaling"] = gguf_arch.rope_from_freqs(cfg, freqs)
+    config_tensors = {}
+    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
+        if name in header.tensors:
+            ttype, shape, offset = header.tensors[name]
+            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
+                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
+                shape)
+    gguf_arch.apply_config_tensors(cfg, config_tensors)
     weights, quant, report = _weights(src, header, arch_name, cfg)
     if quant:
         cfg["quantization"] = quant

@@ -264,3 +264,28 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path: Path, tok_me
     odd = save_mlx_gguf(tmp_path / "odd.gguf", tensors, meta)
     with pytest.raises(ConfigError, match="match no Llama 3 rope scaling"):
         load(ModelConfig(name="g", path=str(odd), cache_dir=str(tmp_path / "cache")))
+
+
+def test_phi3_long_context_rope_factors_become_longrope(tmp_path: Path,
+                                                        tok_meta: dict[str, Any]) -> None:
+    """Phi-3 128k / Phi-3.5 files carry rope_factors_long/short (llama.cpp's names for
+    config.json's long_factor/short_factor): they become mlx-lm's longrope scaling."""
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg, hf = hf_model("phi3", vocab)
+    rng = np.random.default_rng(5)
+    long, short = (1 + rng.uniform(0, 8, HEAD_DIM // 2)).astype(np.float32), \
+        (1 + rng.uniform(0, 1, HEAD_DIM // 2)).astype(np.float32)
+    cfg.update(original_max_position_embeddings=1024, rope_scaling={
+        "type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist()})
+    tensors = {**llama_cpp_tensors("phi3", hf), "rope_factors_long.weight": long,
+               "rope_factors_short.weight": short}
+    meta = {**gguf_metadata("phi3", cfg), "phi3.rope.scaling.original_context_length": 1024,
+            **tok_meta}
+    src = save_mlx_gguf(tmp_path / "phi3.gguf", tensors, meta)
+    want = np.array(reference_model(cfg, hf)(mx.array([PROMPT * 4]))[0])
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(tmp_path / "cache"),
+                          compute_dtype=ComputeDType.float32))
+    assert lm.config["rope_scaling"]["type"] == "longrope"
+    assert lm.config["original_max_position_embeddings"] == 1024
+    np.testing.assert_allclose(np.array(lm.model(mx.array([PROMPT * 4]))[0]), want,
+                               rtol=1e-4, atol=1e-4)
