@@ -271,6 +271,18 @@ def ensure_converted(src: Path, cache_dir: str | Path | None = None) -> Path:
     final = cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
     if (final / "config.json").is_file():
         log.info("GGUF %s: converted copy in %s", src.name, final)
+        log_conversion(final)
         return final
     log.info("converting GGUF %s (%.1f MB) into %s", src, src.stat().st_size / 1e6, final)
     return publish(final, lambda tmp: convert(src, tmp))
+
+
+def log_conversion(directory: Path) -> None:
+    """Repeat, from a cached directory's source.json, what each tensor type became and its error."""
+    source = directory / "source.json"
+    if not source.is_file():
+        return
+    for kind, row in json.loads(source.read_text()).get("tensors", {}).items():
+        log.info("%s: %s: %d tensors (%.1fM values), max relative RMS error vs gguf's "
+                 "dequantization %.1e", directory.name, kind, row["tensors"], row["values"] / 1e6,
+                 row["max_rel_rms_error"])
