@@ -230,3 +230,20 @@ def test_kquant_llama_logits_match_mlx_lm_on_the_reference_weights(tmp_path: Pat
     assert report["Q4_K -> affine 4-bit (exact)"]["tensors"] == 2
     assert report["Q6_K -> affine 8-bit"]["tensors"] == 3
     assert all(r["max_rel_rms_error"] <= gguf_quants.MAX_ERROR for r in report.values())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_stacked_expert_tensor_keeps_its_expert_axis(qtype: T) -> None:
+    """A MoE file's (experts, rows, cols) tensor converts per row and comes back 3-D, as
+    mlx-lm's QuantizedSwitchLinear holds it."""
+    rng = np.random.default_rng(11)
+    experts, rows, cols = 4, 32, 256
+    blocks = random_blocks(qtype, experts * rows, cols, 0.05, rng)
+    conv = gguf_quants.convert_tensor(qtype.name, blocks.reshape(-1), (experts, rows, cols))
+    assert conv.arrays["weight"].shape[:2] == (experts, rows)
+    assert conv.arrays["scales"].shape == (experts, rows, cols // 32)
+    got = np.array(mx.dequantize(conv.arrays["weight"], conv.arrays["scales"].astype(mx.float32),
+                                 conv.arrays["biases"].astype(mx.float32), group_size=32,
+                                 bits=conv.bits))
+    want = ggufpy.quants.dequantize(blocks, qtype).reshape(experts, rows, cols)
+    assert gguf_quants.rel_error(got, want) <= gguf_quants.MAX_ERROR
