@@ -289,3 +289,37 @@ def test_phi3_long_context_rope_factors_become_longrope(tmp_path: Path,
     assert lm.config["original_max_position_embeddings"] == 1024
     np.testing.assert_allclose(np.array(lm.model(mx.array([PROMPT * 4]))[0]), want,
                                rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_moe_experts_load_as_quantized_switch_layers(tmp_path: Path,
+                                                               tok_meta: dict[str, Any]) -> None:
+    """qwen3moe with Q8_0 stacked experts and attention (llama.cpp's own quantizer): mlx-lm
+    builds QuantizedSwitchLinear experts from the converted directory, and the logits equal
+    mlx-lm's class on llama.cpp's dequantization of the same file."""
+    import gguf as ggufpy
+    from gguf import GGMLQuantizationType as T
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from tests.pipeline.test_gguf_quants import written
+
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg, hf = hf_model("qwen3moe", vocab)
+    tensors = {n: (w, T.F32 if w.ndim == 1 or n == "blk.0.ffn_gate_inp.weight" else T.Q8_0)
+               for n, w in llama_cpp_tensors("qwen3moe", hf).items()}
+    meta = {k: v for k, v in {**gguf_metadata("qwen3moe", cfg), **tok_meta}.items()
+            if k != "general.architecture"}
+    src = written(tmp_path, tensors, meta, arch="qwen3moe")
+    back = {t.name: ggufpy.quants.dequantize(t.data, t.tensor_type).reshape(
+        tuple(int(d) for d in reversed(t.shape))) for t in ggufpy.GGUFReader(str(src)).tensors}
+    ref_hf = {}
+    for name in hf:
+        (gname,) = llama_cpp_tensors("qwen3moe", {name: hf[name]})
+        ref_hf[name] = back[gname].astype(np.float32)
+    want = np.array(reference_model(cfg, ref_hf)(mx.array([PROMPT]))[0])
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(tmp_path / "cache"),
+                          compute_dtype=ComputeDType.checkpoint))
+    assert isinstance(lm.model.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    got = np.array(lm.model(mx.array([PROMPT]))[0].astype(mx.float32))
+    # measured 5e-4 of the largest logit: float16 activations through the quantized matmuls
+    assert np.abs(got - want).max() < 5e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
