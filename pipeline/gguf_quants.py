@@ -17,13 +17,19 @@ SAMPLE_ROWS = 1024   # rows per tensor the error is measured on (evenly spaced)
 BLOCKS = {           # type -> (values per block, bytes per block): ggml's block layouts
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+    "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "IQ3_S": (256, 110),
+    "IQ3_XXS": (256, 98), "IQ2_S": (256, 82), "IQ2_XS": (256, 74), "IQ2_XXS": (256, 66),
+    "IQ1_M": (256, 56), "IQ1_S": (256, 50), "TQ2_0": (256, 66), "TQ1_0": (256, 54),
 }
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 # Block types no MLX affine form holds (16-value sub-blocks, non-linear codebooks): re-quantized
 # from the reference values at the first of these widths within MAX_ERROR, else bf16.
 REQUANT_BITS = {"Q2_K": (3, 4, 5, 6, 8), "Q3_K": (4, 5, 6, 8), "Q6_K": (6, 8),
-                "IQ4_NL": (4, 5, 6, 8), "IQ4_XS": (4, 5, 6, 8)}
+                "IQ4_NL": (4, 5, 6, 8), "IQ4_XS": (4, 5, 6, 8), "IQ3_S": (3, 4, 5, 6, 8),
+                "IQ3_XXS": (3, 4, 5, 6, 8), "IQ2_S": (2, 3, 4, 5, 6, 8),
+                "IQ2_XS": (2, 3, 4, 5, 6, 8), "IQ2_XXS": (2, 3, 4, 5, 6, 8),
+                "IQ1_M": (2, 3, 4, 5, 6, 8), "IQ1_S": (2, 3, 4, 5, 6, 8),
+                "TQ2_0": (2, 3, 4, 5, 6, 8), "TQ1_0": (2, 3, 4, 5, 6, 8)}
 EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 SUPPORTED = (*FLOATS, *BLOCKS)
 

@@ -316,16 +316,16 @@ def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,
 
 def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, model_cache: Path,
                                                              tok_meta: dict[str, Any]) -> None:
-    """Types with no conversion (the 2- and 3-bit IQ codebooks, ternary, MXFP4) are refused,
-    naming a tensor and the supported types."""
+    """Types with no conversion (MXFP4, Q8_1, Q8_K, integer tensors) are refused, naming a
+    tensor and the supported types."""
     tensors, meta = _small(tok_meta)
-    src = tmp_path / "iq2.gguf"
+    src = tmp_path / "mxfp4.gguf"
     w = ggufpy.GGUFWriter(str(src), "llama")
     w.add_string("tokenizer.ggml.model", "gpt2")
     for name, arr in tensors.items():
-        if name == "blk.1.ffn_up.weight":   # one IQ2_XXS block (256 values, 66 bytes) per row
-            block = ggufpy.GGML_QUANT_SIZES[T.IQ2_XXS][1]
-            w.add_tensor(name, np.zeros((INTER, block), np.uint8), raw_dtype=T.IQ2_XXS)
+        if name == "blk.1.ffn_up.weight":   # two MXFP4 blocks (32 values, 17 bytes) per row
+            block = ggufpy.GGML_QUANT_SIZES[T.MXFP4][1]
+            w.add_tensor(name, np.zeros((INTER, 2 * block), np.uint8), raw_dtype=T.MXFP4)
         else:
             w.add_tensor(name, arr, raw_dtype=T.F32)
     w.write_header_to_file()
@@ -333,9 +333,9 @@ def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, mod
     w.write_tensors_to_file()
     w.close()
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tensor type IQ2_XXS is not supported" in msg and "blk.1.ffn_up.weight is IQ2_XXS" in msg
+    assert "tensor type MXFP4 is not supported" in msg and "blk.1.ffn_up.weight is MXFP4" in msg
     assert ("supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, "
-            "Q6_K, IQ4_NL, IQ4_XS") in msg
+            "Q6_K, IQ4_NL, IQ4_XS, IQ3_S") in msg
 
 
 def test_unknown_tensor_and_not_a_gguf_are_refused(tmp_path: Path, model_cache: Path,

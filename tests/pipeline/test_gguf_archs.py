@@ -264,3 +264,62 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path: Path, tok_me
     odd = save_mlx_gguf(tmp_path / "odd.gguf", tensors, meta)
     with pytest.raises(ConfigError, match="match no Llama 3 rope scaling"):
         load(ModelConfig(name="g", path=str(odd), cache_dir=str(tmp_path / "cache")))
+
+
+def test_phi3_long_context_rope_factors_become_longrope(tmp_path: Path,
+                                                        tok_meta: dict[str, Any]) -> None:
+    """Phi-3 128k / Phi-3.5 files carry rope_factors_long/short (llama.cpp's names for
+    config.json's long_factor/short_factor): they become mlx-lm's longrope scaling."""
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg, hf = hf_model("phi3", vocab)
+    rng = np.random.default_rng(5)
+    long, short = (1 + rng.uniform(0, 8, HEAD_DIM // 2)).astype(np.float32), \
+        (1 + rng.uniform(0, 1, HEAD_DIM // 2)).astype(np.float32)
+    cfg.update(original_max_position_embeddings=1024, rope_scaling={
+        "type": "longrope", "long_factor": long.tolist(), "short_factor": short.tolist()})
+    tensors = {**llama_cpp_tensors("phi3", hf), "rope_factors_long.weight": long,
+               "rope_factors_short.weight": short}
+    meta = {**gguf_metadata("phi3", cfg), "phi3.rope.scaling.original_context_length": 1024,
+            **tok_meta}
+    src = save_mlx_gguf(tmp_path / "phi3.gguf", tensors, meta)
+    want = np.array(reference_model(cfg, hf)(mx.array([PROMPT * 4]))[0])
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(tmp_path / "cache"),
+                          compute_dtype=ComputeDType.float32))
+    assert lm.config["rope_scaling"]["type"] == "longrope"
+    assert lm.config["original_max_position_embeddings"] == 1024
+    np.testing.assert_allclose(np.array(lm.model(mx.array([PROMPT * 4]))[0]), want,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_moe_experts_load_as_quantized_switch_layers(tmp_path: Path,
+                                                               tok_meta: dict[str, Any]) -> None:
+    """qwen3moe with Q8_0 stacked experts and attention (llama.cpp's own quantizer): mlx-lm
+    builds QuantizedSwitchLinear experts from the converted directory, and the logits equal
+    mlx-lm's class on llama.cpp's dequantization of the same file."""
+    import gguf as ggufpy
+    from gguf import GGMLQuantizationType as T
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from tests.pipeline.test_gguf_quants import written
+
+    vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg, hf = hf_model("qwen3moe", vocab)
+    tensors = {n: (w, T.F32 if w.ndim == 1 or n == "blk.0.ffn_gate_inp.weight" else T.Q8_0)
+               for n, w in llama_cpp_tensors("qwen3moe", hf).items()}
+    meta = {k: v for k, v in {**gguf_metadata("qwen3moe", cfg), **tok_meta}.items()
+            if k != "general.architecture"}
+    src = written(tmp_path, tensors, meta, arch="qwen3moe")
+    back = {t.name: ggufpy.quants.dequantize(t.data, t.tensor_type).reshape(
+        tuple(int(d) for d in reversed(t.shape))) for t in ggufpy.GGUFReader(str(src)).tensors}
+    ref_hf = {}
+    for name in hf:
+        (gname,) = llama_cpp_tensors("qwen3moe", {name: hf[name]})
+        ref_hf[name] = back[gname].astype(np.float32)
+    want = np.array(reference_model(cfg, ref_hf)(mx.array([PROMPT]))[0])
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(tmp_path / "cache"),
+                          compute_dtype=ComputeDType.checkpoint))
+    assert isinstance(lm.model.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    got = np.array(lm.model(mx.array([PROMPT]))[0].astype(mx.float32))
+    # measured 5e-4 of the largest logit: float16 activations through the quantized matmuls
+    assert np.abs(got - want).max() < 5e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()

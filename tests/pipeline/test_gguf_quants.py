@@ -23,10 +23,15 @@ from tests.pipeline.test_gguf import permute, tokenizer_metadata
 
 # byte offsets of each block's float16 fields (d, dmin, m): all values are linear in them
 F16_FIELDS = {T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q2_K: (80, 82), T.Q3_K: (108,),
-              T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
+              T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+              T.IQ3_S: (0,), T.IQ3_XXS: (0,), T.IQ2_S: (0,), T.IQ2_XS: (0,), T.IQ2_XXS: (0,),
+              T.IQ1_S: (0,), T.IQ1_M: (), T.TQ2_0: (64,), T.TQ1_0: (52,)}
 FORMS = {T.Q5_0: "affine 5-bit", T.Q5_1: "affine 5-bit", T.Q4_K: "affine 4-bit",
          T.Q5_K: "affine 5-bit", T.Q6_K: "affine 8-bit", T.Q2_K: "affine 8-bit",
-         T.Q3_K: "affine 8-bit", T.IQ4_NL: "affine 8-bit", T.IQ4_XS: "affine 8-bit"}
+         T.Q3_K: "affine 8-bit", T.IQ4_NL: "affine 8-bit", T.IQ4_XS: "affine 8-bit",
+         T.IQ3_S: "affine 8-bit", T.IQ3_XXS: "affine 8-bit", T.IQ2_S: "affine 8-bit",
+         T.IQ2_XS: "affine 8-bit", T.IQ2_XXS: "affine 8-bit", T.IQ1_S: "affine 6-bit",
+         T.IQ1_M: "affine 8-bit", T.TQ2_0: "affine 2-bit", T.TQ1_0: "affine 8-bit"}
 EXACT = (T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K)
 
 
@@ -34,6 +39,8 @@ def random_blocks(qtype: T, rows: int, cols: int, std: float, rng: np.random.Gen
     """Valid `qtype` blocks for a (rows, cols) tensor whose reference values have about `std`."""
     per, size = ggufpy.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
+    if qtype is T.IQ1_M:
+        return _iq1_m_scaled(blocks, rows, std)
     for off in F16_FIELDS[qtype]:
         blocks[:, off:off + 2] = rng.uniform(0.5, 1.0, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
@@ -41,6 +48,20 @@ def random_blocks(qtype: T, rows: int, cols: int, std: float, rng: np.random.Gen
     for off in F16_FIELDS[qtype]:
         f = blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32) * (std / got)
         blocks[:, off:off + 2] = f.astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _iq1_m_scaled(blocks: np.ndarray, rows: int, std: float) -> np.ndarray:
+    """IQ1_M keeps its float16 scale in the top nibbles of its four 16-bit sub-scales."""
+    def pack(d: np.ndarray) -> None:
+        bits = d.astype(np.float16).view(np.uint16).reshape(-1, 1)
+        sc = np.ascontiguousarray(blocks[:, 48:56]).view(np.uint16)
+        top = (bits >> (4 * np.arange(4, dtype=np.uint16))) & 0xF
+        blocks[:, 48:56] = ((sc & 0x0FFF) | (top << 12)).astype(np.uint16).view(np.uint8)
+    d = np.random.default_rng(0).uniform(0.5, 1.0, len(blocks)).astype(np.float32)
+    pack(d)
+    got = ggufpy.quants.dequantize(blocks.reshape(rows, -1), T.IQ1_M).std()
+    pack(d * (std / got))
     return blocks.reshape(rows, -1)
 
 
@@ -209,3 +230,20 @@ def test_kquant_llama_logits_match_mlx_lm_on_the_reference_weights(tmp_path: Pat
     assert report["Q4_K -> affine 4-bit (exact)"]["tensors"] == 2
     assert report["Q6_K -> affine 8-bit"]["tensors"] == 3
     assert all(r["max_rel_rms_error"] <= gguf_quants.MAX_ERROR for r in report.values())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_stacked_expert_tensor_keeps_its_expert_axis(qtype: T) -> None:
+    """A MoE file's (experts, rows, cols) tensor converts per row and comes back 3-D, as
+    mlx-lm's QuantizedSwitchLinear holds it."""
+    rng = np.random.default_rng(11)
+    experts, rows, cols = 4, 32, 256
+    blocks = random_blocks(qtype, experts * rows, cols, 0.05, rng)
+    conv = gguf_quants.convert_tensor(qtype.name, blocks.reshape(-1), (experts, rows, cols))
+    assert conv.arrays["weight"].shape[:2] == (experts, rows)
+    assert conv.arrays["scales"].shape == (experts, rows, cols // 32)
+    got = np.array(mx.dequantize(conv.arrays["weight"], conv.arrays["scales"].astype(mx.float32),
+                                 conv.arrays["biases"].astype(mx.float32), group_size=32,
+                                 bits=conv.bits))
+    want = ggufpy.quants.dequantize(blocks, qtype).reshape(experts, rows, cols)
+    assert gguf_quants.rel_error(got, want) <= gguf_quants.MAX_ERROR
