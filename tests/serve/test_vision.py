@@ -192,8 +192,10 @@ def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     text = "A long shared question about the picture, asked twice to test the cache."
     first = greedy(vlm, image_message(IMAGE_A, text))
     encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
+    images = metric(vlm, "pipeserve_images_total")
     again = greedy(vlm, image_message(IMAGE_A, text))
     assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes   # tower skipped
+    assert metric(vlm, "pipeserve_images_total") == images + 1                # image counted
     other = greedy(vlm, image_message(IMAGE_C, text))   # an image no request sent before
     n = first.usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens == n - 1
