@@ -213,6 +213,11 @@ def test_anthropic_image_block(vlm: Any) -> None:
                                          "data": base64.b64encode(IMAGE_B).decode()}},
             {"type": "text", "text": QUESTION}]}])
     assert msg.content[0].text == greedy(vlm, image_message(IMAGE_B)).choices[0].message.content
+    counted = c.messages.count_tokens(model="tiny_vlm", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(IMAGE_B).decode()}},
+        {"type": "text", "text": QUESTION}]}])
+    assert counted.input_tokens == msg.usage.input_tokens   # image tokens included
 
 
 def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
