@@ -291,7 +291,9 @@ def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
         model="tiny_vlm", messages=messages, max_tokens=4, temperature=0)
     import hashlib
     digests = ",".join("sha256:" + hashlib.sha256(d).hexdigest() for d in (IMAGE_A, IMAGE_C))
-    assert resp.parse().usage.model_extra["pipeserve"]["images"] == digests
+    record = resp.parse().usage.model_extra["pipeserve"]
+    assert record["images"] == digests
+    assert record["image_tokens"] > 0 and record["vision_encoder_s"] > 0
     assert f"images={digests}" in resp.headers["x-pipeserve-record"]
     assert metric(vlm, "pipeserve_images_total") == images + 2
     assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes + 1
