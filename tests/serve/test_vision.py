@@ -294,6 +294,9 @@ def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
     record = resp.parse().usage.model_extra["pipeserve"]
     assert record["images"] == digests
     assert record["image_tokens"] > 0 and record["vision_encoder_s"] > 0
+    details = resp.parse().usage.prompt_tokens_details
+    assert details.image_tokens == record["image_tokens"]
+    assert details.text_tokens == resp.parse().usage.prompt_tokens - details.image_tokens
     assert f"images={digests}" in resp.headers["x-pipeserve-record"]
     assert metric(vlm, "pipeserve_images_total") == images + 2
     assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes + 1
