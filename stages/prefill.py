@@ -13,6 +13,7 @@ from pipeline.kv.rows import RowStore
 from pipeline.plan import Logits, StepPlan
 from pipeline.stage import StageDeps
 from pipeline.vision import check_vision
+from pipeline.vision.rows import PromptMedia
 
 
 class Prefill:
@@ -27,14 +28,19 @@ class Prefill:
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Logits:
         grouped = self.forward.prefill(plan.prefill, kv)
-        for row in plan.prefill:   # images whose tower ran in this step's prompt chunks
-            media = row.request.media
-            if media is not None and media.started and not media.counted:
-                media.counted = True
-                self.metrics.images.inc(media.num_images)
-                self.metrics.image_tokens.inc(media.num_image_tokens)
-                if media.encoded:   # a prompt-cache hit over every image skips the tower
-                    self.metrics.vision_seconds.observe(media.encode_s)
         if grouped:
             self.metrics.grouped_prefills.inc(grouped)
-        return self.forward.decode(plan.decode, kv)
+        logits = self.forward.decode(plan.decode, kv)
+        for rows in (plan.prefill, plan.decode):   # a row's images, counted once: at its first
+            for row in rows:                       # chunk, or first decode (a full cache hit)
+                media = row.request.media
+                if media is not None and not media.counted:
+                    self._count(media)
+        return logits
+
+    def _count(self, media: PromptMedia) -> None:
+        media.counted = True
+        self.metrics.images.inc(media.num_images)
+        self.metrics.image_tokens.inc(media.num_image_tokens)
+        if media.encoded:   # a prompt-cache hit over every image skips the tower
+            self.metrics.vision_seconds.observe(media.encode_s)

@@ -282,6 +282,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    images = (usage.record or {}).get("image_tokens")
+    if images:   # OpenAI's split of the prompt into image and text tokens
+        out["prompt_tokens_details"].update(image_tokens=images,
+                                            text_tokens=usage.prompt_tokens - images)
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:

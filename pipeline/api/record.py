@@ -23,6 +23,8 @@ class Record:
     adapter: str | None = None      # the request's adapter as id@digest; absent when none
     batch_size: int | None = None   # most rows decoded together while this request decoded
     images: str | None = None       # the request's images as sha256:<digest>, comma-separated
+    image_tokens: int | None = None  # of its prompt tokens, those carrying image features
+    vision_encoder_s: float | None = None  # its vision-tower seconds (0: a cache hit held them)
 
     def body(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -38,7 +40,9 @@ class Record:
         """The record of a request with images (Request.media), naming each by its digest."""
         if media is None:
             return self
-        return replace(self, images=",".join(f"sha256:{d}" for d in media.digests))
+        return replace(self, images=",".join(f"sha256:{d}" for d in media.digests),
+                       image_tokens=media.num_image_tokens,
+                       vision_encoder_s=round(media.encode_s, 4))
 
     def with_adapter(self, adapters: Any, choice: str | None) -> Record:
         """The record of a request that chose `choice` (Request.adapter) among `adapters`

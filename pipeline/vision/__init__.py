@@ -26,6 +26,10 @@ def check_vision(cfg: Any, keep_hidden: bool) -> None:
         raise ConfigError(f"draft={cfg.draft.name} with a vision-language model: the MTP head "
                           "learns from prompt chunks fed as token ids, and image rows' chunks are "
                           "embeddings; use draft=none, ngram or model")
+    if cfg.server.isolate:
+        raise ConfigError("server.isolate=true with a vision-language model: requests cross to "
+                          "the engine's process as token ids, without their images; leave "
+                          "server.isolate unset for a VLM")
     distributed = getattr(getattr(cfg, "distributed", None), "name", "none")
     if distributed != "none":
         raise ConfigError(f"distributed={distributed} with a vision-language model: images do "

@@ -23,6 +23,8 @@ from pipeline.tiny_vlm import ensure_model
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
 ARCHS = ["gemma3", "qwen2_5_vl"]
+# protocol-level tests (parsing, errors, other endpoints): one architecture's server suffices
+ONE_ARCH = pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 QUESTION = "What is in the picture?"
 
 
@@ -192,8 +194,10 @@ def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     text = "A long shared question about the picture, asked twice to test the cache."
     first = greedy(vlm, image_message(IMAGE_A, text))
     encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
+    images = metric(vlm, "pipeserve_images_total")
     again = greedy(vlm, image_message(IMAGE_A, text))
     assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes   # tower skipped
+    assert metric(vlm, "pipeserve_images_total") == images + 1                # image counted
     other = greedy(vlm, image_message(IMAGE_C, text))   # an image no request sent before
     n = first.usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens == n - 1
@@ -203,6 +207,7 @@ def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     assert served_bytes(other) == mlx_vlm_greedy(vlm.path, IMAGE_C, text, 16)
 
 
+@ONE_ARCH
 def test_anthropic_image_block(vlm: Any) -> None:
     c = anthropic.Anthropic(base_url=vlm.base_url, api_key="x", max_retries=0, timeout=60)
     msg = c.messages.create(model="tiny_vlm", max_tokens=16, extra_body={"temperature": 0}, messages=[
@@ -211,8 +216,15 @@ def test_anthropic_image_block(vlm: Any) -> None:
                                          "data": base64.b64encode(IMAGE_B).decode()}},
             {"type": "text", "text": QUESTION}]}])
     assert msg.content[0].text == greedy(vlm, image_message(IMAGE_B)).choices[0].message.content
+    counted = c.messages.count_tokens(model="tiny_vlm", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(IMAGE_B).decode()}},
+        {"type": "text", "text": QUESTION}]}])
+    # image tokens included (Anthropic's input_tokens leaves out what the cache read)
+    assert counted.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
 
 
+@ONE_ARCH
 def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
     big = png(3, (200, 150))   # 30000 pixels > server.max_image_pixels=20000
     cases = [
@@ -246,6 +258,7 @@ def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
     assert good.status_code == 200 and good.text.rstrip().endswith("data: [DONE]")
 
 
+@ONE_ARCH
 def test_remote_urls_refused_by_default(vlm: Any) -> None:
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]
@@ -284,13 +297,19 @@ def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
         model="tiny_vlm", messages=messages, max_tokens=4, temperature=0)
     import hashlib
     digests = ",".join("sha256:" + hashlib.sha256(d).hexdigest() for d in (IMAGE_A, IMAGE_C))
-    assert resp.parse().usage.model_extra["pipeserve"]["images"] == digests
+    record = resp.parse().usage.model_extra["pipeserve"]
+    assert record["images"] == digests
+    assert record["image_tokens"] > 0 and record["vision_encoder_s"] > 0
+    details = resp.parse().usage.prompt_tokens_details
+    assert details.image_tokens == record["image_tokens"]
+    assert details.text_tokens == resp.parse().usage.prompt_tokens - details.image_tokens
     assert f"images={digests}" in resp.headers["x-pipeserve-record"]
     assert metric(vlm, "pipeserve_images_total") == images + 2
     assert metric(vlm, "pipeserve_vision_encoder_seconds_count") == encodes + 1
     assert metric(vlm, "pipeserve_image_tokens_total") > tokens
 
 
+@ONE_ARCH
 def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     c = client(vlm)
     first = c.responses.create(model="tiny_vlm", max_output_tokens=16, temperature=0, input=[
