@@ -289,7 +289,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
         names = getattr(http.ctx, "ignored", None)   # pipeline/api/known_fields.py
         if names:
-            response.headers[IGNORED_HEADER] = ", ".join(names)
+            response.headers[IGNORED_HEADER] = names
 
     if origins:
         @app.on_response
