@@ -20,7 +20,7 @@ from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
 from pipeline import blas
-from pipeline.api import anthropic, models_http, openai_http, responses, tokenizer_http
+from pipeline.api import anthropic, openai_http, responses, scripting_routes
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
 from pipeline.api.known_fields import HEADER as IGNORED_HEADER
@@ -30,8 +30,8 @@ from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotFound,
-                             ServeError, Unauthorized)
+from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, ServeError,
+                             Unauthorized)
 from pipeline.launch import LAUNCH_ERROR, chat_url
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
@@ -299,7 +299,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
         names = getattr(http.ctx, "ignored", None)   # pipeline/api/known_fields.py
         if names:
-            response.headers[IGNORED_HEADER] = ", ".join(names)
+            response.headers[IGNORED_HEADER] = names
 
     if origins:
         @app.on_response
@@ -383,31 +383,6 @@ def _add_routes(app: Sanic) -> None:
                 else generate_latest(app.ctx.registry))
         return HTTPResponse(text, content_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(http: sanic.Request) -> HTTPResponse:
-        """The base model, then `base:adapter` for every mounted adapter (vLLM-style: an
-        OpenAI client selects one with `model`); a pool's ids. pipeline/api/models_http.py."""
-        return await models_http.handle_list(app, http)
-
-    @app.get("/v1/models/<target:path>")   # the same parameter name as the POST route's
-    async def model(http: sanic.Request, target: str) -> HTTPResponse:
-        return await models_http.handle_get(app, http, target)
-
-    @app.post("/v1/models/<target:path>")
-    async def model_action(http: sanic.Request, target: str) -> HTTPResponse | None:
-        """POST /v1/models/{id}/load, /v1/models/{id}/unload, /v1/models/rescan (an id may
-        hold '/', a Hugging Face id's, so the action is the path's last part)."""
-        _admin(http)
-        model_id, _, action = target.rpartition("/")
-        if target == "rescan":
-            return await models_http.handle_rescan(app, http)
-        if action == "load" and model_id:
-            return await models_http.handle_load(app, http, model_id)
-        if action == "unload" and model_id:
-            return await models_http.handle_unload(app, http, model_id)
-        raise NotFound(f"POST /v1/models/{target[:200]}: the actions are /v1/models/{{id}}/load, "
-                       "/v1/models/{id}/unload and /v1/models/rescan")
-
     @app.get("/v1/adapters")
     async def adapters(http: sanic.Request) -> HTTPResponse:
         """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
@@ -426,6 +401,8 @@ def _add_routes(app: Sanic) -> None:
         if key and not _key_ok(http, key):
             raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
                                "<server.admin_key>")
+
+    scripting_routes.add_routes(app, _admin)   # models, tokenizer, embeddings, rerank
 
     async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeline/adapter_swap.py): the engine thread mounts or unmounts between
@@ -468,33 +445,6 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/completions")
     async def completions(http: sanic.Request) -> HTTPResponse | None:
         return await openai_http.handle(app, http, "completions")
-
-    @app.post("/tokenize")
-    async def tokenize(http: sanic.Request) -> HTTPResponse:
-        return await tokenizer_http.handle_tokenize(app, http)
-
-    @app.post("/detokenize")
-    async def detokenize(http: sanic.Request) -> HTTPResponse:
-        return await tokenizer_http.handle_detokenize(app, http)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(http: sanic.Request) -> HTTPResponse:
-        return await tokenizer_http.handle_tokenizer_info(app, http)
-
-    @app.post("/v1/chat/template")
-    async def chat_template(http: sanic.Request) -> HTTPResponse:
-        return await tokenizer_http.handle_chat_template(app, http)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(http: sanic.Request) -> HTTPResponse:
-        from pipeline.api import embeddings_http
-        return await embeddings_http.handle(app, http)
-
-    async def rerank(http: sanic.Request) -> HTTPResponse:
-        from pipeline.api import rerank_http
-        return await rerank_http.handle(app, http)
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):   # vLLM serves all three
-        app.add_route(rerank, path, methods=["POST"], name=f"rerank{path.replace('/', '_')}")
 
     @app.post("/v1/messages")
     async def messages(http: sanic.Request) -> HTTPResponse | None:

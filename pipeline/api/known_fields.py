@@ -4,11 +4,17 @@ is named in the `x-pipeserve-ignored` response header and counted in
 pipeserve_ignored_fields_total. Event loop; pure Python."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from pipeline.api.fields import short
 from pipeline.errors import InvalidRequest
 
 HEADER = "x-pipeserve-ignored"
+# names the header shows as they are (printable ASCII a field name has); the others, and any
+# past the first MAX_NAMED, are counted at its end, so a body cannot put bytes in a header
+SHOWN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_NAMED = 16
 
 # read by every generation endpoint (pipeline/api/openai.py sampling_fields, structured.py,
 # fields.adapter, the pool's keep_alive)
@@ -74,11 +80,19 @@ def check(ctx: Any, http: Any, endpoint: str, body: dict[str, Any]) -> None:
     if not names:
         return
     if ctx.cfg.server.strict_fields:
-        more = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        shown = names[0] if SHOWN.match(names[0]) else short(names[0])
         raise InvalidRequest(
-            f"{names[0]} is not supported by this server{more}; drop the field, or launch "
+            f"{shown} is not supported by this server{more}; drop the field, or launch "
             "with server.strict_fields=false to have unsupported fields ignored and named in "
-            f"the {HEADER} response header", param=names[0], code="unsupported_field")
-    http.ctx.ignored = names
+            f"the {HEADER} response header", param=names[0][:64], code="unsupported_field")
+    http.ctx.ignored = header_value(names)
     for name in names:
         ctx.metrics.ignored_fields.labels(endpoint, name if name in NAMED else "other").inc()
+
+
+def header_value(names: list[str]) -> str:
+    """The header's text: the first MAX_NAMED printable names, then how many more."""
+    shown = [n for n in names if SHOWN.match(n)][:MAX_NAMED]
+    rest = len(names) - len(shown)
+    return ", ".join(shown + ([f"(+{rest} more)"] if rest else []))

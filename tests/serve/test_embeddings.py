@@ -1,8 +1,8 @@
 """End to end: POST /v1/embeddings on `model=tiny_embed` (a generated random-weight BERT that
-mlx-embeddings loads), served alone and as a pool member beside a chat model. The server's
-vectors equal mlx-embeddings' own on the same inputs (float32: within 1e-5 per component),
-batched equals one by one, base64 decodes to the same floats, and the openai SDK's
-embeddings.create works."""
+mlx-embeddings loads), served alone. The server's vectors equal mlx-embeddings' own on the same
+inputs (float32: within 1e-5 per component), batched equals one by one, base64 decodes to the
+same floats, and the openai SDK's embeddings.create works. As a pool member beside chat models,
+and /v1/rerank on a cross-encoder: tests/serve/test_models_api.py (its pool's model_dir)."""
 from __future__ import annotations
 
 import base64
@@ -111,58 +111,3 @@ def test_generation_endpoints_on_an_embedding_model_say_so(alone: Any) -> None:
     model = httpx.get(alone.base_url + "/v1/models/tiny_embed", timeout=TIMEOUT).json()
     assert model["task"] == "embed" and model["loaded"] is True
     assert httpx.get(alone.base_url + "/health", timeout=TIMEOUT).status_code == 200
-
-
-def test_an_embedding_model_in_a_pool_beside_a_chat_model(server_factory: Any, alone: Any,
-                                                          tmp_path: Path,
-                                                          model_cache: Path) -> None:
-    """From pool.model_dir: an encoder's directory is found as an embedding model."""
-    (tmp_path / "embed").symlink_to(ensure_embed_model(model_cache))
-    srv = server_factory("pool=example", f"pool.model_dir={tmp_path}")
-    r = post(srv, {"model": "embed", "input": TEXTS})
-    assert r.status_code == 200, r.text
-    want = post(alone, {"input": TEXTS}).json()["data"]
-    for a, b in zip(r.json()["data"], want):
-        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=TOL)
-    chat = httpx.post(srv.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
-        "model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert chat.status_code == 200
-    wrong = post(srv, {"model": "tiny-qwen3", "input": "x"})
-    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "not_an_embedding_model"
-
-
-def test_rerank_scores_equal_the_cross_encoders_and_sort(server_factory: Any,
-                                                         model_cache: Path) -> None:
-    """model=tiny_rerank (a ModernBERT cross-encoder): every (query, document) pair's score is
-    mlx-embeddings' own classifier output on the tokenizer's pair encoding; best first."""
-    import mlx.core as mx
-    from mlx_embeddings import load
-
-    srv = server_factory("model=tiny_rerank")
-    query = "Where are my keys?"
-    docs = ["On the table.", {"text": "The morning train left at seven."}, "In the river."]
-    r = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
-                   json={"model": "tiny_rerank", "query": query, "documents": docs})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    model, tokenizer = load(str(ensure_embed_model(model_cache, "rerank")))
-    texts = [d if isinstance(d, str) else d["text"] for d in docs]
-    want = []
-    for text in texts:
-        ids = tokenizer._tokenizer(query, text)["input_ids"]
-        out = model(mx.array([ids]), attention_mask=mx.ones((1, len(ids))))
-        want.append(out.pooler_output[0, 0].item())
-    results = body["results"]
-    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
-    for x in results:
-        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=TOL)
-        assert x["document"]["text"] == texts[x["index"]]
-    assert body["usage"]["total_tokens"] > 0 and body["model"] == "tiny_rerank"
-    top = httpx.post(srv.base_url + "/rerank", timeout=TIMEOUT, json={
-        "query": query, "documents": texts, "top_n": 1, "return_documents": False}).json()
-    assert top["results"] == [{k: v for k, v in results[0].items() if k != "document"}]
-    bad = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
-                     json={"query": query, "documents": [3]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
-    wrong = post(srv, {"input": "x"})   # a reranker is not an embedding model
-    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "not_an_embedding_model"

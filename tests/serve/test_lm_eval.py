@@ -92,6 +92,9 @@ def test_lm_eval_local_completions_loglikelihoods_equal_mlx_lm(
             want = loglikelihood(context, continuation)
             n = len(tokenizer.encode(continuation, add_special_tokens=False))
             assert got == pytest.approx(want, abs=TOL * n), (context, continuation)
+            with capsys.disabled():
+                print(f"doc {sample['doc_id']} {continuation!r:28} lm-eval {got:+.6f}  "
+                      f"mlx-lm {want:+.6f}")
             seen += 1
     assert seen == sum(len(d["choices"]) for d in DOCS)
     acc = results["results"][task]["acc,none"]

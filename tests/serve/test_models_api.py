@@ -1,8 +1,9 @@
 """End to end: the models API on a real pool (`pool=example` with max_resident=1, plus the
-models of a pool.model_dir) — requests for two models while one loads all succeed (they wait,
-none is a 429, no load is counted failed); GET /v1/models/{id}; load (with SSE progress) and
-unload with the admin key; per-request keep_alive over pool.idle_unload_s; rescan of the
-directory. Every request has a timeout; every wait loop is bounded."""
+models of a pool.model_dir: a chat model, an embedding model and a cross-encoder) — requests for
+two models while one loads all succeed (they wait, none is a 429, no load is counted failed);
+GET /v1/models/{id}; load (with SSE progress) and unload with the admin key; per-request
+keep_alive over pool.idle_unload_s; rescan of the directory; embeddings and rerank from pool
+members equal mlx-embeddings' own. Every request has a timeout; every wait loop is bounded."""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,10 @@ import openai
 import pytest
 
 from pipeline.tiny import ensure_model
+from pipeline.tiny_embed import ensure_embed_model
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value
 
-QWEN, LLAMA, DIR_MODEL = "tiny-qwen3", "tiny-llama", "dirmodel"
+QWEN, LLAMA, DIR_MODEL, EMBED, RERANK = "tiny-qwen3", "tiny-llama", "dirmodel", "embed", "rerank"
 TIMEOUT = 60.0
 ADMIN = "adm"
 
@@ -27,6 +29,8 @@ ADMIN = "adm"
 def model_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
     root = tmp_path_factory.mktemp("model_dir")
     (root / DIR_MODEL).symlink_to(ensure_model("llama", "tiny", "float32", model_cache))
+    (root / EMBED).symlink_to(ensure_embed_model(model_cache))   # found as model.task=embed
+    (root / RERANK).symlink_to(ensure_embed_model(model_cache, "rerank"))   # task=rerank
     (root / "notes").mkdir()   # not a model: no config.json
     return root
 
@@ -115,7 +119,9 @@ def test_get_model_for_loaded_unloaded_and_unknown_ids(srv: Any) -> None:
     sdk = client(srv).models
     assert sdk.retrieve(LLAMA).id == LLAMA
     listed = {m.id: m for m in sdk.list().data}
-    assert set(listed) == {QWEN, LLAMA, DIR_MODEL}
+    assert set(listed) == {QWEN, LLAMA, DIR_MODEL, EMBED, RERANK}
+    assert listed[EMBED].model_extra["task"] == "embed"
+    assert listed[RERANK].model_extra["task"] == "rerank"
     assert listed[LLAMA].model_extra["loaded"] is True
 
 
@@ -173,7 +179,8 @@ def test_model_dir_members_serve_and_rescan_finds_new_ones(srv: Any, model_dir: 
                    headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200, r.text
     assert r.json()["added"] == ["second"] and r.json()["removed"] == []
-    assert {m["id"] for m in r.json()["data"]} == {QWEN, LLAMA, DIR_MODEL, "second"}
+    assert {m["id"] for m in r.json()["data"]} == {QWEN, LLAMA, DIR_MODEL, EMBED, RERANK,
+                                                   "second"}
     assert entry(srv, "second")["state"] == "unloaded"
     client(srv, ADMIN).post(f"/models/{DIR_MODEL}/unload", cast_to=object, body={})
     r = httpx.post(srv.base_url + "/v1/models/rescan", timeout=TIMEOUT,
@@ -202,3 +209,57 @@ def test_prompt_scoring_and_tokenize_reach_the_routed_member(srv: Any, model_cac
     assert got[0] is None
     assert got[1:] == pytest.approx([lps[i, ids[i + 1]].item() for i in range(len(ids) - 1)],
                                     abs=1e-4)
+
+
+def test_an_embedding_model_and_a_reranker_serve_beside_chat_models(srv: Any,
+                                                                    model_cache: Path) -> None:
+    """Found in pool.model_dir as encoders: /v1/embeddings and /v1/rerank from their own
+    engine processes equal mlx-embeddings on the same weights (float32, 1e-5)."""
+    import mlx.core as mx
+    from mlx_embeddings import load
+
+    texts = ["The morning train left the station at seven.", "café 🙂"]
+    r = httpx.post(srv.base_url + "/v1/embeddings", timeout=TIMEOUT,
+                   json={"model": EMBED, "input": texts})
+    assert r.status_code == 200, r.text
+    model, tokenizer = load(str(ensure_embed_model(model_cache)))
+    for text, d in zip(texts, r.json()["data"]):
+        ids = tokenizer.encode(text)
+        want = model(mx.array([ids]), attention_mask=mx.ones((1, len(ids)))).text_embeds[0]
+        assert d["embedding"] == pytest.approx(want.tolist(), abs=1e-5)
+    wrong = httpx.post(srv.base_url + "/v1/embeddings", timeout=TIMEOUT,
+                       json={"model": QWEN, "input": "x"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "not_an_embedding_model"
+    chat_on_embed = chat(srv, EMBED)
+    assert chat_on_embed.status_code == 400 and "/v1/embeddings" in chat_on_embed.text
+
+    query = "Where are my keys?"
+    docs = ["On the table.", {"text": "The morning train left at seven."}, "In the river."]
+    r = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
+                   json={"model": RERANK, "query": query, "documents": docs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    model, tokenizer = load(str(ensure_embed_model(model_cache, "rerank")))
+    texts = [d if isinstance(d, str) else d["text"] for d in docs]
+    want = []
+    for text in texts:   # the tokenizer's pair encoding, the model's classifier head
+        ids = tokenizer._tokenizer(query, text)["input_ids"]
+        out = model(mx.array([ids]), attention_mask=mx.ones((1, len(ids))))
+        want.append(out.pooler_output[0, 0].item())
+    results = body["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        assert x["document"]["text"] == texts[x["index"]]
+    assert body["usage"]["total_tokens"] > 0 and body["model"] == RERANK
+    top = httpx.post(srv.base_url + "/rerank", timeout=TIMEOUT, json={
+        "model": RERANK, "query": query, "documents": texts, "top_n": 1,
+        "return_documents": False}).json()
+    assert top["results"] == [{k: v for k, v in results[0].items() if k != "document"}]
+    bad = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
+                     json={"model": RERANK, "query": query, "documents": [3]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+    not_reranker = httpx.post(srv.base_url + "/v1/rerank", timeout=TIMEOUT,
+                              json={"model": EMBED, "query": query, "documents": texts})
+    assert not_reranker.status_code == 400
+    assert not_reranker.json()["error"]["code"] == "not_a_reranker"

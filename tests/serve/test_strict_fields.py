@@ -97,3 +97,11 @@ def test_ignored_fields_are_counted_by_endpoint_and_name(lax: Any) -> None:
             return sample_value(fams, "pipeserve_ignored_fields", "pipeserve_ignored_fields_total",
                                 endpoint="chat", field=field)
         assert count(after) - count(before) == 1, field
+
+
+def test_a_field_name_no_header_can_hold_is_counted_not_echoed(lax: Any) -> None:
+    body = {**CHAT, "ok_name": 1, "bad\r\nx-evil: 1": 1, "café\x0b": 2}
+    r = httpx.post(lax.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert r.headers["x-pipeserve-ignored"] == "ok_name, (+2 more)"
+    assert "x-evil" not in r.headers
