@@ -32,6 +32,7 @@ from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Un
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
+from pipeline.waits import wait_event
 
 log = logging.getLogger("pipeserve")
 RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
@@ -185,7 +186,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             log.warning("shutdown timeout: %d request(s) were cut off", left)
         t0 = time.perf_counter()
         done = engine.flush_cache()
-        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 300)
+        ok = await wait_event(done, 300)
         metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
                  time.perf_counter() - t0)
@@ -326,7 +327,7 @@ def _add_routes(app: Sanic) -> None:
                                    "<server.admin_key>")
         t0 = time.perf_counter()
         done = app.ctx.engine.flush_cache()
-        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 600)
+        ok = await wait_event(done, 600)
         app.ctx.metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
                              200 if ok else 503)

@@ -133,14 +133,21 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "abort":
             engine.abort(msg["id"])
         elif op == "flush":
-            done, n = engine.flush_cache(), msg["n"]
-            threading.Thread(target=lambda: (done.wait(600), send({"op": "reply", "n": n})),
-                             daemon=True).start()
+            _reply_when_set(engine.flush_cache(), msg["n"], send)
         elif op == "metrics":
-            send({"op": "reply", "n": msg["n"], "body": exposition()})
+            send({"op": "reply", "of": "metrics", "n": msg["n"], "body": exposition()})
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
+
+
+def _reply_when_set(done: threading.Event, n: int, send: Any, timeout_s: float = 600) -> None:
+    """Answer command `n` once `done` is set, from a thread of its own (the pipe keeps being
+    read meanwhile). Both values are this call's arguments, never names a later command rebinds:
+    each flush is answered exactly once, under its own id."""
+    def wait() -> None:
+        send({"op": "reply", "of": "flush", "n": n, "ok": done.wait(timeout_s)})
+    threading.Thread(target=wait, name=f"pipeserve-flush-{n}", daemon=True).start()
 
 
 class _Grammars:

@@ -60,7 +60,8 @@ class ChildEngine:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
+        # commands waiting for their reply, by id: (the command's op, set on reply, the reply)
+        self._replies: dict[int, tuple[str, threading.Event, list[Any]]] = {}
         self._seq = itertools.count()
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = 0
@@ -176,12 +177,17 @@ class ChildEngine:
             raise EngineUnavailable(f"the engine of model {self.model_id} has stopped") from e
 
     def _ask(self, message: dict[str, Any]) -> tuple[threading.Event, list[Any]]:
+        """Send a command under a fresh id; the returned event is set when the reply carrying
+        that id (and naming the same command) arrives, or when the child goes away."""
         n = next(self._seq)
         done, box = threading.Event(), []
-        self._replies[n] = (done, box)
+        with self._lock:
+            self._replies[n] = (message["op"], done, box)
         try:
             self._send({**message, "n": n})
         except EngineUnavailable:
+            with self._lock:
+                self._replies.pop(n, None)
             done.set()
         return done, box
 
@@ -207,7 +213,16 @@ class ChildEngine:
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "reply":
-            done, box = self._replies.pop(msg["n"], (threading.Event(), []))
+            with self._lock:
+                waiting = self._replies.pop(msg["n"], None)
+            if waiting is None or waiting[0] != msg.get("of"):
+                # a reply nobody asked for under that id: a protocol fault, never a guess
+                log.error("model %s: engine process %s replied %r to command %s, which %s",
+                          self.model_id, self.pid, msg.get("of"), msg["n"],
+                          "was not pending" if waiting is None else f"was {waiting[0]!r}")
+                if waiting is None:
+                    return
+            _, done, box = waiting
             box.append(msg)
             done.set()
         elif op == "ready":
@@ -268,7 +283,9 @@ class ChildEngine:
             streams, self._streams = self._streams, {}
             self._num_done += len(streams)
         post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
-        for done, _ in list(self._replies.values()):
+        with self._lock:
+            pending, self._replies = self._replies, {}
+        for _, done, _ in pending.values():
             done.set()
         self._ready.set()
         if streams or not self._stopping:
