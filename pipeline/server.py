@@ -28,7 +28,8 @@ from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import AdmissionRejected, EngineUnavailable, ServeError, Unauthorized
+from pipeline.errors import (AdmissionRejected, EngineUnavailable, NotSupported, ServeError,
+                             Unauthorized)
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
@@ -303,6 +304,16 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
 
 
 def _add_routes(app: Sanic) -> None:
+    def _admin(http: sanic.Request) -> None:
+        """Admin routes (cache flush, adapter mount/unmount) take server.admin_key; when only
+        server.api_key is set, they take that (never open while the API is guarded)."""
+        server = app.ctx.cfg.server
+        name = "admin_key" if server.admin_key else "api_key"
+        key = getattr(server, name)
+        if key and not _key_ok(http, key):
+            raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
+                               f"Authorization: Bearer <server.{name}>")
+
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
         engine: Engine = app.ctx.engine
@@ -320,11 +331,7 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/admin/cache/flush")
     async def flush(http: sanic.Request) -> HTTPResponse:
         """Returns once every dirty prompt-cache entry is on disk."""
-        key = app.ctx.cfg.server.admin_key
-        if key:
-            if not _key_ok(http, key):
-                raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
-                                   "<server.admin_key>")
+        _admin(http)
         t0 = time.perf_counter()
         done = app.ctx.engine.flush_cache()
         ok = await wait_event(done, 600)
@@ -371,11 +378,12 @@ def _add_routes(app: Sanic) -> None:
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})
 
-    def _admin(http: sanic.Request) -> None:
-        key = app.ctx.cfg.server.admin_key
-        if key and not _key_ok(http, key):
-            raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
-                               "<server.admin_key>")
+    def _no_pool_swap() -> None:
+        if app.ctx.pool is not None:   # never a retryable 503: no retry can make it work
+            raise NotSupported(
+                "adapter hot-swap is not supported when models run in their own engine "
+                "processes (pool=… or server.isolate=true); serve the model alone (no pool) "
+                "with model.adapter_dir to mount adapters", code="adapters_unsupported")
 
     async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeline/adapter_swap.py): the engine thread mounts or unmounts between
@@ -398,6 +406,7 @@ def _add_routes(app: Sanic) -> None:
         from pipeline.errors import InvalidRequest
 
         _admin(http)
+        _no_pool_swap()
         body = read_body(http)
         if not isinstance(body.get("id"), str):
             raise InvalidRequest('the body must be a JSON object {"id": "<subdirectory of '
@@ -409,6 +418,7 @@ def _add_routes(app: Sanic) -> None:
         """Unmount: 200 with the entry it had, `deleted: true`; 404 when not mounted; 409 for
         the launch default or while running or waiting requests use it (the count named)."""
         _admin(http)
+        _no_pool_swap()
         return json_response({**await _swap(adapter_id, False), "deleted": True})
 
     @app.post("/v1/chat/completions")

@@ -149,8 +149,11 @@ class ChildEngine:
                 pass
 
     def command(self, cmd: Any) -> None:
-        """Adapter hot-swap is not carried over the pipe (pool members mount none)."""
-        cmd.error = EngineUnavailable("adapter hot-swap is not available for pool models")
+        """Adapter hot-swap is not carried over the pipe (pool members mount none); the HTTP
+        routes answer 501 before they get here."""
+        from pipeline.errors import NotSupported
+        cmd.error = NotSupported("adapter hot-swap is not supported for pool models",
+                                 code="adapters_unsupported")
         cmd.done.set()
 
     def flush_cache(self) -> threading.Event:

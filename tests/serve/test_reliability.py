@@ -83,3 +83,61 @@ def test_concurrent_commands_of_every_kind_on_a_pool_are_all_answered(pool: Any)
     assert httpx.get(base + "/metrics", timeout=TIMEOUT).status_code == 200
     assert httpx.post(base + "/admin/cache/flush", timeout=TIMEOUT).json()["flushed"] is True
     assert "replied" not in pool.log()   # no reply came under an id that was not waiting
+
+
+@pytest.fixture(scope="module")
+def single(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One model in-process, behind an API key (no admin key), with an adapter directory."""
+    adapters = tmp_path_factory.mktemp("adapters")
+    return server_factory(f"server.api_key={KEY}", f"model.adapter_dir={adapters}")
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+# -- item 4: errors that invited useless retries ---------------------------------------------
+def test_an_overlong_adapter_id_is_a_400_naming_the_limit(single: Any) -> None:
+    url = single.base_url + "/v1/adapters"
+    r = httpx.post(url, json={"id": "a" * 256}, headers=AUTH, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "id" and "256 bytes" in err["message"] and "255" in err["message"]
+    r = httpx.post(url, json={"id": "é" * 128}, headers=AUTH, timeout=TIMEOUT)   # 256 bytes
+    assert r.status_code == 400 and "256 bytes" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"id": "a" * 255}, headers=AUTH, timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_adapter_swaps_on_a_pool_are_a_501_not_a_retry(pool: Any) -> None:
+    for r in (httpx.post(pool.base_url + "/v1/adapters", json={"id": "lora"}, timeout=TIMEOUT),
+              httpx.delete(pool.base_url + "/v1/adapters/lora", timeout=TIMEOUT)):
+        assert r.status_code == 501, r.text
+        assert "retry-after" not in r.headers
+        err = r.json()["error"]
+        assert err["code"] == "adapters_unsupported" and "pool" in err["message"]
+    assert httpx.get(pool.base_url + "/v1/adapters", timeout=TIMEOUT).json()["data"] == []
+
+
+def test_an_n_no_idle_server_can_admit_is_a_400_naming_n(single: Any) -> None:
+    r = _chat(single.base_url, "tiny", headers=AUTH, n=100, temperature=1.0)
+    assert r.status_code == 400, r.text
+    assert "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["code"] == "n_over_limit"
+    assert "n is 100" in err["message"] and "admission.max_queue 64" in err["message"]
+    r = _chat(single.base_url, "tiny", headers=AUTH, n=3, temperature=1.0)   # one that fits runs
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+# -- item 5: admin routes are guarded by the API key when no admin key is set ------------------
+def test_admin_routes_take_the_api_key_without_an_admin_key(single: Any) -> None:
+    flush = single.base_url + "/admin/cache/flush"
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": KEY[:-1]}):
+        r = httpx.post(flush, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 401, (headers, r.text)
+        assert "server.api_key" in r.json()["error"]["message"]
+    for headers in (AUTH, {"x-api-key": KEY}):
+        r = httpx.post(flush, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["flushed"] is True
+    r = httpx.post(single.base_url + "/v1/adapters", json={"id": "x"}, timeout=TIMEOUT)
+    assert r.status_code == 401
