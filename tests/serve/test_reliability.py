@@ -6,6 +6,7 @@ timeout; every wait is bounded."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -89,7 +90,10 @@ def test_concurrent_commands_of_every_kind_on_a_pool_are_all_answered(pool: Any)
 def single(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One model in-process, behind an API key (no admin key), with an adapter directory."""
     adapters = tmp_path_factory.mktemp("adapters")
-    return server_factory(f"server.api_key={KEY}", f"model.adapter_dir={adapters}")
+    # grammar bounds raised so a compile that outlives its time cap fits inside them
+    return server_factory(f"server.api_key={KEY}", f"model.adapter_dir={adapters}",
+                          "admission.grammar_timeout_s=0.5", "admission.max_guided_choices=40000",
+                          "admission.max_grammar_bytes=1000000")
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -141,3 +145,52 @@ def test_admin_routes_take_the_api_key_without_an_admin_key(single: Any) -> None
         assert r.status_code == 200 and r.json()["flushed"] is True
     r = httpx.post(single.base_url + "/v1/adapters", json={"id": "x"}, timeout=TIMEOUT)
     assert r.status_code == 401
+
+
+# -- item 2: grammar compiles are bounded ----------------------------------------------------
+def _timed(fn: Any) -> tuple[float, httpx.Response]:
+    t0 = time.monotonic()
+    r = fn()
+    return time.monotonic() - t0, r
+
+
+def test_huge_constraints_are_refused_fast_while_a_small_one_compiles(single: Any) -> None:
+    base = single.base_url
+
+    def choice(items: list[str]) -> Any:
+        return lambda: _chat(base, "tiny", headers=AUTH, max_tokens=12, guided_choice=items)
+    huge = [f"option number {i}" for i in range(200_000)]            # 3.6 MB of choices
+    many = [f"o{i}" for i in range(40_001)]                           # past the count limit
+    slow = [f"choice number {i}" for i in range(39_000)]              # in bounds, slow to build
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(20):   # 41 levels of JSON: under the body's limit (64), over the schema's
+        deep = {"type": "object", "properties": {"a": deep}}
+    jobs = {"huge": choice(huge), "many": choice(many), "slow": choice(slow),
+            "small": choice(["yes", "no"]),
+            "deep": lambda: _chat(base, "tiny", headers=AUTH, guided_json=deep),
+            "json": lambda: _chat(base, "tiny", headers=AUTH, max_tokens=6,
+                                  response_format={"type": "json_object"}),
+            "flush": lambda: httpx.post(base + "/admin/cache/flush", headers=AUTH,
+                                        timeout=TIMEOUT)}
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        futures = {k: ex.submit(_timed, fn) for k, fn in jobs.items()}
+        got = {k: f.result(timeout=2 * TIMEOUT) for k, f in futures.items()}
+    for name, limit in (("huge", "admission.max_grammar_bytes"),
+                        ("many", "admission.max_guided_choices"),
+                        ("deep", "admission.max_schema_depth"),
+                        ("slow", "admission.grammar_timeout_s")):
+        seconds, r = got[name]
+        assert r.status_code == 400, (name, r.text)
+        err = r.json()["error"]
+        assert limit in err["message"] and err["param"] in ("guided_choice", "guided_json"), err
+        assert "panic" not in err["message"] and ".rs" not in err["message"]
+        assert seconds < 10, (name, seconds)   # refused, never compiled for tens of seconds
+    assert got["huge"][1].json()["error"]["code"] == "grammar_too_large"
+    assert got["slow"][1].json()["error"]["code"] == "grammar_timeout"
+    seconds, r = got["small"]
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    assert seconds < 10, seconds
+    assert got["json"][1].status_code == 200 and got["flush"][1].status_code == 200
+    # the same small constraint again comes from the cache of compiled grammars
+    r = _chat(base, "tiny", headers=AUTH, max_tokens=12, guided_choice=["yes", "no"])
+    assert r.status_code == 200
