@@ -94,6 +94,9 @@ class Request:
     adapter: str | None = None   # set by the protocol adapter: the mounted adapter id its rows run
                                  # with, "none" for the base model; None: the launch default
     arrival_s: float = field(default_factory=time.perf_counter)
+    # set by tokenize: what the request asked for that the server could not honour and ignored
+    # (the response's x-pipeserve-warning header says so)
+    warnings: list[str] = field(default_factory=list)
     # engine state
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

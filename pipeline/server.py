@@ -3,6 +3,7 @@ Handlers run on the event loop and never call MLX; the engine thread does."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import hashlib
 import hmac
@@ -36,6 +37,7 @@ from pipeline.request import Request
 from pipeline.waits import wait_event
 
 log = logging.getLogger("pipeserve")
+WARNING_HEADER = "x-pipeserve-warning"
 RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
 
 
@@ -115,6 +117,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.front = None
     app.ctx.config_hash = config_hash(cfg)
     app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
+    if app.ctx.pool is not None:   # what the server answers itself (a 401, a 404) names the pool
+        app.ctx.record = dataclasses.replace(app.ctx.record, model=",".join(app.ctx.pool.ids))
     adm = cfg.admission
     metrics.queue_capacity.set(adm.max_queue)
     metrics.memory_budget.set(adm.memory_budget_gb * 1e9 if adm.memory_budget_gb is not None
@@ -264,6 +268,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             gen = getattr(http.ctx, "generation", None)
             record = gen.record if gen is not None and gen.record is not None else app.ctx.record
             response.headers[RECORD_HEADER] = record.header()
+            if gen is not None and gen.request.warnings:   # what the request asked and was ignored
+                response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
 
     if origins:
         @app.on_response
@@ -274,7 +280,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                 response.headers["Access-Control-Allow-Headers"] = (
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-                response.headers["Access-Control-Expose-Headers"] = RECORD_HEADER
+                response.headers["Access-Control-Expose-Headers"] = (
+                    f"{RECORD_HEADER}, {WARNING_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:

@@ -21,9 +21,13 @@ TIMEOUT = 30.0
 KEY = "sekrit"
 
 
+ADMIN = "adm"   # a short admin key: the run files must redact it, and only it
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
 @pytest.fixture(scope="module")
 def pool(server_factory: Any) -> Any:
-    srv = server_factory("pool=example")
+    srv = server_factory("pool=example", f"server.admin_key={ADMIN}")
     for m in IDS:   # both engine processes up before the storm
         r = _chat(srv.base_url, m, max_tokens=2)
         assert r.status_code == 200, r.text
@@ -55,8 +59,8 @@ def test_concurrent_commands_of_every_kind_on_a_pool_are_all_answered(pool: Any)
     base = pool.base_url
     jobs: list[tuple[str, Any]] = []
     for _ in range(3):   # the issue's storm: rounds of 20 concurrent flushes (both children)
-        jobs += [("flush", lambda: httpx.post(base + "/admin/cache/flush", timeout=TIMEOUT))
-                 for _ in range(20)]
+        jobs += [("flush", lambda: httpx.post(base + "/admin/cache/flush", headers=ADMIN_AUTH,
+                                              timeout=TIMEOUT)) for _ in range(20)]
     jobs += [("metrics", lambda: httpx.get(base + "/metrics", timeout=TIMEOUT))
              for _ in range(6)]
     for i, m in enumerate(IDS * 3):
@@ -82,7 +86,8 @@ def test_concurrent_commands_of_every_kind_on_a_pool_are_all_answered(pool: Any)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in (
         "fresh-a", "fresh-b")
     assert httpx.get(base + "/metrics", timeout=TIMEOUT).status_code == 200
-    assert httpx.post(base + "/admin/cache/flush", timeout=TIMEOUT).json()["flushed"] is True
+    assert httpx.post(base + "/admin/cache/flush", headers=ADMIN_AUTH,
+                      timeout=TIMEOUT).json()["flushed"] is True
     assert "replied" not in pool.log()   # no reply came under an id that was not waiting
 
 
@@ -90,8 +95,14 @@ def test_concurrent_commands_of_every_kind_on_a_pool_are_all_answered(pool: Any)
 def single(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One model in-process, behind an API key (no admin key), with an adapter directory."""
     adapters = tmp_path_factory.mktemp("adapters")
+    # a ChatML template that renders no tools (as the default SmolLM2's)
+    template = tmp_path_factory.mktemp("template") / "plain.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                        "<|im_start|>assistant\n{% endif %}")
     # grammar bounds raised so a compile that outlives its time cap fits inside them
     return server_factory(f"server.api_key={KEY}", f"model.adapter_dir={adapters}",
+                          f"model.chat_template={template}",
                           "admission.grammar_timeout_s=0.5", "admission.max_guided_choices=40000",
                           "admission.max_grammar_bytes=1000000")
 
@@ -113,8 +124,10 @@ def test_an_overlong_adapter_id_is_a_400_naming_the_limit(single: Any) -> None:
 
 
 def test_adapter_swaps_on_a_pool_are_a_501_not_a_retry(pool: Any) -> None:
-    for r in (httpx.post(pool.base_url + "/v1/adapters", json={"id": "lora"}, timeout=TIMEOUT),
-              httpx.delete(pool.base_url + "/v1/adapters/lora", timeout=TIMEOUT)):
+    for r in (httpx.post(pool.base_url + "/v1/adapters", json={"id": "lora"},
+                         headers=ADMIN_AUTH, timeout=TIMEOUT),
+              httpx.delete(pool.base_url + "/v1/adapters/lora", headers=ADMIN_AUTH,
+                           timeout=TIMEOUT)):
         assert r.status_code == 501, r.text
         assert "retry-after" not in r.headers
         err = r.json()["error"]
@@ -224,7 +237,7 @@ BAD = {"role": "nobody", "content": "x"}   # the last item: refused once all are
 
 
 def _tool_arguments_body() -> dict[str, Any]:
-    args = json.dumps({"rows": [[i, [i, i]] for i in range(N)]})
+    args = json.dumps({"rows": [[i, [i, i]] for i in range(N // 2)]})
     return {"model": "tiny", "max_tokens": 1, "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
@@ -299,3 +312,42 @@ def test_health_answers_within_100_ms_during_a_large_body(single: Any, tmp_path:
     assert worst < 100 + floor, (f"/health took {worst:.0f} ms during a {len(data) >> 20} MB "
                                  f"{shape} body (one-string body: {one_string_ms:.0f} ms, idle "
                                  f"{idle:.0f} ms)")
+
+
+# -- item 7: small things ----------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_a_pool_401_names_the_pool_not_a_model_it_does_not_serve(pool: Any) -> None:
+    r = httpx.post(pool.base_url + "/v1/adapters", json={"id": "x"}, timeout=TIMEOUT)
+    assert r.status_code == 401
+    fields = r.headers["x-pipeserve-record"].split(";")
+    assert f"model={QWEN},{LLAMA}" in fields and "model=smollm2" not in fields
+
+
+def test_a_short_key_is_redacted_and_nothing_else(pool: Any) -> None:
+    hydra = (pool.log_path.parent / str(pool.port) / ".hydra" / "hydra.yaml").read_text()
+    line = next(ln for ln in hydra.splitlines() if "override_dirname" in ln)
+    assert "pool=example" in line and "server.admin_key=<redacted>" in line, line
+    overrides = (pool.log_path.parent / str(pool.port) / ".hydra" / "overrides.yaml").read_text()
+    assert "server.admin_key=<redacted>" in overrides and "pool=example" in overrides
+
+
+def test_tools_a_template_cannot_render_are_named_in_a_header(single: Any, pool: Any) -> None:
+    r = _chat(single.base_url, "tiny", headers=AUTH, tools=TOOLS)
+    assert r.status_code == 200
+    assert "tools ignored" in r.headers["x-pipeserve-warning"]
+    assert "model.chat_template" in r.headers["x-pipeserve-warning"]
+    r = _chat(single.base_url, "tiny", headers=AUTH, tools=TOOLS, tool_choice="none")
+    assert "x-pipeserve-warning" not in r.headers   # not asked to render them
+    r = _chat(single.base_url, "tiny", headers=AUTH)
+    assert r.status_code == 200 and "x-pipeserve-warning" not in r.headers
+    r = _chat(pool.base_url, QWEN, tools=TOOLS)   # a template that renders tools: no warning
+    assert r.status_code == 200 and "x-pipeserve-warning" not in r.headers
+
+
+def test_the_chat_page_cannot_be_framed(single: Any) -> None:
+    r = httpx.get(single.base_url + "/", timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
