@@ -248,9 +248,6 @@ LARGE_BODIES: dict[str, tuple[str, Any]] = {
     # rendered by the chat template and tokenized (then too long for the context)
     "messages": ("/v1/chat/completions", lambda: {
         "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}] * N}),
-    "content parts": ("/v1/chat/completions", lambda: {
-        "model": "tiny", "max_tokens": 1, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "x"}] * N + [{"type": "?"}]}]}),
     "tool arguments": ("/v1/chat/completions", _tool_arguments_body),
     "anthropic": ("/v1/messages", lambda: {
         "model": "tiny", "max_tokens": 1,
