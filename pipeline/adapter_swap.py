@@ -162,7 +162,8 @@ def _checked_path(adapter_dir: str, adapter_id: str) -> Path:
     try:
         check_id(adapter_id)
     except ConfigError as e:
-        raise InvalidRequest(f"id: {e}", param="id", code="adapter_id_invalid") from e
+        raise InvalidRequest(str(e).replace("model.adapter '", "id '", 1), param="id",
+                             code="adapter_id_invalid") from e
     root = Path(adapter_dir).expanduser().resolve()
     if not (root / adapter_id).exists():
         known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []

@@ -16,6 +16,7 @@ FILES = ("adapter_config.json", "adapters.safetensors")
 STACK = "+"   # Request.adapter of a stack: its ids joined, in the request's order
 LEAVES = ("lora_a", "lora_b", "m")          # the parameters a LoRA / DoRA layer adds
 TYPES = ("lora", "dora")
+MAX_ID_BYTES = 255   # NAME_MAX of Linux and macOS file systems: one path component
 _LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
 
 
@@ -46,7 +47,13 @@ class Adapter:
 
 def check_id(adapter_id: str) -> None:
     """An id names one subdirectory of model.adapter_dir, nothing else ('+' joins the ids of
-    a stack, so no id holds one)."""
+    a stack, so no id holds one), and fits in one file name (MAX_ID_BYTES)."""
+    size = len(adapter_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise ConfigError(
+            f"model.adapter '{adapter_id[:40]}…' is {size} bytes long; an adapter id is the "
+            f"name of one subdirectory of model.adapter_dir, at most {MAX_ID_BYTES} bytes "
+            "(a file name's limit)")
     if (not adapter_id or adapter_id in (".", "..") or ".." in adapter_id
             or any(c in adapter_id for c in "/\\\0" + STACK)):
         raise ConfigError(

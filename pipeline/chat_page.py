@@ -29,4 +29,7 @@ def add_chat_page(app: Sanic, enabled: bool) -> None:
         return HTTPResponse(body, content_type="text/html; charset=utf-8",
                             headers={"Cache-Control": "no-cache",
                                      "Content-Security-Policy": "default-src 'self'; "
-                                     "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
+                                     "script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                     # never framed by another site (clickjacking)
+                                     "frame-ancestors 'none'",
+                                     "X-Frame-Options": "DENY"})

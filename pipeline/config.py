@@ -295,6 +295,11 @@ class AdmissionConfig:
     max_tokens_default: Optional[int] = None  # output cap when a request omits max_tokens
     max_stop: int = 16                      # stop strings per request
     max_top_logprobs: int = 20              # OpenAI's limit
+    # structured output: what one request may ask the grammar compiler to build (400 beyond)
+    max_grammar_bytes: int = 262144         # bytes of a constraint (schema JSON, regex, grammar, choices)
+    max_guided_choices: int = 4096          # strings in guided_choice
+    max_schema_depth: int = 32              # nesting of a JSON schema document's objects/arrays
+    grammar_timeout_s: float = 10.0         # wall-clock seconds a compile may take (waiting included)
     memory_budget_gb: Optional[float] = None  # decimal GB; opt-in enforced budget
     kv_budget_gb: Optional[float] = None      # decimal GB of KV across rows
     buffer_cache_gb: Optional[float] = None   # MLX's cache of freed buffers, at most (decimal
@@ -310,6 +315,9 @@ class AdmissionConfig:
         if self.max_queue < 0:
             raise ConfigError(f"admission.max_queue must be >= 0, got {self.max_queue}")
         _positive("admission.max_context", self.max_context)
+        for name in ("max_grammar_bytes", "max_guided_choices", "max_schema_depth",
+                     "grammar_timeout_s"):
+            _positive(f"admission.{name}", getattr(self, name))
         _positive("admission.max_tokens_default", self.max_tokens_default)
         _positive("admission.memory_budget_gb", self.memory_budget_gb)
         _positive("admission.kv_budget_gb", self.kv_budget_gb)

@@ -165,6 +165,8 @@ class Engine:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
             pending = launched
             self.step.passed()
+        if self.group is not None:   # rank 0 tells the group it stops (pipeline/distributed)
+            self.group.leave(self)
 
     def _apply(self, launched: Launched) -> None:
         """Read a step's results back and apply them: events out, finished rows retired."""

@@ -4,11 +4,14 @@ each request gets a Matcher whose token bitmask the sample stage applies. No MLX
 compile on the event loop side (in an executor thread); matchers advance on the engine thread."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -22,7 +25,14 @@ from pipeline.errors import InvalidRequest
 if TYPE_CHECKING:
     from pipeline.request import Request
 
-CACHE_SIZE = 64   # compiled grammars kept (LRU by constraint)
+log = logging.getLogger("pipeserve.grammar")
+CACHE_SIZE = 64   # compiled grammars kept (LRU by constraint); failed compiles are kept too
+# Compiles have threads of their own, never the loop's default executor: a long compile must not
+# hold up a cache flush, a /metrics scrape or a model load, and at most two run at once.
+COMPILE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+# What a library failure looks like when it is a crash of the compiler (a Rust panic, an
+# assertion), not a message about the client's text: never quoted to the client.
+_PANIC_MARKS = ("panic", "assertion", "backtrace", "u16::MAX", ".rs:")
 # JSON defaults (a schema's own "x-guidance" overrides them): whitespace between JSON tokens
 # is bounded, so a model cannot spend max_tokens on blanks inside an object that never ends.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True,
@@ -74,6 +84,54 @@ class Constraint:
     @classmethod
     def grammar(cls, text: str, param: str) -> Constraint:
         return cls(ConstraintKind.GRAMMAR, text, param)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBounds:
+    """What one request may ask the compiler to build (admission.max_grammar_bytes, …): checked
+    before any compile, so a constraint past them costs a 400 and no compile time."""
+
+    max_bytes: int = 256 * 1024
+    max_choices: int = 4096
+    max_depth: int = 32
+    timeout_s: float = 10.0
+
+    def check(self, c: Constraint) -> None:
+        """A 400 naming the field, its size and the limit (and the key that sets it)."""
+        size = len(c.source.encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise InvalidRequest(
+                f"{c.param}: {_what(c)} is {size} bytes; the limit is {self.max_bytes} "
+                "(admission.max_grammar_bytes) — send a smaller constraint",
+                param=c.param, code="grammar_too_large")
+        if c.kind is ConstraintKind.CHOICE:
+            num = len(json.loads(c.source))
+            if num > self.max_choices:
+                raise InvalidRequest(
+                    f"{c.param} has {num} choices; the limit is {self.max_choices} "
+                    "(admission.max_guided_choices) — send fewer choices",
+                    param=c.param, code="grammar_too_large")
+        if c.kind is ConstraintKind.JSON_SCHEMA:
+            depth = _depth(json.loads(c.source))
+            if depth > self.max_depth:
+                raise InvalidRequest(
+                    f"{c.param}: the JSON schema nests {depth} levels deep; the limit is "
+                    f"{self.max_depth} (admission.max_schema_depth) — flatten the schema",
+                    param=c.param, code="grammar_too_large")
+
+
+def _depth(value: Any) -> int:
+    """How deep arrays/objects nest in `value` (iterative: never recurses)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, list) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _grammar_text(c: Constraint) -> str:
@@ -210,7 +268,9 @@ class GrammarCompiler:
         self.eos_ids = sorted(eos_ids)
         self.cache_size = cache_size
         self._ll_tokenizer: llg.LLTokenizer | None = None
-        self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
+        # compiled prototypes, or the 400 a constraint got (a failed compile is not redone)
+        self._cache: OrderedDict[tuple[str, str], llg.LLMatcher | InvalidRequest] = OrderedDict()
+        self._inflight: dict[tuple[str, str], Future[llg.LLMatcher]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -224,20 +284,63 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh Matcher for `constraint`, compiled or from the cache. Raises InvalidRequest
-        naming `constraint.param` when the library cannot compile it. Compiles run outside the
-        lock, so a large schema does not hold up requests whose grammar is cached."""
+        """A fresh Matcher for `constraint`, compiled or from the cache (any thread; blocks
+        while it compiles). Raises InvalidRequest naming `constraint.param` when the library
+        cannot compile it. Compiles run outside the lock, so a large schema does not hold up
+        requests whose grammar is cached."""
+        proto = self._cached(constraint.key)
+        return self._fresh(proto if proto is not None else self._compile_once(constraint))
+
+    async def matcher_async(self, constraint: Constraint, timeout_s: float) -> Matcher:
+        """Event loop: `matcher`, compiled on COMPILE_POOL. Requests for a constraint already
+        compiling wait for that compile (one compile each, however many ask). A 400 naming the
+        field when the compile (waiting included) takes more than `timeout_s`; the compile then
+        finishes in the background and its result is cached."""
         key = constraint.key
+        proto = self._cached(key)
+        if proto is None:
+            with self._lock:   # (a compile that ended since is in the cache: no second one)
+                future = self._inflight.get(key)
+                if future is None and key not in self._cache:
+                    future = COMPILE_POOL.submit(self._compile_once, constraint)
+                    self._inflight[key] = future
+            if future is None:
+                return self.matcher(constraint)
+            try:
+                proto = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                               timeout_s)
+            except asyncio.TimeoutError:
+                raise InvalidRequest(
+                    f"{constraint.param}: {_what(constraint)} did not compile within "
+                    f"{timeout_s:g} s (admission.grammar_timeout_s) — simplify it",
+                    param=constraint.param, code="grammar_timeout") from None
+        return self._fresh(proto)
+
+    def _cached(self, key: tuple[str, str]) -> llg.LLMatcher | None:
         with self._lock:
             proto = self._cache.get(key)
             if proto is not None:
                 self._cache.move_to_end(key)
-        if proto is None:
-            proto = self._compile(constraint)
-            with self._lock:
-                self._cache[key] = proto
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+        if isinstance(proto, InvalidRequest):
+            raise InvalidRequest(proto.message, param=proto.param, code=proto.code)
+        return proto
+
+    def _compile_once(self, constraint: Constraint) -> llg.LLMatcher:
+        key = constraint.key
+        try:
+            proto: llg.LLMatcher | InvalidRequest = self._compile(constraint)
+        except InvalidRequest as e:
+            proto = e
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._cache[key] = proto
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        if isinstance(proto, InvalidRequest):
+            raise proto
+        return proto
+
+    def _fresh(self, proto: llg.LLMatcher) -> Matcher:
         words = self.num_words
         with self._lock:   # the prototype is shared by executor threads
             return Matcher(proto.deep_copy(), words)
@@ -252,14 +355,37 @@ class GrammarCompiler:
             raise InvalidRequest(f"{c.param} cannot be honoured: {e}", param=c.param) from e
         try:
             text = _grammar_text(c)
+            ll = llg.LLMatcher(tok, text, log_level=0)
+            error = ll.get_error() if ll.is_error() else None
         except ValueError as e:
-            raise InvalidRequest(f"{c.param}: {_what(c)} cannot be compiled: {e}",
+            if _is_panic(str(e)):
+                raise _too_complex(c, str(e)) from None
+            raise InvalidRequest(f"{c.param}: {_what(c)} cannot be compiled: {_brief(str(e))}",
                                  param=c.param) from e
-        ll = llg.LLMatcher(tok, text, log_level=0)
-        if ll.is_error():
+        except BaseException as e:   # pyo3's PanicException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise _too_complex(c, f"{type(e).__name__}: {e}") from None
+        if error is not None:
+            if _is_panic(error):
+                raise _too_complex(c, error)
             raise InvalidRequest(f"{c.param}: {_what(c)} cannot be enforced: "
-                                 f"{_brief(ll.get_error())}", param=c.param)
+                                 f"{_brief(error)}", param=c.param)
         return ll
+
+
+def _is_panic(message: str) -> bool:
+    return any(mark in message for mark in _PANIC_MARKS)
+
+
+def _too_complex(c: Constraint, detail: str) -> InvalidRequest:
+    """The compiler crashed on the constraint: the cause goes to the log, the client gets what
+    it can change (the library's own text names its source files, not the request)."""
+    log.warning("grammar compiler failed on %s (%d bytes): %s", c.param, len(c.source),
+                _brief(detail))
+    return InvalidRequest(f"{c.param}: {_what(c)} is too large or complex for the grammar "
+                          "compiler — send a smaller or simpler constraint", param=c.param,
+                          code="grammar_too_complex")
 
 
 def _what(c: Constraint) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -20,8 +22,65 @@ POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: object) -> T:
-    """`fn(*args)`, inline when `size` (bytes or characters of input) is small, else on POOL.
-    Exceptions (InvalidRequest included) propagate to the awaiting handler as they would inline."""
+    """`fn(*args)`, inline when `size` (bytes or characters of input) is small, else on POOL
+    (past PAUSE_GC_BYTES with the cyclic GC paused, see gc_paused). Exceptions (InvalidRequest
+    included) propagate to the awaiting handler as they would inline."""
     if size <= INLINE_LIMIT:
         return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(POOL, functools.partial(fn, *args))
+    call = functools.partial(_paused_call if size > PAUSE_GC_BYTES else _call, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(POOL, call)
+
+
+def _call(fn: Callable[..., T], *args: object) -> T:
+    return fn(*args)
+
+
+def _paused_call(fn: Callable[..., T], *args: object) -> T:
+    with gc_paused():
+        return fn(*args)
+
+
+# -- the cyclic GC during large inputs -------------------------------------------------------
+# Parsing, validating and rendering a body of 300k objects allocates millions of containers;
+# every few hundred thousand the cyclic GC runs a full collection that walks all of them in one
+# C call (hundreds of milliseconds holding the GIL, so the event loop cannot run). While large
+# inputs are being prepared the automatic GC is off; it comes back RESUME_GC_S after the last
+# one finished (one preparation's steps run back to back: no collection between them). Their
+# values are acyclic, so reference counting frees them meanwhile; only other code's cycles wait.
+PAUSE_GC_BYTES = 1_000_000
+RESUME_GC_S = 0.5
+_gc_lock = threading.Lock()
+_gc_users = 0
+_gc_was_enabled = True
+_gc_timer: threading.Timer | None = None
+
+
+class gc_paused:
+    def __enter__(self) -> None:
+        global _gc_users, _gc_was_enabled, _gc_timer
+        with _gc_lock:
+            if _gc_timer is not None:   # a resume was pending: it stays off, as it is
+                _gc_timer.cancel()
+                _gc_timer = None
+            elif _gc_users == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _gc_users, _gc_timer
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0:
+                _gc_timer = threading.Timer(RESUME_GC_S, _resume_gc)
+                _gc_timer.daemon = True
+                _gc_timer.start()
+
+
+def _resume_gc() -> None:
+    global _gc_timer
+    with _gc_lock:
+        if _gc_users == 0 and _gc_timer is not None:
+            _gc_timer = None
+            if _gc_was_enabled:
+                gc.enable()

@@ -102,6 +102,9 @@ class Request:
                                  # with, "none" for the base model; None: the launch default
     media: Any = None   # set by tokenize: pipeline.vision.rows.PromptMedia (images; None: text)
     arrival_s: float = field(default_factory=time.perf_counter)
+    # set by tokenize: what the request asked for that the server could not honour and ignored
+    # (the response's x-pipeserve-warning header says so)
+    warnings: list[str] = field(default_factory=list)
     # engine state
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -44,15 +44,21 @@ def literal_keys(task: DictConfig) -> list[str]:
 
 
 def _scrub(node: Any, secrets: list[str]) -> Any:
-    """Guard for places not redacted by name: a string naming a key field that holds a
-    literal key is replaced whole."""
+    """Guard for places not redacted by name: in a string naming a key field, a literal key
+    written as that field's value (`admin_key=adm`) becomes `<redacted>`; one that still shows
+    as a word of its own elsewhere in it replaces the string whole. A short key that is only a
+    part of other words (`adm` in `admission`, `admin_key`) leaves the rest of the line alone."""
     if isinstance(node, dict):
         return {k: _scrub(v, secrets) for k, v in node.items()}
     if isinstance(node, list):
         return [_scrub(v, secrets) for v in node]
-    if (isinstance(node, str) and any(s in node for s in secrets)
-            and any(f in node for f in KEY_FIELDS)):
-        return REDACTED
+    if not isinstance(node, str) or not any(f in node for f in KEY_FIELDS):
+        return node
+    for secret in secrets:
+        node = re.sub(rf"((?:{'|'.join(KEY_FIELDS)})\s*[=:]\s*['\"]?){re.escape(secret)}"
+                      r"(?=$|['\",;\s])", lambda m: m[1] + REDACTED, node)
+        if re.search(rf"(?<![\w.-]){re.escape(secret)}(?![\w.-])", node):
+            return REDACTED
     return node
 
 

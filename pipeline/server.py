@@ -3,6 +3,7 @@ Handlers run on the event loop and never call MLX; the engine thread does."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import hashlib
 import hmac
@@ -30,14 +31,16 @@ from pipeline.api.store import ResponseStore
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
-from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, ServeError,
-                             Unauthorized)
+from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
+                             ServeError, Unauthorized)
 from pipeline.launch import LAUNCH_ERROR, chat_url
 from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
 from pipeline.request import Request
+from pipeline.waits import wait_event
 
 log = logging.getLogger("pipeserve")
+WARNING_HEADER = "x-pipeserve-warning"
 RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
 
 
@@ -128,6 +131,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.created = int(time.time())   # /v1/models' `created`
     app.ctx.config_hash = config_hash(cfg)
     app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
+    if app.ctx.pool is not None:   # what the server answers itself (a 401, a 404) names the pool
+        app.ctx.record = dataclasses.replace(app.ctx.record, model=",".join(app.ctx.pool.ids))
     adm = cfg.admission
     metrics.queue_capacity.set(adm.max_queue)
     metrics.memory_budget.set(adm.memory_budget_gb * 1e9 if adm.memory_budget_gb is not None
@@ -207,7 +212,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             log.warning("shutdown timeout: %d request(s) were cut off", left)
         t0 = time.perf_counter()
         done = engine.flush_cache()
-        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 300)
+        ok = await wait_event(done, 300)
         metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
                  time.perf_counter() - t0)
@@ -294,6 +299,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             gen = getattr(http.ctx, "generation", None)
             record = gen.record if gen is not None and gen.record is not None else app.ctx.record
             response.headers[RECORD_HEADER] = record.header()
+            if gen is not None and gen.request.warnings:   # what the request asked and was ignored
+                response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
 
     @app.on_response
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
@@ -311,7 +318,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
                 response.headers["Access-Control-Expose-Headers"] = (
-                    f"{RECORD_HEADER}, {IGNORED_HEADER}")
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
@@ -341,6 +348,16 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
 
 
 def _add_routes(app: Sanic) -> None:
+    def _admin(http: sanic.Request) -> None:
+        """Admin routes (cache flush, adapter mount/unmount) take server.admin_key; when only
+        server.api_key is set, they take that (never open while the API is guarded)."""
+        server = app.ctx.cfg.server
+        name = "admin_key" if server.admin_key else "api_key"
+        key = getattr(server, name)
+        if key and not _key_ok(http, key):
+            raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
+                               f"Authorization: Bearer <server.{name}>")
+
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
         engine: Engine = app.ctx.engine
@@ -359,14 +376,10 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/admin/cache/flush")
     async def flush(http: sanic.Request) -> HTTPResponse:
         """Returns once every dirty prompt-cache entry is on disk."""
-        key = app.ctx.cfg.server.admin_key
-        if key:
-            if not _key_ok(http, key):
-                raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
-                                   "<server.admin_key>")
+        _admin(http)
         t0 = time.perf_counter()
         done = app.ctx.engine.flush_cache()
-        ok = await asyncio.get_running_loop().run_in_executor(None, done.wait, 600)
+        ok = await wait_event(done, 600)
         app.ctx.metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
                              200 if ok else 503)
@@ -396,11 +409,12 @@ def _add_routes(app: Sanic) -> None:
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})
 
-    def _admin(http: sanic.Request) -> None:
-        key = app.ctx.cfg.server.admin_key
-        if key and not _key_ok(http, key):
-            raise Unauthorized("invalid or missing admin key; send Authorization: Bearer "
-                               "<server.admin_key>")
+    def _no_pool_swap() -> None:
+        if app.ctx.pool is not None:   # never a retryable 503: no retry can make it work
+            raise NotSupported(
+                "adapter hot-swap is not supported when models run in their own engine "
+                "processes (pool=… or server.isolate=true); serve the model alone (no pool) "
+                "with model.adapter_dir to mount adapters", code="adapters_unsupported")
 
     scripting_routes.add_routes(app, _admin)   # models, tokenizer, embeddings, rerank
 
@@ -425,6 +439,7 @@ def _add_routes(app: Sanic) -> None:
         from pipeline.errors import InvalidRequest
 
         _admin(http)
+        _no_pool_swap()
         body = read_body(http)
         if not isinstance(body.get("id"), str):
             raise InvalidRequest('the body must be a JSON object {"id": "<subdirectory of '
@@ -436,6 +451,7 @@ def _add_routes(app: Sanic) -> None:
         """Unmount: 200 with the entry it had, `deleted: true`; 404 when not mounted; 409 for
         the launch default or while running or waiting requests use it (the count named)."""
         _admin(http)
+        _no_pool_swap()
         return json_response({**await _swap(adapter_id, False), "deleted": True})
 
     @app.post("/v1/chat/completions")

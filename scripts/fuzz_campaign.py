@@ -1,4 +1,4 @@
-"""The closing measurement of issue 15, against a real server on 127.0.0.1 (bounded):
+"""The closing measurement of issues 15 and 34, against a real server on 127.0.0.1 (bounded):
 
 1. a fuzz run: tests/serve/test_fuzz.py's generators, `--per-endpoint` bodies for each of the six
    endpoint groups (3,000+ requests by default), sent from 4 threads beside a greedy bystander
@@ -11,6 +11,14 @@
     python scripts/fuzz_campaign.py                      # starts serve.py (model=tiny)
     python scripts/fuzz_campaign.py --url http://127.0.0.1:8080 --pid 1234
     python scripts/fuzz_campaign.py --per-endpoint 100 --storm 60 --json out.json
+    python scripts/fuzz_campaign.py --pool --per-endpoint 60 --storm 0   # issue 34: a pool
+
+With --pool the server is `serve.py pool=example` (two generated models, each engine in its own
+process): the fuzzed bodies name one of the pool's ids (or, as drawn, something else), the
+bystander streams from a pool model, and an admin stream runs beside them the whole time —
+concurrent cache flushes, /metrics scrapes, adapter mount/unmount (501 on a pool), /v1/models
+and /health — every one of which must be answered (a timeout is a lost reply), none with a 5xx
+other than the 501 that refuses adapter swaps on a pool.
 
 Prints a summary (statuses, every contract breach with its body, bystander failures, the worst
 /health latency, memory before/after) and exits 1 if any 5xx, breach or bystander failure."""
@@ -124,8 +132,85 @@ def memory(base_url: str, pid: int | None) -> dict[str, Any]:
             "rss_mb": round(rss(pid) / 1e6, 1) if pid is not None else None}
 
 
+POOL_IDS = ("tiny-qwen3", "tiny-llama")
+ADMIN_CALLS = [("POST", "/admin/cache/flush", None), ("GET", "/metrics", None),
+               ("POST", "/v1/adapters", {"id": "lora"}), ("POST", "/v1/adapters", {"id": "a" * 300}),
+               ("DELETE", "/v1/adapters/lora", None), ("GET", "/v1/models", None),
+               ("GET", "/v1/adapters", None), ("GET", "/health", None)]
+
+
+def on_pool(models: tuple[str, ...]) -> None:
+    """Point the fuzzer at a pool: the bystander streams from its first model, and a body
+    naming the single-model id `tiny` names one of the pool's ids instead (chosen by its
+    bytes, so a run with --seed sends the same bodies)."""
+    fz.BYSTANDER = {**fz.BYSTANDER, "model": models[0]}
+    plain_send = fz.send
+
+    def send(client: httpx.Client, call: Any, timeout_s: float = 60.0) -> Any:
+        if call.body is not None and b'"tiny"' in call.body:
+            model = models[sum(call.body) % len(models)]
+            call.body = call.body.replace(b'"tiny"', f'"{model}"'.encode())
+        return plain_send(client, call, timeout_s)
+    fz.send = send
+
+
+class AdminTraffic:
+    """A thread that sends ADMIN_CALLS, four at a time, until stopped; counts statuses, lost
+    replies (timeouts, resets) and the slowest answer per route."""
+
+    def __init__(self, base_url: str, timeout_s: float = 60.0) -> None:
+        import threading
+        self.base_url, self.timeout_s = base_url, timeout_s
+        self.stop = threading.Event()
+        self.statuses: Counter[str] = Counter()
+        self.lost: list[str] = []
+        self.slowest: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(4)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        with httpx.Client(base_url=self.base_url) as client:
+            i = k
+            while not self.stop.is_set():
+                method, path, body = ADMIN_CALLS[i % len(ADMIN_CALLS)]
+                i += 3
+                t0 = time.perf_counter()
+                try:
+                    r = client.request(method, path, json=body, timeout=self.timeout_s)
+                    key = f"{method} {path[:30]} {r.status_code}"
+                except httpx.HTTPError as e:
+                    with self._lock:
+                        self.lost.append(f"{method} {path[:30]}: {e!r}")
+                    continue
+                took = time.perf_counter() - t0
+                with self._lock:
+                    self.statuses[key] += 1
+                    route = f"{method} {path[:30]}"
+                    self.slowest[route] = max(self.slowest.get(route, 0.0), took)
+                self.stop.wait(0.02)
+
+    def result(self) -> dict[str, Any]:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.timeout_s + 10)
+        return {"statuses": dict(sorted(self.statuses.items())), "lost": self.lost[:20],
+                "num_lost": len(self.lost),
+                # 501 is the designed answer to adapter swaps on a pool, not a fault
+                "num_5xx": sum(v for k, v in self.statuses.items()
+                               if k.rsplit(" ", 1)[1].startswith("5") and not k.endswith(" 501")),
+                "slowest_s": {k: round(v, 3) for k, v in sorted(self.slowest.items())}}
+
+
 def fuzz_run(args: argparse.Namespace, base_url: str, results: dict[str, Any]) -> None:
     health = HealthProcess(base_url)
+    admin = AdminTraffic(base_url) if args.pool else None
+    if admin is not None:
+        admin.start()
     t0 = time.monotonic()
     campaign = fz.fuzz(base_url, args.per_endpoint, args.seconds, seed=args.seed)
     results["fuzz"] = {
@@ -142,6 +227,14 @@ def fuzz_run(args: argparse.Namespace, base_url: str, results: dict[str, Any]) -
         "health": health.result(),
         "wall_s": round(time.monotonic() - t0, 1),
     }
+    if admin is not None:
+        results["admin"] = admin.result()
+        a = results["admin"]
+        print(f"admin traffic beside it: {sum(a['statuses'].values())} answered, "
+              f"{a['num_lost']} lost, {a['num_5xx']} x 5xx", flush=True)
+        for key, n in a["statuses"].items():
+            print(f"  {key}: {n}", flush=True)
+        print(f"  slowest: {a['slowest_s']}", flush=True)
     print(fz.report(campaign), flush=True)
     # the calls in flight while each of the slowest /health polls waited
     for lat, sent in results["fuzz"]["health"].get("slowest", [])[:5]:
@@ -166,10 +259,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (reproducible run)")
     ap.add_argument("--model-cache", default=None, help="model.cache_dir for a started server")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
-    ap.add_argument("overrides", nargs="*", default=["model=tiny", "scheduler=continuous",
-                                                     "cache=ram"],
+    ap.add_argument("--pool", action="store_true",
+                    help="fuzz `serve.py pool=example` with admin traffic beside (issue 34)")
+    ap.add_argument("overrides", nargs="*", default=None,
                     help="serve.py overrides for a started server")
     args = ap.parse_args()
+    if args.overrides is None or not args.overrides:
+        args.overrides = (["pool=example", "scheduler=continuous", "cache=ram"] if args.pool
+                          else ["model=tiny", "scheduler=continuous", "cache=ram"])
+    if args.pool:
+        on_pool(POOL_IDS)
     proc = None
     if args.url:
         base_url, pid = args.url.rstrip("/"), args.pid
@@ -201,8 +300,9 @@ def main() -> int:
             stop_server(proc)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    f = results.get("fuzz")
+    f, a = results.get("fuzz"), results.get("admin")
     bad = f is not None and (f["num_5xx"] or f["problems"] or f["bystander"]["failures"])
+    bad = bad or (a is not None and (a["num_lost"] or a["num_5xx"]))
     return 1 if bad else 0
 
 

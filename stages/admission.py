@@ -3,13 +3,12 @@ generation_config > OpenAI defaults), check every value against its limit, and c
 queue. Event loop, once per request; never touches MLX."""
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import ServeConfig
 from pipeline.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
-from pipeline.grammar import GrammarCompiler, Matcher
+from pipeline.grammar import GrammarBounds, GrammarCompiler, Matcher
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
 from pipeline.stage import EngineLimits
@@ -46,6 +45,10 @@ class Admission:
         self.metrics = engine.metrics
         self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size,
                                         loaded.tokenizer.eos_token_ids)
+        self.grammar_bounds = GrammarBounds(self.cfg.max_grammar_bytes,
+                                            self.cfg.max_guided_choices,
+                                            self.cfg.max_schema_depth,
+                                            self.cfg.grammar_timeout_s)
 
     async def __call__(self, request: Request) -> Request:
         try:
@@ -131,9 +134,10 @@ class Admission:
         return SamplingParams(**{k: v for k, v in merged.items() if k in known})
 
     async def compile(self, request: Request) -> Matcher:
-        """The request's structured-output constraint compiled for the served tokenizer, in an
-        executor thread (a large schema, or the first compile, can take a while); a 400 naming
-        the field when it cannot be honoured."""
+        """The request's structured-output constraint compiled for the served tokenizer, on the
+        grammar threads (a large schema, or the first compile, can take a while); a 400 naming
+        the field when it cannot be honoured, is past admission's grammar bounds, or does not
+        compile within admission.grammar_timeout_s."""
         c = request.constraint
         assert c is not None
         if request.output_prefix and not c.whole_turn:   # a turn grammar covers the span
@@ -142,8 +146,8 @@ class Admission:
                 f"{request.output_prefix.strip()!r} (a think span or a forced tool call), and the "
                 "constraint would apply inside it; turn thinking off (reasoning_effort 'none') or "
                 "drop tool_choice", param=c.param)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.grammars.matcher, c)
+        self.grammar_bounds.check(c)
+        return await self.grammars.matcher_async(c, self.grammar_bounds.timeout_s)
 
     def _top_k(self, value: Any, from_request: bool) -> int:
         """top_k → what the sample stage uses: 0 = no top-k. -1 and 0 mean off; a k at or

@@ -85,6 +85,11 @@ class Tokenize:
         """Render and encode (inline for small inputs, else on the preparation pool)."""
         inputs = request.inputs
         if inputs.messages is not None:
+            if (inputs.tools and inputs.tool_choice != "none"
+                    and "tools" not in (template or self._template_text())):
+                request.warnings.append(
+                    "tools ignored: this model's chat template does not render tools, so the "
+                    "model never sees them; set model.chat_template to a template that does")
             if request.constraint is not None:   # structured output: the answer starts at once
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)
@@ -161,6 +166,12 @@ class Tokenize:
                                  f"(a Jinja chat template), got {template!r:.60}",
                                  param="chat_template_kwargs.chat_template")
         return template
+
+    def _template_text(self) -> str:
+        """The model's chat template source (all of them, when it has several by name)."""
+        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+        template = getattr(hf, "chat_template", None) or ""
+        return " ".join(template.values()) if isinstance(template, dict) else str(template)
 
     def _check_length(self, text: str, field: str) -> None:
         """Refuse, before tokenizing, a text too long for any tokenization to fit the context."""

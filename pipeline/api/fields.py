@@ -2,6 +2,7 @@
 Event loop; pure Python."""
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import orjson
@@ -18,10 +19,16 @@ _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a 
                list: "an array", dict: "an object"}
 
 
-def short(value: Any) -> str:
-    """A value as a client sent it, cut to fit an error message."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 6, 6, 4
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 60, 60, 40
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """A value as a client sent it, cut to fit an error message. Bounded work: a 5 MB list is
+    never written out in full (repr of it would hold the GIL for as long as it takes)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 _short = short
@@ -74,10 +81,11 @@ def check_depth(value: Any, where: str, param: str, limit: int = MAX_DEPTH) -> A
 def json_text(text: str, where: str, param: str) -> Any:
     """A JSON document sent as a string (tool-call arguments, a schema): parsed (orjson: a
     document nested past its limit is an error, not a RecursionError) and depth-checked."""
+    from pipeline.api import json_body
     try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        if "depth" in str(e):   # orjson stops at 1024 levels
+        value = json_body.loads(text)
+    except json_body.JSONError as e:
+        if "depth" in str(e) or "deeply" in str(e):   # orjson stops at 1024 levels
             raise InvalidRequest(f"{where} nests arrays/objects deeper than {MAX_DEPTH} "
                                  "levels, the limit", param=param) from None
         raise InvalidRequest(f"{where} is not valid JSON: {e}", param=param) from None

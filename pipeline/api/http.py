@@ -17,6 +17,7 @@ from pipeline.api.generation import Generation
 from pipeline.engine import EngineState
 from pipeline.errors import (AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound,
                              ServeError)
+from pipeline.offload import PAUSE_GC_BYTES, gc_paused
 from pipeline.request import Request
 from pipeline.stream import RequestStream
 
@@ -41,10 +42,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def read_body(http: sanic.Request) -> dict[str, Any]:
+    from pipeline.api import json_body
     try:
-        body = orjson.loads(http.body or b"")
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from e
+        body = json_body.loads(http.body or b"")
+    except json_body.JSONError as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
@@ -101,6 +103,12 @@ class Scope:
         self.more: list[Generation] = []   # choices 1.. of an n > 1 request
         self.failed = False   # a stream that ended with an error event
         self.pinned: Any = None   # the pool member routed to, released on exit
+        # a large body: the cyclic GC stays off from here until its request is prepared
+        # (parse, validation, template, tokens: pipeline/offload.py says why)
+        self._gc: gc_paused | None = None
+        if len(http.body or b"") > PAUSE_GC_BYTES:
+            self._gc = gc_paused()
+            self._gc.__enter__()
 
     async def route(self, body: dict[str, Any]) -> Any:
         """Route by the body's `model` (a pool; pipeline/pool/) and return the request
@@ -114,10 +122,18 @@ class Scope:
 
     async def prepare(self, request: Request) -> Request:
         """The request stages (tokenize, admission); `submit` sends the result to the engine."""
-        request = await ready_front(self.app, self.ctx).prepare(request)
+        try:
+            request = await ready_front(self.app, self.ctx).prepare(request)
+        finally:
+            self._resume_gc()
         if self.request is None:
             self.request = request
         return request
+
+    def _resume_gc(self) -> None:
+        if self._gc is not None:
+            self._gc.__exit__(None, None, None)
+            self._gc = None
 
     def submit(self, request: Request, parse_output: bool = True) -> Generation:
         stream = RequestStream(asyncio.get_running_loop())
@@ -135,6 +151,7 @@ class Scope:
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
+        self._resume_gc()
         outcome = self._outcome(exc)
         if self.pinned is not None:
             self.pinned.release()

@@ -130,7 +130,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | No
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or "
                              f'{{"type": "function", "function": {{"name": ...}}}}, got '
-                             f"{value!r:.80}", param="tool_choice")
+                             f"{F.short(value, 80)}", param="tool_choice")
     return F.tool_choice("named", fn["name"], tools, "tool_choice")
 
 

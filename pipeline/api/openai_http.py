@@ -15,7 +15,7 @@ from pipeline.api import known_fields
 from pipeline.api import openai as oa
 from pipeline.api.generation import Choices, Delta, Generation, Usage
 from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_data
-from pipeline.errors import AdmissionRejected, ServeError
+from pipeline.errors import AdmissionRejected, InvalidRequest, ServeError
 from pipeline.offload import off_loop
 from pipeline.request import Request
 
@@ -75,9 +75,17 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
 
 def _check_room(ctx: Any, n: int) -> None:
     """n choices are n rows: refuse (429) when the last of them would find the queue full,
-    as admission refuses one request, so one large `n` cannot crowd out other clients."""
+    as admission refuses one request, so one large `n` cannot crowd out other clients; 400
+    when even an idle server could not hold them (a retry cannot help)."""
     engine, cap = ctx.engine, ctx.cfg.admission.max_queue
     sched = engine.scheduler
+    most = cap + sched.max_batch   # what an idle server admits: a larger n never fits
+    if n > most:
+        raise InvalidRequest(
+            f"n is {n}; this server admits at most {most} choices per request "
+            f"(scheduler.max_batch {sched.max_batch} running + admission.max_queue {cap} "
+            "waiting), so it can never run this request — lower n", param="n",
+            code="n_over_limit")
     ahead = max(0, engine.num_waiting + n - 1 - max(0, sched.max_batch - len(sched.running)))
     if ahead >= cap:
         ctx.metrics.admission.labels("rejected", "queue_full").inc()

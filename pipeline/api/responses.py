@@ -42,7 +42,7 @@ class Parsed:
     constraint: Constraint | None = None   # text.format / guided_* (structured output)
 
 
-def parse(body: dict[str, Any], store: ResponseStore) -> Parsed:
+def parse(body: dict[str, Any], store: ResponseStore | _Looked) -> Parsed:
     history: list[dict[str, Any]] = []
     previous = F.get(body, "previous_response_id", str)
     if previous is not None:
@@ -96,7 +96,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | No
     if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(
             value.get("name"), str):
         raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             f'{{"type": "function", "name": ...}}, got {value!r:.80}',
+                             f'{{"type": "function", "name": ...}}, got {F.short(value, 80)}',
                              param="tool_choice")
     return F.tool_choice("named", value["name"], tools, "tool_choice")
 
@@ -198,13 +198,28 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 # -- handlers ------------------------------------------------------------------------------
+class _Looked:
+    """The response store as parse sees it off the loop: the one entry the body's
+    previous_response_id names, looked up on the loop beforehand."""
+
+    def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
+        previous = body.get("previous_response_id")
+        self.id = previous
+        self.item = store.get(previous) if isinstance(previous, str) else None
+
+    def get(self, response_id: str) -> Any:
+        return self.item if response_id == self.id else None
+
+
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
         check_ready(app)
-        # the JSON off the loop when large; parse reads the response store, so it stays here
-        body = await off_loop(len(http.body or b""), read_body, http)
+        # the JSON and its validation off the loop when large; the response store (event loop
+        # only) is read here, and parse gets the one entry it may ask for
+        size = len(http.body or b"")
+        body = await off_loop(size, read_body, http)
         known_fields.check(app.ctx, http, "responses", body)
-        parsed = parse(body, app.ctx.responses)
+        parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses))
         await scope.route(body)
         ctx = scope.ctx
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",

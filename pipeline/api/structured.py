@@ -29,7 +29,8 @@ def from_text_format(body: dict[str, Any]) -> tuple[Constraint | None, dict[str,
     text = F.get(body, "text", dict) or {}
     fmt = text.get("format") or {"type": "text"}
     if not isinstance(fmt, dict):
-        raise InvalidRequest(f"text.format must be an object, got {fmt!r:.60}", param="text.format")
+        raise InvalidRequest(f"text.format must be an object, got {F.short(fmt)}",
+                             param="text.format")
     kind = fmt.get("type")
     param = "text.format"
     if kind == "json_schema":
@@ -65,7 +66,7 @@ def _schema(spec: dict[str, Any], where: str, param: str) -> Constraint:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{where}.schema must be a JSON schema object, got "
-                             f"{schema!r:.60}", param=param)
+                             f"{F.short(schema)}", param=param)
     for key, kind, what in (("name", str, "a string"), ("strict", bool, "a boolean"),
                             ("description", str, "a string")):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
@@ -87,10 +88,11 @@ def _guided(body: dict[str, Any], name: str) -> Constraint | None:
         if (not isinstance(value, list) or not value
                 or not all(isinstance(v, str) and v for v in value)):
             raise InvalidRequest(f"guided_choice must be a non-empty array of non-empty strings, "
-                                 f"got {value!r:.60}", param=name)
+                                 f"got {F.short(value)}", param=name)
         return Constraint.choice(value, name)
     if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"{name} must be a non-empty string, got {value!r:.60}", param=name)
+        raise InvalidRequest(f"{name} must be a non-empty string, got {F.short(value)}",
+                             param=name)
     if name == "guided_regex":
         return Constraint.regex(value, name)
     return Constraint.grammar(value, name)

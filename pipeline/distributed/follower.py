@@ -4,6 +4,7 @@ HTTP app nor opens a listening socket. Main thread (the engine thread does the w
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -37,6 +38,10 @@ def follow(cfg: Any) -> int | None:
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RankFilter(rank))
+    from pipeline.distributed.lifeline import FollowerExit
+    # SIGTERM (mlx.launch forwards it to every rank) or a lost launcher: rank 0 drains and
+    # stops the group, and this rank leaves with it; after the drain's bound it leaves alone
+    FollowerExit(cfg.server.shutdown_timeout_s + cfg.distributed.timeout_s, _exit_now).install()
     engine = Engine(cfg, Metrics(CollectorRegistry()))   # rank 0 exports every rank's times
     engine.start()
     if not engine.wait_ready():
@@ -51,3 +56,8 @@ def follow(cfg: Any) -> int | None:
         return 1
     log.info("stopped with rank 0")
     return 0
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pipeline.metrics import Metrics
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 0.5   # rank 0 keeps the ring open this long after sending STOP
 
 
 class DistributedError(RuntimeError):
@@ -46,6 +47,7 @@ class Group:
         self._sync_s = 0.0
         self._grammars: Any = None   # other ranks: compiles constraints as admission does
         self._failing = False
+        self._stop_sent = False   # rank 0: the group has been told to stop
         self._ran = False   # rank 0: the previous sync carried a plan (its slots time a step)
         self._watchdog: threading.Thread | None = None
         metrics.distributed_ranks.set(self.size)
@@ -127,7 +129,23 @@ class Group:
         kind = wire.Kind.STOP if stopping else wire.Kind.STEP
         header = self._exchange(digest, step_s, kind, payload)
         self._check(header, plan is not None)
+        if stopping:
+            self._stop_sent = True
+            # the others read STOP from the collective that just ended here; closing the ring
+            # at once could reset their half of it ("connection to a peer was lost")
+            time.sleep(STOP_GRACE_S)
         return plan
+
+    def leave(self, engine: Engine) -> None:
+        """Engine thread, once its loop ended: rank 0 tells the others to stop if its last
+        sync did not (the loop can end on `stopping` between two syncs), so they leave
+        cleanly instead of finding the ring gone."""
+        if self.rank != 0 or self._stop_sent or self._failing:
+            return
+        try:
+            self._lead(engine, idle=False, step_s=0.0)
+        except RuntimeError as e:   # a rank already gone: nobody left to tell
+            log.warning("rank 0: could not tell the group to stop: %s", e)
 
     # -- the other ranks ------------------------------------------------------------------
     def _follow(self, engine: Engine, step_s: float) -> StepPlan | None:

@@ -129,18 +129,18 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         op = msg["op"]
         if op == "submit":
             req = codec.decode_request(msg["req"])
+            if req.constraint is not None:   # compiled off this thread: the pipe keeps moving
+                grammars.submit(req, loop)
+                continue
             try:
-                if req.constraint is not None:
-                    req.grammar = grammars.matcher(req.constraint)
                 engine.submit(req, ChildStream(loop))
             except ServeError as e:
                 loop.call_soon_threadsafe(None, [(None, Failed(req.request_id, e))])
         elif op == "abort":
-            engine.abort(msg["id"])
+            if not grammars.cancel(msg["id"]):
+                engine.abort(msg["id"])
         elif op == "flush":
-            done, n = engine.flush_cache(), msg["n"]
-            threading.Thread(target=lambda: (done.wait(600), send({"op": "reply", "n": n})),
-                             daemon=True).start()
+            _reply_when_set(engine.flush_cache(), msg["n"], send)
         elif op == "embed":   # an embedding model's batch (pipeline/embedding.py)
             from pipeline.embedding import Embed
             from pipeline.pool.codec import encode_error
@@ -152,19 +152,71 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
             engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
                 {"op": "reply", "n": n, **reply_fields(cmd)})))
         elif op == "metrics":
-            send({"op": "reply", "n": msg["n"], "body": exposition()})
+            send({"op": "reply", "of": "metrics", "n": msg["n"], "body": exposition()})
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
 
 
+def _reply_when_set(done: threading.Event, n: int, send: Any, timeout_s: float = 600) -> None:
+    """Answer command `n` once `done` is set, from a thread of its own (the pipe keeps being
+    read meanwhile). Both values are this call's arguments, never names a later command rebinds:
+    each flush is answered exactly once, under its own id."""
+    def wait() -> None:
+        send({"op": "reply", "of": "flush", "n": n, "ok": done.wait(timeout_s)})
+    threading.Thread(target=wait, name=f"pipeserve-flush-{n}", daemon=True).start()
+
+
 class _Grammars:
-    """The parent compiled (and so validated) the request's constraint; the matcher that
-    advances on the engine thread is compiled again here, against the same tokenizer."""
+    """The parent compiled (and so validated and bounded) the request's constraint; the matcher
+    that advances on the engine thread is compiled again here, against the same tokenizer, on a
+    thread of its own (then submitted), so a compile never holds up the pipe's other commands.
+    An abort that arrives while its request compiles ends it there."""
 
     def __init__(self, engine: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
         self.engine = engine
         self._compiler: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pending: dict[str, bool] = {}   # request id → cancelled
+        self._lock = threading.Lock()
+
+    def submit(self, req: Any, loop: PipeLoop) -> None:
+        with self._lock:
+            self._pending[req.request_id] = False
+        self._pool.submit(self._compile_and_submit, req, loop)
+
+    def cancel(self, request_id: str) -> bool:
+        """True when the request is still compiling (it ends when the compile does)."""
+        with self._lock:
+            if request_id not in self._pending:
+                return False
+            self._pending[request_id] = True
+            return True
+
+    def _compile_and_submit(self, req: Any, loop: PipeLoop) -> None:
+        from pipeline.errors import EngineUnavailable, ServeError
+        from pipeline.events import Failed
+        error: ServeError | None = None
+        try:
+            req.grammar = self.matcher(req.constraint)
+        except ServeError as e:
+            error = e
+        except Exception as e:   # the thread's boundary: the request fails, the child goes on
+            log.exception("grammar compile failed for %s", req.request_id)
+            error = EngineUnavailable(f"the grammar did not compile ({type(e).__name__})")
+        with self._lock:
+            cancelled = self._pending.pop(req.request_id, False)
+        if cancelled and error is None:
+            error = EngineUnavailable("the request was cancelled while its grammar compiled",
+                                      code="cancelled")
+        if error is None:
+            try:
+                self.engine.submit(req, ChildStream(loop))
+                return
+            except ServeError as e:
+                error = e
+        loop.call_soon_threadsafe(None, [(None, Failed(req.request_id, error))])
 
     def matcher(self, constraint: Any) -> Any:
         if self._compiler is None:

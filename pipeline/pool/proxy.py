@@ -60,7 +60,8 @@ class ChildEngine:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._replies: dict[int, tuple[threading.Event, list[Any]]] = {}
+        # commands waiting for their reply, by id: (the command's op, set on reply, the reply)
+        self._replies: dict[int, tuple[str, threading.Event, list[Any]]] = {}
         # Score (pipeline/scoring.py) and Embed (pipeline/embedding.py) awaiting the child's reply
         self._scores: dict[int, Any] = {}
         self.dimensions = 0   # an embedding model's width
@@ -152,7 +153,8 @@ class ChildEngine:
 
     def command(self, cmd: Any) -> None:
         """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
-        adapter hot-swap is not carried over the pipe (pool members mount none)."""
+        adapter hot-swap is not carried over the pipe (pool members mount none); the HTTP
+        routes answer 501 before they get here."""
         from pipeline.embedding import Embed
         from pipeline.scoring import Score
         if isinstance(cmd, (Score, Embed)):
@@ -167,7 +169,9 @@ class ChildEngine:
                     cmd.error = e
                     cmd.on_done(cmd)
             return
-        cmd.error = EngineUnavailable("adapter hot-swap is not available for pool models")
+        from pipeline.errors import NotSupported
+        cmd.error = NotSupported("adapter hot-swap is not supported for pool models",
+                                 code="adapters_unsupported")
         cmd.done.set()
 
     def flush_cache(self) -> threading.Event:
@@ -194,12 +198,17 @@ class ChildEngine:
             raise EngineUnavailable(f"the engine of model {self.model_id} has stopped") from e
 
     def _ask(self, message: dict[str, Any]) -> tuple[threading.Event, list[Any]]:
+        """Send a command under a fresh id; the returned event is set when the reply carrying
+        that id (and naming the same command) arrives, or when the child goes away."""
         n = next(self._seq)
         done, box = threading.Event(), []
-        self._replies[n] = (done, box)
+        with self._lock:
+            self._replies[n] = (message["op"], done, box)
         try:
             self._send({**message, "n": n})
         except EngineUnavailable:
+            with self._lock:
+                self._replies.pop(n, None)
             done.set()
         return done, box
 
@@ -227,7 +236,16 @@ class ChildEngine:
         if op == "reply" and msg["n"] in self._scores:
             _reply(self._scores.pop(msg["n"]), msg)
         elif op == "reply":
-            done, box = self._replies.pop(msg["n"], (threading.Event(), []))
+            with self._lock:
+                waiting = self._replies.pop(msg["n"], None)
+            if waiting is None or waiting[0] != msg.get("of"):
+                # a reply nobody asked for under that id: a protocol fault, never a guess
+                log.error("model %s: engine process %s replied %r to command %s, which %s",
+                          self.model_id, self.pid, msg.get("of"), msg["n"],
+                          "was not pending" if waiting is None else f"was {waiting[0]!r}")
+                if waiting is None:
+                    return
+            _, done, box = waiting
             box.append(msg)
             done.set()
         elif op == "ready":
@@ -289,7 +307,9 @@ class ChildEngine:
             streams, self._streams = self._streams, {}
             self._num_done += len(streams)
         post_many([(s, Failed(rid, err)) for rid, s in streams.items()])
-        for done, _ in list(self._replies.values()):
+        with self._lock:
+            pending, self._replies = self._replies, {}
+        for _, done, _ in pending.values():
             done.set()
         for n in list(self._scores):
             cmd = self._scores.pop(n, None)

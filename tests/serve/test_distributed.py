@@ -301,6 +301,49 @@ def test_killed_rank_stops_the_group_in_bounded_time(launch: Any) -> None:
     assert "a rank is gone" in log and "the group stops" in log, log[-4000:]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _all_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_launcher_ends_every_rank(launch: Any) -> None:
+    """A supervisor that kills mlx.launch's PID leaves no server behind (issue 34)."""
+    group = launch("model=tiny", "distributed=tensor")
+    ranks = group.ranks()
+    assert set(ranks) == {0, 1}
+    os.kill(group.proc.pid, signal.SIGKILL)
+    try:
+        assert _all_gone(list(ranks.values()), 20), {r: _alive(p) for r, p in ranks.items()}
+        with pytest.raises(httpx.HTTPError):   # nothing listens on rank 0's port any more
+            httpx.get(group.base_url + "/health", timeout=2)
+    finally:
+        for pid in ranks.values():   # bounded cleanup of what this test started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_rank0_is_a_clean_leave_for_every_rank(launch: Any) -> None:
+    group = launch("model=tiny", "distributed=tensor")
+    ranks = group.ranks()
+    os.kill(ranks[0], signal.SIGTERM)
+    assert group.wait_exit(30) == 0
+    assert _all_gone(list(ranks.values()), 5)
+    log = group.log()
+    assert "[rank 1] stopped with rank 0" in log, log[-3000:]
+    assert "connection to a peer was lost" not in log and "ERROR" not in log, log[-3000:]
+
+
 # -- refused at launch ---------------------------------------------------------------------
 def test_refusals_at_launch(launch: Any, model_cache: Path) -> None:
     assert "needs 2 or more ranks" in startup_error(model_cache, "distributed=tensor")

@@ -262,7 +262,8 @@ def test_responses_function_call_conforms(srv: Any) -> None:
 @pytest.mark.parametrize("method, path, payload, status", [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 500}, 400),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 128}, 429),
+    # an n that no idle server can admit (max_batch + max_queue) is a 400, never a retryable 429
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "n": 128}, 400),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
     ("POST", "/v1/completions", b"{not json", 400),
     ("POST", "/v1/responses", {"model": MODEL, "input": []}, 400),
@@ -308,11 +309,12 @@ def test_n_choices_through_the_sdk(client: openai.OpenAI) -> None:
                                      extra_body={"logit_bias": NO_EOS})
     assert [c.index for c in done.choices] == [0, 1] and done.usage.completion_tokens == 12
     assert done.choices[0].text != done.choices[1].text
-    # n choices are n rows: more than the queue takes is a 429 naming n and the limit
-    with pytest.raises(openai.RateLimitError) as info:
+    # n choices are n rows: more than even an idle server takes (max_batch running + the
+    # queue) can never run, so it is a 400 naming n and the limit, not a retryable 429
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(n=128, **kw)
-    assert "n is 128" in info.value.body["message"]
-    assert "admission.max_queue is 64" in info.value.body["message"]
+    assert "n is 128" in info.value.body["message"] and info.value.body["param"] == "n"
+    assert "admission.max_queue 64" in info.value.body["message"]
 
 
 def metric(srv: Any, name: str) -> float:
