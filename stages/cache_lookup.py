@@ -1,12 +1,16 @@
 """CacheLookup: when a request is admitted, the longest reusable prefix of its prompt from
 the prompt cache (or the checkpoint of the identical request, to resume), so only the rest is
-computed; the scheduler applies the hit. Engine thread (called at admission)."""
+computed; the scheduler applies the hit. What it could not reuse it explains on the request
+(`cache_miss`, pipeline/prompt_cache/explain.py). Engine thread (called at admission)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
 from pipeline.config import ServeConfig
 from pipeline.plan import CacheHit
+from pipeline.prompt_cache.explain import explain
 from pipeline.request import Request
 from pipeline.stage import StageDeps
 
@@ -17,6 +21,11 @@ class CacheLookup:
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.cache = deps.prompt_cache
         self.layout = deps.layout
+        self.metrics = deps.metrics
+        self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
+        # attention-only models can cut a cached entry back to any prefix; recurrent layers
+        # cannot (the layout does not change which a layer is)
+        self.trimmable = can_trim_prompt_cache(make_prompt_cache(deps.model))
 
     def __call__(self, req: Request) -> CacheHit | None:
         if self.cache is None:
@@ -26,7 +35,17 @@ class CacheLookup:
             hit = self._resume(req, checkpoints)
             if hit is not None:
                 return hit
+        for at, ttl_s in req.pins:   # cache_control breakpoints: kept out of eviction
+            self.cache.pin(req.prompt_ids[:at], ttl_s, req.adapter)
         found = self.cache.lookup(req.prompt_ids, req.adapter)
+        reused = found.num_tokens if found.caches is not None else 0
+        # a cache that can trim serves any prefix of a longer entry: no state to keep at the
+        # history boundary; one that cannot (recurrent layers) keeps it unless reused past it
+        req.checkpoints_at = () if self.trimmable else tuple(
+            p for p in req.checkpoints_at if reused < p < req.num_prompt_tokens - 1)
+        req.cache_miss = explain(self.cache, req.prompt_ids, req.adapter, reused, self.decode)
+        if req.cache_miss is not None:
+            self.metrics.cache_miss_reasons.labels(req.cache_miss["reason"]).inc()
         if found.caches is None:
             return None
         return CacheHit(found.num_tokens, self.layout.adopt(found.caches))

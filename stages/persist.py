@@ -1,8 +1,9 @@
 """Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
-done, each finished request's prompt + output before its KV is freed, and (cache.
-checkpoint_every) a checkpoint of each running row that emitted N more tokens. It asks the
-row store for a row's caches; it never looks for them, and a checkpoint's sampler key comes
-from `sampler_key` (wired by pipeline/step.py), not from another stage's state. Engine thread."""
+done (and at the positions tokenize marked: a chat history's end, cache_control breakpoints),
+each finished request's prompt + output before its KV is freed, and (cache.checkpoint_every)
+a checkpoint of each running row that emitted N more tokens. It asks the row store for a
+row's caches; it never looks for them, and a checkpoint's sampler key comes from
+`sampler_key` (wired by pipeline/step.py), not from another stage's state. Engine thread."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -36,10 +37,11 @@ class Persist:
         for row in plan.prefill:
             req = row.request
             done = row.start + row.num_tokens
-            if done == req.num_prompt_tokens - 1 and req.num_cached_tokens < done:
+            if (done == req.num_prompt_tokens - 1 or done in req.checkpoints_at) \
+                    and req.num_cached_tokens < done:
                 caches = kv.caches_of(row.request_id)
                 if caches is not None:
-                    self.cache.put(req.prompt_ids[:-1], caches, req.adapter)
+                    self.cache.put(req.prompt_ids[:done], caches, req.adapter)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:

@@ -4,6 +4,7 @@ starts from. Called on the event loop, once per request; large inputs render and
 preparation pool (pipeline.offload), a client's own template in the sandbox; never touches MLX."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -45,6 +46,8 @@ class Tokenize:
         self.allow_templates = cfg.server.allow_request_templates
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
+        self.cache_on = cfg.cache.name != "off"
+        self.session_checkpoints = cfg.cache.session_checkpoints and self.cache_on
         self.bound = char_bound(self.backend) if self.backend is not None else None
 
     async def __call__(self, request: Request) -> Request:
@@ -73,6 +76,13 @@ class Tokenize:
             forced = self._forced_call(inputs, request.output_prefix)
             request.output_prefix = forced or request.output_prefix
             request.prompt_ids = self.encode_rendered(text + forced)
+            if self.session_checkpoints:
+                request.checkpoints_at = self._history_end(inputs, template, text,
+                                                           request.prompt_ids)
+            if inputs.cache_breakpoints and self.cache_on:
+                request.pins = self._breakpoints(inputs, template, text, request.prompt_ids)
+                request.checkpoints_at = tuple(sorted(
+                    set(request.checkpoints_at) | {p for p, _ in request.pins}))
         else:
             assert inputs.text is not None
             self._check_length(inputs.text, "prompt")
@@ -143,6 +153,38 @@ class Tokenize:
             return ""
         return fmt.forced(inputs.tool_name if inputs.tool_choice == "named" else None)
 
+    def _history_end(self, inputs: PromptInput, template: str | None, text: str,
+                     prompt_ids: list[int]) -> tuple[int, ...]:
+        """Where the chat's history ends in `prompt_ids` (the generation prompt follows): the
+        next turn renders the same history, then this turn's answer, so its state there is
+        what an agent session reuses. () when the template writes no separable suffix."""
+        if not self.tokenizer.has_chat_template or len(inputs.messages or []) < 1:
+            return ()
+        history = self.render_text(inputs, template, generation_prompt=False)
+        if not text.startswith(history) or len(history) == len(text):
+            return ()
+        tail_ids = list(self._encode(text[len(history):], False, "messages"))
+        end = len(prompt_ids) - len(tail_ids)
+        if end < 1 or prompt_ids[end:] != tail_ids:
+            return ()   # the suffix tokenizes differently inside the prompt: no clean boundary
+        return (end,)
+
+    def _breakpoints(self, inputs: PromptInput, template: str | None, text: str,
+                     prompt_ids: list[int]) -> tuple[tuple[int, float], ...]:
+        """Where each cache_control breakpoint (the end of a message) falls in `prompt_ids`:
+        the chat up to that message rendered on its own, when it is a prefix of the prompt."""
+        out: dict[int, float] = {}
+        messages = inputs.messages or []
+        for index, ttl_s in inputs.cache_breakpoints:
+            head = replace(inputs, messages=messages[:index + 1])
+            prefix = self.render_text(head, template, generation_prompt=False)
+            if not text.startswith(prefix):
+                continue
+            ids = list(self._encode(prefix, False, "messages"))
+            if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids:
+                out[len(ids)] = max(out.get(len(ids), 0.0), ttl_s)
+        return tuple(sorted(out.items()))
+
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         bos = self.tokenizer.bos_token
         return self._encode(text, bos is None or not text.startswith(bos), field)
@@ -168,9 +210,10 @@ class Tokenize:
                                  code="context_length_exceeded")
         return ids if self.backend is None else encoding.ids
 
-    def render_text(self, inputs: PromptInput, template: str | None = None) -> str:
+    def render_text(self, inputs: PromptInput, template: str | None = None,
+                    generation_prompt: bool = True) -> str:
         """The chat as the model's template (or the request's, when allowed) writes it,
-        generation prompt included."""
+        generation prompt included (unless `generation_prompt` is False)."""
         tok, messages = self.tokenizer, inputs.messages or []
         if template is None and not tok.has_chat_template:
             return "".join(str(m.get("content") or "") + "\n" for m in messages)
@@ -182,19 +225,20 @@ class Tokenize:
         if inputs.tools and inputs.tool_choice != "none":
             kwargs["tools"] = inputs.tools
         if template is not None:
-            return self._render_sandboxed(template, messages, kwargs)
+            return self._render_sandboxed(template, messages, kwargs, generation_prompt)
         try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True,
+            return tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
                                            tokenize=False, **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e
 
     def _render_sandboxed(self, template: str, messages: list[dict[str, Any]],
-                          kwargs: dict[str, Any]) -> str:
+                          kwargs: dict[str, Any], generation_prompt: bool = True) -> str:
         special = {k: v for k, v in self.tokenizer.special_tokens_map.items()
                    if isinstance(v, (str, list))}
-        context = {**special, **kwargs, "messages": messages, "add_generation_prompt": True}
+        context = {**special, **kwargs, "messages": messages,
+                   "add_generation_prompt": generation_prompt}
         # past this many characters the prompt cannot fit the context (or, with no sound bound,
         # is far past any real prompt): the sandbox stops writing it
         max_chars = self.max_context * (self.bound.max_token_chars * self.bound.shrink

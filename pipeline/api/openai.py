@@ -12,6 +12,7 @@ from pipeline.api import structured
 from pipeline.api.generation import Delta, Usage
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.tools import ToolCall
+from pipeline.api.resume import resumable
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
@@ -29,6 +30,7 @@ class Parsed:
     echo: bool = False
     constraint: Constraint | None = None   # response_format / guided_* (structured output)
     n: int = 1   # choices to generate, each its own row and random stream
+    resumable: bool = False   # stream_options.resumable: the stream outlives its connection
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -57,6 +59,9 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
         "seed": F.seed(body),
         "logit_bias": F.logit_bias(body),
         "stop": F.stop_list(body, stop_field),
+        # scheduling (pipeline/latency.py): queue order, and a latency the answer must meet
+        "priority": body.get("priority"),
+        "deadline_ms": F.get(body, "deadline_ms", int),
     }
     n = F.get(body, "n", int, 1)
     if max_n == 1 and n != 1:
@@ -67,14 +72,15 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
     return out
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """stream, stream_options.include_usage, stream_options.resumable (pipeline/api/resume.py)."""
     stream = F.get(body, "stream", bool, False)
     opts = F.get(body, "stream_options", dict) or {}
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
         raise InvalidRequest("stream_options.include_usage must be a boolean",
                              param="stream_options")
-    return stream, include
+    return stream, include, resumable(body)
 
 
 def parse_chat(body: dict[str, Any]) -> Parsed:
@@ -100,11 +106,12 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     if effort is not None:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
         kwargs.setdefault("reasoning_effort", effort)
-    stream, include = _stream_flags(body)
+    stream, include, resume = _stream_flags(body)
     return Parsed(PromptInput(messages=[_message(m, i) for i, m in enumerate(messages)],
                               tools=tools or None, template_kwargs=kwargs,
                               tool_choice=choice, tool_name=name),
-                  requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
+                  requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1),
+                  resumable=resume)
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -201,9 +208,10 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
         raise InvalidRequest(f"logprobs is {logprobs}; allowed range is [0, 5]", param="logprobs")
     requested["logprobs"] = logprobs is not None
     requested["top_logprobs"] = logprobs or 0
-    stream, include = _stream_flags(body)
+    stream, include, resume = _stream_flags(body)
     return Parsed(inputs, requested, stream, include, echo=F.get(body, "echo", bool, False),
-                  constraint=structured.from_body(body), n=F.get(body, "n", int, 1))
+                  constraint=structured.from_body(body), n=F.get(body, "n", int, 1),
+                  resumable=resume)
 
 
 # -- responses -------------------------------------------------------------------------
@@ -214,7 +222,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:
@@ -222,6 +230,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     if usage.record is not None:
         out["pipeserve"] = usage.record
     return out
+
+
+def miss_fields(usage: Usage) -> dict[str, Any]:
+    """Why prompt tokens were recomputed (an extension; absent when the cache held the whole
+    prompt): `cache_miss_reason`, and `cache_miss` with its details (index, spans, age)."""
+    if usage.cache_miss is None:
+        return {}
+    return {"cache_miss_reason": usage.cache_miss["reason"], "cache_miss": usage.cache_miss}
 
 
 def tool_call_body(call: ToolCall) -> dict[str, Any]:

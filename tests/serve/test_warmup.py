@@ -1,0 +1,59 @@
+"""Idle warm-up through a real server: after a chat turn on a template whose generation
+prompt differs from how the next turn renders the history (Qwen3, thinking off), the idle
+engine prefills the history with the answer, so turn 2 reads the answer from the cache
+instead of recomputing it; without warm-up it cannot. Real work is never refused for it."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.serve.test_agent_sessions import SYSTEM, TEMPLATES
+from tests.serve.test_openai import NO_EOS, TIMEOUT, metric_families, sample_value
+
+
+def chat(base: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    r = httpx.post(base + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "logit_bias": NO_EOS, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def warmups(base: str, outcome: str) -> float:
+    return sample_value(metric_families(base), "pipeserve_warmups", "pipeserve_warmups_total",
+                        outcome=outcome)
+
+
+def two_turns(base: str, wait_warmup: bool) -> tuple[int, int]:
+    """(turn 1's prompt tokens, turn 2's cached tokens)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Step 1."}]
+    first = chat(base, messages, 24)
+    if wait_warmup:
+        deadline = time.monotonic() + 20   # bounded: the idle engine runs the warm-up
+        while warmups(base, "done") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert warmups(base, "done") == 1
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Step 2."}]
+    second = chat(base, messages, 2)
+    return first["usage"]["prompt_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_warm_up_puts_the_answer_in_the_cache_for_turn_2(server_factory: Any,
+                                                         tmp_path: Path) -> None:
+    path = tmp_path / "qwen3.jinja"
+    path.write_text(TEMPLATES["qwen3"])
+    cold = server_factory(f"model.chat_template={path}")
+    warm = server_factory(f"model.chat_template={path}", "cache.warmup_budget_tokens=256")
+    prompt_1, cached_cold = two_turns(cold.base_url, wait_warmup=False)
+    prompt_1_warm, cached_warm = two_turns(warm.base_url, wait_warmup=True)
+    assert prompt_1 == prompt_1_warm
+    # without warm-up turn 2 leaves turn 1's prompt inside its generation prompt (the empty
+    # think span); with it, turn 2 reads the whole rendered answer too
+    assert cached_cold < prompt_1 < cached_warm
+    assert sample_value(metric_families(warm.base_url), "pipeserve_warmup_tokens",
+                        "pipeserve_warmup_tokens_total") > 0
+    assert warmups(cold.base_url, "done") == 0
