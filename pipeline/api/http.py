@@ -135,7 +135,7 @@ class Scope:
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
         task = self.detached
-        if task is not None and isinstance(exc, asyncio.CancelledError) and not task.done():
+        if task is not None and not task.done():
             task.add_done_callback(lambda t: self._settle(
                 asyncio.CancelledError() if t.cancelled() else t.exception()))
             return False

@@ -250,10 +250,10 @@ async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumab
             stream.end()
 
     task = stream.task = asyncio.get_running_loop().create_task(run())
-    response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
     try:
+        response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
         await stream.follow(response, -1, keep_alive_s)
-    except asyncio.CancelledError:
+    except BaseException:   # the client left (cancelled), or its connection failed a write
         if resumable and not task.done():
             detach(task)
         else:
