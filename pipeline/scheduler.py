@@ -60,6 +60,7 @@ class Scheduler:
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
+        self._lockstep = cfg.distributed.name != "none"
 
     @property
     def max_batch(self) -> int:
@@ -84,8 +85,8 @@ class Scheduler:
         """A request that has waited scheduler.max_wait_s goes ahead of every priority
         (bounded starvation); only a queue of mixed priorities needs the scan."""
         w, limit = self.waiting, self.cfg.scheduler.max_wait_s
-        if limit is None or len(w) < 2 or w[-1].priority <= w[0].priority:
-            return
+        if limit is None or len(w) < 2 or w[-1].priority <= w[0].priority or self._lockstep:
+            return   # (ranks of a distributed group schedule alike: no clock-based decisions)
         now = time.perf_counter()
         starved = sorted((r for r in w if 0 <= r.priority <= 9 and now - r.arrival_s > limit),
                          key=lambda r: r.arrival_s)

@@ -22,6 +22,8 @@ class CacheLookup:
         self.cache = deps.prompt_cache
         self.layout = deps.layout
         self.metrics = deps.metrics
+        # pins expire by each rank's clock: a distributed group's ranks would evict unalike
+        self.pins = cfg.distributed.name == "none"
         self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
         # attention-only models can cut a cached entry back to any prefix; recurrent layers
         # cannot (the layout does not change which a layer is)
@@ -35,7 +37,7 @@ class CacheLookup:
             hit = self._resume(req, checkpoints)
             if hit is not None:
                 return hit
-        for at, ttl_s in req.pins:   # cache_control breakpoints: kept out of eviction
+        for at, ttl_s in req.pins if self.pins else ():   # cache_control: kept from eviction
             self.cache.pin(req.prompt_ids[:at], ttl_s, req.adapter)
         found = self.cache.lookup(req.prompt_ids, req.adapter)
         reused = found.num_tokens if found.caches is not None else 0
