@@ -105,3 +105,18 @@ def test_aged_requests_go_in_arrival_order_whatever_their_priority() -> None:
     s.schedule()
     assert [r.request_id for r in s.running] == ["batch"]
     assert [r.request_id for r in s.waiting] == ["urgent-a", "urgent-b", "fresh"]
+
+
+def test_priority_and_checkpoints_cross_a_distributed_group_and_aging_is_off() -> None:
+    from pipeline.distributed import wire
+    r = queued(0, "r", n_prompt=12)
+    r.checkpoints_at = (7,)
+    back = wire.decode_request(wire.encode_request(r))
+    assert back.priority == 0 and back.checkpoints_at == (7,)
+    s = sched("scheduler=serial", "scheduler.max_wait_s=0.5", "distributed=tensor")
+    old = queued(9, "batch-old")
+    old.arrival_s = time.perf_counter() - 10   # would have aged: ranks' clocks differ
+    s.add(old)
+    s.add(queued(0, "urgent"))
+    s.schedule()
+    assert [x.request_id for x in s.running] == ["urgent"]
