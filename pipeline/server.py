@@ -442,7 +442,7 @@ def _add_routes(app: Sanic) -> None:
         await resume.resume(http, app.ctx.streams, stream_id, app.ctx.cfg.server.keep_alive_s)
 
     @app.get("/v1/responses/<response_id:str>")
-    async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse:
+    async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse | None:
         return await responses.handle_get(app, http, response_id)
 
     @app.delete("/v1/responses/<response_id:str>")

@@ -233,7 +233,10 @@ async def _stream(log: StreamLog, gen: Generation,
     return final[-1]["response"]
 
 
-async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse:
+async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse | None:
+    if http.args.get("stream") == "true":   # OpenAI's resume: ?stream=true&starting_after=N
+        await resume.resume(http, app.ctx.streams, response_id, app.ctx.cfg.server.keep_alive_s)
+        return None
     item = app.ctx.responses.get(response_id)
     if item is None:
         raise NotFound(f"response {response_id!r} is unknown or expired", param="response_id")

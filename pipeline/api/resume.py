@@ -215,9 +215,10 @@ class StreamStore:
 
 
 def parse_after(http: sanic.Request) -> int:
-    """The last frame a client has: `?after=N`, else the Last-Event-ID header; -1 (none)."""
-    raw = http.args.get("after")
-    name = "after"
+    """The last frame a client has: `?after=N` (`?starting_after=N`, OpenAI's Responses
+    parameter: its sequence_number is the frame id), else Last-Event-ID; -1 (none)."""
+    name = "after" if "after" in http.args else "starting_after"
+    raw = http.args.get(name)
     if raw is None:
         raw, name = http.headers.get("last-event-id"), "Last-Event-ID"
     if raw is None or raw == "":

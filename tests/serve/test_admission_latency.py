@@ -36,23 +36,26 @@ def post(base: str, max_tokens: int, **extra: Any) -> httpx.Response:
 def test_unmeetable_deadline_is_refused_with_an_estimate_within_2x(srv: Any) -> None:
     for _ in range(3):   # measured rates: prefill of this prompt, decode per row
         assert post(srv.base_url, 150).status_code == 200
-    r = post(srv.base_url, 400, deadline_ms=1)
-    assert r.status_code == 429, r.text
-    error = r.json()["error"]
-    assert error["code"] == "deadline_unmeetable" and int(r.headers["Retry-After"]) >= 1
-    estimate_ms = float(re.search(r"the estimate is (\d+) ms", error["message"]).group(1))
-    t0 = time.perf_counter()
-    done = post(srv.base_url, 400)
-    measured_ms = (time.perf_counter() - t0) * 1000
-    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 400
-    assert estimate_ms / 2 <= measured_ms <= estimate_ms * 2, (estimate_ms, measured_ms)
+    ratios = []
+    for _ in range(3):   # a shared CI machine's speed wanders: the median of three trials
+        r = post(srv.base_url, 400, deadline_ms=1)
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "deadline_unmeetable" and int(r.headers["Retry-After"]) >= 1
+        estimate_ms = float(re.search(r"the estimate is (\d+) ms", error["message"]).group(1))
+        t0 = time.perf_counter()
+        done = post(srv.base_url, 400)
+        measured_ms = (time.perf_counter() - t0) * 1000
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 400
+        ratios.append(measured_ms / estimate_ms)
+    assert 0.5 <= sorted(ratios)[1] <= 2.0, ratios
     assert post(srv.base_url, 4, deadline_ms=600_000).status_code == 200   # meetable
     fams = metric_families(srv.base_url)
     assert sample_value(fams, "pipeserve_latency_estimate_ratio",
                         "pipeserve_latency_estimate_ratio_count") >= 1
     assert sample_value(fams, "pipeserve_admission_decisions",
                         "pipeserve_admission_decisions_total", decision="rejected",
-                        reason="deadline") >= 1
+                        reason="deadline") >= 3
 
 
 @pytest.mark.parametrize("field,value,needle", [

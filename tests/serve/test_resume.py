@@ -183,3 +183,20 @@ def test_unknown_stream_is_404_and_bad_option_400(srv: Any) -> None:
     path, body = body_of("messages", 3, stream_options={"resumable": "yes"})
     r = httpx.post(srv.base_url + path, json=body, timeout=TIMEOUT)
     assert r.status_code == 400 and "stream_options.resumable" in r.text, r.text
+
+
+def test_responses_resume_the_openai_way(srv: Any) -> None:
+    """OpenAI's own resume of a Responses stream, through the SDK: retrieve(id, stream=True,
+    starting_after=N) continues at sequence_number N + 1 (a frame's id is its
+    sequence_number)."""
+    path, body = body_of("responses", 12, stream_options={"resumable": True})
+    head = post(srv.base_url, path, body, limit=3)
+    rid = stream_id(head[0])
+    seqs = [orjson.loads(f.split(b"data: ", 1)[1])["sequence_number"] for f in head]
+    assert seqs == [frame_id(f) for f in head] == [0, 1, 2]
+    events = list(sdk(srv.base_url).responses.retrieve(rid, stream=True, starting_after=2))
+    assert events[0].sequence_number == 3
+    assert [e.sequence_number for e in events] == list(range(3, 3 + len(events)))
+    assert events[-1].type == "response.incomplete"   # it ran to max_output_tokens
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.usage.output_tokens == 12
