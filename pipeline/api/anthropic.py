@@ -324,24 +324,24 @@ async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
 
 async def _stream(log: StreamLog, gen: Generation, model: str) -> bool:
     """Append the event sequence to `log`; False when it ended with an error event."""
-    def send(events: list[tuple[str, dict[str, Any]]]) -> None:
+    async def send(events: list[tuple[str, dict[str, Any]]]) -> None:
         for name, data in events:
-            log.append(sse_event(name, data))
+            await log.put(sse_event(name, data))
 
     start = {"id": gen.request.request_id, "type": "message", "role": "assistant",
              "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": usage_body(gen.usage, output=False, written=written(gen))}
-    send([("message_start", {"type": "message_start", "message": start}),
+    await send([("message_start", {"type": "message_start", "message": start}),
           ("ping", {"type": "ping"})])
     blocks = BlockStream()
     try:
         async for delta in gen.deltas():
-            send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
+            await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
     except ServeError as e:
-        send([("error", error_body(e.message, e.error_type, e.status))])
+        await send([("error", error_body(e.message, e.error_type, e.status))])
         return False
     reason, sequence = stop_reason(gen)
-    send(blocks.close(ensure_one=True) + [
+    await send(blocks.close(ensure_one=True) + [
         ("message_delta", {"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
                            "usage": usage_body(gen.usage, written=written(gen))}),

@@ -117,10 +117,10 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
                   shape: Any, parsed: oa.Parsed, chat: bool) -> bool:
     """Append the SSE stream's frames to `log`; False when it ended with an error event. Each
     chunk carries its choice's `index`; each choice ends with its own finish_reason chunk."""
-    send = log.append
+    send = log.put
     if chat:
         for i in range(parsed.n):
-            send(sse_data(shape.chunk({"role": "assistant", "content": ""}, index=i)))
+            await send(sse_data(shape.chunk({"role": "assistant", "content": ""}, index=i)))
     ended = 0
     try:
         async for i, delta in choices.deltas() if choices is not None else _one(gens[0]):
@@ -130,23 +130,23 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
                 if ended == parsed.n and not parsed.include_usage:
                     usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
                 last: Any = {} if chat else ""
-                send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i, usage=usage)))
+                await send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i, usage=usage)))
                 continue
             if not delta:
                 continue   # a keep-alive tick: the connection sends its own (resume.follow)
             if not chat:
-                send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
+                await send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
             else:
                 parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
                 for j, part in enumerate(parts):
                     lps = delta.logprobs if j == 0 else None
-                    send(sse_data(shape.chunk(part, lps=lps, index=i)))
+                    await send(sse_data(shape.chunk(part, lps=lps, index=i)))
     except ServeError as e:
-        send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
-        send(b"data: [DONE]\n\n")
+        await send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
+        await send(b"data: [DONE]\n\n")
         return False
     if parsed.include_usage:
         usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
-        send(sse_data(shape.usage_chunk(usage)))
-    send(b"data: [DONE]\n\n")
+        await send(sse_data(shape.usage_chunk(usage)))
+    await send(b"data: [DONE]\n\n")
     return True

@@ -216,20 +216,20 @@ async def _stream(log: StreamLog, gen: Generation,
     """Append the event chain to `log`; the final response body, or None after an error."""
     events = ResponseEvents(shape)
 
-    def send(batch: list[dict[str, Any]]) -> None:
+    async def send(batch: list[dict[str, Any]]) -> None:
         for event in batch:
-            log.append(sse_event(event["type"], event))
+            await log.put(sse_event(event["type"], event))
 
-    send(events.begin())
+    await send(events.begin())
     try:
         async for delta in gen.deltas():
             if delta:
-                send(events.feed(delta))
+                await send(events.feed(delta))
     except ServeError as e:
-        send(events.fail(e))
+        await send(events.fail(e))
         return None
     final = events.end(gen)
-    send(final)
+    await send(final)
     return final[-1]["response"]
 
 

@@ -17,6 +17,7 @@ from pipeline.errors import InvalidRequest, NotFound
 log = logging.getLogger("pipeserve")
 T = TypeVar("T")
 KEEP_ALIVE = b": keep-alive\n\n"
+REPORT_BYTES = 1 << 16   # the bytes gauge moves in steps of this (and at every stream's end)
 
 
 def resumable(body: dict[str, Any]) -> bool:
@@ -38,7 +39,9 @@ def resumable(body: dict[str, Any]) -> bool:
 class StreamLog:
     """The numbered frames of one stream. `frames[i]` is frame `first + i` (frames before
     `first` were dropped to keep the store under its byte cap, only once every connected
-    reader had sent them). `append` and `end` wake every reader."""
+    reader had sent them). `append` and `end` wake every reader; `put` hands a frame straight
+    to the primary connection (the request's own) when it has sent everything before it, so
+    the common case costs no wake-up of that connection's task per frame."""
 
     def __init__(self, store: StreamStore, stream_id: str, resumable: bool) -> None:
         self.store, self.stream_id, self.resumable = store, stream_id, resumable
@@ -50,7 +53,9 @@ class StreamLog:
         self.ended_at = 0.0
         self.readers: dict[int, int] = {}   # reader token → next frame it will send
         self.task: asyncio.Task[Any] | None = None   # the producer
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: dict[int, asyncio.Future[bool]] = {}   # reader token → its wait
+        self._primary: tuple[int, Any] | None = None   # (token, response) of the request's own
+        self._sending = False   # a write to the primary connection is in progress
         self._orphan_timer: asyncio.TimerHandle | None = None
         self._next_reader = 0
 
@@ -66,6 +71,32 @@ class StreamLog:
         self.store.grew(len(framed))
         self._wake()
 
+    async def put(self, frame: bytes) -> None:
+        """`append`, sending it to the primary connection here when that one is caught up
+        (and so waiting for it; the producer then feels the connection's back-pressure)."""
+        primary = self._primary
+        if primary is None:
+            self.append(frame)
+            return
+        token, response = primary
+        ready = not self._sending and self.readers.get(token) == self.num_frames
+        framed = b"id: %d\n" % self.num_frames + frame
+        self.frames.append(framed)
+        self.nbytes += len(framed)
+        self.store.grew(len(framed))
+        self._wake(skip=token if ready else None)
+        if not ready:
+            return
+        self.readers[token] = self.num_frames
+        self._sending = True
+        try:
+            await response.send(framed)
+        except Exception:   # noqa: BLE001 — the connection failed: its own task settles that
+            self._primary = None
+            self._wake()
+        finally:
+            self._sending = False
+
     def end(self, cancelled: bool = False) -> None:
         if self.ended:
             return
@@ -75,11 +106,11 @@ class StreamLog:
         self.store.ended(self)
         self._wake()
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
+    def _wake(self, skip: int | None = None) -> None:
+        for token in [t for t in self._waiters if t != skip]:
+            w = self._waiters.pop(token)
             if not w.done():
-                w.set_result(None)
+                w.set_result(False)
 
     def trim_sent(self) -> int:
         """Drop frames every connected reader has sent; the bytes freed."""
@@ -95,37 +126,54 @@ class StreamLog:
         return freed
 
     # -- readers ---------------------------------------------------------------------------
-    async def follow(self, response: Any, after: int, keep_alive_s: float) -> None:
+    async def follow(self, response: Any, after: int, keep_alive_s: float,
+                     primary: bool = False) -> None:
         """Send the frames after `after` to `response`, then the rest as they come, until the
-        stream ends; a keep-alive comment every `keep_alive_s` without a frame."""
+        stream ends; a keep-alive comment every `keep_alive_s` without a frame. The primary
+        connection also takes frames from `put` directly."""
         token = self._next_reader
         self._next_reader += 1
         self.readers[token] = after + 1
+        if primary:
+            self._primary = (token, response)
         self._disarm()
         loop = asyncio.get_running_loop()
         try:
             while True:
                 at = self.readers[token]   # >= first: trim_sent keeps what a reader lacks
-                if at < self.num_frames:
+                if at < self.num_frames and not (primary and self._sending):
                     chunk = b"".join(self.frames[at - self.first:])
                     self.readers[token] = self.num_frames
-                    await response.send(chunk)
+                    await self._send(response, chunk, primary)
                     continue
-                if self.ended:
+                if self.ended and at >= self.num_frames:
                     return
-                waiter = loop.create_future()
-                self._waiters.append(waiter)
+                waiter = self._waiters[token] = loop.create_future()
                 timer = loop.call_later(keep_alive_s, _expire, waiter)
                 try:
-                    await waiter
+                    timed_out = await waiter
                 finally:
                     timer.cancel()
-                if self.readers[token] == self.num_frames and not self.ended:
-                    await response.send(KEEP_ALIVE)
+                    self._waiters.pop(token, None)
+                if timed_out and not (primary and self._sending) \
+                        and self.readers[token] == self.num_frames and not self.ended:
+                    await self._send(response, KEEP_ALIVE, primary)
         finally:
             del self.readers[token]
+            if self._primary is not None and self._primary[0] == token:
+                self._primary = None
             if not self.readers and not self.ended:
                 self._arm()
+
+    async def _send(self, response: Any, data: bytes, primary: bool) -> None:
+        if not primary:
+            await response.send(data)
+            return
+        self._sending = True
+        try:
+            await response.send(data)
+        finally:
+            self._sending = False   # frames that came meanwhile: the loop sends them next
 
     def _arm(self) -> None:
         """Nobody reads a live stream: a resumable one runs on for stream_resume_s, then its
@@ -147,9 +195,9 @@ class StreamLog:
             self.task.cancel()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
-        waiter.set_result(None)
+        waiter.set_result(True)   # timed out (a wake-up by a frame or the end is False)
 
 
 class StreamStore:
@@ -160,6 +208,7 @@ class StreamStore:
         self.resume_s, self.cap_bytes, self.metrics = resume_s, cap_bytes, metrics
         self.logs: dict[str, StreamLog] = {}
         self.nbytes = 0
+        self._reported = 0   # nbytes as the gauge last showed it
 
     def open(self, stream_id: str, resumable: bool) -> StreamLog:
         stream = StreamLog(self, stream_id, resumable)
@@ -184,9 +233,15 @@ class StreamStore:
         self.nbytes += n
         if self.nbytes > self.cap_bytes:
             self._shrink()
+        if abs(self.nbytes - self._reported) >= REPORT_BYTES:   # not a gauge write per frame
+            self._report()
+
+    def _report(self) -> None:
+        self._reported = self.nbytes
         self.metrics.stream_bytes.set(self.nbytes)
 
     def ended(self, stream: StreamLog) -> None:
+        self._report()
         loop = asyncio.get_running_loop()
         loop.call_later(self.resume_s, self._expire, stream)
 
@@ -197,7 +252,7 @@ class StreamStore:
     def _drop(self, stream: StreamLog) -> None:
         del self.logs[stream.stream_id]
         self.nbytes -= stream.nbytes
-        self.metrics.stream_bytes.set(self.nbytes)
+        self._report()
         self.metrics.stream_logs.set(len(self.logs))
 
     def _shrink(self) -> None:
@@ -253,7 +308,7 @@ async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumab
     task = stream.task = asyncio.get_running_loop().create_task(run())
     try:
         response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
-        await stream.follow(response, -1, keep_alive_s)
+        await stream.follow(response, -1, keep_alive_s, primary=True)
     except BaseException:   # the client left (cancelled), or its connection failed a write
         if resumable and not task.done():
             detach(task)

@@ -57,7 +57,8 @@ def explain(cache: Any, prompt_ids: list[int], adapter: str | None, reused: int,
     return {"reason": "cold"}
 
 
-def _longest(ram: RamPromptCache, model: str, query: list[int]) -> tuple[int, tuple[int, ...] | None]:
+def _longest(ram: RamPromptCache, model: str,
+             query: list[int]) -> tuple[int, tuple[int, ...] | None]:
     """(tokens of `query` the best entry of this adapter shares, that entry's tokens)."""
     if not ram.entries:
         return 0, None

@@ -82,7 +82,8 @@ def post(base: str, path: str, body: dict[str, Any], limit: int | None = None) -
         return frames(r, limit)
 
 
-def resume(base: str, sid: str, last: int | None = None, after: int | None = None) -> httpx.Response:
+def resume(base: str, sid: str, last: int | None = None,
+           after: int | None = None) -> httpx.Response:
     headers = {"Last-Event-ID": str(last)} if last is not None else {}
     params = {"after": str(after)} if after is not None else {}
     return httpx.get(f"{base}/v1/streams/{sid}", headers=headers, params=params,

@@ -39,7 +39,8 @@ def two_turns(base: str, wait_warmup: bool) -> tuple[int, int]:
     messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Step 2."}]
     second = chat(base, messages, 2)
-    return first["usage"]["prompt_tokens"], second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first["usage"]["prompt_tokens"], cached
 
 
 def test_warm_up_puts_the_answer_in_the_cache_for_turn_2(server_factory: Any,
