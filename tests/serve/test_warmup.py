@@ -57,3 +57,27 @@ def test_warm_up_puts_the_answer_in_the_cache_for_turn_2(server_factory: Any,
                         "pipeserve_warmup_tokens_total") > 0
     # a real request after it found nothing in its way: both turns answered, none cancelled
     assert warmups(warm.base_url, "failed") == 0
+
+
+def test_real_work_cancels_a_running_warm_up(server_factory: Any, tmp_path: Path) -> None:
+    """One prompt token a step makes the warm-up of a 1000-token answer last ~1000 steps (a
+    second or more): a real request sent while it runs cancels it and is answered."""
+    path = tmp_path / "qwen3.jinja"
+    path.write_text(TEMPLATES["qwen3"])
+    srv = server_factory(f"model.chat_template={path}", "cache.warmup_budget_tokens=4096",
+                         "scheduler.prefill_chunk=1")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."}]
+    chat(srv.base_url, messages, 1000)
+    deadline = time.monotonic() + 20   # bounded: until the warm-up is the one thing in flight
+    while time.monotonic() < deadline:
+        if httpx.get(srv.base_url + "/health", timeout=TIMEOUT).json()["inflight"] == 1:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the warm-up never started")
+    assert chat(srv.base_url, [{"role": "user", "content": "Now."}], 3)["usage"][
+        "completion_tokens"] == 3
+    deadline = time.monotonic() + 20
+    while warmups(srv.base_url, "cancelled") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warmups(srv.base_url, "cancelled") == 1   # (the real turn then warms its own)
