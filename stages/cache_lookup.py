@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
 from pipeline.config import ServeConfig
 from pipeline.plan import CacheHit
 from pipeline.prompt_cache.explain import explain
+from pipeline.prompt_cache.protocol import rewinds
 from pipeline.request import Request
 from pipeline.stage import StageDeps
 
@@ -25,9 +24,7 @@ class CacheLookup:
         # pins expire by each rank's clock: a distributed group's ranks would evict unalike
         self.pins = cfg.distributed.name == "none"
         self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
-        # attention-only models can cut a cached entry back to any prefix; recurrent layers
-        # cannot (the layout does not change which a layer is)
-        self.trimmable = can_trim_prompt_cache(make_prompt_cache(deps.model))
+        self.trimmable = rewinds(deps.model)   # then no state is needed at a marked position
 
     def __call__(self, req: Request) -> CacheHit | None:
         if self.cache is None:

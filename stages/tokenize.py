@@ -15,6 +15,7 @@ from pipeline.errors import InvalidRequest
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
+from pipeline.prompt_cache.protocol import rewinds
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
 
@@ -47,7 +48,10 @@ class Tokenize:
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
         self.cache_on = cfg.cache.name != "off"
-        self.session_checkpoints = cfg.cache.session_checkpoints and self.cache_on
+        # only a model whose cache cannot be cut back to a prefix (recurrent or sliding
+        # layers) needs its state kept at a history's end
+        self.session_checkpoints = (cfg.cache.session_checkpoints and self.cache_on
+                                    and not rewinds(loaded.model))
         self.bound = char_bound(self.backend) if self.backend is not None else None
 
     async def __call__(self, request: Request) -> Request:
