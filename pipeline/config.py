@@ -228,9 +228,13 @@ class SchedulerConfig:
     # device idle time either way (docs/notes/2026-12-01-h200-engine-alone.md); off until an
     # H200 A/B says otherwise (a CPU's device idles while it waits: keep it off there)
     dispatch_late: bool = False
+    # seconds a waiting request may be overtaken by more urgent `priority` ones; past it, it
+    # goes first (bounded starvation); None: strict priority
+    max_wait_s: Optional[float] = 30.0
 
     def __post_init__(self) -> None:
         _positive("scheduler.max_batch", self.max_batch)
+        _positive("scheduler.max_wait_s", self.max_wait_s)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("scheduler.prefill_chunk", self.prefill_chunk, allow_none=False)
         if (self.max_batch is not None and self.max_num_batched_tokens is not None
@@ -302,6 +306,10 @@ class AdmissionConfig:
     grammar_timeout_s: float = 10.0         # wall-clock seconds a compile may take (waiting included)
     memory_budget_gb: Optional[float] = None  # decimal GB; opt-in enforced budget
     kv_budget_gb: Optional[float] = None      # decimal GB of KV across rows
+    # request `priority` names → 0 (most urgent) .. 9; a request may also send the number
+    priority_classes: dict[str, int] = field(
+        default_factory=lambda: {"interactive": 0, "default": 5, "batch": 9})
+    default_priority: str = "default"         # the class of a request that sends none
     buffer_cache_gb: Optional[float] = None   # MLX's cache of freed buffers, at most (decimal
     #                                         GB); default: 10% of device memory on CUDA,
     #                                         MLX's own limit elsewhere
@@ -321,6 +329,13 @@ class AdmissionConfig:
         _positive("admission.max_tokens_default", self.max_tokens_default)
         _positive("admission.memory_budget_gb", self.memory_budget_gb)
         _positive("admission.kv_budget_gb", self.kv_budget_gb)
+        for name, value in self.priority_classes.items():
+            if not 0 <= value <= 9:
+                raise ConfigError(f"admission.priority_classes.{name} is {value}; priorities "
+                                  "are 0 (most urgent) .. 9")
+        if self.default_priority not in self.priority_classes:
+            raise ConfigError(f"admission.default_priority {self.default_priority!r} is not in "
+                              f"admission.priority_classes ({', '.join(self.priority_classes)})")
         if self.buffer_cache_gb is not None and self.buffer_cache_gb < 0:
             raise ConfigError(f"admission.buffer_cache_gb must be >= 0, got {self.buffer_cache_gb}")
 
@@ -370,6 +385,9 @@ class ServerConfig:
     keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
     responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
     responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
+    stream_resume_s: float = 60.0     # an SSE stream stays resumable (GET /v1/streams/{id}) this
+    #                                   long after it ends; a resumable one outlives its client so long
+    stream_resume_mb: float = 64.0    # byte cap of the frames kept for resumes (decimal MB)
     chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
     # a request field the endpoint does not implement is a 400 naming it; false: it is ignored,
@@ -397,6 +415,8 @@ class ServerConfig:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         _positive("server.responses_ttl_s", self.responses_ttl_s, allow_none=False)
         _positive("server.switch_interval_ms", self.switch_interval_ms, allow_none=False)
+        _positive("server.stream_resume_s", self.stream_resume_s, allow_none=False)
+        _positive("server.stream_resume_mb", self.stream_resume_mb, allow_none=False)
         if self.responses_store_mb < 0:
             raise ConfigError(
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
@@ -451,6 +471,14 @@ class CacheConfig:
     _target_: str = MISSING
     ram_gb: float = 8.0           # GiB of KV the RAM tier keeps (byte-capped LRU)
     checkpoint_every: Optional[int] = None  # tokens between generation checkpoints (cache=ssd)
+    # keep the state at the end of each chat's history (before the generation prompt) as well
+    # as at the end of the prompt and of the reply: the next turn of an agent session renders
+    # that history again, so a model with recurrent layers (which cannot rewind) reuses it
+    session_checkpoints: bool = True
+    # idle warm-up: after a chat turn, while the engine has nothing else to do, prefill the
+    # history with this answer (the next turn's likely prefix) when it costs at most this many
+    # new tokens; a real request cancels it at the next step. 0: off
+    warmup_budget_tokens: int = 0
 
     @property
     def name(self) -> str:
@@ -466,6 +494,9 @@ class CacheConfig:
         if self.ram_gb < 0:
             raise ConfigError(f"cache.ram_gb must be >= 0, got {self.ram_gb}")
         _positive("cache.checkpoint_every", self.checkpoint_every)
+        if self.warmup_budget_tokens < 0:
+            raise ConfigError(
+                f"cache.warmup_budget_tokens must be >= 0 (0: off), got {self.warmup_budget_tokens}")
         if self.checkpoint_every is not None and self.name != "ssd":
             raise ConfigError(
                 f"cache.checkpoint_every={self.checkpoint_every} needs cache=ssd (checkpoints "

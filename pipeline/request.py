@@ -80,6 +80,8 @@ class PromptInput:
                                                     # not closed: its text opens the answer
     reasoning_budget: int | None = None             # most thinking tokens (thinking.budget_tokens,
                                                     # max_reasoning_tokens); None: by effort
+    # Anthropic cache_control: (index into `messages` whose end is a breakpoint, ttl seconds)
+    cache_breakpoints: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -98,6 +100,11 @@ class Request:
                                            # by the step (grammar.catch_up), engine thread
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
+    # set by tokenize: prompt positions whose state the prompt cache should keep (the end of a
+    # chat's history before the generation prompt); cache_lookup drops those it does not need
+    checkpoints_at: tuple[int, ...] = ()
+    pins: tuple[tuple[int, float], ...] = ()   # set by tokenize: (prompt position, ttl s) of
+                                               # each cache_control breakpoint
     adapter: str | None = None   # set by the protocol adapter: the mounted adapter id its rows run
                                  # with, "none" for the base model; None: the launch default
     media: Any = None   # set by tokenize: pipeline.vision.rows.PromptMedia (images; None: text)
@@ -105,6 +112,8 @@ class Request:
     # set by tokenize: what the request asked for that the server could not honour and ignored
     # (the response's x-pipeserve-warning header says so)
     warnings: list[str] = field(default_factory=list)
+    priority: int = 5   # set by admission: 0 (most urgent) .. 9; the scheduler's queue order
+    priority_class: str = "default"   # set by admission: the label of `priority` in metrics
     # engine state
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -120,6 +129,9 @@ class Request:
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
     spec_accepted: int = 0            # of those, accepted by the target
     spec_rate: float = 1.0            # recent share of drafts accepted (sizes the next draft)
+    queue_wait_s: float | None = None   # arrival until the scheduler gave it a row
+    cache_miss: dict[str, Any] | None = None   # set by cache_lookup: why prompt tokens were
+                                               # recomputed (pipeline/prompt_cache/explain.py)
 
     @property
     def num_prompt_tokens(self) -> int:

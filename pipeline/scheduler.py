@@ -3,6 +3,7 @@ a step's results mean (`update(plan, output)`): the only code that moves a reque
 counters. Engine thread only; imports no mlx (results arrive as host lists)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -58,6 +59,7 @@ class Scheduler:
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
+        self._lockstep = cfg.distributed.name != "none"
 
     @property
     def max_batch(self) -> int:
@@ -72,7 +74,29 @@ class Scheduler:
 
     # -- membership -------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Into the queue in priority order (lower first; FIFO within a priority)."""
+        w = self.waiting
+        if not w or request.priority >= w[-1].priority:
+            w.append(request)
+            return
+        for i, other in enumerate(w):
+            if other.priority > request.priority:
+                w.insert(i, request)
+                return
+
+    def _promote_starved(self) -> None:
+        """A request that has waited scheduler.max_wait_s goes ahead of every priority
+        (bounded starvation); only a queue of mixed priorities needs the scan."""
+        w, limit = self.waiting, self.cfg.scheduler.max_wait_s
+        if limit is None or len(w) < 2 or w[-1].priority <= w[0].priority or self._lockstep:
+            return   # (ranks of a distributed group schedule alike: no clock-based decisions)
+        now = time.perf_counter()
+        starved = sorted((r for r in w if 0 <= r.priority <= 9 and now - r.arrival_s > limit),
+                         key=lambda r: r.arrival_s)
+        for req in starved:   # oldest first, behind any aged before
+            w.remove(req)
+            req.priority = -1   # aged: nothing overtakes it now
+            self.add(req)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Remove a request wherever it is; returns it (status FINISHED) or None if unknown."""
@@ -130,8 +154,14 @@ class Scheduler:
         budget -= len(rows)
         rows = self._draft_room(rows, budget)
         budget -= sum(r.max_drafts for r in rows)
+        if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
+            prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
             n = min(lim.prefill_chunk, budget, req.num_prompt_tokens - 1 - pos)
+            for at in req.checkpoints_at:   # a chunk ends where persist keeps the state
+                if at > pos:
+                    n = min(n, at - pos)
+                    break
             if n <= 0:
                 break
             rows.append(PlannedRow(req, pos, n))
@@ -154,6 +184,7 @@ class Scheduler:
         prefill (then reuses its prefix) while others go ahead: N agents sharing a system
         prompt pay for one prefill."""
         deferred: list[Request] = []
+        self._promote_starved()
         try:
             while self.waiting and len(self.running) < self.limits.max_batch:
                 req = self.waiting[0]
@@ -167,6 +198,7 @@ class Scheduler:
                     req.kv_reserved_bytes = need
                     self.kv_reserved += need
                 self.waiting.popleft()
+                req.queue_wait_s = time.perf_counter() - req.arrival_s
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._apply_hit(req)
@@ -285,5 +317,9 @@ def finished_event(req: Request) -> Finished:
     extras: dict[str, object] = {"batch_size_max": req.batch_size_max}
     if req.spec_proposed:
         extras["speculation"] = {"proposed": req.spec_proposed, "accepted": req.spec_accepted}
+    if req.cache_miss is not None:
+        extras["cache_miss"] = req.cache_miss
+    if req.queue_wait_s is not None:
+        extras["queue_wait_s"] = req.queue_wait_s
     return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
                     len(req.output_ids), num_cached_tokens=req.num_cached_tokens, extras=extras)

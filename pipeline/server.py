@@ -21,13 +21,15 @@ from sanic import HTTPResponse, Sanic
 from sanic.exceptions import SanicException
 
 from pipeline import blas
-from pipeline.api import anthropic, openai_http, responses, scripting_routes
+from pipeline.api import anthropic, openai_http, responses, resume, scripting_routes
 from pipeline.api import openai as oa
 from pipeline.api.http import json_response
 from pipeline.api.known_fields import HEADER as IGNORED_HEADER
 from pipeline.api.record import HEADER as RECORD_HEADER
 from pipeline.api.record import base_record
+from pipeline.api.resume import StreamStore
 from pipeline.api.store import ResponseStore
+from pipeline.api.warmup import Warmup
 from pipeline.chat_page import add_chat_page
 from pipeline.config import ServeConfig, build, config_hash
 from pipeline.engine import Engine, EngineState
@@ -139,6 +141,10 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                               else float("nan"))
     app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
                                       int(cfg.server.responses_store_mb * 1_000_000))
+    app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
+        if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
+    app.ctx.streams = StreamStore(cfg.server.stream_resume_s,
+                                  int(cfg.server.stream_resume_mb * 1_000_000), metrics)
 
     @app.before_server_start
     async def _start(app: Sanic) -> None:
@@ -474,8 +480,13 @@ def _add_routes(app: Sanic) -> None:
     async def create_response(http: sanic.Request) -> HTTPResponse | None:
         return await responses.handle_create(app, http)
 
+    @app.get("/v1/streams/<stream_id:str>")
+    async def resume_stream(http: sanic.Request, stream_id: str) -> None:
+        """Replay a stream's frames after Last-Event-ID (or ?after=N), then follow it live."""
+        await resume.resume(http, app.ctx.streams, stream_id, app.ctx.cfg.server.keep_alive_s)
+
     @app.get("/v1/responses/<response_id:str>")
-    async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse:
+    async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse | None:
         return await responses.handle_get(app, http, response_id)
 
     @app.delete("/v1/responses/<response_id:str>")

@@ -1,6 +1,7 @@
 """Admission: resolve each request's sampling settings (request > server config >
 generation_config > OpenAI defaults), check every value against its limit, and cap the
-queue. Event loop, once per request; never touches MLX."""
+queue; the request's priority, and its deadline_ms against the latency estimate (refused
+when it cannot be met). Event loop, once per request; never touches MLX."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.config import ServeConfig
 from pipeline.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
 from pipeline.grammar import GrammarBounds, GrammarCompiler, Matcher
+from pipeline.latency import LatencyEstimator, priority_of
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
 from pipeline.stage import EngineLimits
@@ -24,6 +26,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "frequency_penalty": (-2.0, 2.0), "xtc_probability": (0.0, 1.0),
     "xtc_threshold": (0.0, 0.5), "penalty_context_size": (1, 1 << 16), "max_tokens": (1, None),
     "top_logprobs": (0, None), "seed": (0, (1 << 64) - 1),   # seed: an unsigned 64-bit value
+    "deadline_ms": (1, None),
 }
 EXCLUSIVE_LOW = {"repetition_penalty"}   # 0 would divide the logits by zero
 TOP_K_OFF = (-1, 0)   # top_k values that mean "no top-k" (-1: vLLM's, 0: mlx-lm's)
@@ -43,6 +46,7 @@ class Admission:
         self.vocab_size = self.limits.vocab_size
         self.engine = engine
         self.metrics = engine.metrics
+        self.latency = LatencyEstimator()   # Retry-After, deadline_ms (fed by the HTTP scope)
         self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size,
                                         loaded.tokenizer.eos_token_ids)
         self.grammar_bounds = GrammarBounds(self.cfg.max_grammar_bytes,
@@ -52,6 +56,9 @@ class Admission:
 
     async def __call__(self, request: Request) -> Request:
         try:
+            request.priority, request.priority_class = priority_of(
+                request.requested.get("priority"), self.cfg.priority_classes,
+                self.cfg.default_priority)
             request.sampling = self.resolve(request)
             self._fit_pool(request)
             if request.constraint is not None:
@@ -61,12 +68,24 @@ class Admission:
         except InvalidRequest as e:
             self.metrics.admission.labels("rejected", "invalid").inc()
             raise e
+        slots = self.engine.scheduler.max_batch
         if self.engine.num_queued >= self.cfg.max_queue:
             self.metrics.admission.labels("rejected", "queue_full").inc()
             raise AdmissionRejected(
                 f"the queue is full ({self.engine.num_queued} waiting for a batch slot, "
                 f"admission.max_queue is "
-                f"{self.cfg.max_queue}); retry shortly", retry_after_s=1, code="queue_full")
+                f"{self.cfg.max_queue}); retry shortly",
+                retry_after_s=self.latency.retry_after_s(slots), code="queue_full")
+        estimate = self.latency.estimate(len(request.prompt_ids), request.sampling.max_tokens,
+                                         slots)
+        deadline = request.requested.get("deadline_ms")
+        if deadline is not None and estimate is not None and estimate.total_s * 1000 > deadline:
+            self.metrics.admission.labels("rejected", "deadline").inc()
+            raise AdmissionRejected(
+                f"deadline_ms is {deadline}; the estimate is {estimate.describe()} at the "
+                "measured rates — raise deadline_ms, lower max_tokens or retry later",
+                retry_after_s=max(1, math.ceil(estimate.queue_s)), code="deadline_unmeetable")
+        self.latency.admit(request.request_id, estimate)
         self.metrics.admission.labels("admitted", "ok").inc()
         return request
 

@@ -1,9 +1,10 @@
 """Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
-done, each finished request's prompt + output before its KV is freed, and (cache.
-checkpoint_every) a checkpoint of each running row that emitted N more tokens. It asks the
-row store for a row's caches; it never looks for them. The scheduler's in-flight ledger and a
-checkpoint's sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from
-another stage's state. Engine thread."""
+done (and at the positions tokenize marked: a chat history's end, cache_control breakpoints),
+each finished request's prompt + output before its KV is freed, and (cache.checkpoint_every)
+a checkpoint of each running row that emitted N more tokens. It asks the row store for a
+row's caches; it never looks for them. The scheduler's in-flight ledger and a checkpoint's
+sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from another
+stage's state. Engine thread."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,10 +38,11 @@ class Persist:
         for row in plan.prefill:
             req = row.request
             done = row.start + row.num_tokens
-            if done == req.num_prompt_tokens - 1 and req.num_cached_tokens < done:
+            if (done == req.num_prompt_tokens - 1 or done in req.checkpoints_at) \
+                    and req.num_cached_tokens < done:
                 caches = kv.caches_of(row.request_id)
                 if caches is not None:
-                    self.cache.put(req.key_ids[:-1], caches, req.adapter)
+                    self.cache.put(req.key_ids[:done], caches, req.adapter)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from typing import Any
 
 from jinja2 import TemplateError
@@ -16,6 +17,7 @@ from pipeline.errors import InvalidRequest
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup
 from pipeline.offload import INLINE_LIMIT, off_loop
+from pipeline.prompt_cache.protocol import rewinds
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
 from pipeline.vision.media import MediaLimits, decode_all
@@ -52,6 +54,11 @@ class Tokenize:
         self.allow_templates = cfg.server.allow_request_templates
         self.template_timeout_s = cfg.server.request_template_timeout_s
         self.backend = _backend(self.tokenizer)
+        self.cache_on = cfg.cache.name != "off"
+        # only a model whose cache cannot be cut back to a prefix (recurrent or sliding
+        # layers) needs its state kept at a history's end
+        self.session_checkpoints = (cfg.cache.session_checkpoints and self.cache_on
+                                    and not rewinds(loaded.model))
         self.bound = char_bound(self.backend) if self.backend is not None else None
         self.vision = loaded.vision
         self.model_name = cfg.model.name
@@ -108,6 +115,13 @@ class Tokenize:
             if media is not None:
                 self._check_images(request.prompt_ids, media)
                 request.media = media
+            if self.session_checkpoints:
+                request.checkpoints_at = self._history_end(inputs, template, text,
+                                                           request.prompt_ids)
+            if inputs.cache_breakpoints and self.cache_on:
+                request.pins = self._breakpoints(inputs, template, text, request.prompt_ids)
+                request.checkpoints_at = tuple(sorted(
+                    set(request.checkpoints_at) | {p for p, _ in request.pins}))
         else:
             assert inputs.text is not None
             self._check_length(inputs.text, "prompt")
@@ -201,6 +215,38 @@ class Tokenize:
         if open_think:
             return ""
         return fmt.forced(inputs.tool_name if inputs.tool_choice == "named" else None)
+
+    def _history_end(self, inputs: PromptInput, template: str | None, text: str,
+                     prompt_ids: list[int]) -> tuple[int, ...]:
+        """Where the chat's history ends in `prompt_ids` (the generation prompt follows): the
+        next turn renders the same history, then this turn's answer, so its state there is
+        what an agent session reuses. () when the template writes no separable suffix."""
+        if not self.tokenizer.has_chat_template or len(inputs.messages or []) < 1:
+            return ()
+        history = self.render_text(inputs, template, add_generation_prompt=False)
+        if not text.startswith(history) or len(history) == len(text):
+            return ()
+        tail_ids = list(self._encode(text[len(history):], False, "messages"))
+        end = len(prompt_ids) - len(tail_ids)
+        if end < 1 or prompt_ids[end:] != tail_ids:
+            return ()   # the suffix tokenizes differently inside the prompt: no clean boundary
+        return (end,)
+
+    def _breakpoints(self, inputs: PromptInput, template: str | None, text: str,
+                     prompt_ids: list[int]) -> tuple[tuple[int, float], ...]:
+        """Where each cache_control breakpoint (the end of a message) falls in `prompt_ids`:
+        the chat up to that message rendered on its own, when it is a prefix of the prompt."""
+        out: dict[int, float] = {}
+        messages = inputs.messages or []
+        for index, ttl_s in inputs.cache_breakpoints:
+            head = replace(inputs, messages=messages[:index + 1])
+            prefix = self.render_text(head, template, add_generation_prompt=False)
+            if not text.startswith(prefix):
+                continue
+            ids = list(self._encode(prefix, False, "messages"))
+            if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids:
+                out[len(ids)] = max(out.get(len(ids), 0.0), ttl_s)
+        return tuple(sorted(out.items()))
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         bos = self.tokenizer.bos_token

@@ -11,11 +11,13 @@ from sanic import HTTPResponse, Sanic
 
 from pipeline.api import known_fields
 from pipeline.api import fields as F
+from pipeline.api import resume
 from pipeline.api import structured
 from pipeline.api.generation import Delta, Generation, Usage
-from pipeline.api.http import (SSE_HEADERS, Scope, check_ready, json_response, read_body,
+from pipeline.api.http import (Scope, check_ready, json_response, read_body,
                                ready_front, route, sse_event)
-from pipeline.api.openai import sampling_fields
+from pipeline.api.openai import miss_fields, sampling_fields
+from pipeline.api.resume import StreamLog
 from pipeline.errors import InvalidRequest, ServeError
 from pipeline.offload import off_loop
 from pipeline.vision.media import MediaPart, from_base64, from_url
@@ -38,8 +40,15 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
                              param="messages")
     turns = _system(body.get("system"))
     media: list[MediaPart] = []
+    breakpoints = _breakpoints(body, turns)
     for i, m in enumerate(messages):
         turns.extend(_turn(m, f"messages[{i}]", media))
+        ttl = _marked(m.get("content") if isinstance(m, dict) else None, f"messages[{i}]")
+        if ttl is not None:
+            breakpoints.append((len(turns) - 1, ttl))
+    if len(breakpoints) > MAX_BREAKPOINTS:
+        raise InvalidRequest(f"{len(breakpoints)} blocks have cache_control; at most "
+                             f"{MAX_BREAKPOINTS} may", param="cache_control")
     tools = [F.anthropic_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]
     choice, name = _tool_choice(F.get(body, "tool_choice", dict), tools)
@@ -58,7 +67,7 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
                              param="tool_choice")
     inputs = PromptInput(messages=turns, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, media=media,
-                         parallel_tool_calls=not disable,
+                         parallel_tool_calls=not disable, cache_breakpoints=breakpoints,
                          reasoning_budget=thinking_budget,
                          # a final assistant turn is a prefill: the answer continues it
                          continue_final=messages[-1].get("role") == "assistant"
@@ -71,6 +80,42 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
         raise InvalidRequest("max_tokens is required: send the most tokens to generate, "
                              "a positive integer", param="max_tokens")
     return inputs, requested
+
+
+MAX_BREAKPOINTS = 4   # Anthropic's limit on cache_control blocks
+TTLS = {"5m": 300.0, "1h": 3600.0}
+
+
+def _cache_control(value: Any, where: str) -> float | None:
+    """A block's cache_control → its TTL in seconds (None: no breakpoint)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise InvalidRequest(f"{where}.cache_control must be {{\"type\": \"ephemeral\"}} "
+                             f"(with an optional ttl), got {value!r:.80}", param="cache_control")
+    ttl = value.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise InvalidRequest(f"{where}.cache_control.ttl is {ttl!r}; allowed: 5m, 1h",
+                             param="cache_control")
+    return TTLS[ttl]
+
+
+def _marked(blocks: Any, where: str) -> float | None:
+    """The longest TTL among `blocks`' cache_control marks (None: no block is marked)."""
+    if not isinstance(blocks, list):
+        return None
+    ttls = [_cache_control(b.get("cache_control"), f"{where}[{j}]")
+            for j, b in enumerate(blocks) if isinstance(b, dict)]
+    marked = [t for t in ttls if t is not None]
+    return max(marked) if marked else None
+
+
+def _breakpoints(body: dict[str, Any], system: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """cache_control on tools or system blocks: a breakpoint at the system message's end
+    (tools are rendered with the system prompt). Tools without a system prompt: none."""
+    ttls = [t for t in (_marked(body.get("tools"), "tools"),
+                        _marked(body.get("system"), "system")) if t is not None]
+    return [(0, max(ttls))] if ttls and system else []
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -200,12 +245,22 @@ def stop_reason(gen: Generation) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def usage_body(usage: Usage, output: bool = True) -> dict[str, Any]:
-    # Anthropic's accounting: input_tokens excludes what was read from the cache.
-    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
-                           "cache_creation_input_tokens": 0,
+def written(gen: Generation) -> int:
+    """Prompt tokens up to the request's last cache_control breakpoint (0: none)."""
+    return max((at for at, _ in gen.request.pins), default=0)
+
+
+def usage_body(usage: Usage, output: bool = True, written: int = 0) -> dict[str, Any]:
+    """Anthropic's accounting: input_tokens + cache_creation_input_tokens +
+    cache_read_input_tokens is the prompt. Read: what the cache supplied; creation: the
+    tokens up to the request's last cache_control breakpoint (`written`) it did not."""
+    created = max(0, written - usage.cached_tokens)
+    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens - created,
+                           "cache_creation_input_tokens": created,
                            "cache_read_input_tokens": usage.cached_tokens,
                            "output_tokens": usage.completion_tokens if output else 0}
+    if output:
+        out.update(miss_fields(usage))
     if output and usage.speculation is not None:
         out["speculation"] = usage.speculation
     if output and usage.record is not None:
@@ -224,7 +279,7 @@ def message_body(message_id: str, model: str, gen: Generation) -> dict[str, Any]
     reason, sequence = stop_reason(gen)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage_body(gen.usage)}
+            "usage": usage_body(gen.usage, written=written(gen))}
 
 
 class BlockStream:
@@ -289,10 +344,14 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
                       inputs=inputs, requested=requested,
                       constraint=structured.from_body(body, format_field=None),   # guided_*
                       adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+        keep = resume.resumable(body)
         gen = await scope.start(req)
         model = ctx.cfg.model.name
         if F.get(body, "stream", bool, False):
-            scope.failed = not await _stream(http, gen, model)
+            async def produce(log: StreamLog) -> None:
+                scope.failed = not await _stream(log, gen, model)
+            await resume.serve(http, app.ctx.streams, req.request_id, keep,
+                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
             return None
         await gen.run()
         return json_response(message_body(gen.request.request_id, model, gen))
@@ -309,32 +368,28 @@ async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     return json_response({"input_tokens": req.num_prompt_tokens})
 
 
-async def _stream(http: sanic.Request, gen: Generation, model: str) -> bool:
-    """Send the event sequence; False when it ended with an error event."""
-    response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
-
+async def _stream(log: StreamLog, gen: Generation, model: str) -> bool:
+    """Append the event sequence to `log`; False when it ended with an error event."""
     async def send(events: list[tuple[str, dict[str, Any]]]) -> None:
         for name, data in events:
-            await response.send(sse_event(name, data))
+            await log.put(sse_event(name, data))
 
     start = {"id": gen.request.request_id, "type": "message", "role": "assistant",
              "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": usage_body(gen.usage, output=False)}
+             "usage": usage_body(gen.usage, output=False, written=written(gen))}
     await send([("message_start", {"type": "message_start", "message": start}),
-                ("ping", {"type": "ping"})])
+          ("ping", {"type": "ping"})])
     blocks = BlockStream()
     try:
         async for delta in gen.deltas():
             await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
     except ServeError as e:
         await send([("error", error_body(e.message, e.error_type, e.status))])
-        await response.eof()
         return False
     reason, sequence = stop_reason(gen)
     await send(blocks.close(ensure_one=True) + [
         ("message_delta", {"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                           "usage": usage_body(gen.usage)}),
+                           "usage": usage_body(gen.usage, written=written(gen))}),
         ("message_stop", {"type": "message_stop"})])
-    await response.eof()
     return True

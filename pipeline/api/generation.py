@@ -26,6 +26,7 @@ class Usage:
     reasoning_tokens: int = 0   # output tokens decoded while inside a think span
     speculation: dict[str, int] | None = None   # {proposed, accepted} draft tokens (draft≠none)
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
+    cache_miss: dict[str, Any] | None = None   # why prompt tokens were recomputed (cache_lookup)
 
     @classmethod
     def total(cls, usages: list[Usage]) -> Usage:
@@ -34,7 +35,8 @@ class Usage:
         first = usages[0]
         out = cls(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
                   completion_tokens=sum(u.completion_tokens for u in usages),
-                  reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record)
+                  reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record,
+                  cache_miss=first.cache_miss)
         specs = [u.speculation for u in usages if u.speculation is not None]
         if specs:
             out.speculation = {k: sum(s.get(k, 0) for s in specs) for k in specs[0]}
@@ -136,6 +138,7 @@ class Generation:
         self.first_token_s: float | None = None   # perf_counter when the first token arrived
         self.batch_size_max = 0
         self.record: Record | None = None
+        self.engine_extras: dict[str, object] = {}   # the Finished event's (queue wait, ...)
 
     def _chain(self) -> OutputChain:
         if not self.parse_output:
@@ -205,6 +208,9 @@ class Generation:
                 yield self._record(delta)
             elif isinstance(event, Finished):
                 self.usage.cached_tokens = event.num_cached_tokens
+                self.engine_extras = event.extras
+                miss = event.extras.get("cache_miss")
+                self.usage.cache_miss = miss if isinstance(miss, dict) else None
                 spec = event.extras.get("speculation")
                 if isinstance(spec, dict):
                     self.usage.speculation = dict(spec)

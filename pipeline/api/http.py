@@ -101,6 +101,7 @@ class Scope:
         self.request: Request | None = None
         self.gen: Generation | None = None
         self.more: list[Generation] = []   # choices 1.. of an n > 1 request
+        self.prepared: list[Request] = []   # every request admission passed
         self.failed = False   # a stream that ended with an error event
         self.pinned: Any = None   # the pool member routed to, released on exit
         # a large body: the cyclic GC stays off from here until its request is prepared
@@ -109,6 +110,7 @@ class Scope:
         if len(http.body or b"") > PAUSE_GC_BYTES:
             self._gc = gc_paused()
             self._gc.__enter__()
+        self.detached: asyncio.Task[Any] | None = None   # a resumable stream left by its client
 
     async def route(self, body: dict[str, Any]) -> Any:
         """Route by the body's `model` (a pool; pipeline/pool/) and return the request
@@ -126,6 +128,7 @@ class Scope:
             request = await ready_front(self.app, self.ctx).prepare(request)
         finally:
             self._resume_gc()
+        self.prepared.append(request)
         if self.request is None:
             self.request = request
         return request
@@ -136,6 +139,9 @@ class Scope:
             self._gc = None
 
     def submit(self, request: Request, parse_output: bool = True) -> Generation:
+        warmup = getattr(self.app.ctx, "warmup", None)
+        if warmup is not None:
+            warmup.cancel_all()   # real work: warm-ups stop at the next step boundary
         stream = RequestStream(asyncio.get_running_loop())
         self.ctx.engine.submit(request, stream)
         gen = Generation(self.ctx, request, stream, parse_output)
@@ -149,9 +155,23 @@ class Scope:
     async def __aenter__(self) -> Scope:
         return self
 
+    def detach(self, task: asyncio.Task[Any]) -> None:
+        """A resumable stream's client left (pipeline/api/resume.py): its producer `task` runs
+        on, and the request settles (abort, outcome metric, log line) when the task ends."""
+        self.detached = task
+
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
         self._resume_gc()
+        task = self.detached
+        if task is not None and not task.done():
+            task.add_done_callback(lambda t: self._settle(
+                asyncio.CancelledError() if t.cancelled() else t.exception()))
+            return False
+        self._settle(exc)
+        return False
+
+    def _settle(self, exc: BaseException | None) -> None:
         outcome = self._outcome(exc)
         if self.pinned is not None:
             self.pinned.release()
@@ -161,6 +181,10 @@ class Scope:
                 self.ctx.engine.abort(g.request.request_id)   # client left, stop, or an error
         self.ctx.metrics.requests.labels(self.endpoint, outcome).inc()
         elapsed = time.perf_counter() - self.t0
+        self._measure(outcome, elapsed)
+        warmup = getattr(self.app.ctx, "warmup", None)
+        if warmup is not None and outcome == "ok" and gen is not None and not self.more:
+            warmup.after_turn(self.ctx, gen)
         if req is not None and gen is not None:
             if outcome == "cancelled":
                 gen.finish_reason = "abort"
@@ -170,7 +194,34 @@ class Scope:
             # shutting down: close this connection after the response instead of keeping it
             # alive, so the graceful shutdown does not wait for idle keep-alive sockets
             self.http.stream.keep_alive = False
-        return False
+
+    def _measure(self, outcome: str, elapsed: float) -> None:
+        """Feed admission's latency estimator (pipeline/latency.py) with what each generation
+        took, and the queue-wait and estimate-error metrics."""
+        front = getattr(self.ctx, "front", None)
+        latency = getattr(getattr(front, "admission", None), "latency", None)
+        if latency is None:
+            return
+        now = time.perf_counter()
+        metrics = self.ctx.metrics
+        for g in ([self.gen] if self.gen is not None else []) + self.more:
+            rid = g.request.request_id
+            wait = g.engine_extras.get("queue_wait_s")
+            if outcome != "ok" or not isinstance(wait, float):
+                latency.forget(rid)
+                continue
+            metrics.queue_wait.labels(g.request.priority_class).observe(wait)
+            first = g.first_token_s
+            ratio = latency.finish(
+                rid, g.request.num_prompt_tokens - g.usage.cached_tokens,
+                g.usage.completion_tokens,
+                prefill_s=first - self.t0 - wait if first is not None else None,
+                decode_s=now - first if first is not None else None,
+                queue_s=wait, e2e_s=elapsed)
+            if ratio is not None:
+                metrics.estimate_error.observe(ratio)
+        for req in self.prepared:   # admitted, never submitted (a later choice failed)
+            latency.forget(req.request_id)
 
     def _log(self, outcome: str, elapsed: float, exc: BaseException | None = None) -> None:
         """One line per request at INFO; its fields are also LogRecord attributes, so the

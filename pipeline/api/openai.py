@@ -12,6 +12,7 @@ from pipeline.api import structured
 from pipeline.api.generation import Delta, Usage
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.tools import ToolCall
+from pipeline.api.resume import resumable
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
@@ -33,6 +34,7 @@ class Parsed:
     n: int = 1   # choices to generate, each its own row and random stream
     prompts: list[PromptInput] = field(default_factory=list)   # completions: every prompt
     suffix: str | None = None   # completions: text after the insertion (fill-in-the-middle)
+    resumable: bool = False   # stream_options.resumable: the stream outlives its connection
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -61,6 +63,9 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
         "seed": F.seed(body),
         "logit_bias": F.logit_bias(body),
         "stop": F.stop_list(body, stop_field),
+        # scheduling (pipeline/latency.py): queue order, and a latency the answer must meet
+        "priority": body.get("priority"),
+        "deadline_ms": F.get(body, "deadline_ms", int),
     }
     n = F.get(body, "n", int, 1)
     if max_n == 1 and n != 1:
@@ -71,14 +76,15 @@ def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
     return out
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """stream, stream_options.include_usage, stream_options.resumable (pipeline/api/resume.py)."""
     stream = F.get(body, "stream", bool, False)
     opts = F.get(body, "stream_options", dict) or {}
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
         raise InvalidRequest("stream_options.include_usage must be a boolean",
                              param="stream_options")
-    return stream, include
+    return stream, include, resumable(body)
 
 
 def parse_chat(body: dict[str, Any]) -> Parsed:
@@ -104,7 +110,7 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     if effort is not None:
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning_effort"))
         kwargs.setdefault("reasoning_effort", effort)
-    stream, include = _stream_flags(body)
+    stream, include, resume = _stream_flags(body)
     continue_final = F.get(body, "continue_final_message", bool, False)
     if continue_final and (not isinstance(messages[-1], dict)
                            or messages[-1].get("role") != "assistant"):
@@ -118,7 +124,8 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
                               parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
                               reasoning_budget=F.reasoning_budget(body),
                               continue_final=continue_final),
-                  requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1))
+                  requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1),
+                  resumable=resume)
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -260,7 +267,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
         raise InvalidRequest(f"logprobs is {logprobs}; allowed range is [0, 5]", param="logprobs")
     requested["logprobs"] = logprobs is not None
     requested["top_logprobs"] = logprobs or 0
-    stream, include = _stream_flags(body)
+    stream, include, resume = _stream_flags(body)
     if stream and len(prompts) > 1:
         raise InvalidRequest(f"prompt has {len(prompts)} prompts; a streamed completion takes "
                              "one (send one request per prompt, or stream: false)",
@@ -270,7 +277,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
                              param="max_tokens")
     return Parsed(prompts[0], requested, stream, include, echo=echo,
                   constraint=structured.from_body(body), n=F.get(body, "n", int, 1),
-                  prompts=prompts, suffix=F.get(body, "suffix", str))
+                  prompts=prompts, suffix=F.get(body, "suffix", str), resumable=resume)
 
 
 # -- responses -------------------------------------------------------------------------
@@ -281,7 +288,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     images = (usage.record or {}).get("image_tokens")
     if images:   # OpenAI's split of the prompt into image and text tokens
         out["prompt_tokens_details"].update(image_tokens=images,
@@ -293,6 +300,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     if usage.record is not None:
         out["pipeserve"] = usage.record
     return out
+
+
+def miss_fields(usage: Usage) -> dict[str, Any]:
+    """Why prompt tokens were recomputed (an extension; absent when the cache held the whole
+    prompt): `cache_miss_reason`, and `cache_miss` with its details (index, spans, age)."""
+    if usage.cache_miss is None:
+        return {}
+    return {"cache_miss_reason": usage.cache_miss["reason"], "cache_miss": usage.cache_miss}
 
 
 def tool_call_body(call: ToolCall) -> dict[str, Any]:

@@ -13,7 +13,9 @@ from pipeline.api import completions_http
 from pipeline.api import fields as F
 from pipeline.api import known_fields
 from pipeline.api import openai as oa
+from pipeline.api import resume
 from pipeline.api.generation import Choices, Delta, Generation, Usage
+from pipeline.api.resume import StreamLog
 from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_data
 from pipeline.errors import AdmissionRejected, InvalidRequest, ServeError
 from pipeline.offload import off_loop
@@ -51,11 +53,19 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         choices = _choices(scope, gen, reqs[1:], chat)
         shape: Any = (oa.ChatShape if chat else oa.CompletionShape)(
             rid, ctx.cfg.model.name, front.token_info, fp)
+        if parsed.stream:
+            gens = choices.gens if choices is not None else [gen]
+
+            async def produce(log: StreamLog) -> None:
+                try:
+                    scope.failed = not await _stream(log, gens, choices, shape, parsed, chat)
+                finally:
+                    if choices is not None:
+                        choices.close()
+            await resume.serve(http, app.ctx.streams, rid, parsed.resumable,
+                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
+            return None
         try:
-            if parsed.stream:
-                gens = choices.gens if choices is not None else [gen]
-                scope.failed = not await _stream(http, gens, choices, shape, parsed, chat)
-                return None
             async for _ in choices.deltas() if choices is not None else _one(gen):
                 pass
         finally:
@@ -121,15 +131,14 @@ async def _one(gen: Generation) -> AsyncIterator[tuple[int, Delta | None]]:
     yield 0, None
 
 
-async def _stream(http: sanic.Request, gens: list[Generation], choices: Choices | None,
+async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | None,
                   shape: Any, parsed: oa.Parsed, chat: bool) -> bool:
-    """Send the SSE stream; False when it ended with an error event. Each chunk carries its
-    choice's `index`; each choice ends with its own finish_reason chunk."""
-    response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
+    """Append the SSE stream's frames to `log`; False when it ended with an error event. Each
+    chunk carries its choice's `index`; each choice ends with its own finish_reason chunk."""
+    send = log.put
     if chat:
         for i in range(parsed.n):
-            await response.send(sse_data(shape.chunk({"role": "assistant", "content": ""},
-                                                     index=i)))
+            await send(sse_data(shape.chunk({"role": "assistant", "content": ""}, index=i)))
     ended = 0
     try:
         async for i, delta in choices.deltas() if choices is not None else _one(gens[0]):
@@ -139,28 +148,23 @@ async def _stream(http: sanic.Request, gens: list[Generation], choices: Choices 
                 if ended == parsed.n and not parsed.include_usage:
                     usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
                 last: Any = {} if chat else ""
-                await response.send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i,
-                                                         usage=usage)))
+                await send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i, usage=usage)))
                 continue
             if not delta:
-                await response.send(b": keep-alive\n\n")
-                continue
+                continue   # a keep-alive tick: the connection sends its own (resume.follow)
             if not chat:
-                await response.send(sse_data(shape.chunk(delta.content, lps=delta.logprobs,
-                                                         index=i)))
+                await send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
             else:
                 parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
                 for j, part in enumerate(parts):
                     lps = delta.logprobs if j == 0 else None
-                    await response.send(sse_data(shape.chunk(part, lps=lps, index=i)))
+                    await send(sse_data(shape.chunk(part, lps=lps, index=i)))
     except ServeError as e:
-        await response.send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
-        await response.send(b"data: [DONE]\n\n")
-        await response.eof()
+        await send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
+        await send(b"data: [DONE]\n\n")
         return False
     if parsed.include_usage:
         usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
-        await response.send(sse_data(shape.usage_chunk(usage)))
-    await response.send(b"data: [DONE]\n\n")
-    await response.eof()
+        await send(sse_data(shape.usage_chunk(usage)))
+    await send(b"data: [DONE]\n\n")
     return True

@@ -14,12 +14,14 @@ from sanic import HTTPResponse, Sanic
 
 from pipeline.api import known_fields
 from pipeline.api import fields as F
+from pipeline.api import resume
 from pipeline.api import structured
 from pipeline.api.generation import Generation
-from pipeline.api.http import SSE_HEADERS, Scope, check_ready, json_response, read_body, sse_event
+from pipeline.api.http import Scope, check_ready, json_response, read_body, sse_event
 from pipeline.api.openai import sampling_fields, tool_call_body
 from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.responses_shape import ResponseEvents, ResponseShape
+from pipeline.api.resume import StreamLog
 from pipeline.api.store import ResponseStore
 from pipeline.vision.media import MediaPart, from_url
 from pipeline.errors import InvalidRequest, NotFound, ServeError
@@ -226,18 +228,24 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
                       inputs=parsed.inputs, requested=parsed.requested,
                       constraint=parsed.constraint,
                       adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+        keep = resume.resumable(body)
         gen = await scope.start(req)
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store)
         if parsed.stream:
-            body = await _stream(http, gen, shape)
-            scope.failed = body is None
-        else:
-            await gen.run()
-            body = shape.body(shape.output(gen), gen)
-        if body is not None and parsed.store:
+            async def produce(log: StreamLog) -> None:
+                final = await _stream(log, gen, shape)
+                scope.failed = final is None
+                if final is not None and parsed.store:   # stored even when the client left
+                    _save(app.ctx.responses, final, parsed.conversation, gen)
+            await resume.serve(http, app.ctx.streams, req.request_id, keep,
+                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
+            return None
+        await gen.run()
+        body = shape.body(shape.output(gen), gen)
+        if parsed.store:
             _save(app.ctx.responses, body, parsed.conversation, gen)
-        return None if parsed.stream else json_response(body)
+        return json_response(body)
 
 
 def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
@@ -252,34 +260,32 @@ def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[st
                     body["id"])
 
 
-async def _stream(http: sanic.Request, gen: Generation,
+async def _stream(log: StreamLog, gen: Generation,
                   shape: ResponseShape) -> dict[str, Any] | None:
-    """Send the event chain; the final response body, or None after an error event."""
-    response = await http.respond(content_type="text/event-stream", headers=SSE_HEADERS)
+    """Append the event chain to `log`; the final response body, or None after an error."""
     events = ResponseEvents(shape)
 
     async def send(batch: list[dict[str, Any]]) -> None:
         for event in batch:
-            await response.send(sse_event(event["type"], event))
+            await log.put(sse_event(event["type"], event))
 
     await send(events.begin())
     try:
         async for delta in gen.deltas():
             if delta:
                 await send(events.feed(delta))
-            else:
-                await response.send(b": keep-alive\n\n")
     except ServeError as e:
         await send(events.fail(e))
-        await response.eof()
         return None
     final = events.end(gen)
     await send(final)
-    await response.eof()
     return final[-1]["response"]
 
 
-async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse:
+async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse | None:
+    if http.args.get("stream") == "true":   # OpenAI's resume: ?stream=true&starting_after=N
+        await resume.resume(http, app.ctx.streams, response_id, app.ctx.cfg.server.keep_alive_s)
+        return None
     item = app.ctx.responses.get(response_id)
     if item is None:
         raise NotFound(f"response {response_id!r} is unknown or expired", param="response_id")

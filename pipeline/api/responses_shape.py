@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from pipeline.api.generation import Delta, Generation, Usage
+from pipeline.api.openai import miss_fields
 from pipeline.api.tools import ToolCall
 from pipeline.errors import ServeError
 from pipeline.request import SamplingParams
@@ -20,7 +21,8 @@ def _id(prefix: str) -> str:
 def usage_body(usage: Usage) -> dict[str, Any]:
     out: dict[str, Any] = {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0,
+                                 **miss_fields(usage)},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens}

@@ -166,7 +166,9 @@ def encode_request(req: Request) -> dict[str, Any]:
     return {"id": req.request_id, "endpoint": req.endpoint, "prompt": list(req.prompt_ids),
             "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
             "constraint": None if c is None else [c.kind.value, c.source, c.param],
-            "prefix": req.output_prefix, "adapter": req.adapter}
+            "prefix": req.output_prefix, "adapter": req.adapter,
+            # every rank's scheduler orders and chunks alike: queue priority, checkpoint positions
+            "priority": req.priority, "checkpoints": list(req.checkpoints_at)}
 
 
 def decode_request(raw: dict[str, Any]) -> Request:
@@ -178,7 +180,8 @@ def decode_request(raw: dict[str, Any]) -> Request:
                    prompt_ids=list(raw["prompt"]), sampling=SamplingParams(**sp),
                    stop_token_ids=frozenset(raw["stop_ids"]),
                    constraint=None if c is None else Constraint(ConstraintKind(c[0]), c[1], c[2]),
-                   output_prefix=raw["prefix"], adapter=raw["adapter"])
+                   output_prefix=raw["prefix"], adapter=raw["adapter"],
+                   priority=raw["priority"], checkpoints_at=tuple(raw["checkpoints"]))
 
 
 def state_digest(requests: Sequence[Request]) -> int:

@@ -26,13 +26,16 @@ def loads(data: bytes) -> dict[str, Any]:
 # -- requests (parent → child) ---------------------------------------------------------------
 def encode_request(req: Request) -> dict[str, Any]:
     """What the engine reads of a Request: prompt, resolved sampling, stops, constraint,
-    adapter, arrival (perf_counter is CLOCK_MONOTONIC: one clock for both processes)."""
+    adapter, priority, cache positions, arrival (perf_counter is CLOCK_MONOTONIC: one clock for both processes)."""
     sp = dataclasses.asdict(req.sampling)
     c = req.constraint
     return {"id": req.request_id, "endpoint": req.endpoint, "prompt": req.prompt_ids,
             "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
             "constraint": [c.kind.value, c.source, c.param] if c is not None else None,
-            "prefix": req.output_prefix, "adapter": req.adapter, "arrival": req.arrival_s}
+            "prefix": req.output_prefix, "adapter": req.adapter, "arrival": req.arrival_s,
+            # queue order, and the positions the prompt cache keeps / pins (docs/beyond.md)
+            "priority": req.priority, "checkpoints": list(req.checkpoints_at),
+            "pins": [list(p) for p in req.pins]}
 
 
 def decode_request(d: dict[str, Any]) -> Request:
@@ -43,7 +46,9 @@ def decode_request(d: dict[str, Any]) -> Request:
                    inputs=PromptInput(token_ids=list(d["prompt"])), prompt_ids=list(d["prompt"]),
                    sampling=SamplingParams(**sp), stop_token_ids=frozenset(d["stop_ids"]),
                    constraint=Constraint(ConstraintKind(c[0]), c[1], c[2]) if c else None,
-                   output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"])
+                   output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"],
+                   priority=d["priority"], checkpoints_at=tuple(d["checkpoints"]),
+                   pins=tuple((int(at), float(ttl)) for at, ttl in d["pins"]))
 
 
 # -- events (child → parent) -----------------------------------------------------------------

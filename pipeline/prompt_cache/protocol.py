@@ -13,7 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import (CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
+                                  can_trim_prompt_cache, make_prompt_cache)
 
 from pipeline.kv.delayed import DelayedKVCache
 from pipeline.kv.quantized import AffineKVCache
@@ -53,3 +54,13 @@ def content_state(layer: Any) -> Any:
         return state
     n = layer.offset
     return map_arrays(lambda a: a[..., :n, :] if a.ndim == 4 else a, state)
+
+
+def rewinds(model: Any) -> bool:
+    """Whether every layer's cache of `model` can be cut back to any prefix (attention-only):
+    then a cached entry serves every prompt that shares a prefix with it. Recurrent layers
+    cannot rewind, nor can sliding-window ones past their window. Builds cache objects only
+    (no arrays), so any thread may ask."""
+    caches = make_prompt_cache(model)
+    return can_trim_prompt_cache(caches) and not any(
+        isinstance(c, RotatingKVCache) for c in caches)

@@ -34,21 +34,24 @@ def model_key(adapter: str | None) -> str:
     return TRIE_KEY if adapter is None else "adapter:" + adapter
 
 
+MAX_PINS = 4096      # pinned prefixes remembered at once
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
 
 
 class GhostIndex:
-    """Token keys only (no KV) of up to `limit` entries, to explain misses."""
+    """Token keys only (no KV) of up to `limit` entries, to explain misses; each with a note
+    (for evicted entries: when it was last used and when it was evicted)."""
 
     def __init__(self, limit: int = 512) -> None:
         self.limit = limit
         self.trie = PromptTrie()
-        self.keys: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
+        self.keys: OrderedDict[tuple[str, tuple[int, ...]], Any] = OrderedDict()
 
-    def add(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> None:
+    def add(self, tokens: tuple[int, ...], model: str = TRIE_KEY, note: Any = None) -> None:
         if (model, tokens) in self.keys:
+            self.keys[(model, tokens)] = note
             return
-        self.keys[(model, tokens)] = None
+        self.keys[(model, tokens)] = note
         self.trie.add(model, list(tokens), True)
         while len(self.keys) > self.limit:
             (m, old), _ = self.keys.popitem(last=False)
@@ -56,12 +59,21 @@ class GhostIndex:
 
     def shared(self, query: list[int], model: str = TRIE_KEY) -> int:
         """How many leading tokens of `query` some remembered key shares."""
+        return self.match(query, model)[0]
+
+    def match(self, query: list[int], model: str = TRIE_KEY) -> tuple[int, Any]:
+        """(leading tokens of `query` the best remembered key shares, that key's note)."""
         if not self.keys:
-            return 0
+            return 0, None
         found = self.trie.search(model, query)
         if found.exact is not None:
-            return len(query)
-        return max(found.common_prefix, len(found.shorter) if found.shorter else 0)
+            return len(query), self.keys.get((model, tuple(found.exact)))
+        best = (0, None)
+        if found.shorter:
+            best = (len(found.shorter), self.keys.get((model, tuple(found.shorter))))
+        if found.longer is not None and found.common_prefix > best[0]:
+            best = (found.common_prefix, self.keys.get((model, tuple(found.longer))))
+        return best
 
 
 def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
@@ -145,6 +157,7 @@ class RamPromptCache:
         # order, keyed by Entry.key (adapter root, tokens)
         self.nbytes = 0
         self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
+        self.pins: dict[tuple[str, tuple[int, ...]], float] = {}   # (root, tokens) → until
 
     def find(self, prompt_ids: list[int], adapter: str | None = None
              ) -> tuple[Entry | None, int, str, int]:
@@ -251,11 +264,12 @@ class RamPromptCache:
         prefixes and running rows share one pool, and running rows come first."""
         if not self.entries:
             return False
-        _, entry = self.entries.popitem(last=False)
+        entry = self._victim()
+        del self.entries[entry.key]
         self.trie.pop(entry.model, list(entry.tokens))
         self.nbytes -= entry.nbytes
         self.metrics.cache_evictions.labels(self.tier).inc()
-        self.ghosts.add(entry.tokens, entry.model)
+        self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))
         if self.on_evict is not None:
             self.on_evict(entry)
         self._report()
@@ -272,6 +286,40 @@ class RamPromptCache:
 
     def close(self) -> None:
         """Nothing to drain."""
+
+    # -- pins (Anthropic cache_control breakpoints) -----------------------------------------
+    def pin(self, tokens: list[int], ttl_s: float, adapter: str | None = None) -> None:
+        """Keep the entry holding `tokens` (once there is one) out of eviction for `ttl_s`;
+        a later pin of the same prefix refreshes it, as a cache hit refreshes Anthropic's."""
+        if tokens:
+            key = (model_key(adapter), tuple(tokens))
+            self.pins[key] = max(self.pins.get(key, 0.0), time.monotonic() + ttl_s)
+            if len(self.pins) > MAX_PINS:   # the one that would expire first goes
+                del self.pins[min(self.pins, key=self.pins.__getitem__)]
+
+    def _protected(self) -> set[tuple[str, tuple[int, ...]]]:
+        """Keys of the entries holding an unexpired pin: the entry of exactly its tokens, or
+        one that extends them (its prefix is the pinned one)."""
+        now = time.monotonic()
+        for key in [k for k, until in self.pins.items() if until <= now]:
+            del self.pins[key]
+        held = set()
+        for model, tokens in self.pins:
+            found = self.trie.search(model, list(tokens))
+            holder = found.exact if found.exact is not None else found.longer
+            if holder is not None:
+                held.add((model, tuple(holder)))
+        return held
+
+    def _victim(self) -> Entry:
+        """The least recently used entry no pin holds (the oldest of all when every one is
+        pinned: the byte cap wins over a pin)."""
+        if self.pins:
+            held = self._protected()
+            for key, entry in self.entries.items():
+                if key not in held:
+                    return entry
+        return next(iter(self.entries.values()))
 
     def _report(self) -> None:
         self.metrics.cache_entries.labels(self.tier).set(len(self.entries))

@@ -5,6 +5,7 @@ the engine thread. Survives restarts: the token index is rebuilt from disk at st
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pickle
 import queue
@@ -40,6 +41,9 @@ def _stored_key(value: Any) -> tuple[str, tuple[int, ...]] | None:
     if isinstance(model, str) and isinstance(value, (list, tuple)) and value:
         return model, tuple(value)
     return None
+
+
+NOTE = "pipeserve-note.json"   # in each namespace: what its identity hash stands for
 
 
 class SsdStore:
@@ -82,10 +86,25 @@ class SsdStore:
                     if isinstance(key, str) and key.startswith("t:"):
                         stored = _stored_key(other.get(key))
                         if stored is not None:
-                            self.foreign.add(stored[1], stored[0])
+                            self.foreign.add(stored[1], stored[0], path.name)
         except (OSError, sqlite3.Error, pickle.UnpicklingError, EOFError, ValueError) as e:
             # not a diskcache of ours (another tool's or an old format's directory)
             log.info("prompt cache: skipped SSD namespace %s (%s)", path.name, e)
+
+    def write_note(self, note: dict[str, Any]) -> None:
+        """What this namespace's identity hash stands for, in clear (`kv`: the KV scheme), so
+        a server under another identity can say why these entries do not fit it."""
+        try:
+            (self.dir / NOTE).write_text(json.dumps(note))
+        except OSError as e:
+            log.info("prompt cache: cannot write the namespace note (%s)", e)
+
+    def namespace_note(self, name: str) -> dict[str, Any]:
+        try:
+            note = json.loads((self.dir.parent / name / NOTE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return note if isinstance(note, dict) else {}
 
     def _index(self, tokens: tuple[int, ...], model: str = TRIE_KEY) -> None:
         self.index[(model, tokens)] = token_key(tokens, model)

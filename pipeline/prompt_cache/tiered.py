@@ -34,6 +34,7 @@ class TieredPromptCache:
         self.ram.on_evict = self._spill
         self.ssd = SsdStore(Path(ssd.dir).expanduser(), identity, int(ssd.max_gb * (1 << 30)),
                             ssd.verify, metrics)
+        self.ssd.write_note({"kv": cfg.kv.name, "model": cfg.model.name})
         self.write_behind = ssd.write_behind
         self.demote_idle_s = ssd.demote_idle_s
         self.dirty: dict[tuple[str, tuple[int, ...]], Entry] = {}   # in RAM, not yet handed to
@@ -89,6 +90,9 @@ class TieredPromptCache:
         for key in [k for k, e in self.dirty.items() if e.key not in self.ram.entries]:
             self.dirty.pop(key)   # subsumed by a longer entry before it reached disk
         self.metrics.cache_dirty.set(len(self.dirty))
+
+    def pin(self, tokens: list[int], ttl_s: float, adapter: str | None = None) -> None:
+        self.ram.pin(tokens, ttl_s, adapter)
 
     def evict_oldest(self) -> bool:
         return self.ram.evict_oldest()

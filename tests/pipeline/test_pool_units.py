@@ -28,13 +28,15 @@ def test_a_request_crosses_the_wire_with_what_the_engine_reads() -> None:
     req = Request(request_id="r1", endpoint="chat", inputs=PromptInput(text="hi"),
                   prompt_ids=[1, 2, 3], sampling=sp, stop_token_ids=frozenset({0, 2}),
                   constraint=Constraint.regex("[a-z]+", "response_format"),
-                  output_prefix="<think>", adapter="none")
+                  output_prefix="<think>", adapter="none", priority=0,
+                  checkpoints_at=(2,), pins=((2, 300.0),))
     back = codec.decode_request(codec.loads(codec.dumps({"req": codec.encode_request(req)}))["req"])
     assert back.request_id == "r1" and back.prompt_ids == [1, 2, 3]
     assert back.sampling == sp and back.sampling.logit_bias == {3: -100.0, 17: 2.5}
     assert back.stop_token_ids == frozenset({0, 2}) and back.constraint == req.constraint
     assert back.output_prefix == "<think>" and back.adapter == "none"
     assert back.arrival_s == req.arrival_s
+    assert back.priority == 0 and back.checkpoints_at == (2,) and back.pins == ((2, 300.0),)
 
 
 def test_events_and_errors_cross_the_wire_as_they_were() -> None:
