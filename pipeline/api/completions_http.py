@@ -184,5 +184,6 @@ async def respond(scope: Scope, parsed: oa.Parsed, front: Any, rid: str,
                       else Usage(prompt_tokens=reqs[0].num_prompt_tokens))
     usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
                   completion_tokens=sum(u.completion_tokens for u in usages),
-                  cached_tokens=sum(u.cached_tokens for u in usages), record=usages[0].record)
+                  cached_tokens=sum(u.cached_tokens for u in usages), record=usages[0].record,
+                  cache_miss=usages[0].cache_miss if len(usages) == 1 else None)
     return shape.body(choices, usage)
