@@ -56,10 +56,10 @@ class Tokenize:
         self.backend = _backend(self.tokenizer)
         self.cache_on = cfg.cache.name != "off"
         # only a model whose cache cannot be cut back to a prefix (recurrent or sliding
-        # layers) needs its state kept at a history's end (a pool's parent holds no weights
-        # to ask: its members keep none)
+        # layers) needs its state kept at a history's end; a pool's parent holds no weights
+        # (pipeline/pool/proxy.py): it marks every chat and the engine's cache_lookup decides
         self.session_checkpoints = (cfg.cache.session_checkpoints and self.cache_on
-                                    and loaded.model is not None and not rewinds(loaded.model))
+                                    and (loaded.model is None or not rewinds(loaded.model)))
         self.bound = char_bound(self.backend) if self.backend is not None else None
         self.vision = loaded.vision
         self.model_name = cfg.model.name

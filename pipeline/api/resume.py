@@ -91,7 +91,12 @@ class StreamLog:
         self._sending = True
         try:
             await response.send(framed)
-        except Exception:   # noqa: BLE001 — the connection failed: its own task settles that
+        except BaseException:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise   # this producer is being cancelled (a plain stream's client left)
+            # the connection failed under the write (Sanic may cancel what waits on a lost
+            # transport): the stream goes on; the connection's own task settles the client
             self._primary = None
             self._wake()
         finally:
