@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.config import ServeConfig, build
 from pipeline.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeline.inbox import Inbox
-from pipeline.events import Abort, AdapterSwap, Command, Failed, Finished, Flush, Submit, TokenDelta
+from pipeline.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel
 from pipeline.memory import MemoryModel
 from pipeline.metrics import Metrics

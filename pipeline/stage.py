@@ -3,7 +3,7 @@ outputs (pipeline/plan.py), and StageDeps is what step stages are built with. Re
 run on the event loop; step stages run on the engine thread."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
