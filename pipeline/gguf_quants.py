@@ -152,10 +152,10 @@ def _sample(rows: int) -> np.ndarray:
 
 # -- one tensor -----------------------------------------------------------------------------
 def convert_tensor(ttype: str, raw: np.ndarray, shape: tuple[int, ...],
-                   scale_dtype: str = "float16") -> Converted:
+                   scale_dtype: str = "float16", max_error: float = MAX_ERROR) -> Converted:
     """The MLX form of one GGUF tensor (`raw`: its bytes as uint8, `shape` in numpy order);
     affine scales and biases stored in `scale_dtype` (float16, or bfloat16 for models whose
-    activations overflow float16)."""
+    activations overflow float16); a re-quantized tensor may add at most `max_error`."""
     import mlx.core as mx
 
     sdt = getattr(mx, scale_dtype)
@@ -180,12 +180,12 @@ def convert_tensor(ttype: str, raw: np.ndarray, shape: tuple[int, ...],
         got = _dequant(w, s, b, bits, sample)
         return Converted(_shaped(w, s, b, shape), f"affine {bits}-bit", bits,
                          rel_error(got, want), True)
-    return _requantize(ttype, raw, shape, rows, cols, sample, want, sdt)
+    return _requantize(ttype, raw, shape, rows, cols, sample, want, sdt, max_error)
 
 
 def _requantize(ttype: str, raw: np.ndarray, shape: tuple[int, ...], rows: int, cols: int,
-                sample: np.ndarray, want: np.ndarray, sdt: Any) -> Converted:
-    """Re-quantize the reference values at the narrowest width within MAX_ERROR (measured on the
+                sample: np.ndarray, want: np.ndarray, sdt: Any, max_error: float) -> Converted:
+    """Re-quantize the reference values at the narrowest width within max_error (measured on the
     sampled rows), else keep them as bf16."""
     import mlx.core as mx
 
@@ -194,7 +194,7 @@ def _requantize(ttype: str, raw: np.ndarray, shape: tuple[int, ...], rows: int, 
         w, s, b = mx.quantize(trial, group_size=GROUP, bits=bits)
         s, b = s.astype(sdt).astype(mx.float32), b.astype(sdt).astype(mx.float32)
         got = np.array(mx.dequantize(w, s, b, group_size=GROUP, bits=bits))
-        if rel_error(got, want) <= MAX_ERROR:
+        if rel_error(got, want) <= max_error:
             full = mx.array(reference(ttype, raw, (rows, cols)))
             w, s, b = mx.quantize(full, group_size=GROUP, bits=bits)
             s, b = s.astype(sdt), b.astype(sdt)

@@ -119,14 +119,12 @@ def test_block_type_converts_to_affine_within_its_bound(tmp_path: Path, qtype: T
         assert err <= gguf_quants.MAX_ERROR
 
 
-def test_requantized_tensor_falls_back_to_bf16_when_no_width_is_close(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requantized_tensor_falls_back_to_bf16_when_no_width_is_close() -> None:
     """With a bound no affine width meets, the tensor is kept as bf16 of the reference values."""
-    monkeypatch.setattr(gguf_quants, "MAX_ERROR", 1e-5)
     rng = np.random.default_rng(3)
     rows, cols = 8, 256
     blocks = random_blocks(T.Q6_K, rows, cols, 0.05, rng)
-    conv = gguf_quants.convert_tensor("Q6_K", blocks.reshape(-1), (rows, cols))
+    conv = gguf_quants.convert_tensor("Q6_K", blocks.reshape(-1), (rows, cols), max_error=1e-5)
     want = ggufpy.quants.dequantize(blocks, T.Q6_K).reshape(rows, cols)
     assert conv.form == "bf16" and conv.bits is None and conv.arrays["weight"].dtype == mx.bfloat16
     got = np.array(conv.arrays["weight"].astype(mx.float32))
