@@ -100,6 +100,20 @@ def _shape(vectors: list[list[float]], dims: int | None, fmt: str) -> list[Any]:
     return out
 
 
+async def encoder(app: Sanic, scope: Scope, body: dict[str, Any], task: str, wrong: str,
+                  code: str) -> Any:
+    """The engine of the model the body names (a pool routes and pins it), which must be an
+    encoder of `task` (else a 400 saying `wrong`) and ready (else a 503)."""
+    ctx = scope.ctx = await route(app, body, pin=True)
+    scope.pinned = ctx if ctx is not app.ctx else None
+    if ctx.cfg.model.task.value != task:
+        raise InvalidRequest(f"model {ctx.cfg.model.name!r} {wrong}", param="model", code=code)
+    engine = ctx.engine
+    if engine.state is not EngineState.READY or engine.loaded is None:
+        raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
+    return engine
+
+
 async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
     async with Scope(app, "embeddings", http) as scope:
         body = await off_loop(len(http.body or b""), read_body, http)
@@ -110,16 +124,9 @@ async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
             raise InvalidRequest(f"encoding_format is {fmt!r}; allowed: float, base64",
                                  param="encoding_format")
         dims = F.get(body, "dimensions", int)
-        ctx = scope.ctx = await route(app, body, pin=True)
-        scope.pinned = ctx if ctx is not app.ctx else None
-        if ctx.cfg.model.task.value != "embed":
-            raise InvalidRequest(f"model {ctx.cfg.model.name!r} generates text; /v1/embeddings "
-                                 "needs an embedding model (model.task=embed, e.g. "
-                                 "model=tiny_embed)", param="model", code="not_an_embedding_model")
-        engine = ctx.engine
-        if engine.state is not EngineState.READY or engine.loaded is None:
-            raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health "
-                                    "is 200")
+        engine = await encoder(app, scope, body, "embed", "generates text; /v1/embeddings needs "
+                               "an embedding model (model.task=embed, e.g. model=tiny_embed)",
+                               "not_an_embedding_model")
         width = engine.dimensions
         if dims is not None and not 1 <= dims <= width:
             raise InvalidRequest(f"dimensions is {dims}; this model's embeddings have {width} "
@@ -129,5 +136,5 @@ async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
         num = sum(len(x) for x in ids)
         data = [{"object": "embedding", "index": i, "embedding": e}
                 for i, e in enumerate(_shape(vectors, dims, fmt))]
-        return json_response({"object": "list", "data": data, "model": ctx.cfg.model.name,
+        return json_response({"object": "list", "data": data, "model": scope.ctx.cfg.model.name,
                               "usage": {"prompt_tokens": num, "total_tokens": num}})

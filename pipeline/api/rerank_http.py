@@ -13,10 +13,9 @@ from sanic import HTTPResponse, Sanic
 
 from pipeline.api import fields as F
 from pipeline.api import known_fields
-from pipeline.api.embeddings_http import MAX_INPUTS, embed
-from pipeline.api.http import Scope, json_response, read_body, route
-from pipeline.engine import EngineState
-from pipeline.errors import EngineUnavailable, InvalidRequest
+from pipeline.api.embeddings_http import MAX_INPUTS, embed, encoder
+from pipeline.api.http import Scope, json_response, read_body
+from pipeline.errors import InvalidRequest
 from pipeline.offload import off_loop
 
 
@@ -67,22 +66,15 @@ async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
         if top_n < 1:
             raise InvalidRequest(f"top_n is {top_n}; it must be at least 1", param="top_n")
         with_docs = F.get(body, "return_documents", bool, True)
-        ctx = scope.ctx = await route(app, body, pin=True)
-        scope.pinned = ctx if ctx is not app.ctx else None
-        if ctx.cfg.model.task.value != "rerank":
-            raise InvalidRequest(f"model {ctx.cfg.model.name!r} is not a reranker; /v1/rerank "
-                                 "needs a cross-encoder (model.task=rerank, e.g. "
-                                 "model=tiny_rerank)", param="model", code="not_a_reranker")
-        engine = ctx.engine
-        if engine.state is not EngineState.READY or engine.loaded is None:
-            raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health "
-                                    "is 200")
+        engine = await encoder(app, scope, body, "rerank", "is not a reranker; /v1/rerank needs "
+                               "a cross-encoder (model.task=rerank, e.g. model=tiny_rerank)",
+                               "not_a_reranker")
         ids = await off_loop(len(http.body or b""), _pairs, engine, query, docs)
         scores = [row[0] for row in await embed(engine, ids)]
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:top_n]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": docs[i]}} if with_docs else {})} for i in order]
         num = sum(len(x) for x in ids)
-        return json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.cfg.model.name,
+        return json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": scope.ctx.cfg.model.name,
                               "results": results,
                               "usage": {"prompt_tokens": num, "total_tokens": num}})
