@@ -191,10 +191,12 @@ class ModelConfig:
                               f"adapter='{NONE_ADAPTER}' for the base model")
         vlm_archs = ("gemma3", "qwen2_5_vl")
         if self.path is None and self.source is ModelSource.generated_vlm:
-            if self.arch.value not in vlm_archs or self.size is not ModelSize.tiny:
+            vlm_sizes = ("tiny", "medium", "large")
+            if self.arch.value not in vlm_archs or self.size.value not in vlm_sizes:
                 raise ConfigError(
-                    f"model=tiny_vlm generates a tiny vision-language model of arch "
-                    f"{' or '.join(vlm_archs)} (model.size=tiny), got model.arch="
+                    f"model=tiny_vlm generates a random-weight vision-language model of arch "
+                    f"{' or '.join(vlm_archs)} and size {', '.join(vlm_sizes)} (tiny for tests; "
+                    f"medium/large: the decoder at Qwen3-0.6B's / 8B's shape), got model.arch="
                     f"{self.arch.value} model.size={self.size.value}")
         elif self.path is None and self.arch is Arch.qwen2_5_vl:
             raise ConfigError("model.arch=qwen2_5_vl is a vision-language model: use "

@@ -60,7 +60,7 @@ def resolve_path(cfg: ModelConfig) -> Path:
         from pipeline.vision import require_mlx_vlm
         require_mlx_vlm("model=tiny_vlm")
         from pipeline.tiny_vlm import ensure_model as ensure_vlm
-        return ensure_vlm(cfg.arch.value, cfg.dtype.value, cfg.cache_dir)
+        return ensure_vlm(cfg.arch.value, cfg.dtype.value, cfg.cache_dir, cfg.size.value)
     if cfg.path is None:
         from pipeline.tiny import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)

@@ -13,6 +13,7 @@ from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
 ARCHS = ("gemma3", "qwen2_5_vl")
+VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 2
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
@@ -44,29 +45,48 @@ def chat_template(arch: str) -> str:
     )
 
 
-def _config(arch: str, ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
+def gemma_shape(size: str) -> tuple[int, int, int]:
+    """(image side, patch, tokens per image) of a generated Gemma 3: the tiny test shape, or for
+    the benchmark sizes a 224-pixel SigLIP pooled to 64 tokens."""
+    return (GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE) if size == "tiny" else (224, 14, 64)
+
+
+def _vision_dims(size: str) -> dict[str, int]:
+    """The vision tower's width: 2 narrow layers for tests; for the benchmark sizes (the decoder
+    at model=tiny's medium/large shapes) 4 layers of 384, so the tower costs something."""
+    if size == "tiny":
+        return {"hidden_size": 32, "intermediate_size": 64, "layers": 2, "heads": 2}
+    return {"hidden_size": 384, "intermediate_size": 1536, "layers": 4, "heads": 6}
+
+
+def _config(arch: str, ids: dict[str, int], eos: list[int], size: str = "tiny") -> dict[str, Any]:
     vocab = len(ids)   # one embedding row per token (mlx-vlm's detokenizer has no others)
+    dims = _vision_dims(size)
     if arch == "gemma3":
-        text = tiny._model_config("gemma3", "tiny", eos)
+        side, patch, per_image = gemma_shape(size)
+        text = tiny._model_config("gemma3", size, eos)
         text.update(vocab_size=vocab, rope_global_base_freq=text["rope_theta"],
-                    mm_tokens_per_image=GEMMA_TOKENS_PER_IMAGE)
-        vision = {"model_type": "siglip_vision_model", "hidden_size": 32,
-                  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                  "patch_size": GEMMA_PATCH, "image_size": GEMMA_IMAGE_SIZE,
-                  "layer_norm_eps": 1e-6}
+                    mm_tokens_per_image=per_image, tie_word_embeddings=True)
+        vision = {"model_type": "siglip_vision_model", "hidden_size": dims["hidden_size"],
+                  "intermediate_size": dims["intermediate_size"],
+                  "num_hidden_layers": dims["layers"], "num_attention_heads": dims["heads"],
+                  "patch_size": patch, "image_size": side, "layer_norm_eps": 1e-6}
         return {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
                 "text_config": text, "vision_config": vision, "vocab_size": vocab,
-                "hidden_size": text["hidden_size"], "mm_tokens_per_image": GEMMA_TOKENS_PER_IMAGE,
+                "hidden_size": text["hidden_size"], "mm_tokens_per_image": per_image,
                 "image_token_index": ids["<image_soft_token>"],
                 "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
                 "pad_token_id": eos[1], "eos_token_id": eos}
-    text = tiny._model_config("qwen3", "tiny", eos)
+    text = tiny._model_config("qwen3", size, eos)
     for key in ("head_dim", "attention_bias"):
         text.pop(key)
-    text.update(model_type="qwen2_5_vl", vocab_size=vocab,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})  # head_dim 16
-    vision = {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-              "out_hidden_size": text["hidden_size"], "num_heads": 2, "patch_size": QWEN_PATCH,
+    half = text["hidden_size"] // text["num_attention_heads"] // 2   # rotary pairs per head
+    text.update(model_type="qwen2_5_vl", vocab_size=vocab, tie_word_embeddings=size != "large",
+                rope_scaling={"type": "mrope",   # [2, 3, 3] at head_dim 16, as Qwen's 1:3:3
+                              "mrope_section": [half // 4, 3 * half // 8, 3 * half // 8]})
+    vision = {"model_type": "qwen2_5_vl", "depth": dims["layers"],
+              "hidden_size": dims["hidden_size"], "intermediate_size": dims["intermediate_size"],
+              "out_hidden_size": text["hidden_size"], "num_heads": dims["heads"], "patch_size": QWEN_PATCH,
               "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
               "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
               "in_channels": 3, "tokens_per_second": 2}
@@ -79,22 +99,24 @@ def _config(arch: str, ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
             "text_config": dict(text), "vision_config": vision, **token_ids}
 
 
-def _processor_files(arch: str) -> dict[str, Any]:
+def _processor_files(arch: str, size: str = "tiny") -> dict[str, Any]:
     norm = {"do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
             "do_convert_rgb": True, "resample": 3}
     if arch == "gemma3":
+        side, _, per_image = gemma_shape(size)
         return {"preprocessor_config.json": {
                     "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-                    "size": {"height": GEMMA_IMAGE_SIZE, "width": GEMMA_IMAGE_SIZE}, "do_resize": True,
+                    "size": {"height": side, "width": side}, "do_resize": True,
                     "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_pan_and_scan": False,
                     **norm, "resample": 2},
                 "processor_config.json": {"processor_class": "Gemma3Processor",
-                                          "image_seq_length": GEMMA_TOKENS_PER_IMAGE}}
+                                          "image_seq_length": per_image}}
+    low, high = (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS) if size == "tiny" else (56 * 56, 448 * 448)
     return {"preprocessor_config.json": {
                 "image_processor_type": "Qwen2VLImageProcessor",
                 "processor_class": "Qwen2_5_VLProcessor", "do_resize": True,
-                "min_pixels": QWEN_MIN_PIXELS, "max_pixels": QWEN_MAX_PIXELS,
-                "size": {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS},
+                "min_pixels": low, "max_pixels": high,
+                "size": {"shortest_edge": low, "longest_edge": high},
                 "patch_size": QWEN_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
                 "image_std": [0.26862954, 0.26130258, 0.27577711], **norm},
@@ -116,7 +138,7 @@ def _vision_fill(name: str, shape: tuple[int, ...]) -> Any:
     return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
 
 
-def _write(out: Path, arch: str, dtype: str) -> None:
+def _write(out: Path, arch: str, dtype: str, size: str = "tiny") -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -127,7 +149,7 @@ def _write(out: Path, arch: str, dtype: str) -> None:
                             for t in IMAGE_TOKENS[arch]])
     ids = tok.get_vocab()
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    config = _config(arch, ids, eos)
+    config = _config(arch, ids, eos, size)
     config["torch_dtype"] = dtype
     module, _ = get_model_and_args(json.loads(json.dumps(config)))
     built = json.loads(json.dumps(config))
@@ -168,7 +190,7 @@ def _write(out: Path, arch: str, dtype: str) -> None:
         "special_tokens_map.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "generation_config.json": {"do_sample": True, "temperature": 0.7, "top_p": 0.9,
                                    "eos_token_id": eos, "pad_token_id": eos[1]},
-        **_processor_files(arch),
+        **_processor_files(arch, size),
     }
     for fname, obj in files.items():
         (out / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -176,12 +198,14 @@ def _write(out: Path, arch: str, dtype: str) -> None:
 
 
 def ensure_model(arch: str = "gemma3", dtype: str = "float32",
-                 cache_dir: str | Path | None = None) -> Path:
+                 cache_dir: str | Path | None = None, size: str = "tiny") -> Path:
     """A generated VLM directory (config.json with vision_config, model.safetensors, tokenizer,
     preprocessor_config.json), made on first use into the model cache and reused after."""
     if arch not in ARCHS:
         raise ValueError(f"unknown vision arch {arch!r}; expected one of {ARCHS}")
     if dtype not in tiny.DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tiny.DTYPES}")
-    final = cache_root(cache_dir) / f"vlm-{arch}-tiny-{dtype}-v{FORMAT_VERSION}"
-    return publish(final, lambda tmp: _write(tmp, arch, dtype))
+    if size not in VLM_SIZES:
+        raise ValueError(f"unknown vision-model size {size!r}; expected one of {VLM_SIZES}")
+    final = cache_root(cache_dir) / f"vlm-{arch}-{size}-{dtype}-v{FORMAT_VERSION}"
+    return publish(final, lambda tmp: _write(tmp, arch, dtype, size))

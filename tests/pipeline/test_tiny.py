@@ -131,3 +131,37 @@ def test_concurrent_processes_publish_one_complete_dir(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [model_dir_name("llama", "tiny", "float32")]
     model, tok = mlx_lm.load(outs.pop())
     assert mlx_lm.generate(model, tok, prompt=_chat(tok), max_tokens=4)
+
+
+def test_vlm_benchmark_sizes_are_consistent_shapes_and_others_are_refused() -> None:
+    """model=tiny_vlm model.size=medium|large (the GPU benchmark shapes): the configs mlx-vlm
+    builds from are self-consistent (Qwen's M-RoPE sections cover each head's rotary pairs;
+    Gemma's SigLIP pools its patches to the tokens the processor emits), and a size the
+    generator does not make is refused at launch naming the sizes it does."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra (pip install -e '.[vision]')")
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import tiny_vlm
+    from pipeline.config import ConfigError, load_config
+
+    marks = {t for ts in tiny_vlm.IMAGE_TOKENS.values() for t in ts}
+    ids = {t: i for i, t in enumerate([*marks, *(f"t{i}" for i in range(600))])}
+    for size in tiny_vlm.VLM_SIZES:
+        q = tiny_vlm._config("qwen2_5_vl", ids, [0, 1], size)
+        head_dim = q["hidden_size"] // q["num_attention_heads"]
+        assert sum(q["rope_scaling"]["mrope_section"]) * 2 == head_dim, size
+        assert q["vision_config"]["out_hidden_size"] == q["hidden_size"]
+        g = tiny_vlm._config("gemma3", ids, [0, 1], size)
+        side, patch = g["vision_config"]["image_size"], g["vision_config"]["patch_size"]
+        per_side = int(g["mm_tokens_per_image"] ** 0.5)
+        assert per_side ** 2 == g["mm_tokens_per_image"] and (side // patch) % per_side == 0
+        proc = tiny_vlm._processor_files("gemma3", size)
+        assert proc["processor_config.json"]["image_seq_length"] == g["mm_tokens_per_image"]
+    assert tiny_vlm._config("gemma3", ids, [0, 1], "large")["text_config"]["hidden_size"] == 4096
+    with pytest.raises(ValueError, match="unknown vision-model size 'small'"):
+        tiny_vlm.ensure_model("gemma3", "float32", None, "small")
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        raw = compose("serve", overrides=["model=tiny_vlm", "model.size=small"])
+    with pytest.raises(ConfigError, match="size tiny, medium, large .*model.size=small"):
+        load_config(raw)
