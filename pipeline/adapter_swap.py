@@ -51,9 +51,7 @@ class AdapterConflict(ServeError):
 def request(engine: Engine, cmd: AdapterSwap) -> AdapterSwap:
     """Any thread (a handler's executor): hand `cmd` to the engine inbox and wait for its
     reply (the engine runs it between steps, STYLE §5)."""
-    from pipeline.engine import EngineState
-
-    if engine.state is not EngineState.READY or engine.loaded is None:
+    if not engine.wait_ready(0) or engine.loaded is None:   # (ready: returns at once)
         raise EngineUnavailable(f"engine is {engine.state.value}; retry when /health answers 200")
     engine.command(cmd)
     if not cmd.done.wait(WAIT_S):

@@ -8,6 +8,7 @@ import time
 from enum import Enum
 from typing import Any
 
+from pipeline import adapter_swap
 from pipeline.config import ServeConfig, build
 from pipeline.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeline.inbox import Inbox
@@ -204,7 +205,9 @@ class Engine:
         """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
         if isinstance(cmd, Flush):
             cmd.reply(self.prompt_cache.flush() if self.prompt_cache is not None else None)
-        elif isinstance(cmd, (AdapterSwap, Score)):   # hot-swap; prompt scoring (scoring.py)
+        elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeline/adapter_swap.py
+            adapter_swap.run(self, cmd)
+        elif isinstance(cmd, Score):   # prompt scoring: pipeline/scoring.py
             cmd.run(self)
         elif isinstance(cmd, Submit):
             self._out.open(cmd.request.request_id, cmd.stream)

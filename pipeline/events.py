@@ -50,10 +50,6 @@ class AdapterSwap:
     result: dict[str, object] | None = None
     error: ServeError | None = None
 
-    def run(self, engine: object) -> None:
-        from pipeline import adapter_swap
-        adapter_swap.run(engine, self)   # type: ignore[arg-type]
-
 
 Command = Submit | Abort | Flush | AdapterSwap
 

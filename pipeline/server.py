@@ -31,15 +31,14 @@ from pipeline.api.resume import StreamStore
 from pipeline.api.store import ResponseStore
 from pipeline.api.warmup import Warmup
 from pipeline.chat_page import add_chat_page
-from pipeline.config import ServeConfig, build, config_hash
+from pipeline.config import ServeConfig, config_hash
 from pipeline.engine import Engine, EngineState
 from pipeline.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
                              ServeError, Unauthorized)
 from pipeline.launch import LAUNCH_ERROR, chat_url
-from pipeline.markup import OutputMarkup
 from pipeline.metrics import Metrics
-from pipeline.request import Request
 from pipeline.waits import wait_event
+from pipeline.front import Front
 
 log = logging.getLogger("pipeserve")
 WARNING_HEADER = "x-pipeserve-warning"
@@ -51,30 +50,6 @@ def _version(pkg: str) -> str:
         return version(pkg)
     except PackageNotFoundError:
         return "unknown"
-
-
-class Front:
-    """The request stages, built once the model (and so the tokenizer) is loaded, and the
-    model's output markup, inferred here once and handed to tokenize, detokenize and the
-    output path (pipeline/api/generation.py reads `front.markup`)."""
-
-    def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
-        assert engine.loaded is not None
-        loaded = engine.loaded
-        self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value,
-                                         cfg.model.reasoning_format.value)
-        log.info("output markup: %s", self.markup.describe())
-        self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
-        self.admission = build(cfg.admission._target_, cfg, loaded, engine)
-        self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
-
-    async def prepare(self, request: Request) -> Request:
-        request = await self.tokenize(request)
-        return await self.admission(request)
-
-    def token_info(self, token_id: int) -> tuple[str, bytes]:
-        raw = self.detokenize.token_bytes(token_id)
-        return raw.decode("utf-8", errors="replace"), raw
 
 
 def _error(http: sanic.Request, message: str, error_type: str, param: str | None,

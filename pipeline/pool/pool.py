@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pipeline.config import ServeConfig, config_hash
 from pipeline.engine import EngineState
 from pipeline.errors import EngineUnavailable, NotFound
+from pipeline.front import Front
 from pipeline.metrics import Metrics
 from pipeline.pool import metrics as pool_metrics
 from pipeline.pool.config import PoolConfig
@@ -166,7 +167,6 @@ class ModelPool:
     # -- loading and unloading -----------------------------------------------------------
     async def _load(self, m: Member) -> None:
         from pipeline.api.record import base_record
-        from pipeline.server import Front
 
         loop = asyncio.get_running_loop()
         timeout = self.cfg.load_timeout_s
