@@ -6,6 +6,8 @@ source frame indices, a multiple of the model's temporal patch), then turned int
 (mlx-vlm, numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import math
@@ -15,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InvalidRequest
-from pipeline.vision.media import MediaLimits, MediaPart, _b64
+from pipeline.vision.media import MediaLimits, MediaPart
 
 KINDS = ("video_url", "input_video", "video")   # the part types that carry a video
 INSTALL = "pip install 'pipeserve[vision]'   (or: pip install av)"
@@ -28,14 +30,14 @@ class VideoLimits:
     max_bytes: int
     max_seconds: float
     max_videos: int
-    max_frame_pixels: int          # server.max_image_pixels, per frame
+    max_frame_pixels: int
     media: MediaLimits             # the per-request byte cap and the remote-URL rules
 
     @classmethod
     def of(cls, server: Any) -> VideoLimits:
         return cls(float(server.video_fps), int(server.max_video_frames),
                    int(server.max_video_mb * 1e6), float(server.max_video_seconds),
-                   int(server.max_videos), int(server.max_image_pixels), MediaLimits.of(server))
+                   int(server.max_videos), int(server.max_video_pixels), MediaLimits.of(server))
 
 
 def part_url(part: dict[str, Any]) -> Any:
@@ -57,7 +59,12 @@ def from_url(url: Any, where: str) -> MediaPart:
         if not sep or ";base64" not in head:
             raise InvalidRequest(f"{where} is a data URL that is not base64 "
                                  "(expected data:video/<type>;base64,<data>)", param=where)
-        return MediaPart(where, data=_b64(payload, where), kind="video")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InvalidRequest(f"{where}: the video data is not valid base64 ({e})",
+                                 param=where) from e
+        return MediaPart(where, data=data, kind="video")
     if url.startswith(("http://", "https://")):
         return MediaPart(where, url=url, kind="video")
     raise InvalidRequest(f"{where} has URL scheme {url.split(':', 1)[0]!r:.20}; videos come as "
@@ -164,7 +171,7 @@ def _probe(data: bytes, where: str, limits: VideoLimits) -> tuple[int, float]:
             raise InvalidRequest(
                 f"{where}: the video's frames are {width}x{height} = {width * height} pixels; "
                 f"the limit is {limits.max_frame_pixels} pixels per frame "
-                "(server.max_image_pixels)", param=where)
+                "(server.max_video_pixels)", param=where)
         count, last = 0, 0.0
         for packet in container.demux(stream):
             if packet.size and packet.pts is not None:

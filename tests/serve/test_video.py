@@ -208,6 +208,15 @@ def test_bad_videos_are_400s_naming_the_part(vlm: Any) -> None:
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\].*not both"):
         greedy(vlm, both)
 
+    r = httpx.post(f"{vlm.base_url}/v1/messages", timeout=60, json={
+        "model": "tiny_vlm", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Watch:"},
+            {"type": "video", "source": {"type": "base64", "media_type": "video/mp4",
+                                         "data": base64.b64encode(VIDEO_A).decode()}}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["message"].startswith("messages[0].content[1] has type 'video': "
+                                                   "Anthropic Messages has no video block")
+
     # a valid stream beside a bad request finishes
     async def together() -> tuple[Any, Any]:
         async with httpx.AsyncClient(base_url=vlm.base_url, timeout=60) as h:
