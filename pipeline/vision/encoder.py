@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pipeline.errors import ConfigError
+from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True}
@@ -116,8 +117,12 @@ class VisionEncoder:
                      else (sum(tokens_per_image), width))
             extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
         images = pixels.get("pixel_values")   # absent: a video's (pixel_values_videos in extra)
-        out = self.vlm.get_input_embeddings(ids, None if images is None else mx.array(images),
-                                            mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+        if mixed.takes_both(pixels):            # images and videos: mlx-vlm takes one kind
+            out = mixed.input_embeddings(self.vlm, ids, pixels, tokens_per_image is not None,
+                                         self.dtype)
+        else:
+            out = self.vlm.get_input_embeddings(ids, None if images is None else mx.array(images),
+                                                mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         embeddings = out.inputs_embeds[0].astype(self.dtype)
         positions = None
         if self.mrope:

@@ -244,19 +244,12 @@ def prepare(processor: Any, text: str, videos: list[DecodedVideo],
 def refuse_unserved(parts: list[MediaPart], vision: Any, model: str) -> None:
     """A video part for a model that takes none is a 400 saying so (before any decoding)."""
     at = next((p.where for p in parts if p.kind == "video"), None)
-    if at is None or vision is None:
-        return
-    if vision.processor.video_processor is None:
+    if at is not None and vision is not None and vision.processor.video_processor is None:
         raise InvalidRequest(
             f"{at} is a video, but model {model!r} ({vision.family}) takes no video: its "
             "processor has no video path; send frames as image parts, or serve a model that "
             "takes video (Qwen2-VL / Qwen2.5-VL; GET /v1/models lists each model's modalities)",
             param=at)
-    if any(p.kind == "image" for p in parts):
-        raise InvalidRequest(
-            f"{at} is a video in a request that also has images; model {model!r} "
-            f"({vision.family}, as mlx-vlm runs it) takes images or videos in one prompt, not "
-            "both: send them in separate requests", param=at)
 
 
 def attach(media: Any, processor: Any, text: str, parts: list[MediaPart], limits: VideoLimits,
