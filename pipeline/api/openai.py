@@ -296,9 +296,13 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     images = (usage.record or {}).get("image_tokens")
-    if images:   # OpenAI's split of the prompt into image and text tokens
-        out["prompt_tokens_details"].update(image_tokens=images,
-                                            text_tokens=usage.prompt_tokens - images)
+    videos = (usage.record or {}).get("video_tokens")
+    if images or videos:   # OpenAI's split of the prompt into image and text tokens (+ video)
+        details = out["prompt_tokens_details"]
+        details.update({"image_tokens": images} if images else {},
+                       text_tokens=usage.prompt_tokens - (images or 0) - (videos or 0))
+        if videos:
+            details["video_tokens"] = videos
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:

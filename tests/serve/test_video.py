@@ -246,6 +246,9 @@ def test_models_metrics_and_record_name_the_videos(vlm: Any) -> None:
     assert record["videos"] == digest and "images" not in record
     assert record["video_frames"] == 6   # 12 frames at 4 fps: 3 s at 2 fps
     assert record["video_tokens"] > 0
+    details = resp.parse().usage.prompt_tokens_details
+    assert details.model_extra["video_tokens"] == record["video_tokens"]
+    assert details.text_tokens == resp.parse().usage.prompt_tokens - record["video_tokens"]
     assert f"videos={digest}" in resp.headers["x-pipeserve-record"]
     assert metric(vlm, "pipeserve_videos_total") == videos + 1
     assert metric(vlm, "pipeserve_video_frames_total") == frames + 6
