@@ -55,11 +55,11 @@ class PromptMedia:
         fixed)."""
         if self._key is not None and len(self._key) == len(prompt_ids):
             return self._key
-        marks: dict[int, Any] = {}
-        for token, digests, counts in ((self.image_token_id, self.digests, self.tokens_per_image),
-                                       (self.video_token_id, self.video_digests,
-                                        self.tokens_per_video)):
-            ids = [-1 - int(d[:15], 16) for d, n in zip(digests, counts) for _ in range(n)]
+        marks: dict[int, Any] = {}   # images in [-2^60 - 1, -1], videos below (disjoint:
+        for token, digests, counts, base in (   # the same bytes as an image and as a video differ)
+                (self.image_token_id, self.digests, self.tokens_per_image, -1),
+                (self.video_token_id, self.video_digests, self.tokens_per_video, -(1 << 61))):
+            ids = [base - int(d[:15], 16) for d, n in zip(digests, counts) for _ in range(n)]
             marks[token] = iter(ids)
         out = list(prompt_ids)
         for i, t in enumerate(out):
@@ -67,7 +67,9 @@ class PromptMedia:
                 out[i] = next(marks[t], out[i])
         if self.encoder.mrope and out:
             import hashlib
-            salt = hashlib.sha256(("|".join(self.digests + self.video_digests)).encode()).hexdigest()
+            names = "|".join(self.digests) + ("/" + "|".join(self.video_digests)
+                                              if self.video_digests else "")
+            salt = hashlib.sha256(names.encode()).hexdigest()
             out[0] = -(1 << 62) - int(salt[:15], 16)
         self._key = out
         return out

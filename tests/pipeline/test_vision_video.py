@@ -149,3 +149,27 @@ def test_remote_fetch_policy(local_videos: str) -> None:
     with pytest.raises(InvalidRequest, match=r"remote video is larger than 1000 bytes \(server\.max_video_mb\)"):
         decode_all([part], limits(allow_remote=True, allow_private=True, max_bytes=1000),
                    FACTOR, MIN_FRAMES, 0)
+
+
+def test_prompt_cache_keys_name_each_video_and_its_kind() -> None:
+    """Video tokens are keyed by the video's digest; the same bytes sent as an image key apart."""
+    from types import SimpleNamespace
+
+    from pipeline.vision.rows import PromptMedia
+    IMG, VID = 7, 8   # the image and video token ids of this made-up prompt
+    prompt = [1, 2, VID, VID, VID, 3]
+
+    def key(videos: list[str] = (), images: list[str] = (), ids: list[int] = prompt,
+            mrope: bool = True) -> list[int]:
+        media = PromptMedia(SimpleNamespace(mrope=mrope), {}, list(images), IMG,
+                            [ids.count(IMG)] * len(images), video_digests=list(videos),
+                            tokens_per_video=[ids.count(VID)] * len(videos), video_token_id=VID)
+        return media.key_ids(ids)
+
+    a, b = "a" * 64, "b" * 64
+    assert key([a]) == key([a])
+    assert key([a])[2:5] != key([b])[2:5] and key([a])[0] != key([b])[0]
+    assert key([a], mrope=False)[:2] == [1, 2] and all(t < 0 for t in key([a], mrope=False)[2:5])
+    as_image = key(images=[a], ids=[1, 2, IMG, IMG, IMG, 3], mrope=False)
+    assert as_image[2:5] != key([a], mrope=False)[2:5]
+    assert key(images=[a], ids=[1, 2, IMG, IMG, IMG, 3])[0] != key([a])[0]
