@@ -189,8 +189,9 @@ def _probe(data: bytes, where: str, limits: VideoLimits) -> tuple[int, float]:
 
 
 def _frames(data: bytes, keep: list[int]) -> list[np.ndarray]:
-    """The frames at the kept indices (presentation order), as (H, W, 3) uint8 RGB; decoding
-    stops after the last one."""
+    """The frames at the kept indices (presentation order), as (H, W, 3) uint8 RGB, turned
+    upright by the stream's display rotation (as players and mlx-vlm's OpenCV reader show a
+    phone's portrait video); decoding stops after the last one."""
     import av
 
     wanted, out = set(keep), []   # distinct and ascending (sample_indices)
@@ -198,7 +199,9 @@ def _frames(data: bytes, keep: list[int]) -> list[np.ndarray]:
         stream = container.streams.video[0]
         for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
-                out.append(frame.to_ndarray(format="rgb24"))
+                rgb = frame.to_ndarray(format="rgb24")
+                turns = round(getattr(frame, "rotation", 0) / 90) % 4   # counter-clockwise
+                out.append(np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb)
             if i >= keep[-1]:
                 break
     return out

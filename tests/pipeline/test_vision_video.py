@@ -32,12 +32,14 @@ def limits(**kw) -> VideoLimits:
 
 
 def video(frames: int, fps: int, size: tuple[int, int] = (64, 48), codec: str = "libx264",
-          fmt: str = "mp4") -> bytes:
+          fmt: str = "mp4", rotation: int = 0) -> bytes:
     buf = io.BytesIO()
     rng = np.random.default_rng(frames * 100 + fps)
     with av.open(buf, "w", format=fmt) as c:
         s = c.add_stream(codec, rate=fps)
         s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
+        if rotation:
+            s.set_display_rotation(rotation)
         for _ in range(frames):
             arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
             for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
@@ -47,16 +49,18 @@ def video(frames: int, fps: int, size: tuple[int, int] = (64, 48), codec: str = 
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("frames,fps,max_frames,codec,fmt", [
-    (12, 4, 32, "libx264", "mp4"),     # 3 s at 2 fps: 6 frames
-    (7, 3, 32, "libx264", "mp4"),      # at least 4 (min_frames), a multiple of 2
-    (40, 10, 32, "libvpx-vp9", "webm"),  # 8 frames over 4 s
-    (40, 10, 4, "mpeg4", "mp4"),       # capped at server.max_video_frames, evenly spread
+@pytest.mark.parametrize("frames,fps,max_frames,codec,fmt,rotation", [
+    (12, 4, 32, "libx264", "mp4", 0),      # 3 s at 2 fps: 6 frames
+    (7, 3, 32, "libx264", "mp4", 0),       # at least 4 (min_frames), a multiple of 2
+    (40, 10, 32, "libvpx-vp9", "webm", 0),  # 8 frames over 4 s
+    (40, 10, 4, "mpeg4", "mp4", 0),        # capped at server.max_video_frames, evenly spread
+    (8, 4, 32, "libx264", "mp4", 90),      # a portrait phone video: shown upright
 ])
 def test_frames_equal_mlx_vlms_own_sampling(tmp_path: Path, frames: int, fps: int,
-                                            max_frames: int, codec: str, fmt: str) -> None:
+                                            max_frames: int, codec: str, fmt: str,
+                                            rotation: int) -> None:
     from mlx_vlm.utils import VideoSampling, load_video
-    data = video(frames, fps, codec=codec, fmt=fmt)
+    data = video(frames, fps, codec=codec, fmt=fmt, rotation=rotation)
     ours = decode(data, "p", limits(max_frames=max_frames), FACTOR, MIN_FRAMES)
     file = tmp_path / f"clip.{fmt}"
     file.write_bytes(data)
@@ -65,6 +69,7 @@ def test_frames_equal_mlx_vlms_own_sampling(tmp_path: Path, frames: int, fps: in
     assert ours.frames.shape == theirs.shape and ours.frames.dtype == np.uint8
     assert np.array_equal(ours.frames, theirs)
     assert ours.source_frames == frames and len(ours.frames) <= max_frames
+    assert ours.frames.shape[2:] == ((64, 48) if rotation else (48, 64))
 
 
 def test_a_single_frame_video_keeps_its_frame() -> None:
