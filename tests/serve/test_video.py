@@ -232,6 +232,12 @@ def test_responses_input_video(vlm: Any) -> None:
                                            {"type": "input_video", "video_url": data_url(VIDEO_A)},
                                            {"type": "input_text", "text": QUESTION}]}])
     assert out.output_text == greedy(vlm, video_message(VIDEO_A)).choices[0].message.content
+    follow = client(vlm).responses.create(model="tiny_vlm", max_output_tokens=4, temperature=0,
+                                          previous_response_id=out.id, input="And then?")
+    # the stored turn brought its video along: the follow-up's prompt has it, from the cache
+    digest = "sha256:" + hashlib.sha256(VIDEO_A).hexdigest()
+    assert follow.usage.model_extra["pipeserve"]["videos"] == digest
+    assert follow.usage.input_tokens_details.cached_tokens > out.usage.input_tokens // 2
 
 
 def test_models_metrics_and_record_name_the_videos(vlm: Any) -> None:
