@@ -411,6 +411,13 @@ class ServerConfig:
     allow_remote_media: bool = False  # fetch http(s) image URLs (else only data: URLs)
     allow_private_media: bool = False  # with remote media: also loopback/private/link-local hosts
     media_fetch_timeout_s: float = 10.0  # wall-clock seconds one remote image may take
+    # video (models whose processor takes video: Qwen2-VL / Qwen2.5-VL), sampled to frames
+    video_fps: float = 2.0            # frames sampled per second of video
+    max_video_frames: int = 32        # frames sampled from one video at most (evenly spread)
+    max_video_mb: float = 50.0        # decimal MB of one video's bytes
+    max_video_seconds: float = 300.0  # duration of one video (decoding reads every frame)
+    max_video_pixels: int = 8_294_400  # width x height of a video's frames (3840x2160)
+    max_videos: int = 4               # videos in one request
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -428,7 +435,8 @@ class ServerConfig:
         _positive("server.request_template_timeout_s", self.request_template_timeout_s,
                   allow_none=False)
         for key in ("max_image_mb", "max_image_pixels", "max_images", "max_media_mb",
-                    "media_fetch_timeout_s"):
+                    "media_fetch_timeout_s", "video_fps", "max_video_frames", "max_video_mb",
+                    "max_video_seconds", "max_video_pixels", "max_videos"):
             _positive(f"server.{key}", getattr(self, key), allow_none=False)
         self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
         self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)

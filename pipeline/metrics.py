@@ -116,6 +116,11 @@ class Metrics:
             f"{PREFIX}_images", "Images of requests, encoded by the vision tower", registry=r)
         self.image_tokens = Counter(
             f"{PREFIX}_image_tokens", "Prompt tokens that carry image features", registry=r)
+        self.videos = Counter(
+            f"{PREFIX}_videos", "Videos of requests, sampled to frames for the vision tower",
+            registry=r)
+        self.video_frames = Counter(
+            f"{PREFIX}_video_frames", "Frames sampled from requests' videos", registry=r)
         self.vision_seconds = Histogram(
             f"{PREFIX}_vision_encoder_seconds",
             "Vision-tower time per request (all its images, at its first prompt chunk)",

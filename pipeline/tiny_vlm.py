@@ -14,7 +14,7 @@ from pipeline.model_cache import cache_root, publish
 
 ARCHS = ("gemma3", "qwen2_5_vl")
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
@@ -23,13 +23,16 @@ IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
 # processor expands to one token per image feature.
 IMAGE_MARK = {"gemma3": "<start_of_image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+# and a video part, for a family whose processor takes video (as Qwen2.5-VL's own template)
+VIDEO_PART = {"qwen2_5_vl": "{%- elif part.type == 'video' %}"
+                            "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"}
 GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE = 32, 8, 4
 QWEN_PATCH, QWEN_MERGE = 14, 2
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 112 * 112   # 4 to 16 merged tokens per image
 
 
 def chat_template(arch: str) -> str:
-    """ChatML, with content parts: text as is, an image as the family's placeholder."""
+    """ChatML, with content parts: text as is, an image (a video) as the family's placeholder."""
     mark = IMAGE_MARK[arch]
     return (
         "{%- for message in messages %}"
@@ -37,6 +40,7 @@ def chat_template(arch: str) -> str:
         "{%- if message.content is string %}{{- message.content }}"
         "{%- else %}{%- for part in message.content %}"
         "{%- if part.type == 'image' or part.type == 'image_url' %}{{- '" + mark + "' }}"
+        + VIDEO_PART.get(arch, "") +
         "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
         "{%- endfor %}{%- endif %}"
         "{{- '<|im_end|>\\n' }}"

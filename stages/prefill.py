@@ -42,5 +42,7 @@ class Prefill:
         media.counted = True
         self.metrics.images.inc(media.num_images)
         self.metrics.image_tokens.inc(media.num_image_tokens)
+        self.metrics.videos.inc(len(media.video_digests))
+        self.metrics.video_frames.inc(sum(media.video_frames))
         if media.encoded:   # a prompt-cache hit over every image skips the tower
             self.metrics.vision_seconds.observe(media.encode_s)

@@ -20,6 +20,7 @@ from pipeline.offload import INLINE_LIMIT, off_loop
 from pipeline.prompt_cache.protocol import rewinds
 from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
+from pipeline.vision import video
 from pipeline.vision.media import MediaLimits, decode_all
 from pipeline.vision.rows import PromptMedia
 from pipeline.turn_grammar import TurnGrammars
@@ -64,6 +65,7 @@ class Tokenize:
         self.vision = loaded.vision
         self.model_name = cfg.model.name
         self.media_limits = MediaLimits.of(cfg.server)
+        self.video_limits = video.VideoLimits.of(cfg.server)
         template = getattr(self.tokenizer, "chat_template", None)
         self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,
@@ -77,10 +79,14 @@ class Tokenize:
         else:
             template = self._request_template(inputs)
             if inputs.media and self.vision is None:
+                kind = inputs.media[0].kind
                 raise InvalidRequest(
-                    f"{inputs.media[0].where} is an image, but model {self.model_name!r} has no "
-                    "vision tower and takes text only; serve a vision-language model "
-                    "(model.path=<an mlx-vlm checkpoint>) for images", param=inputs.media[0].where)
+                    f"{inputs.media[0].where} is {'an' if kind == 'image' else 'a'} {kind}, but "
+                    f"model {self.model_name!r} has no vision tower and takes text only; serve a "
+                    f"vision-language model (model.path=<an mlx-vlm checkpoint>) for {kind}s "
+                    "(GET /v1/models lists each model's modalities)",
+                    param=inputs.media[0].where)
+            video.refuse_unserved(inputs.media, self.vision, self.model_name)
             small = template is None and not inputs.media and _small(inputs)
             await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
@@ -129,16 +135,26 @@ class Tokenize:
             request.prompt_ids = self.encode(inputs.text)
 
     def _images(self, inputs: PromptInput, text: str) -> tuple[str, PromptMedia]:
-        """Decode the request's images (caps, EXIF), expand the template's placeholders."""
-        decoded = decode_all(inputs.media, self.media_limits)
-        prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
-                                                 [p.where for p in inputs.media])
-        media = PromptMedia(self.vision, prepared.pixels, [d.digest for d in decoded],
-                            self.vision.processor.image_token_id, prepared.tokens_per_image)
-        return prepared.text, media
+        """Decode the request's images (caps, EXIF) and videos (sampled frames), expand the
+        template's placeholders."""
+        images = [p for p in inputs.media if p.kind == "image"]
+        videos = [p for p in inputs.media if p.kind == "video"]
+        decoded = decode_all(images, self.media_limits)
+        media = PromptMedia(self.vision, {}, [d.digest for d in decoded],
+                            self.vision.processor.image_token_id)
+        if images:
+            prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
+                                                     [p.where for p in images])
+            text, media.pixels = prepared.text, prepared.pixels
+            media.tokens_per_image = prepared.tokens_per_image
+        if videos:
+            text = video.attach(media, self.vision.processor, text, videos, self.video_limits,
+                                sum(d.nbytes for d in decoded))
+        return text, media
 
     @staticmethod
     def _check_images(prompt_ids: list[int], media: PromptMedia) -> None:
+        video.check_tokens(prompt_ids, media)
         found = sum(1 for t in prompt_ids if t == media.image_token_id)
         if found != media.num_image_tokens or prompt_ids[-1] == media.image_token_id:
             raise InvalidRequest(

@@ -1,6 +1,8 @@
 """Images in: vision-language models through mlx-vlm. media.py decodes what clients send (event
 loop side, no MLX), processor.py turns images into pixel arrays and a prompt's placeholders into
-image tokens (preparation pool), encoder.py runs the vision tower at prefill (engine thread)."""
+image tokens (preparation pool), encoder.py runs the vision tower at prefill (engine thread).
+video.py does what media.py and processor.py do for videos (Qwen-VL), mixed.py merges images
+and videos of one prompt."""
 from __future__ import annotations
 
 from typing import Any

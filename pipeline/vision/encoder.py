@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from pipeline.errors import ConfigError
+from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True}
@@ -104,9 +105,9 @@ class VisionEncoder:
 
     def embed(self, prompt_ids: list[int], pixels: dict[str, Any],
               tokens_per_image: list[int] | None = None) -> Embedded:
-        """The prompt's input embeddings with its images' features merged in (evaluated).
-        `tokens_per_image` given: the images lie in a prefix the prompt cache already holds,
-        so the tower is skipped (their positions get zeros that no chunk reads)."""
+        """The prompt's input embeddings with its images' (or videos') features merged in
+        (evaluated). `tokens_per_image` given: the images (videos) lie in a prefix the prompt
+        cache already holds, so the tower is skipped (their positions get zeros no chunk reads)."""
         t0 = time.perf_counter()
         ids = mx.array([prompt_ids], dtype=mx.int32)
         extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
@@ -115,8 +116,13 @@ class VisionEncoder:
             shape = ((len(tokens_per_image), tokens_per_image[0], width) if not self.mrope
                      else (sum(tokens_per_image), width))
             extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
-        out = self.vlm.get_input_embeddings(ids, mx.array(pixels["pixel_values"]),
-                                            mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+        images = pixels.get("pixel_values")   # absent: a video's (pixel_values_videos in extra)
+        if mixed.takes_both(pixels):            # images and videos: mlx-vlm takes one kind
+            out = mixed.input_embeddings(self.vlm, ids, pixels, tokens_per_image is not None,
+                                         self.dtype)
+        else:
+            out = self.vlm.get_input_embeddings(ids, None if images is None else mx.array(images),
+                                                mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         embeddings = out.inputs_embeds[0].astype(self.dtype)
         positions = None
         if self.mrope:

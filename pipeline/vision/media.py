@@ -36,6 +36,7 @@ class MediaPart:
     where: str                  # the part's JSON path, e.g. messages[0].content[1]
     data: bytes | None = None
     url: str | None = None      # http(s), fetched only when server.allow_remote_media
+    kind: str = "image"         # or "video" (pipeline/vision/video.py)
 
 
 @dataclass(slots=True)

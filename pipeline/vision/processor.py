@@ -37,6 +37,11 @@ class VisionProcessor:
                 tok, "image_token") else "<|image_pad|>"
             self.merge = int(getattr(self.image_processor, "merge_size", 2))
         self.image_token_id = int(tok.convert_tokens_to_ids(self.image_token))
+        # video: mlx-vlm's numpy video processor where the family has one (Qwen-VL; not Gemma 3)
+        self.video_processor = getattr(proc, "video_processor", None)
+        self.video_token = getattr(proc, "video_token", None)
+        self.video_token_id = (int(tok.convert_tokens_to_ids(self.video_token))
+                               if self.video_processor is not None else -1)
 
     def prepare(self, text: str, images: list[Any], where: list[str]) -> Prepared:
         found = text.count(self.placeholder)

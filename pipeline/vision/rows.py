@@ -18,6 +18,11 @@ class PromptMedia:
     digests: list[str]               # sha256 of each image's bytes, in prompt order
     image_token_id: int
     tokens_per_image: list[int] = field(default_factory=list)
+    # videos (pipeline/vision/video.py): digests, tokens and sampled frames of each, in order
+    video_digests: list[str] = field(default_factory=list)
+    tokens_per_video: list[int] = field(default_factory=list)
+    video_frames: list[int] = field(default_factory=list)
+    video_token_id: int = -1
     embedded: Any = None             # encoder.Embedded, from the row's first prompt chunk to
                                      # its last
     started: bool = False            # its prefill began (the tower ran, or was skipped)
@@ -38,23 +43,33 @@ class PromptMedia:
     def num_image_tokens(self) -> int:
         return sum(self.tokens_per_image)
 
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(self.tokens_per_video)
+
     def key_ids(self, prompt_ids: list[int]) -> list[int]:
-        """The prompt-cache key of the prompt: each image token replaced by an id outside the
-        vocabulary derived from its image's digest (so the same image and prefix hit, another
-        image never does); for M-RoPE models, whose stored prefix depends on every image's
-        layout, the first token also carries all digests. Made once (the prompt is fixed)."""
+        """The prompt-cache key of the prompt: each image (video) token replaced by an id outside
+        the vocabulary derived from its image's (video's) digest, so the same media and prefix
+        hit, other media never do; for M-RoPE models, whose stored prefix depends on every
+        image's layout, the first token also carries all digests. Made once (the prompt is
+        fixed)."""
         if self._key is not None and len(self._key) == len(prompt_ids):
             return self._key
-        marks = []
-        for digest, n in zip(self.digests, self.tokens_per_image):
-            marks.extend([-1 - int(digest[:15], 16)] * n)
-        out, it = list(prompt_ids), iter(marks)
+        marks: dict[int, Any] = {}   # images in [-2^60 - 1, -1], videos below (disjoint:
+        for token, digests, counts, base in (   # the same bytes as an image and as a video differ)
+                (self.image_token_id, self.digests, self.tokens_per_image, -1),
+                (self.video_token_id, self.video_digests, self.tokens_per_video, -(1 << 61))):
+            ids = [base - int(d[:15], 16) for d, n in zip(digests, counts) for _ in range(n)]
+            marks[token] = iter(ids)
+        out = list(prompt_ids)
         for i, t in enumerate(out):
-            if t == self.image_token_id:
-                out[i] = next(it, out[i])
+            if t in marks:
+                out[i] = next(marks[t], out[i])
         if self.encoder.mrope and out:
             import hashlib
-            salt = hashlib.sha256(("|".join(self.digests)).encode()).hexdigest()
+            names = "|".join(self.digests) + ("/" + "|".join(self.video_digests)
+                                              if self.video_digests else "")
+            salt = hashlib.sha256(names.encode()).hexdigest()
             out[0] = -(1 << 62) - int(salt[:15], 16)
         self._key = out
         return out
@@ -64,10 +79,12 @@ class PromptMedia:
         the embeddings are let go with the last (prompt chunks never repeat)."""
         if not self.started:
             self.started = True
-            last = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.image_token_id)
+            media = (self.image_token_id, self.video_token_id)
+            last = max(i for i, t in enumerate(prompt_ids) if t in media)
             cached = start > last   # a prompt-cache hit covers every image: no tower
             self.embedded = self.encoder.embed(prompt_ids, self.pixels,
-                                               self.tokens_per_image if cached else None)
+                                               self.tokens_per_image + self.tokens_per_video
+                                               if cached else None)
             self.encode_s = 0.0 if cached else self.embedded.encode_s
             self.pixels = {}
         embedded = self.embedded

@@ -176,6 +176,10 @@ def _turn(m: Any, where: str, media: list[MediaPart]) -> list[dict[str, Any]]:
         elif kind == "image" and role == "user":
             media.append(_image(block, at))
             parts.append({"type": "image"})
+        elif kind == "video":
+            raise InvalidRequest(f"{at} has type 'video': Anthropic Messages has no video block; "
+                                 "send videos as video_url parts to /v1/chat/completions",
+                                 param=at)
         else:
             texts.append(_text(block, at, "messages"))
             parts.append({"type": "text", "text": texts[-1]})

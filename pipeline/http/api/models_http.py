@@ -35,6 +35,8 @@ def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
                 "task": task}
     from pipeline.core.limits import EngineLimits
     modalities = ["text", "image"] if loaded.config.get("vision_config") else ["text"]
+    if loaded.vision is not None and loaded.vision.processor.video_processor is not None:
+        modalities.append("video")
     fmt = front.markup.tool_format if front is not None else None
     return {"context_length": EngineLimits.of(cfg, loaded).max_context, "modalities": modalities,
             "tool_format": fmt.name if fmt is not None else None, "task": task}

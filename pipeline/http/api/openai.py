@@ -16,6 +16,7 @@ from pipeline.http.api.resume import resumable
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
+from pipeline.vision import video
 from pipeline.vision.media import MediaPart, from_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -169,8 +170,9 @@ def _message(m: Any, i: int, media: list[MediaPart]) -> dict[str, Any]:
 
 
 def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dict[str, Any]]:
-    """A message's content: a string, or (with image parts) the parts a chat template renders,
-    each image as {"type": "image"} and its bytes appended to `media`."""
+    """A message's content: a string, or (with image or video parts) the parts a chat template
+    renders, each image as {"type": "image"} (a video as {"type": "video"}) and its bytes
+    appended to `media`."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -186,16 +188,20 @@ def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dic
             media.append(from_url(url, at))
             parts.append({"type": "image"})
             continue
-        if kind in ("input_audio", "audio", "video_url", "video", "file"):
+        if kind in video.KINDS:
+            media.append(video.from_url(video.part_url(part), at))
+            parts.append({"type": "video"})
+            continue
+        if kind in ("input_audio", "audio", "file"):
             raise InvalidRequest(
-                f"{at} has type {kind!r}: this server takes text and image parts only (no "
-                "audio or video tower is served; GET /v1/models lists each model's "
-                "modalities)", param=at)
+                f"{at} has type {kind!r}: this server takes text, image and video parts only "
+                "(no audio tower is served; GET /v1/models lists each model's modalities)",
+                param=at)
         if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url",
+            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url, video_url",
                                  param="messages")
         parts.append({"type": "text", "text": part["text"]})
-    if not any(p["type"] == "image" for p in parts):
+    if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
 
@@ -290,9 +296,13 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     images = (usage.record or {}).get("image_tokens")
-    if images:   # OpenAI's split of the prompt into image and text tokens
-        out["prompt_tokens_details"].update(image_tokens=images,
-                                            text_tokens=usage.prompt_tokens - images)
+    videos = (usage.record or {}).get("video_tokens")
+    if images or videos:   # OpenAI's split of the prompt into image and text tokens (+ video)
+        details = out["prompt_tokens_details"]
+        details.update({"image_tokens": images} if images else {},
+                       text_tokens=usage.prompt_tokens - (images or 0) - (videos or 0))
+        if videos:
+            details["video_tokens"] = videos
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:

@@ -23,6 +23,7 @@ from pipeline.http.api.reasoning import thinking_from_effort
 from pipeline.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.http.api.resume import StreamLog
 from pipeline.http.api.store import ResponseStore
+from pipeline.vision import video
 from pipeline.vision.media import MediaPart, from_url
 from pipeline.errors import InvalidRequest, NotFound, ServeError
 from pipeline.grammar import Constraint
@@ -146,10 +147,11 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
-    """Text parts joined; with an input_image, the parts a template renders — each image keeps
-    its URL (and where it was sent), so a stored conversation carries it to the next turn."""
+    """Text parts joined; with an input_image (input_video), the parts a template renders —
+    each image (video) keeps its URL and where it was sent, so a stored conversation carries it
+    to the next turn."""
     if not isinstance(parts, list) or not any(
-            isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+            isinstance(p, dict) and p.get("type") in ("input_image", *video.KINDS) for p in parts):
         return _text(parts, where)
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
@@ -158,20 +160,24 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             out.append({"type": "image", "image_url": url, "where": at})
+        elif isinstance(part, dict) and part.get("type") in video.KINDS:
+            out.append({"type": "video", "video_url": video.part_url(part), "where": at})
         else:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("input_text", "output_text", "text") or not isinstance(
                     part.get("text"), str):
-                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image",
-                                     param="input")
+                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image, "
+                                     "input_video", param="input")
             out.append({"type": "text", "text": part["text"]})
     return out
 
 
 def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
-    """The images of the whole conversation (history included), in prompt order."""
-    return [from_url(p["image_url"], p["where"]) for m in messages
-            if isinstance(m.get("content"), list) for p in m["content"] if p.get("type") == "image"]
+    """The images and videos of the whole conversation (history included), in prompt order."""
+    return [from_url(p["image_url"], p["where"]) if p.get("type") == "image"
+            else video.from_url(p["video_url"], p["where"]) for m in messages
+            if isinstance(m.get("content"), list) for p in m["content"]
+            if p.get("type") in ("image", "video")]
 
 
 def _text(parts: Any, where: str) -> str:

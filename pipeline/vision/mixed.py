@@ -1,0 +1,42 @@
+"""Images and videos in one Qwen-VL prompt. mlx-vlm's get_input_embeddings takes one kind per
+prompt (its pixel_values are the images', else the videos'); this composes the same parts of
+its model for both: the vision tower on each kind's pixels, each kind's features merged at its
+own tokens (merge_input_ids_with_image_features), and the M-RoPE positions of both grids
+(get_rope_index takes both). Engine thread."""
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+KINDS = (("pixel_values", "image_grid_thw", "image_token_id"),
+         ("pixel_values_videos", "video_grid_thw", "video_token_id"))
+
+
+def takes_both(pixels: dict[str, Any]) -> bool:
+    return "pixel_values" in pixels and "pixel_values_videos" in pixels
+
+
+def input_embeddings(vlm: Any, ids: mx.array, pixels: dict[str, Any], cached: bool,
+                     dtype: Any) -> Any:
+    """mlx-vlm's InputEmbeddingsFeatures of a prompt with images and videos. `cached`: the
+    prompt cache holds every visual token, so the tower is skipped (zeros no chunk reads)."""
+    from mlx_vlm.models.base import InputEmbeddingsFeatures
+
+    inner = vlm.language_model
+    embeds = inner.model.embed_tokens(ids)
+    tower = vlm.vision_tower
+    for values, grid, token_key in KINDS:
+        token = getattr(vlm.config, token_key)
+        if cached:
+            count = int(mx.sum(ids == token).item())
+            features = mx.zeros((count, embeds.shape[-1]), dtype=dtype)
+        else:
+            pv = mx.array(pixels[values]).astype(tower.patch_embed.proj.weight.dtype)
+            features = tower(pv, mx.array(pixels[grid]), output_hidden_states=False)
+        embeds = vlm.merge_input_ids_with_image_features(token, token, features, embeds, ids)
+    positions, deltas = inner.get_rope_index(ids, mx.array(pixels["image_grid_thw"]),
+                                             mx.array(pixels["video_grid_thw"]),
+                                             mx.ones(ids.shape, dtype=mx.int32))
+    return InputEmbeddingsFeatures(inputs_embeds=embeds, position_ids=positions,
+                                   rope_deltas=deltas)
