@@ -12,7 +12,7 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl")
+ARCHS = ("gemma3", "qwen2_5_vl", "gemma4")   # gemma4: + an audio tower (pipeline/tiny_audio.py)
 FORMAT_VERSION = 2
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
@@ -183,5 +183,9 @@ def ensure_model(arch: str = "gemma3", dtype: str = "float32",
         raise ValueError(f"unknown vision arch {arch!r}; expected one of {ARCHS}")
     if dtype not in tiny.DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tiny.DTYPES}")
+    if arch == "gemma4":
+        from pipeline import tiny_audio
+        final = cache_root(cache_dir) / f"vlm-gemma4-tiny-{dtype}-v{tiny_audio.FORMAT_VERSION}"
+        return publish(final, lambda tmp: tiny_audio.write(tmp, dtype))
     final = cache_root(cache_dir) / f"vlm-{arch}-tiny-{dtype}-v{FORMAT_VERSION}"
     return publish(final, lambda tmp: _write(tmp, arch, dtype))

@@ -22,6 +22,7 @@ from pipeline.request import PromptInput, Request
 from pipeline.token_bound import char_bound
 from pipeline.vision.media import MediaLimits, decode_all
 from pipeline.vision.rows import PromptMedia
+from pipeline.vision.audio import AudioLimits, check_audio_tokens, check_modalities, prepare_audio
 from pipeline.turn_grammar import TurnGrammars
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
@@ -64,6 +65,7 @@ class Tokenize:
         self.vision = loaded.vision
         self.model_name = cfg.model.name
         self.media_limits = MediaLimits.of(cfg.server)
+        self.audio_limits = AudioLimits.of(cfg.server)
         template = getattr(self.tokenizer, "chat_template", None)
         self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,
@@ -76,11 +78,8 @@ class Tokenize:
             request.prompt_ids = self._checked_ids(inputs.token_ids)
         else:
             template = self._request_template(inputs)
-            if inputs.media and self.vision is None:
-                raise InvalidRequest(
-                    f"{inputs.media[0].where} is an image, but model {self.model_name!r} has no "
-                    "vision tower and takes text only; serve a vision-language model "
-                    "(model.path=<an mlx-vlm checkpoint>) for images", param=inputs.media[0].where)
+            if inputs.media:
+                check_modalities(inputs.media, self.vision, self.model_name)
             small = template is None and not inputs.media and _small(inputs)
             await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
@@ -129,16 +128,27 @@ class Tokenize:
             request.prompt_ids = self.encode(inputs.text)
 
     def _images(self, inputs: PromptInput, text: str) -> tuple[str, PromptMedia]:
-        """Decode the request's images (caps, EXIF), expand the template's placeholders."""
-        decoded = decode_all(inputs.media, self.media_limits)
-        prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
-                                                 [p.where for p in inputs.media])
-        media = PromptMedia(self.vision, prepared.pixels, [d.digest for d in decoded],
-                            self.vision.processor.image_token_id, prepared.tokens_per_image)
-        return prepared.text, media
+        """Decode the request's images (caps, EXIF) and audio clips (caps, resampling), expand
+        the template's placeholders."""
+        images = [p for p in inputs.media if p.kind == "image"]
+        clips = [p for p in inputs.media if p.kind == "audio"]
+        media = PromptMedia(self.vision, {}, [], self.vision.processor.image_token_id)
+        if images:
+            decoded = decode_all(images, self.media_limits)
+            prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
+                                                     [p.where for p in images])
+            text = prepared.text
+            media.pixels, media.digests = prepared.pixels, [d.digest for d in decoded]
+            media.tokens_per_image = prepared.tokens_per_image
+        if clips:
+            text = prepare_audio(self.vision.audio, clips, text, media, self.audio_limits,
+                                 self.media_limits.max_request_bytes,
+                                 sum(len(p.data or b"") for p in images))
+        return text, media
 
     @staticmethod
     def _check_images(prompt_ids: list[int], media: PromptMedia) -> None:
+        check_audio_tokens(prompt_ids, media)
         found = sum(1 for t in prompt_ids if t == media.image_token_id)
         if found != media.num_image_tokens or prompt_ids[-1] == media.image_token_id:
             raise InvalidRequest(

@@ -16,6 +16,7 @@ from pipeline.api.resume import resumable
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
+from pipeline.vision.audio import from_input_audio
 from pipeline.vision.media import MediaPart, from_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -186,16 +187,20 @@ def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dic
             media.append(from_url(url, at))
             parts.append({"type": "image"})
             continue
-        if kind in ("input_audio", "audio", "video_url", "video", "file"):
+        if kind == "input_audio":
+            media.append(from_input_audio(part.get("input_audio"), at))
+            parts.append({"type": "audio"})
+            continue
+        if kind in ("audio", "video_url", "video", "file"):
             raise InvalidRequest(
-                f"{at} has type {kind!r}: this server takes text and image parts only (no "
-                "audio or video tower is served; GET /v1/models lists each model's "
+                f"{at} has type {kind!r}: this server takes text, image and input_audio parts "
+                "only (no video tower is served; GET /v1/models lists each model's "
                 "modalities)", param=at)
         if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url",
+            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url, input_audio",
                                  param="messages")
         parts.append({"type": "text", "text": part["text"]})
-    if not any(p["type"] == "image" for p in parts):
+    if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
 
@@ -290,9 +295,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     images = (usage.record or {}).get("image_tokens")
-    if images:   # OpenAI's split of the prompt into image and text tokens
-        out["prompt_tokens_details"].update(image_tokens=images,
-                                            text_tokens=usage.prompt_tokens - images)
+    audio = (usage.record or {}).get("audio_tokens")
+    if images or audio:   # OpenAI's split of the prompt into image, audio and text tokens
+        details = out["prompt_tokens_details"]
+        if images:
+            details["image_tokens"] = images
+        if audio:
+            details["audio_tokens"] = audio
+        details["text_tokens"] = usage.prompt_tokens - (images or 0) - (audio or 0)
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:

@@ -25,6 +25,10 @@ class Record:
     images: str | None = None       # the request's images as sha256:<digest>, comma-separated
     image_tokens: int | None = None  # of its prompt tokens, those carrying image features
     vision_encoder_s: float | None = None  # its vision-tower seconds (0: a cache hit held them)
+                                           # (its audio tower's too)
+    audios: str | None = None       # the request's audio clips as sha256:<digest>, comma-separated
+    audio_tokens: int | None = None  # of its prompt tokens, those carrying audio features
+    audio_s: float | None = None    # seconds of audio it sent
 
     def body(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -37,12 +41,19 @@ class Record:
         return replace(self, batch_size=batch_size)
 
     def with_media(self, media: Any) -> Record:
-        """The record of a request with images (Request.media), naming each by its digest."""
+        """The record of a request with images or audio (Request.media), naming each by its
+        digest."""
         if media is None:
             return self
-        return replace(self, images=",".join(f"sha256:{d}" for d in media.digests),
-                       image_tokens=media.num_image_tokens,
-                       vision_encoder_s=round(media.encode_s, 4))
+        out = replace(self, vision_encoder_s=round(media.encode_s, 4))
+        if media.digests:
+            out = replace(out, images=",".join(f"sha256:{d}" for d in media.digests),
+                          image_tokens=media.num_image_tokens)
+        if media.audio_digests:
+            out = replace(out, audios=",".join(f"sha256:{d}" for d in media.audio_digests),
+                          audio_tokens=media.num_audio_tokens,
+                          audio_s=round(media.audio_seconds, 3))
+        return out
 
     def with_adapter(self, adapters: Any, choice: str | None) -> Record:
         """The record of a request that chose `choice` (Request.adapter) among `adapters`

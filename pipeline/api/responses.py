@@ -23,6 +23,7 @@ from pipeline.api.reasoning import thinking_from_effort
 from pipeline.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.api.resume import StreamLog
 from pipeline.api.store import ResponseStore
+from pipeline.vision.audio import from_input_audio
 from pipeline.vision.media import MediaPart, from_url
 from pipeline.errors import InvalidRequest, NotFound, ServeError
 from pipeline.grammar import Constraint
@@ -149,7 +150,7 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
     """Text parts joined; with an input_image, the parts a template renders — each image keeps
     its URL (and where it was sent), so a stored conversation carries it to the next turn."""
     if not isinstance(parts, list) or not any(
-            isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+            isinstance(p, dict) and p.get("type") in ("input_image", "input_audio") for p in parts):
         return _text(parts, where)
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
@@ -158,20 +159,27 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             out.append({"type": "image", "image_url": url, "where": at})
+        elif isinstance(part, dict) and part.get("type") == "input_audio":
+            from_input_audio(part.get("input_audio"), at)   # refused now, not at the next turn
+            out.append({"type": "audio", "input_audio": part["input_audio"], "where": at})
         else:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("input_text", "output_text", "text") or not isinstance(
                     part.get("text"), str):
-                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image",
+                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image, "
+                                     "input_audio",
                                      param="input")
             out.append({"type": "text", "text": part["text"]})
     return out
 
 
 def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
-    """The images of the whole conversation (history included), in prompt order."""
-    return [from_url(p["image_url"], p["where"]) for m in messages
-            if isinstance(m.get("content"), list) for p in m["content"] if p.get("type") == "image"]
+    """The images and audio clips of the whole conversation (history included), in prompt
+    order."""
+    return [from_url(p["image_url"], p["where"]) if p["type"] == "image"
+            else from_input_audio(p["input_audio"], p["where"]) for m in messages
+            if isinstance(m.get("content"), list) for p in m["content"]
+            if p.get("type") in ("image", "audio")]
 
 
 def _text(parts: Any, where: str) -> str:
