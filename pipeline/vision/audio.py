@@ -77,10 +77,12 @@ def _format(data: bytes) -> str | None:
     return None
 
 
-def decode(data: bytes, where: str, limits: AudioLimits, rate: int,
-           model_seconds: float) -> DecodedAudio:
+def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_seconds: float,
+           shortest_s: float = 0.0) -> DecodedAudio:
     """One clip's waveform at `rate` Hz, mono (mlx-vlm's load_audio, from bytes). The duration
-    is checked from the header before the samples are decoded. Blocking: off the event loop."""
+    is checked from the header before the samples are decoded: at most the server's and the
+    model's longest clip, at least `shortest_s` (one audio token's worth: the tower gives a
+    shorter clip no frame). Blocking: off the event loop."""
     import miniaudio
     from mlx_audio.audio_io import read
     from mlx_audio.resample import resample_audio_array
@@ -106,6 +108,10 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int,
         if seconds > limit:
             raise InvalidRequest(f"{where}: the audio is {seconds:.2f} s long; the limit is "
                                  f"{limit:g} s per clip ({key})", param=where)
+        if seconds < shortest_s:
+            raise InvalidRequest(f"{where}: the audio is {seconds * 1000:.1f} ms long; the "
+                                 f"shortest clip this model takes is {shortest_s * 1000:g} ms "
+                                 "(one audio token)", param=where)
         audio, sample_rate = read(io.BytesIO(data), dtype="float32")
     except InvalidRequest:
         raise
@@ -122,7 +128,8 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int,
 
 
 def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_seconds: float,
-               request_bytes: int, used_bytes: int = 0) -> list[DecodedAudio]:
+               request_bytes: int, used_bytes: int = 0,
+               shortest_s: float = 0.0) -> list[DecodedAudio]:
     """Every audio part's waveform, caps checked (`used_bytes`: the request's images, which
     share server.max_media_mb). Blocking: off the event loop."""
     if len(parts) > limits.max_clips:
@@ -136,7 +143,7 @@ def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_sec
         if total > request_bytes:
             raise InvalidRequest(f"{part.where}: the request's media add up to more than "
                                  f"{request_bytes} bytes (server.max_media_mb)", param=part.where)
-        out.append(decode(part.data, part.where, limits, rate, model_seconds))
+        out.append(decode(part.data, part.where, limits, rate, model_seconds, shortest_s))
     return out
 
 
@@ -156,7 +163,9 @@ class AudioProcessor:
         self.extractor = proc.feature_extractor
         self.rate = int(self.extractor.sampling_rate)
         self.token, self.boa, self.eoa = proc.audio_token, proc.boa_token, proc.eoa_token
-        self.token_id = int(proc.audio_token_id)
+        token_id = proc.audio_token_id
+        self.token_id = int(token_id if token_id is not None
+                            else proc.tokenizer.convert_tokens_to_ids(self.token))
         self.ms_per_token = float(proc.audio_ms_per_token)
         self.seq_length = int(proc.audio_seq_length)
         self.max_seconds = self.seq_length * self.ms_per_token / 1000.0
@@ -214,7 +223,8 @@ def merge(vlm: Any, ids: Any, token_id: int, soft: Any) -> tuple[Any, Any]:
         index = mx.maximum(mx.cumsum(is_audio.astype(mx.int32)) - 1, 0)
         audio = (soft.astype(embeddings.dtype) / vlm.language_model.model.embed_scale)[index]
         embeddings = mx.where(is_audio[:, None], audio, embeddings)
-    return embeddings, out.per_layer_inputs[0]
+    per_layer = out.per_layer_inputs   # None: a Gemma 4 without per-layer inputs (26B, 31B)
+    return embeddings, per_layer[0] if per_layer is not None else None
 
 
 def check_modalities(parts: list[MediaPart], vision: Any, model_name: str) -> None:
@@ -246,7 +256,7 @@ def prepare_audio(processor: AudioProcessor, clips: list[MediaPart], text: str, 
     """Decode the request's clips onto `media` (a PromptMedia) and expand the rendered
     prompt's audio placeholders. Preparation pool."""
     decoded = decode_all(clips, limits, processor.rate, processor.max_seconds, request_bytes,
-                         used_bytes)
+                         used_bytes, processor.ms_per_token / 1000.0)
     prepared = processor.prepare(text, [d.waveform for d in decoded], [p.where for p in clips])
     media.audio_features = prepared.features
     media.audio_digests = [d.digest for d in decoded]

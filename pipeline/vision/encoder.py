@@ -106,7 +106,8 @@ class VisionEncoder:
         encoder = cls(vlm, family, lm_dtype)
         from pipeline.vision.processor import VisionProcessor
         encoder.processor = VisionProcessor(path, family)
-        if family in AUDIO_FAMILIES and getattr(vlm, "audio_tower", None) is not None:
+        if (family in AUDIO_FAMILIES and getattr(vlm, "audio_tower", None) is not None
+                and getattr(encoder.processor.proc, "feature_extractor", None) is not None):
             from pipeline.vision.audio import AudioProcessor
             encoder.audio = AudioProcessor(encoder.processor.proc)
         if rotary is not None:
@@ -132,7 +133,7 @@ class VisionEncoder:
             embeddings, per_layer = A.merge(self.vlm, ids, self.audio.token_id if self.audio
                                             else -1, soft)
             embeddings = embeddings.astype(self.dtype)
-            mx.eval(embeddings, per_layer)
+            mx.eval(embeddings, *([per_layer] if per_layer is not None else []))
             return Embedded(embeddings, None, time.perf_counter() - t0, per_layer)
         extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
         if tokens_per_image is not None:
