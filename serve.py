@@ -77,7 +77,7 @@ def serve(raw: DictConfig) -> None:
             _exit(code)
         from pipeline.distributed.lifeline import stop_self, watch_launcher
         watch_launcher(stop_self)   # rank 0: a lost launcher drains and stops the group
-    from pipeline.server import build_app
+    from pipeline.http.server import build_app
     app = build_app(cfg, members=members, launch=list(hydra_cfg.overrides.task))
     app.ctx.exit_code = 0
     app.ctx.launch_error = None

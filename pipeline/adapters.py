@@ -184,7 +184,7 @@ class AdapterSet:
     """The mounted adapters as slots (0: none, 1..n: model.adapters in launch order) and the
     slots of each row of the next model call (a row stacking adapters runs several: their
     deltas add up). The MultiLoRALinear layers share this one object;
-    pipeline/forward.py sets the rows (`rows`) right before each model call and the set goes
+    pipeline/core/forward.py sets the rows (`rows`) right before each model call and the set goes
     back to every row on the launch default afterwards. `merged`: the single launch adapter
     lives in mlx-lm's own layers (DoRA), so no row can run without it."""
 
@@ -199,12 +199,12 @@ class AdapterSet:
         self.uniform: tuple[int, ...] | None = self.default_slots   # every row's, or None
         self.indices: Any = None      # (B, m) int32 slots per row when mixed (0: padding)
         self.row_scales: Any = None   # (B, m) float32 their scales when mixed
-        # unmounted over HTTP but still holding a slot (pipeline/adapter_swap.py): id →
+        # unmounted over HTTP but still holding a slot (pipeline/core/adapter_swap.py): id →
         # (adapter, monotonic time of its unmount); engine thread only
         self.retired: dict[str, tuple[Adapter, float]] = {}
 
     def renumber(self, order: list[Adapter]) -> None:
-        """Engine thread (pipeline/adapter_swap.py), between steps: slots 1..n are `order`
+        """Engine thread (pipeline/core/adapter_swap.py), between steps: slots 1..n are `order`
         now; `adapters` (what handlers read) is replaced whole, never changed in place."""
         self.slots = {a.id: i + 1 for i, a in enumerate(order)}
         self.scales = [0.0] + [a.scale for a in order]
@@ -304,7 +304,7 @@ class AdapterSet:
     def of(model: Any) -> AdapterSet:
         """The set a model's MultiLoRALinear layers share; a model without any gets an empty
         one (no adapter, every row on slot 0), kept on the model so that adapters mounted
-        over HTTP later (pipeline/adapter_swap.py) join the set its Forward already holds."""
+        over HTTP later (pipeline/core/adapter_swap.py) join the set its Forward already holds."""
         for _, m in model.named_modules():
             if isinstance(m, MultiLoRALinear):
                 return m.adapters

@@ -215,7 +215,7 @@ class ModelConfig:
 
 @dataclass
 class SchedulerConfig:
-    _target_: str = "pipeline.scheduler.Scheduler"
+    _target_: str = "pipeline.core.scheduler.Scheduler"
     # rows running together; a cap, not a minimum (unset: fits the device — 8 on a CPU,
     # 256 on a GPU)
     max_batch: Optional[int] = None
@@ -393,7 +393,7 @@ class ServerConfig:
     chat_page: bool = True            # GET / serves the browser chat page (pipeline/static/chat.html)
     allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
     # a request field the endpoint does not implement is a 400 naming it; false: it is ignored,
-    # named in the x-pipeserve-ignored header and counted (pipeline/api/known_fields.py)
+    # named in the x-pipeserve-ignored header and counted (pipeline/http/api/known_fields.py)
     strict_fields: bool = False
     request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
     # how long a Python thread holds the GIL while another waits for it (sys.setswitchinterval):

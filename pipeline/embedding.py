@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeline.config import ServeConfig
-from pipeline.engine import EngineState
+from pipeline.core.engine import EngineState
 from pipeline.errors import EngineUnavailable, InvalidRequest, ServeError
 from pipeline.metrics import Metrics
 

@@ -1,8 +1,8 @@
 """The model's output markup: its reasoning format (think markers or harmony channels) and its
 tool-call format, inferred once at load from the tokenizer, the chat template and
 `model.tool_call_format` / `model.reasoning_format`. One OutputMarkup is built with the
-request stages (pipeline/server.py) and handed to tokenize (open think spans, tool grammars),
-detokenize (markers that decoding keeps) and the output path (pipeline/api: the reasoning
+request stages (pipeline/http/server.py) and handed to tokenize (open think spans, tool grammars),
+detokenize (markers that decoding keeps) and the output path (pipeline/http/api: the reasoning
 splitter and the tool-call parser). Pure Python."""
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class Metrics:
         self.warmup_tokens = Counter(
             f"{PREFIX}_warmup_tokens", "New prompt tokens idle warm-ups put in the cache",
             registry=r)
-        # resumable SSE streams (pipeline/api/resume.py): the logs held, their bytes, resumes
+        # resumable SSE streams (pipeline/http/api/resume.py): the logs held, their bytes, resumes
         self.stream_logs = Gauge(
             f"{PREFIX}_stream_resume_logs", "SSE streams held for resume (live and ended)",
             registry=r)

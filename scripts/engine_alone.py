@@ -107,9 +107,9 @@ def instrument(engine: Any, clock: StepClock) -> None:
 
 async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
                     bias: dict[int, float]) -> dict[str, Any]:
-    from pipeline.events import Failed, Finished, TokenDelta
+    from pipeline.core.events import Failed, Finished, TokenDelta
     from pipeline.request import PromptInput, Request, SamplingParams
-    from pipeline.stream import RequestStream
+    from pipeline.core.stream import RequestStream
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
 
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    from pipeline.engine import Engine
+    from pipeline.core.engine import Engine
     from pipeline.metrics import Metrics
     cfg = compose_cfg(args.overrides)
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # as the server sets it

@@ -13,10 +13,10 @@ from pipeline.grammar import GrammarBounds, GrammarCompiler, Matcher
 from pipeline.latency import LatencyEstimator, priority_of
 from pipeline.loader import LoadedModel
 from pipeline.request import Request, SamplingParams
-from pipeline.stage import EngineLimits
+from pipeline.core.stage import EngineLimits
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine
+    from pipeline.core.engine import Engine
 
 # field → (lowest, highest) inclusive; None = unbounded on that side. top_k is checked
 # against the vocabulary (see _top_k).

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from pipeline.config import ServeConfig
-from pipeline.plan import CacheHit
+from pipeline.core.plan import CacheHit
 from pipeline.prompt_cache.explain import explain
 from pipeline.prompt_cache.protocol import rewinds
 from pipeline.request import Request
-from pipeline.stage import StageDeps
+from pipeline.core.stage import StageDeps
 
 
 class CacheLookup:

@@ -1,6 +1,6 @@
 """Detokenize: token ids → text, incrementally and UTF-8 safe, with stop strings matched on
 the decoded text and never emitted; tool-call and think markers (the output markup's `kept`,
-pipeline.markup) survive decoding for the output parsers (pipeline/api/generation.py). Event
+pipeline.markup) survive decoding for the output parsers (pipeline/http/api/generation.py). Event
 loop, one TextStream per request; no MLX."""
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ import logging
 from typing import ClassVar
 
 from pipeline.config import ServeConfig, build
-from pipeline.kv.rows import RowStore
-from pipeline.plan import Drafts, Logits, PlannedRow, StepOutput, StepPlan
+from pipeline.core.rows import RowStore
+from pipeline.core.plan import Drafts, Logits, PlannedRow, StepOutput, StepPlan
 from pipeline.request import Request
-from pipeline.stage import StageDeps
+from pipeline.core.stage import StageDeps
 
 log = logging.getLogger("pipeserve")
 

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from pipeline.config import ServeConfig
-from pipeline.kv.rows import RowStore
-from pipeline.plan import StepPlan
+from pipeline.core.rows import RowStore
+from pipeline.core.plan import StepPlan
 from pipeline.prompt_cache.ram import lend
 from pipeline.request import FinishReason, Request
-from pipeline.stage import StageDeps
+from pipeline.core.stage import StageDeps
 
 
 class Persist:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from pipeline.config import ServeConfig
-from pipeline.forward import Forward
-from pipeline.kv.rows import RowStore
-from pipeline.plan import Logits, StepPlan
-from pipeline.stage import StageDeps
+from pipeline.core.forward import Forward
+from pipeline.core.rows import RowStore
+from pipeline.core.plan import Logits, StepPlan
+from pipeline.core.stage import StageDeps
 from pipeline.vision import check_vision
 from pipeline.vision.rows import PromptMedia
 

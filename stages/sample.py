@@ -12,11 +12,11 @@ import numpy as np
 
 from pipeline.config import ServeConfig
 from pipeline.grammar import fill_bitmask, grammar_failed
-from pipeline.plan import Logits, Sampled
+from pipeline.core.plan import Logits, Sampled
 from pipeline.request import Request
-from pipeline.sampler_states import RowSampling, SamplerStates
-from pipeline.sampling import sampling_logits
-from pipeline.stage import StageDeps
+from pipeline.core.sampler_states import RowSampling, SamplerStates
+from pipeline.core.sampling import sampling_logits
+from pipeline.core.stage import StageDeps
 
 
 class Sample:

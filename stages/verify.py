@@ -20,11 +20,11 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from pipeline.config import ServeConfig
 from pipeline.errors import ConfigError
-from pipeline.kv.rows import RowStore
-from pipeline.plan import Logits, RowOutput, Sampled, StepOutput, StepPlan
+from pipeline.core.rows import RowStore
+from pipeline.core.plan import Logits, RowOutput, Sampled, StepOutput, StepPlan
 from pipeline.request import Request
-from pipeline.sampler_states import RowSampling, SamplerStates
-from pipeline.stage import Sample, StageDeps
+from pipeline.core.sampler_states import RowSampling, SamplerStates
+from pipeline.core.stage import Sample, StageDeps
 
 
 @dataclass(slots=True)

@@ -19,11 +19,11 @@ from hydra import compose, initialize_config_dir
 from prometheus_client import CollectorRegistry
 
 from pipeline.config import ServeConfig, check_overrides, load_config, register_configs
-from pipeline.engine import Engine
-from pipeline.events import Failed, Finished, TokenDelta
+from pipeline.core.engine import Engine
+from pipeline.core.events import Failed, Finished, TokenDelta
 from pipeline.metrics import Metrics
 from pipeline.request import PromptInput, Request, SamplingParams
-from pipeline.stream import RequestStream
+from pipeline.core.stream import RequestStream
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

@@ -33,7 +33,7 @@ def follow(cfg: Any) -> int | None:
     rank = world().rank()
     if rank == 0:
         return None
-    from pipeline.engine import Engine, EngineState
+    from pipeline.core.engine import Engine, EngineState
     from pipeline.metrics import Metrics
 
     for handler in logging.getLogger().handlers:

@@ -20,12 +20,12 @@ import numpy as np
 
 from pipeline.distributed import wire
 from pipeline.distributed.shard import world
-from pipeline.events import Submit
-from pipeline.plan import StepPlan
+from pipeline.core.events import Submit
+from pipeline.core.plan import StepPlan
 
 if TYPE_CHECKING:
     from pipeline.config import ServeConfig
-    from pipeline.engine import Engine
+    from pipeline.core.engine import Engine
     from pipeline.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Group:
         backend does not surface) must not hang the server: past distributed.timeout_s
         without a sync, rank 0 fails what is in flight, answers 503 and stops after
         linger_s; another rank exits."""
-        from pipeline.engine import EngineState
+        from pipeline.core.engine import EngineState
         while engine.state in (EngineState.LOADING, EngineState.READY):
             time.sleep(min(0.5, self.cfg.heartbeat_s))
             synced = self._synced_s
@@ -173,7 +173,7 @@ class Group:
     def _compile(self, engine: Engine, constraint: Any) -> Any:
         if self._grammars is None:
             from pipeline.grammar import GrammarCompiler
-            from pipeline.stage import EngineLimits
+            from pipeline.core.stage import EngineLimits
             tok = engine.loaded.tokenizer
             vocab = EngineLimits.of(engine.cfg, engine.loaded).vocab_size
             self._grammars = GrammarCompiler(tok, vocab, tok.eos_token_ids)

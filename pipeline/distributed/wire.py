@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.events import Abort, Command, Submit
+from pipeline.core.events import Abort, Command, Submit
 from pipeline.grammar import Constraint, ConstraintKind
-from pipeline.plan import StepPlan
+from pipeline.core.plan import StepPlan
 from pipeline.request import FinishReason, PromptInput, Request, SamplingParams
 
 MAGIC = 0x50535631      # "PSV1": a header that does not start with it is not ours

@@ -13,10 +13,10 @@ import mlx.core as mx
 from pipeline.config import ServeConfig
 from pipeline.draft.ngram import NgramIndex
 from pipeline.errors import ConfigError
-from pipeline.kv.rows import RowStore
-from pipeline.plan import PlannedRow
+from pipeline.core.rows import RowStore
+from pipeline.core.plan import PlannedRow
 from pipeline.request import Request
-from pipeline.stage import StageDeps
+from pipeline.core.stage import StageDeps
 
 log = logging.getLogger("pipeserve")
 
@@ -98,7 +98,7 @@ class ModelProposer(NoDraft):
 
         from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-        from pipeline.forward import Forward
+        from pipeline.core.forward import Forward
         from pipeline.loader import load
         draft_cfg = replace(cfg.model, path=cfg.draft.path, name="draft", chat_template=None,
                             adapter=None, adapters=[])   # the draft runs without the adapter (verify uses it)

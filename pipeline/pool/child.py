@@ -40,7 +40,7 @@ class ChildStream:
         self._loop, self.finished = loop, False
 
     def post(self, event: Any) -> None:
-        from pipeline.stream import post_many
+        from pipeline.core.stream import post_many
         post_many([(self, event)])
 
 
@@ -67,7 +67,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from pipeline.engine import Engine
+    from pipeline.core.engine import Engine
     from pipeline.metrics import Metrics
 
     t0 = time.perf_counter()
@@ -117,7 +117,7 @@ class Sender:
 
 def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
     from pipeline.errors import ServeError
-    from pipeline.events import Failed
+    from pipeline.core.events import Failed
 
     loop = PipeLoop(send, engine)
     grammars = _Grammars(engine)
@@ -196,7 +196,7 @@ class _Grammars:
 
     def _compile_and_submit(self, req: Any, loop: PipeLoop) -> None:
         from pipeline.errors import EngineUnavailable, ServeError
-        from pipeline.events import Failed
+        from pipeline.core.events import Failed
         error: ServeError | None = None
         try:
             req.grammar = self.matcher(req.constraint)
@@ -221,7 +221,7 @@ class _Grammars:
     def matcher(self, constraint: Any) -> Any:
         if self._compiler is None:
             from pipeline.grammar import GrammarCompiler
-            from pipeline.stage import EngineLimits
+            from pipeline.core.stage import EngineLimits
             loaded = self.engine.loaded
             limits = EngineLimits.of(self.engine.cfg, loaded)
             self._compiler = GrammarCompiler(loaded.tokenizer, limits.vocab_size,

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from pipeline import errors
-from pipeline.events import Event, Failed, Finished, TokenDelta
+from pipeline.core.events import Event, Failed, Finished, TokenDelta
 from pipeline.grammar import Constraint, ConstraintKind
 from pipeline.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
 

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pipeline.config import ServeConfig, config_hash
-from pipeline.engine import EngineState
+from pipeline.core.engine import EngineState
 from pipeline.errors import EngineUnavailable, NotFound
 from pipeline.metrics import Metrics
 from pipeline.pool import metrics as pool_metrics
@@ -31,7 +31,7 @@ class Member:
     config_hash), per model."""
 
     def __init__(self, model_id: str, cfg: ServeConfig, app_ctx: Any) -> None:
-        from pipeline.api.record import base_record
+        from pipeline.http.api.record import base_record
         self.id, self.cfg, self.app_ctx = model_id, cfg, app_ctx
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)   # HTTP side: requests, latency, admission
@@ -165,8 +165,8 @@ class ModelPool:
 
     # -- loading and unloading -----------------------------------------------------------
     async def _load(self, m: Member) -> None:
-        from pipeline.api.record import base_record
-        from pipeline.server import Front
+        from pipeline.http.api.record import base_record
+        from pipeline.http.server import Front
 
         loop = asyncio.get_running_loop()
         timeout = self.cfg.load_timeout_s

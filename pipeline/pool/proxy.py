@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.config import ServeConfig
-from pipeline.engine import EngineState
+from pipeline.core.engine import EngineState
 from pipeline.errors import EngineUnavailable, ServeError
-from pipeline.events import Failed, Finished
+from pipeline.core.events import Failed, Finished
 from pipeline.loader import LoadedModel
 from pipeline.memory import MemoryModel
 from pipeline.metrics import Metrics
 from pipeline.pool import codec
 from pipeline.request import Request
-from pipeline.stream import RequestStream, post_many
+from pipeline.core.stream import RequestStream, post_many
 
 log = logging.getLogger("pipeserve.pool")
 SPAWN = mp.get_context("spawn")   # never fork: the parent may have imported MLX

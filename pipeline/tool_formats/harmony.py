@@ -1,7 +1,7 @@
 """gpt-oss harmony tool calls. The model writes a call as a commentary-channel message to a
 recipient, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
 (or with the recipient before the channel, `<|start|>assistant to=functions.NAME<|channel|>
-commentary json<|message|>...`). The harmony splitter (pipeline/api/harmony.py) reads the
+commentary json<|message|>...`). The harmony splitter (pipeline/http/api/harmony.py) reads the
 channels and hands every call on in the first, canonical spelling, which this parser reads.
 Pure Python."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ from mlx_lm.utils import load_model
 
 from pipeline.adapters import LEAVES
 from pipeline.errors import ConfigError
-from pipeline.step import cache_identity
+from pipeline.core.step import cache_identity
 from pipeline.tiny import ensure_model
 from tests.conftest import make_config, startup_error
 

@@ -80,9 +80,9 @@ def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_facto
         return out + [g["ids"] for g in got], sum(g["cached"] or 0 for g in got)
 
     plain, _ = run(engine_factory("model=llama", "scheduler.max_batch=8"))
-    import pipeline.step
+    import pipeline.core.step
     monkeypatch.setattr(attention, "on_cuda", lambda: True)   # the CUDA path, on the CPU
-    monkeypatch.setattr(pipeline.step, "on_cuda", lambda: True)
+    monkeypatch.setattr(pipeline.core.step, "on_cuda", lambda: True)
     h = engine_factory("model=llama", "scheduler.max_batch=8",
                        f"model.composed_decode={decode}")   # installs dispatch
     assert attention.composed and attention.composed_decode is decode

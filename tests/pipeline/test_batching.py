@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.stream import RequestStream
+from pipeline.core.stream import RequestStream
 
 EOS_OFF = {0: -100.0, 2: -100.0}
 PROMPTS = [[11, 12, 13], [40 + i for i in range(37)], [7], [100 + (i * 7) % 300 for i in range(90)],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.grammar import Constraint, GrammarCompiler
-from pipeline.stream import RequestStream
+from pipeline.core.stream import RequestStream
 from tests.pipeline.test_batching import EOS_OFF, LENGTHS, PROMPTS, wait_idle
 
 

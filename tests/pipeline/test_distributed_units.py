@@ -11,10 +11,10 @@ from pipeline.distributed import wire
 from pipeline.distributed.group import DistributedError, Group
 from pipeline.distributed.shard import check_divisible
 from pipeline.errors import ConfigError
-from pipeline.events import Abort, Submit
+from pipeline.core.events import Abort, Submit
 from pipeline.grammar import Constraint
 from pipeline.metrics import Metrics
-from pipeline.plan import CacheHit, PlannedRow, StepPlan
+from pipeline.core.plan import CacheHit, PlannedRow, StepPlan
 from pipeline.request import FinishReason, PromptInput, Request, SamplingParams
 from tests.conftest import make_config
 

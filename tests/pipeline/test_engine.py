@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pipeline.events import Abort
-from pipeline.stream import RequestStream
+from pipeline.core.events import Abort
+from pipeline.core.stream import RequestStream
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 

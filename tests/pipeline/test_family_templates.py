@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.api.generation import Delta, OutputChain
-from pipeline.api.harmony import HarmonySplitter
-from pipeline.api.openai import parse_chat
-from pipeline.api.tools import ToolCallParser
+from pipeline.http.api.generation import Delta, OutputChain
+from pipeline.http.api.harmony import HarmonySplitter
+from pipeline.http.api.openai import parse_chat
+from pipeline.http.api.tools import ToolCallParser
 from pipeline.config import ServeConfig
 from pipeline.loader import LoadedModel
 from pipeline.markup import OutputMarkup

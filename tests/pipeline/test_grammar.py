@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from pipeline.api import structured
+from pipeline.http.api import structured
 from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint, ConstraintKind, GrammarCompiler, Matcher, fill_bitmask
 from pipeline.tiny import VOCAB_SIZE, ensure_model

@@ -1,4 +1,4 @@
-"""pipeline/api/json_body.py: the chunked parser (bodies of many values) gives what orjson gives,
+"""pipeline/http/api/json_body.py: the chunked parser (bodies of many values) gives what orjson gives,
 and refuses what orjson refuses (trailing data, truncation, nesting past 1024 levels). No model."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import orjson
 import pytest
 
-from pipeline.api import json_body
-from pipeline.api.json_body import JSONError, MANY_VALUES
+from pipeline.http.api import json_body
+from pipeline.http.api.json_body import JSONError, MANY_VALUES
 
 
 def many(n: int) -> bytes:

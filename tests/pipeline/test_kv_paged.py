@@ -66,7 +66,7 @@ def merge(rows: list[list[Any]]) -> list[Any]:
 def run_batch(model: Any, make: Any, grouped: bool) -> tuple[dict[str, list[int]], list[mx.array], list[int]]:
     """Rows a, b, c start together (prefilled alone then merged, or in one right-padded
     forward), d joins at step 6 (extend), b leaves at step 12 (filter), and at step 18 only c
-    is left and continues alone (extract), as pipeline.kv.rows.RowStore does. Returns each
+    is left and continues alone (extract), as pipeline.core.rows.RowStore does. Returns each
     row's tokens, every step's logits and each layer's nbytes after the prompts."""
     prompts = {"a": prompt(70, 1), "b": prompt(41, 2), "c": prompt(23, 3), "d": prompt(55, 4)}
     names = ["a", "b", "c"]

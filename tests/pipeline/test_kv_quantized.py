@@ -246,7 +246,7 @@ def test_delayed_extract_keeps_phase_and_boundary(models, corpus_ids) -> None:
 
 @pytest.mark.parametrize("make", [late(200, 8), affine(4)], ids=["delayed-q8", "q4"])
 def test_right_padded_prefill_group_equals_solo(models, corpus_ids, make) -> None:
-    """As pipeline/forward.py groups prompts: empty rows merged, one right-padded forward, padding
+    """As pipeline/core/forward.py groups prompts: empty rows merged, one right-padded forward, padding
     rolled left by finalize(); delayed rows cross start=200 in that forward or later."""
     model = models["qwen3"]
     prompts = _prompts(corpus_ids, [260, 150, 199])

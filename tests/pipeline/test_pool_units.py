@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.config import ServeConfig
 from pipeline.errors import AdmissionRejected, ConfigError, NotFound, StageError
-from pipeline.events import Failed, Finished, TokenDelta
+from pipeline.core.events import Failed, Finished, TokenDelta
 from pipeline.grammar import Constraint
 from pipeline.pool import codec
 from pipeline.pool.config import PoolConfig, PoolMemberConfig

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.api.generation import Delta, OutputChain
-from pipeline.api.reasoning import ReasoningSplitter, thinking_from_effort
-from pipeline.api.tools import ToolCallParser
+from pipeline.http.api.generation import Delta, OutputChain
+from pipeline.http.api.reasoning import ReasoningSplitter, thinking_from_effort
+from pipeline.http.api.tools import ToolCallParser
 from pipeline.errors import InvalidRequest
 from pipeline.markup import OutputMarkup, ThinkMarkers, infer_think
 from pipeline.tool_formats import FORMATS

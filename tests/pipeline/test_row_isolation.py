@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from pipeline.errors import StageError
 from pipeline.request import SamplingParams
-from pipeline.sampling import min_p, sampling_logits, top_k, top_p
+from pipeline.core.sampling import min_p, sampling_logits, top_k, top_p
 
 NO_EOS = {0: -100.0, 2: -100.0}
 PROMPTS = [[5, 17, 99, 3], [44, 8, 250, 7, 61], [300, 12]]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.events import Finished, TokenDelta
+from pipeline.core.events import Finished, TokenDelta
 from pipeline.memory import MemoryModel
-from pipeline.plan import CacheHit, Drafts, RowOutput, StepOutput, StepPlan
+from pipeline.core.plan import CacheHit, Drafts, RowOutput, StepOutput, StepPlan
 from pipeline.request import (
     FinishReason,
     PromptInput,
@@ -18,7 +18,7 @@ from pipeline.request import (
     RequestStatus,
     SamplingParams,
 )
-from pipeline.scheduler import Limits, Scheduler
+from pipeline.core.scheduler import Limits, Scheduler
 from tests.conftest import make_config
 
 STOP = 0

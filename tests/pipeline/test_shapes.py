@@ -10,10 +10,10 @@ import openai.types.responses as rt
 import pytest
 from pydantic import TypeAdapter
 
-from pipeline.api.anthropic import BlockStream, message_body
-from pipeline.api.generation import Delta, Usage
-from pipeline.api.responses_shape import ResponseEvents, ResponseShape
-from pipeline.api.tools import ToolCall
+from pipeline.http.api.anthropic import BlockStream, message_body
+from pipeline.http.api.generation import Delta, Usage
+from pipeline.http.api.responses_shape import ResponseEvents, ResponseShape
+from pipeline.http.api.tools import ToolCall
 from pipeline.errors import StageError
 from pipeline.request import SamplingParams
 

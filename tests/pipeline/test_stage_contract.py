@@ -1,6 +1,6 @@
 """A third-party stage with the documented signature replaces a slot from the config: here
 `pipeline.sample`, filled by a class of this module built as `Cls(cfg, deps)` and called as
-`(logits: Logits, rows) -> Sampled`, using only public names of pipeline.plan/pipeline.stage.
+`(logits: Logits, rows) -> Sampled`, using only public names of pipeline.core.plan/pipeline.core.stage.
 Its effect is visible in the output: it always picks the second most likely token, and the
 served tokens equal mlx-lm's own loop with that sampler — with drafts too (verify picks with
 the configured sample stage). A replaced persist gets all it needs from its constructor."""
@@ -16,9 +16,9 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
 from pipeline.config import ServeConfig
-from pipeline.plan import Logits, Sampled
+from pipeline.core.plan import Logits, Sampled
 from pipeline.request import Request
-from pipeline.stage import StageDeps
+from pipeline.core.stage import StageDeps
 from pipeline.tiny import ensure_model
 from tests.conftest import startup_error
 

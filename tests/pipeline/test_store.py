@@ -5,7 +5,7 @@ import time
 
 import orjson
 
-from pipeline.api.store import ResponseStore
+from pipeline.http.api.store import ResponseStore
 
 
 def entry(n: int) -> tuple[dict[str, object], list[dict[str, object]]]:

@@ -7,7 +7,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from pipeline.api.resume import StreamStore
+from pipeline.http.api.resume import StreamStore
 from pipeline.metrics import Metrics
 
 

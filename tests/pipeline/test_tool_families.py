@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.api.generation import Delta, OutputChain
-from pipeline.api.harmony import HarmonySplitter
-from pipeline.api.reasoning import ReasoningSplitter
-from pipeline.api.tools import ToolCallParser
+from pipeline.http.api.generation import Delta, OutputChain
+from pipeline.http.api.harmony import HarmonySplitter
+from pipeline.http.api.reasoning import ReasoningSplitter
+from pipeline.http.api.tools import ToolCallParser
 from pipeline.markup import ThinkMarkers
 from pipeline.tool_formats import FORMATS
 from pipeline.tool_formats.deepseek import BEGIN, CALL, CALL_END, END, SEP

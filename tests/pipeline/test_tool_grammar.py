@@ -10,9 +10,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from pipeline.api.generation import Delta, OutputChain
-from pipeline.api.harmony import HarmonySplitter
-from pipeline.api.tools import ToolCallParser
+from pipeline.http.api.generation import Delta, OutputChain
+from pipeline.http.api.harmony import HarmonySplitter
+from pipeline.http.api.tools import ToolCallParser
 from pipeline.grammar import GrammarCompiler
 from pipeline.tool_formats import FORMATS
 from pipeline.tool_grammar import marker_lit, tool_constraint

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.api.tools import ToolCallParser, decode_arguments
+from pipeline.http.api.tools import ToolCallParser, decode_arguments
 from pipeline.markup import infer_tool_format
 from pipeline.tiny import CHAT_TEMPLATE
 from pipeline.tool_formats import FORMATS

@@ -1,5 +1,5 @@
-"""Imports point one way: stages reach the framework, never a protocol adapter (pipeline.api);
-the output markup they share with the adapters lives outside pipeline/api (pipeline.markup)."""
+"""Imports point one way: stages reach the framework, never a protocol adapter (pipeline.http.api);
+the output markup they share with the adapters lives outside pipeline/http/api (pipeline.markup)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def imported(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (`from pipeline import api` → pipeline.api)."""
+    """Every module a file imports, at any depth (`from pipeline import api` → pipeline.http.api)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -23,7 +23,7 @@ def imported(path: Path) -> set[str]:
 
 
 def api_imports(path: Path) -> list[str]:
-    return sorted(n for n in imported(path) if n == "pipeline.api" or n.startswith("pipeline.api."))
+    return sorted(n for n in imported(path) if n == "pipeline.http.api" or n.startswith("pipeline.http.api."))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "stages").glob("*.py")), ids=lambda p: p.name)
@@ -39,8 +39,8 @@ def test_the_output_markup_is_framework_not_adapter(name: str) -> None:
 
 def test_the_check_sees_adapter_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("from pipeline import api\nimport pipeline.api.tools\n"
-                     "from pipeline.api.reasoning import ReasoningSplitter\n")
-    assert api_imports(probe) == ["pipeline.api", "pipeline.api.reasoning",
-                                  "pipeline.api.reasoning.ReasoningSplitter",
-                                  "pipeline.api.tools"]
+    probe.write_text("from pipeline import api\nimport pipeline.http.api.tools\n"
+                     "from pipeline.http.api.reasoning import ReasoningSplitter\n")
+    assert api_imports(probe) == ["pipeline.http.api", "pipeline.http.api.reasoning",
+                                  "pipeline.http.api.reasoning.ReasoningSplitter",
+                                  "pipeline.http.api.tools"]
