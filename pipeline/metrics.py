@@ -123,8 +123,14 @@ class Metrics:
             f"{PREFIX}_video_frames", "Frames sampled from requests' videos", registry=r)
         self.vision_seconds = Histogram(
             f"{PREFIX}_vision_encoder_seconds",
-            "Vision-tower time per request (all its images, at its first prompt chunk)",
-            buckets=LATENCY_BUCKETS_S, registry=r)
+            "Vision- and audio-tower time per request (all its images and audio clips, at its "
+            "first prompt chunk)", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.audio_clips = Counter(
+            f"{PREFIX}_audio_clips", "Audio clips of requests (input_audio parts)", registry=r)
+        self.audio_tokens = Counter(
+            f"{PREFIX}_audio_tokens", "Prompt tokens that carry audio features", registry=r)
+        self.audio_seconds = Counter(
+            f"{PREFIX}_audio_input_seconds", "Seconds of audio requests sent", registry=r)
         self.grouped_prefills = Counter(
             f"{PREFIX}_prefill_grouped_prompts",
             "Prompts prefilled together with others in one padded forward", registry=r)

@@ -12,7 +12,7 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl")
+ARCHS = ("gemma3", "qwen2_5_vl", "gemma4")   # gemma4: + an audio tower (pipeline/tiny_audio.py)
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
@@ -211,5 +211,11 @@ def ensure_model(arch: str = "gemma3", dtype: str = "float32",
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tiny.DTYPES}")
     if size not in VLM_SIZES:
         raise ValueError(f"unknown vision-model size {size!r}; expected one of {VLM_SIZES}")
+    if arch == "gemma4":
+        if size != "tiny":
+            raise ValueError("the generated gemma4 (audio) model comes in size tiny only")
+        from pipeline import tiny_audio
+        final = cache_root(cache_dir) / f"vlm-gemma4-tiny-{dtype}-v{tiny_audio.FORMAT_VERSION}"
+        return publish(final, lambda tmp: tiny_audio.write(tmp, dtype))
     final = cache_root(cache_dir) / f"vlm-{arch}-{size}-{dtype}-v{FORMAT_VERSION}"
     return publish(final, lambda tmp: _write(tmp, arch, dtype, size))

@@ -44,5 +44,9 @@ class Prefill:
         self.metrics.image_tokens.inc(media.num_image_tokens)
         self.metrics.videos.inc(len(media.video_digests))
         self.metrics.video_frames.inc(sum(media.video_frames))
+        if media.audio_digests:
+            self.metrics.audio_clips.inc(media.num_audios)
+            self.metrics.audio_tokens.inc(media.num_audio_tokens)
+            self.metrics.audio_seconds.inc(media.audio_seconds)
         if media.encoded:   # a prompt-cache hit over every image skips the tower
             self.metrics.vision_seconds.observe(media.encode_s)

@@ -23,6 +23,7 @@ from pipeline.token_bound import char_bound
 from pipeline.vision import video
 from pipeline.vision.media import MediaLimits, decode_all
 from pipeline.vision.rows import PromptMedia
+from pipeline.vision.audio import AudioLimits, check_audio_tokens, check_modalities, prepare_audio
 from pipeline.turn_grammar import TurnGrammars
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
@@ -66,6 +67,7 @@ class Tokenize:
         self.model_name = cfg.model.name
         self.media_limits = MediaLimits.of(cfg.server)
         self.video_limits = video.VideoLimits.of(cfg.server)
+        self.audio_limits = AudioLimits.of(cfg.server)
         template = getattr(self.tokenizer, "chat_template", None)
         self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,
@@ -78,15 +80,9 @@ class Tokenize:
             request.prompt_ids = self._checked_ids(inputs.token_ids)
         else:
             template = self._request_template(inputs)
-            if inputs.media and self.vision is None:
-                kind = inputs.media[0].kind
-                raise InvalidRequest(
-                    f"{inputs.media[0].where} is {'an' if kind == 'image' else 'a'} {kind}, but "
-                    f"model {self.model_name!r} has no vision tower and takes text only; serve a "
-                    f"vision-language model (model.path=<an mlx-vlm checkpoint>) for {kind}s "
-                    "(GET /v1/models lists each model's modalities)",
-                    param=inputs.media[0].where)
-            video.refuse_unserved(inputs.media, self.vision, self.model_name)
+            if inputs.media:
+                check_modalities(inputs.media, self.vision, self.model_name)
+                video.refuse_unserved(inputs.media, self.vision, self.model_name)
             small = template is None and not inputs.media and _small(inputs)
             await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
@@ -135,10 +131,11 @@ class Tokenize:
             request.prompt_ids = self.encode(inputs.text)
 
     def _images(self, inputs: PromptInput, text: str) -> tuple[str, PromptMedia]:
-        """Decode the request's images (caps, EXIF) and videos (sampled frames), expand the
-        template's placeholders."""
+        """Decode the request's images (caps, EXIF), videos (sampled frames) and audio clips
+        (caps, resampling), expand the template's placeholders."""
         images = [p for p in inputs.media if p.kind == "image"]
         videos = [p for p in inputs.media if p.kind == "video"]
+        clips = [p for p in inputs.media if p.kind == "audio"]
         decoded = decode_all(images, self.media_limits)
         media = PromptMedia(self.vision, {}, [d.digest for d in decoded],
                             self.vision.processor.image_token_id)
@@ -147,14 +144,20 @@ class Tokenize:
                                                      [p.where for p in images])
             text, media.pixels = prepared.text, prepared.pixels
             media.tokens_per_image = prepared.tokens_per_image
+        used = sum(d.nbytes for d in decoded)
         if videos:
             text = video.attach(media, self.vision.processor, text, videos, self.video_limits,
-                                sum(d.nbytes for d in decoded))
+                                used)
+            used += sum(len(p.data or b"") for p in videos)
+        if clips:
+            text = prepare_audio(self.vision.audio, clips, text, media, self.audio_limits,
+                                 self.media_limits.max_request_bytes, used)
         return text, media
 
     @staticmethod
     def _check_images(prompt_ids: list[int], media: PromptMedia) -> None:
         video.check_tokens(prompt_ids, media)
+        check_audio_tokens(prompt_ids, media)
         found = sum(1 for t in prompt_ids if t == media.image_token_id)
         if found != media.num_image_tokens or prompt_ids[-1] == media.image_token_id:
             raise InvalidRequest(

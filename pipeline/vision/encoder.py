@@ -19,7 +19,12 @@ from pipeline.errors import ConfigError
 from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
-FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True}
+FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "gemma4": False}
+# families whose audio tower is served (pipeline/vision/audio.py); gemma4's image tokens attend
+# to each other both ways at prefill, which the served (causal) decoder does not, so its images
+# are refused (stages/tokenize.py) and it serves text and audio
+AUDIO_FAMILIES = ("gemma4",)
+IMAGELESS_FAMILIES = ("gemma4",)
 
 
 class _Hidden:
@@ -56,6 +61,7 @@ class Embedded:
     embeddings: mx.array
     positions: mx.array | None
     encode_s: float
+    per_layer: mx.array | None = None   # Gemma 4's per-layer inputs (L, layers, width)
 
 
 class VisionEncoder:
@@ -65,6 +71,8 @@ class VisionEncoder:
         self.mrope = FAMILIES[family]
         self.dtype = lm_dtype
         self.armed = _Hidden(positions=None)
+        self.audio: Any = None   # pipeline.vision.audio.AudioProcessor: the audio tower's side
+        self.takes_images = family not in IMAGELESS_FAMILIES
 
     @classmethod
     def load(cls, path: Path, config: dict[str, Any], lm: Any) -> VisionEncoder:
@@ -86,9 +94,12 @@ class VisionEncoder:
         # the tower shares the served decoder's embedding; mlx-vlm's own decoder is never run,
         # so its layers (lazy, never read from disk) are dropped
         inner.model.embed_tokens = embed
+        if getattr(inner.model, "embed_tokens_per_layer", None) is not None:   # gemma4
+            inner.model.embed_tokens_per_layer = lm.language_model.model.embed_tokens_per_layer
         inner.model.layers = []
         lm_dtype = embed.weight.dtype if mx.issubdtype(embed.weight.dtype, mx.floating) else mx.float32
-        towers = [m for name, m in vlm.children().items() if name != "language_model"]
+        towers = [m for name, m in vlm.children().items()
+                  if name != "language_model" and isinstance(m, nn.Module)]
         for tower in towers:
             tower.update(tree_map(lambda a: a.astype(lm_dtype) if mx.issubdtype(a.dtype, mx.floating)
                                   else a, tower.parameters()))
@@ -96,6 +107,10 @@ class VisionEncoder:
         encoder = cls(vlm, family, lm_dtype)
         from pipeline.vision.processor import VisionProcessor
         encoder.processor = VisionProcessor(path, family)
+        if (family in AUDIO_FAMILIES and getattr(vlm, "audio_tower", None) is not None
+                and getattr(encoder.processor.proc, "feature_extractor", None) is not None):
+            from pipeline.vision.audio import AudioProcessor
+            encoder.audio = AudioProcessor(encoder.processor.proc)
         if rotary is not None:
             for layer in lm.layers:
                 attn = layer.self_attn
@@ -104,12 +119,23 @@ class VisionEncoder:
         return encoder
 
     def embed(self, prompt_ids: list[int], pixels: dict[str, Any],
-              tokens_per_image: list[int] | None = None) -> Embedded:
+              tokens_per_image: list[int] | None = None, audio: Any = None) -> Embedded:
         """The prompt's input embeddings with its images' (or videos') features merged in
         (evaluated). `tokens_per_image` given: the images (videos) lie in a prefix the prompt
-        cache already holds, so the tower is skipped (their positions get zeros no chunk reads)."""
+        cache already holds, so the tower is skipped (their positions get zeros no chunk reads).
+        `audio`: (features, tokens per clip, cached) of its audio clips (pipeline/vision/audio.py)."""
         t0 = time.perf_counter()
         ids = mx.array([prompt_ids], dtype=mx.int32)
+        if self.family in AUDIO_FAMILIES:
+            from pipeline.vision import audio as A
+            soft = None
+            if audio is not None and not audio[2]:
+                soft = A.encode(self.vlm, audio[0], audio[1], self.dtype)
+            embeddings, per_layer = A.merge(self.vlm, ids, self.audio.token_id if self.audio
+                                            else -1, soft)
+            embeddings = embeddings.astype(self.dtype)
+            mx.eval(embeddings, *([per_layer] if per_layer is not None else []))
+            return Embedded(embeddings, None, time.perf_counter() - t0, per_layer)
         extra = {k: mx.array(v) for k, v in pixels.items() if k != "pixel_values"}
         if tokens_per_image is not None:
             width = self.vlm.language_model.model.embed_tokens.weight.shape[-1]
@@ -139,6 +165,9 @@ class VisionEncoder:
         if embedded.positions is not None:
             self.armed.positions = embedded.positions[:, :, start:start + num]
         try:
-            yield {"input_embeddings": embedded.embeddings[None, start:start + num]}
+            inputs = {"input_embeddings": embedded.embeddings[None, start:start + num]}
+            if embedded.per_layer is not None:
+                inputs["per_layer_inputs"] = embedded.per_layer[None, start:start + num]
+            yield inputs
         finally:
             self.armed.positions = None

@@ -31,12 +31,13 @@ def _register_heif() -> None:
 
 @dataclass(slots=True)
 class MediaPart:
-    """One image a message carries: its bytes (a data URL or base64 block) or a remote URL."""
+    """One image (or audio clip) a message carries: its bytes (a data URL or base64 block) or a
+    remote URL."""
 
     where: str                  # the part's JSON path, e.g. messages[0].content[1]
     data: bytes | None = None
     url: str | None = None      # http(s), fetched only when server.allow_remote_media
-    kind: str = "image"         # or "video" (pipeline/vision/video.py)
+    kind: str = "image"         # or "video" (pipeline/vision/video.py), "audio" (audio.py)
 
 
 @dataclass(slots=True)

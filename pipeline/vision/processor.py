@@ -26,6 +26,7 @@ class VisionProcessor:
 
         self.family = family
         proc = load_processor(Path(path))
+        self.proc = proc   # the whole processor (pipeline/vision/audio.py reads its audio side)
         self.image_processor = proc.image_processor
         tok = proc.tokenizer
         if family == "gemma3":

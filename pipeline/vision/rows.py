@@ -28,6 +28,13 @@ class PromptMedia:
     started: bool = False            # its prefill began (the tower ran, or was skipped)
     encode_s: float = 0.0            # vision-encoder seconds this request cost
     counted: bool = False            # its images are in the metrics (stages/prefill.py)
+    # its audio clips (pipeline/vision/audio.py): per clip the log-mel features and valid-frame
+    # mask, the sha256 of its bytes and its audio-token count, in prompt order
+    audio_features: list[Any] = field(default_factory=list)
+    audio_digests: list[str] = field(default_factory=list)
+    tokens_per_audio: list[int] = field(default_factory=list)
+    audio_token_id: int = -1
+    audio_seconds: float = 0.0       # seconds of audio the request sent
     _key: list[int] | None = None    # key_ids, once made
 
     @property
@@ -47,6 +54,14 @@ class PromptMedia:
     def num_video_tokens(self) -> int:
         return sum(self.tokens_per_video)
 
+    @property
+    def num_audios(self) -> int:
+        return len(self.audio_digests)
+
+    @property
+    def num_audio_tokens(self) -> int:
+        return sum(self.tokens_per_audio)
+
     def key_ids(self, prompt_ids: list[int]) -> list[int]:
         """The prompt-cache key of the prompt: each image (video) token replaced by an id outside
         the vocabulary derived from its image's (video's) digest, so the same media and prefix
@@ -55,10 +70,11 @@ class PromptMedia:
         fixed)."""
         if self._key is not None and len(self._key) == len(prompt_ids):
             return self._key
-        marks: dict[int, Any] = {}   # images in [-2^60 - 1, -1], videos below (disjoint:
-        for token, digests, counts, base in (   # the same bytes as an image and as a video differ)
+        marks: dict[int, Any] = {}   # images in [-2^60 - 1, -1], videos and audio below
+        for token, digests, counts, base in (   # (disjoint: the same bytes as two kinds differ)
                 (self.image_token_id, self.digests, self.tokens_per_image, -1),
-                (self.video_token_id, self.video_digests, self.tokens_per_video, -(1 << 61))):
+                (self.video_token_id, self.video_digests, self.tokens_per_video, -(1 << 61)),
+                (self.audio_token_id, self.audio_digests, self.tokens_per_audio, -(1 << 62))):
             ids = [base - int(d[:15], 16) for d, n in zip(digests, counts) for _ in range(n)]
             marks[token] = iter(ids)
         out = list(prompt_ids)
@@ -79,14 +95,16 @@ class PromptMedia:
         the embeddings are let go with the last (prompt chunks never repeat)."""
         if not self.started:
             self.started = True
-            media = (self.image_token_id, self.video_token_id)
-            last = max(i for i, t in enumerate(prompt_ids) if t in media)
-            cached = start > last   # a prompt-cache hit covers every image: no tower
+            marks = (self.image_token_id, self.video_token_id, self.audio_token_id)
+            last = max(i for i, t in enumerate(prompt_ids) if t in marks)
+            cached = start > last   # a prompt-cache hit covers every image, video and clip
+            audio = ((self.audio_features, self.tokens_per_audio, cached)
+                     if self.audio_digests else None)
+            visual = self.tokens_per_image + self.tokens_per_video
             self.embedded = self.encoder.embed(prompt_ids, self.pixels,
-                                               self.tokens_per_image + self.tokens_per_video
-                                               if cached else None)
+                                               visual if cached and visual else None, audio)
             self.encode_s = 0.0 if cached else self.embedded.encode_s
-            self.pixels = {}
+            self.pixels, self.audio_features = {}, []
         embedded = self.embedded
         if start + num >= len(prompt_ids) - 1:
             self.embedded = None

@@ -240,3 +240,5 @@ def test_audio_and_video_parts_are_400s_naming_the_part(server: Any) -> None:
         assert r.status_code == 400
         message = r.json()["error"]["message"]
         assert "messages[0].content[1]" in message and "modalities" in message
+        if part["type"] == "input_audio":   # a text-only model: it says it has no audio tower
+            assert "no audio tower and takes text only" in message

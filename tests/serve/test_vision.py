@@ -259,6 +259,17 @@ def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
 
 
 @ONE_ARCH
+def test_audio_on_an_image_model_is_a_400_saying_it_has_no_audio_tower(vlm: Any) -> None:
+    wav = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()
+    with pytest.raises(openai.BadRequestError,
+                       match=r"messages\[0\]\.content\[1\] is audio, but model 'tiny_vlm' has no "
+                             r"audio tower and takes text and image only"):
+        greedy(vlm, [{"role": "user", "content": [
+            {"type": "text", "text": "Hear:"},
+            {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]}])
+
+
+@ONE_ARCH
 def test_remote_urls_refused_by_default(vlm: Any) -> None:
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]

@@ -34,9 +34,14 @@ def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
         return {"context_length": None, "modalities": ["text"], "tool_format": None,
                 "task": task}
     from pipeline.core.limits import EngineLimits
+    vision = getattr(loaded, "vision", None)
     modalities = ["text", "image"] if loaded.config.get("vision_config") else ["text"]
-    if loaded.vision is not None and loaded.vision.processor.video_processor is not None:
+    if vision is not None and not vision.takes_images:
+        modalities.remove("image")
+    if vision is not None and vision.takes_images and vision.processor.video_processor is not None:
         modalities.append("video")
+    if vision is not None and vision.audio is not None:
+        modalities.append("audio")
     fmt = front.markup.tool_format if front is not None else None
     return {"context_length": EngineLimits.of(cfg, loaded).max_context, "modalities": modalities,
             "tool_format": fmt.name if fmt is not None else None, "task": task}

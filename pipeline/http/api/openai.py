@@ -17,6 +17,7 @@ from pipeline.errors import InvalidRequest
 from pipeline.grammar import Constraint
 from pipeline.request import PromptInput, TokenLogprob
 from pipeline.vision import video
+from pipeline.vision.audio import from_input_audio
 from pipeline.vision.media import MediaPart, from_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -192,13 +193,18 @@ def _content(content: Any, where: str, media: list[MediaPart]) -> str | list[dic
             media.append(video.from_url(video.part_url(part), at))
             parts.append({"type": "video"})
             continue
-        if kind in ("input_audio", "audio", "file"):
+        if kind == "input_audio":
+            media.append(from_input_audio(part.get("input_audio"), at))
+            parts.append({"type": "audio"})
+            continue
+        if kind in ("audio", "file"):
             raise InvalidRequest(
-                f"{at} has type {kind!r}: this server takes text, image and video parts only "
-                "(no audio tower is served; GET /v1/models lists each model's modalities)",
+                f"{at} has type {kind!r}: this server takes text, image_url, video_url and "
+                "input_audio parts only (GET /v1/models lists each model's modalities)",
                 param=at)
         if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url, video_url",
+            raise InvalidRequest(f"{at} has type {kind!r}; allowed: text, image_url, video_url, "
+                                 "input_audio",
                                  param="messages")
         parts.append({"type": "text", "text": part["text"]})
     if all(p["type"] == "text" for p in parts):
@@ -297,12 +303,17 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens, **miss_fields(usage)}}
     images = (usage.record or {}).get("image_tokens")
     videos = (usage.record or {}).get("video_tokens")
-    if images or videos:   # OpenAI's split of the prompt into image and text tokens (+ video)
+    audio = (usage.record or {}).get("audio_tokens")
+    if images or videos or audio:   # OpenAI's split of the prompt: image, audio, text (+ video)
         details = out["prompt_tokens_details"]
-        details.update({"image_tokens": images} if images else {},
-                       text_tokens=usage.prompt_tokens - (images or 0) - (videos or 0))
+        if images:
+            details["image_tokens"] = images
+        if audio:
+            details["audio_tokens"] = audio
         if videos:
             details["video_tokens"] = videos
+        details["text_tokens"] = (usage.prompt_tokens - (images or 0) - (videos or 0)
+                                  - (audio or 0))
     if usage.reasoning_tokens:
         out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
     if usage.speculation is not None:

@@ -25,9 +25,13 @@ class Record:
     images: str | None = None       # the request's images as sha256:<digest>, comma-separated
     image_tokens: int | None = None  # of its prompt tokens, those carrying image features
     vision_encoder_s: float | None = None  # its vision-tower seconds (0: a cache hit held them)
+                                           # (its audio tower's too)
     videos: str | None = None       # the request's videos as sha256:<digest>, comma-separated
     video_frames: int | None = None  # frames sampled from them, all together
     video_tokens: int | None = None  # of its prompt tokens, those carrying video features
+    audios: str | None = None       # the request's audio clips as sha256:<digest>, comma-separated
+    audio_tokens: int | None = None  # of its prompt tokens, those carrying audio features
+    audio_s: float | None = None    # seconds of audio it sent
 
     def body(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -40,16 +44,22 @@ class Record:
         return replace(self, batch_size=batch_size)
 
     def with_media(self, media: Any) -> Record:
-        """The record of a request with images (Request.media), naming each by its digest."""
+        """The record of a request with images, videos or audio (Request.media), naming each by its
+        digest."""
         if media is None:
             return self
-        out = replace(self, images=",".join(f"sha256:{d}" for d in media.digests) or None,
-                      image_tokens=media.num_image_tokens if media.digests else None,
-                      vision_encoder_s=round(media.encode_s, 4))
-        if not media.video_digests:
-            return out
-        return replace(out, videos=",".join(f"sha256:{d}" for d in media.video_digests),
-                       video_frames=sum(media.video_frames), video_tokens=media.num_video_tokens)
+        out = replace(self, vision_encoder_s=round(media.encode_s, 4))
+        if media.digests:
+            out = replace(out, images=",".join(f"sha256:{d}" for d in media.digests),
+                          image_tokens=media.num_image_tokens)
+        if media.video_digests:
+            out = replace(out, videos=",".join(f"sha256:{d}" for d in media.video_digests),
+                          video_frames=sum(media.video_frames), video_tokens=media.num_video_tokens)
+        if media.audio_digests:
+            out = replace(out, audios=",".join(f"sha256:{d}" for d in media.audio_digests),
+                          audio_tokens=media.num_audio_tokens,
+                          audio_s=round(media.audio_seconds, 3))
+        return out
 
     def with_adapter(self, adapters: Any, choice: str | None) -> Record:
         """The record of a request that chose `choice` (Request.adapter) among `adapters`

@@ -24,6 +24,7 @@ from pipeline.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeline.http.api.resume import StreamLog
 from pipeline.http.api.store import ResponseStore
 from pipeline.vision import video
+from pipeline.vision.audio import from_input_audio
 from pipeline.vision.media import MediaPart, from_url
 from pipeline.errors import InvalidRequest, NotFound, ServeError
 from pipeline.grammar import Constraint
@@ -151,7 +152,8 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
     each image (video) keeps its URL and where it was sent, so a stored conversation carries it
     to the next turn."""
     if not isinstance(parts, list) or not any(
-            isinstance(p, dict) and p.get("type") in ("input_image", *video.KINDS) for p in parts):
+            isinstance(p, dict) and p.get("type") in ("input_image", "input_audio", *video.KINDS)
+            for p in parts):
         return _text(parts, where)
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
@@ -162,22 +164,30 @@ def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
             out.append({"type": "image", "image_url": url, "where": at})
         elif isinstance(part, dict) and part.get("type") in video.KINDS:
             out.append({"type": "video", "video_url": video.part_url(part), "where": at})
+        elif isinstance(part, dict) and part.get("type") == "input_audio":
+            from_input_audio(part.get("input_audio"), at)   # refused now, not at the next turn
+            out.append({"type": "audio", "input_audio": part["input_audio"], "where": at})
         else:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("input_text", "output_text", "text") or not isinstance(
                     part.get("text"), str):
                 raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image, "
-                                     "input_video", param="input")
+                                     "input_video, input_audio", param="input")
             out.append({"type": "text", "text": part["text"]})
     return out
 
 
 def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
-    """The images and videos of the whole conversation (history included), in prompt order."""
-    return [from_url(p["image_url"], p["where"]) if p.get("type") == "image"
-            else video.from_url(p["video_url"], p["where"]) for m in messages
-            if isinstance(m.get("content"), list) for p in m["content"]
-            if p.get("type") in ("image", "video")]
+    """The images, videos and audio clips of the whole conversation (history included), in
+    prompt order."""
+    def part(p: dict[str, Any]) -> MediaPart:
+        if p["type"] == "image":
+            return from_url(p["image_url"], p["where"])
+        if p["type"] == "video":
+            return video.from_url(p["video_url"], p["where"])
+        return from_input_audio(p["input_audio"], p["where"])
+    return [part(p) for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") in ("image", "video", "audio")]
 
 
 def _text(parts: Any, where: str) -> str:
