@@ -31,6 +31,7 @@ class Prefill:
         if grouped:
             self.metrics.grouped_prefills.inc(grouped)
         logits = self.forward.decode(plan.decode, kv)
+        logits.failed.update(self.forward.failed)
         for rows in (plan.prefill, plan.decode):   # a row's images, counted once: at its first
             for row in rows:                       # chunk, or first decode (a full cache hit)
                 media = row.request.media

@@ -25,6 +25,7 @@ class Forward:
         self.keep_hidden = keep_hidden
         self.grouped = grouped
         self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
+        self.failed: dict[str, BaseException] = {}     # media rows whose own chunk raised
         self.adapters = AdapterSet.of(model)   # per-row adapters (empty: none mounted yet)
 
     def _select(self, rows: list[PlannedRow]) -> None:
@@ -41,8 +42,10 @@ class Forward:
 
     # -- prompt chunks ----------------------------------------------------------------
     def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
-        """Run every prefill chunk; returns how many rows shared a grouped forward."""
+        """Run every prefill chunk; returns how many rows shared a grouped forward. A row with
+        media whose chunk raises (its tower on its own input) lands in `self.failed`, alone."""
         self.hidden = {}
+        self.failed = {}
         whole = [r for r in rows if self.grouped and r.start + r.num_tokens
                  == r.request.num_prompt_tokens - 1 and kv.mergeable(r.request_id)
                  and r.request.media is None]
@@ -55,8 +58,15 @@ class Forward:
                 self._prefill_one(members[0], kv)
         taken = {id(r) for r in whole}
         for row in rows:
-            if id(row) not in taken:
+            if id(row) in taken:
+                continue
+            if row.request.media is None:
                 self._prefill_one(row, kv)
+                continue
+            try:   # the tower runs on this row's own pixels / audio: its failure is its own
+                self._prefill_one(row, kv)
+            except Exception as e:
+                self.failed[row.request_id] = e
         return shared
 
     def _prefill_one(self, row: PlannedRow, kv: RowStore) -> None:

@@ -105,12 +105,15 @@ class Logits:
     """The forward's output for the rows that sample, in `order` (request ids): `logits` is
     (rows, vocab) for a plain step or (rows, width, vocab) when rows verify drafts; `hidden`
     the trunk's hidden states per row id, (1, positions, H) from that row's `start` (draft=mtp).
-    Arrays are lazy; what a rollback needs stays in the row store."""
+    Arrays are lazy; what a rollback needs stays in the row store. `failed`: rows whose own
+    prompt chunk could not run (a vision or audio tower that raised on that row's input); they
+    fail alone and are not in `order`."""
 
     order: list[str]
     logits: Any = None
     width: int = 1
     hidden: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

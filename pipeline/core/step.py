@@ -97,6 +97,8 @@ class Step:
             drafts = self._timed("draft", lambda: self.draft(plan, kv))
             plan = plan.with_drafts(drafts)
         logits = self._timed("prefill", lambda: self.prefill(plan, kv))
+        for rid, cause in logits.failed.items():   # a row whose own prompt chunk raised
+            failed.setdefault(rid, cause)
         self._timed("persist", lambda: self.persist.prompts(plan, kv))
         self._count(plan)
         by_id = {r.request_id: r.request for r in plan.rows}

@@ -109,3 +109,51 @@ def test_with_drafts_a_failing_row_leaves_the_verify_steps_exact(engine_factory:
     assert got[:2] == alone
     assert isinstance(got[2], StageError) and got[2].request_ids == [bad.request_id]
     assert h.metrics.spec_verifies.labels("ngram")._value.get() > verified
+
+
+def test_a_row_whose_vision_tower_raises_fails_alone(engine_factory: Any) -> None:
+    """A request whose pixels reach the engine malformed (here: a third of the processor's
+    pixel rows cut off after tokenize, so Gemma 3's SigLIP patch grid no longer fits its
+    position table) makes the tower raise on that row's own chunk: that row fails alone, with
+    a Failed event, while an image row and a text row in the same steps produce exactly what
+    they produce alone, and the engine serves on."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra (pip install -e '.[vision]')")
+    import io
+
+    from PIL import Image
+
+    from pipeline.markup import OutputMarkup
+    from pipeline.request import PromptInput, Request
+    from pipeline.vision.media import MediaPart
+    from stages.tokenize import Tokenize
+
+    h = engine_factory("model=tiny_vlm", "model.arch=gemma3", "cache=off")
+    tokenize = Tokenize(h.cfg, h.loaded, OutputMarkup.infer(h.loaded.tokenizer))
+
+    def png(seed: int) -> bytes:
+        rgb = np.random.default_rng(seed).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format="PNG")
+        return buf.getvalue()
+
+    def image_request(seed: int, cut: bool = False) -> Request:
+        msg = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]}]
+        req = Request(request_id=f"img-{seed}-{cut}", endpoint="test",
+                      inputs=PromptInput(messages=msg, media=[
+                          MediaPart(where="messages[0].content[0]", data=png(seed))]),
+                      sampling=SamplingParams(temperature=0.0, max_tokens=12, logit_bias=NO_EOS))
+        req = asyncio.run(tokenize(req))
+        if cut:
+            pixels = req.media.pixels["pixel_values"]
+            req.media.pixels["pixel_values"] = pixels[..., : pixels.shape[-1] * 2 // 3, :]
+        return req
+
+    def text_request() -> Request:
+        return h.request(PROMPTS[1], max_tokens=12, logit_bias=NO_EOS)
+
+    alone = [outcome(h, [image_request(1)])[0], outcome(h, [text_request()])[0]]
+    assert all(isinstance(ids, list) and len(ids) == 12 for ids in alone)
+    together = outcome(h, [image_request(1), image_request(2, cut=True), text_request()])
+    assert together[0] == alone[0] and together[2] == alone[1]
+    assert isinstance(together[1], StageError), together[1]
+    assert outcome(h, [image_request(1)])[0] == alone[0]   # and it serves on
