@@ -12,7 +12,8 @@ from pipeline.core.forward import Forward
 from pipeline.core.rows import RowStore
 from pipeline.core.plan import Logits, StepPlan
 from pipeline.core.stage import StageDeps
-from pipeline.vision import check_vision
+from pipeline.kv.attention import on_cuda
+from pipeline.vision import check_backend, check_vision
 from pipeline.vision.rows import PromptMedia
 
 
@@ -22,6 +23,7 @@ class Prefill:
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         if deps.loaded.vision is not None:
             check_vision(cfg, keep_hidden=deps.keep_hidden)
+            check_backend(deps.loaded.vision.family, on_cuda())
         self.forward = Forward(deps.model, keep_hidden=deps.keep_hidden,
                                grouped=deps.layout.grouped_prefill and not deps.keep_hidden)
         self.metrics = deps.metrics

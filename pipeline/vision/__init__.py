@@ -36,3 +36,22 @@ def check_vision(cfg: Any, keep_hidden: bool) -> None:
     if distributed != "none":
         raise ConfigError(f"distributed={distributed} with a vision-language model: images do "
                           "not cross to the other ranks yet; serve it on one process")
+
+
+# Towers that do not run on MLX's CUDA backend (measured on an H200 with MLX 0.32.4: a
+# floating-point exception kills the process in the tower's forward, in mlx-vlm's own generate
+# too; docs/bench/h200-2026-12-02/qwen2_5_vl-sigfpe.txt). Refused at launch, rather than dying
+# with every in-flight request at the first image.
+CUDA_BROKEN = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_backend(family: str, cuda: bool) -> None:
+    """Refuse at launch a vision family whose tower crashes this MLX backend."""
+    if cuda and family in CUDA_BROKEN:
+        import mlx.core as mx
+        raise ConfigError(
+            f"a {family} vision-language model on MLX {mx.__version__}'s CUDA backend: its "
+            "vision tower dies with a floating-point exception there (in mlx-vlm's own generate "
+            "too), which would end the server at the first image; serve it on the CPU backend "
+            "(MLX's CPU wheel) or on Apple silicon, or serve a Gemma 3 VLM on this GPU")
+

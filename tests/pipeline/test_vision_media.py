@@ -106,3 +106,18 @@ def test_remote_fetch_policy(local_images: str) -> None:
     moved = from_url(f"{local_images}/moved", "p")
     with pytest.raises(InvalidRequest, match=r"HTTP 302 \(redirects are not followed\)"):
         decode_all([moved], limits(allow_remote=True, allow_private=True))
+
+
+def test_a_tower_that_crashes_the_cuda_backend_is_refused_at_launch_there_only() -> None:
+    """Qwen2-VL / Qwen2.5-VL towers die with SIGFPE on MLX's CUDA backend (measured on an
+    H200): on CUDA that family is a launch error naming the backend and the way out; on the
+    CPU backend, and for Gemma 3 on CUDA, nothing is refused."""
+    from pipeline.errors import ConfigError
+    from pipeline.vision import check_backend
+
+    for family in ("qwen2_vl", "qwen2_5_vl"):
+        with pytest.raises(ConfigError, match=f"a {family} vision-language model on MLX .*CUDA "
+                                              "backend.*floating-point exception.*CPU backend"):
+            check_backend(family, cuda=True)
+        check_backend(family, cuda=False)
+    check_backend("gemma3", cuda=True)
