@@ -420,6 +420,7 @@ class ServerConfig:
     max_video_seconds: float = 300.0  # duration of one video (decoding reads every frame)
     max_video_pixels: int = 8_294_400  # width x height of a video's frames (3840x2160)
     max_videos: int = 4               # videos in one request
+    max_video_decode_s: float = 30.0  # wall-clock seconds decoding one video's frames may take
     # audio (models with an audio tower): input_audio parts, caps per clip and per request
     max_audio_mb: float = 20.0        # decimal MB of one audio clip's bytes
     max_audio_s: float = 30.0         # seconds of one clip, checked before decoding
@@ -442,7 +443,8 @@ class ServerConfig:
                   allow_none=False)
         for key in ("max_image_mb", "max_image_pixels", "max_images", "max_media_mb",
                     "media_fetch_timeout_s", "video_fps", "max_video_frames", "max_video_mb",
-                    "max_video_seconds", "max_video_pixels", "max_videos", "max_audio_mb",
+                    "max_video_seconds", "max_video_pixels", "max_videos",
+                    "max_video_decode_s", "max_audio_mb",
                     "max_audio_s", "max_audios"):
             _positive(f"server.{key}", getattr(self, key), allow_none=False)
         self.api_key = _read_key("api_key", self.api_key, self.api_key_file)

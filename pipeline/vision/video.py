@@ -11,6 +11,7 @@ import binascii
 import hashlib
 import io
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +33,14 @@ class VideoLimits:
     max_videos: int
     max_frame_pixels: int
     media: MediaLimits             # the per-request byte cap and the remote-URL rules
+    max_decode_s: float = 30.0     # wall clock for one video's probe and frame decoding
 
     @classmethod
     def of(cls, server: Any) -> VideoLimits:
         return cls(float(server.video_fps), int(server.max_video_frames),
                    int(server.max_video_mb * 1e6), float(server.max_video_seconds),
-                   int(server.max_videos), int(server.max_video_pixels), MediaLimits.of(server))
+                   int(server.max_videos), int(server.max_video_pixels), MediaLimits.of(server),
+                   float(server.max_video_decode_s))
 
 
 def part_url(part: dict[str, Any]) -> Any:
@@ -133,11 +136,12 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
     except ImportError as e:
         raise InvalidRequest(f"{where} is a video, but this server has no video decoder "
                              f"installed (PyAV); install it with: {INSTALL}", param=where) from e
+    deadline = time.monotonic() + limits.max_decode_s
     try:
-        total, source_fps = _probe(data, where, limits)
+        total, source_fps = _probe(data, where, limits, deadline)
         keep = sample_indices(total, source_fps, limits.fps, limits.max_frames, factor,
                               min_frames)
-        frames = _frames(data, keep)
+        frames = _frames(data, keep, where, limits, deadline)
     except InvalidRequest:
         raise
     except (av.FFmpegError, OSError, ValueError, IndexError, EOFError) as e:
@@ -153,7 +157,17 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
                         len(data), total, source_fps)
 
 
-def _probe(data: bytes, where: str, limits: VideoLimits) -> tuple[int, float]:
+def _overdue(where: str, limits: VideoLimits, deadline: float) -> None:
+    """A 400 once one video's decoding has taken longer than server.max_video_decode_s (a
+    file built to be slow to decode must not hold a preparation thread for minutes)."""
+    if time.monotonic() > deadline:
+        raise InvalidRequest(
+            f"{where}: decoding the video took longer than {limits.max_decode_s:g} s, the limit "
+            "per video (server.max_video_decode_s); send a shorter or smaller video",
+            param=where)
+
+
+def _probe(data: bytes, where: str, limits: VideoLimits, deadline: float) -> tuple[int, float]:
     """The video stream's frame count (its packets, demuxed without decoding) and frame rate,
     the pixel and duration caps checked before any frame is decoded."""
     import av
@@ -174,6 +188,7 @@ def _probe(data: bytes, where: str, limits: VideoLimits) -> tuple[int, float]:
                 "(server.max_video_pixels)", param=where)
         count, last = 0, 0.0
         for packet in container.demux(stream):
+            _overdue(where, limits, deadline)
             if packet.size and packet.pts is not None:
                 count += 1
                 last = max(last, float((packet.pts + (packet.duration or 0)) * packet.time_base))
@@ -188,7 +203,8 @@ def _probe(data: bytes, where: str, limits: VideoLimits) -> tuple[int, float]:
         return count, fps
 
 
-def _frames(data: bytes, keep: list[int]) -> list[np.ndarray]:
+def _frames(data: bytes, keep: list[int], where: str, limits: VideoLimits,
+            deadline: float) -> list[np.ndarray]:
     """The frames at the kept indices (presentation order), as (H, W, 3) uint8 RGB, turned
     upright by the stream's display rotation (as players and mlx-vlm's OpenCV reader show a
     phone's portrait video); decoding stops after the last one."""
@@ -198,6 +214,7 @@ def _frames(data: bytes, keep: list[int]) -> list[np.ndarray]:
     with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.video[0]
         for i, frame in enumerate(container.decode(stream)):
+            _overdue(where, limits, deadline)
             if i in wanted:
                 rgb = frame.to_ndarray(format="rgb24")
                 turns = round(getattr(frame, "rotation", 0) / 90) % 4   # counter-clockwise

@@ -104,6 +104,16 @@ def test_caps_and_corrupt_videos_name_the_part() -> None:
         from_url("data:video/mp4;base64,@@@", "p")
 
 
+def test_a_video_that_takes_too_long_to_decode_is_a_400_naming_the_part_and_the_key() -> None:
+    """server.max_video_decode_s bounds one video's decoding in wall-clock time (a file built
+    to decode slowly must not hold a preparation thread); within it, the same clip decodes."""
+    clip = video(40, 10)
+    with pytest.raises(InvalidRequest, match=r"m\[0\]\.content\[1\]: decoding the video took "
+                                             r"longer than 1e-06 s.*server\.max_video_decode_s"):
+        decode(clip, "m[0].content[1]", limits(max_decode_s=1e-6), FACTOR, MIN_FRAMES)
+    assert decode(clip, "p", limits(max_decode_s=30), FACTOR, MIN_FRAMES).frames.shape[0] == 8
+
+
 def test_a_file_without_a_video_stream() -> None:
     buf = io.BytesIO()
     with av.open(buf, "w", format="wav") as c:
