@@ -23,7 +23,7 @@ from pipeline.token_bound import char_bound
 from pipeline.vision import video
 from pipeline.vision.media import MediaLimits, decode_all
 from pipeline.vision.rows import PromptMedia
-from pipeline.vision.audio import AudioLimits, check_audio_tokens, check_modalities, prepare_audio
+from pipeline.vision.audio import AudioLimits, check_modalities, prepare_audio
 from pipeline.turn_grammar import TurnGrammars
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
@@ -116,7 +116,7 @@ class Tokenize:
                 text, media = self._images(inputs, text)
             request.prompt_ids = self.encode_rendered(text + forced)
             if media is not None:
-                self._check_images(request.prompt_ids, media)
+                media.check_tokens(request.prompt_ids)
                 request.media = media
             if self.session_checkpoints:
                 request.checkpoints_at = self._history_end(inputs, template, text,
@@ -153,17 +153,6 @@ class Tokenize:
             text = prepare_audio(self.vision.audio, clips, text, media, self.audio_limits,
                                  self.media_limits.max_request_bytes, used)
         return text, media
-
-    @staticmethod
-    def _check_images(prompt_ids: list[int], media: PromptMedia) -> None:
-        video.check_tokens(prompt_ids, media)
-        check_audio_tokens(prompt_ids, media)
-        found = sum(1 for t in prompt_ids if t == media.image_token_id)
-        if found != media.num_image_tokens or prompt_ids[-1] == media.image_token_id:
-            raise InvalidRequest(
-                f"the prompt has {found} image tokens where its {media.num_images} images need "
-                f"{media.num_image_tokens} (a message's text spells the image token, or the "
-                "prompt ends in an image); remove image markup from the text", param="messages")
 
     def _checked_ids(self, token_ids: list[int]) -> list[int]:
         if len(token_ids) > self.max_context:

@@ -267,14 +267,3 @@ def prepare_audio(processor: AudioProcessor, clips: list[MediaPart], text: str, 
     media.audio_token_id = processor.token_id
     media.audio_seconds = sum(d.seconds for d in decoded)
     return prepared.text
-
-
-def check_audio_tokens(prompt_ids: list[int], media: Any) -> None:
-    if not media.audio_digests:
-        return
-    found = sum(1 for t in prompt_ids if t == media.audio_token_id)
-    if found != media.num_audio_tokens or prompt_ids[-1] == media.audio_token_id:
-        raise InvalidRequest(
-            f"the prompt has {found} audio tokens where its {media.num_audios} audio clips need "
-            f"{media.num_audio_tokens} (a message's text spells the audio token, or the prompt "
-            "ends in audio); remove audio markup from the text", param="messages")

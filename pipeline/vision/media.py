@@ -58,20 +58,22 @@ class MediaLimits:
                    server.media_fetch_timeout_s)
 
 
-def from_url(url: Any, where: str) -> MediaPart:
-    """An image URL: a base64 data URL (decoded here) or an http(s) URL (fetched later)."""
+def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
+    """An image (or video) URL: a base64 data URL (decoded here) or an http(s) URL (fetched
+    later, when the server allows remote media)."""
     if not isinstance(url, str) or not url:
-        raise InvalidRequest(f"{where} needs an image URL string (a data: URL, or http(s) when "
-                             "the server allows remote media)", param=where)
+        raise InvalidRequest(f"{where} needs {'an' if kind == 'image' else 'a'} {kind} URL "
+                             f"string (a data: URL such as data:{kind}/<type>;base64,..., or "
+                             "http(s) when the server allows remote media)", param=where)
     if url.startswith("data:"):
         head, sep, payload = url.partition(",")
         if not sep or ";base64" not in head:
             raise InvalidRequest(f"{where} is a data URL that is not base64 "
-                                 "(expected data:image/<type>;base64,<data>)", param=where)
-        return MediaPart(where, data=_b64(payload, where))
+                                 f"(expected data:{kind}/<type>;base64,<data>)", param=where)
+        return MediaPart(where, data=_b64(payload, where, kind), kind=kind)
     if url.startswith(("http://", "https://")):
-        return MediaPart(where, url=url)
-    raise InvalidRequest(f"{where} has URL scheme {url.split(':', 1)[0]!r:.20}; images come as "
+        return MediaPart(where, url=url, kind=kind)
+    raise InvalidRequest(f"{where} has URL scheme {url.split(':', 1)[0]!r:.20}; {kind}s come as "
                          "data: URLs (or http(s) URLs when the server allows remote media)",
                          param=where)
 
@@ -82,11 +84,12 @@ def from_base64(data: Any, where: str) -> MediaPart:
     return MediaPart(where, data=_b64(data, where))
 
 
-def _b64(payload: str, where: str) -> bytes:
+def _b64(payload: str, where: str, kind: str = "image") -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise InvalidRequest(f"{where}: the image data is not valid base64 ({e})", param=where) from e
+        raise InvalidRequest(f"{where}: the {kind} data is not valid base64 ({e})",
+                             param=where) from e
 
 
 @dataclass(slots=True)

@@ -62,6 +62,27 @@ class PromptMedia:
     def num_audio_tokens(self) -> int:
         return sum(self.tokens_per_audio)
 
+    def check_tokens(self, prompt_ids: list[int]) -> None:
+        """The encoded prompt holds exactly the image, video and audio tokens its media fill,
+        and does not end in one (tokenize, after encoding); else a 400 saying which."""
+        from pipeline.errors import InvalidRequest
+
+        for token, count, need, noun, plural, article in (
+                (self.image_token_id, self.num_images, self.num_image_tokens, "image", "images",
+                 "an image"),
+                (self.video_token_id, len(self.video_digests), self.num_video_tokens, "video",
+                 "videos", "a video"),
+                (self.audio_token_id, self.num_audios, self.num_audio_tokens, "audio",
+                 "audio clips", "audio")):
+            if not count and noun != "image":
+                continue
+            found = sum(1 for t in prompt_ids if t == token)
+            if found != need or prompt_ids[-1] == token:
+                raise InvalidRequest(
+                    f"the prompt has {found} {noun} tokens where its {count} {plural} need "
+                    f"{need} (a message's text spells the {noun} token, or the prompt ends in "
+                    f"{article}); remove {noun} markup from the text", param="messages")
+
     def key_ids(self, prompt_ids: list[int]) -> list[int]:
         """The prompt-cache key of the prompt: each image (video) token replaced by an id outside
         the vocabulary derived from its image's (video's) digest, so the same media and prefix

@@ -6,8 +6,6 @@ source frame indices, a multiple of the model's temporal patch), then turned int
 (mlx-vlm, numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import io
 import math
@@ -18,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InvalidRequest
-from pipeline.vision.media import MediaLimits, MediaPart
+from pipeline.vision.media import MediaLimits, MediaPart, from_url as media_url
 
 KINDS = ("video_url", "input_video", "video")   # the part types that carry a video
 INSTALL = "pip install 'pipeserve[vision]'   (or: pip install av)"
@@ -53,26 +51,7 @@ def part_url(part: dict[str, Any]) -> Any:
 
 def from_url(url: Any, where: str) -> MediaPart:
     """A video URL: a base64 data URL (decoded here) or an http(s) URL (fetched later)."""
-    if not isinstance(url, str) or not url:
-        raise InvalidRequest(f"{where} needs a video URL string (a data: URL such as "
-                             "data:video/mp4;base64,..., or http(s) when the server allows "
-                             "remote media)", param=where)
-    if url.startswith("data:"):
-        head, sep, payload = url.partition(",")
-        if not sep or ";base64" not in head:
-            raise InvalidRequest(f"{where} is a data URL that is not base64 "
-                                 "(expected data:video/<type>;base64,<data>)", param=where)
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise InvalidRequest(f"{where}: the video data is not valid base64 ({e})",
-                                 param=where) from e
-        return MediaPart(where, data=data, kind="video")
-    if url.startswith(("http://", "https://")):
-        return MediaPart(where, url=url, kind="video")
-    raise InvalidRequest(f"{where} has URL scheme {url.split(':', 1)[0]!r:.20}; videos come as "
-                         "data: URLs (or http(s) URLs when the server allows remote media)",
-                         param=where)
+    return media_url(url, where, kind="video")
 
 
 @dataclass(slots=True)
@@ -287,15 +266,3 @@ def attach(media: Any, processor: Any, text: str, parts: list[MediaPart], limits
     media.video_frames = [len(v.frames) for v in videos]
     media.video_token_id = processor.video_token_id
     return prepared.text
-
-
-def check_tokens(prompt_ids: list[int], media: Any) -> None:
-    """The encoded prompt has exactly the video tokens its videos fill, and does not end in one."""
-    if not media.video_digests:
-        return
-    found = sum(1 for t in prompt_ids if t == media.video_token_id)
-    if found != media.num_video_tokens or prompt_ids[-1] == media.video_token_id:
-        raise InvalidRequest(
-            f"the prompt has {found} video tokens where its {len(media.video_digests)} videos "
-            f"need {media.num_video_tokens} (a message's text spells the video token, or the "
-            "prompt ends in a video); remove video markup from the text", param="messages")

@@ -121,3 +121,29 @@ def test_a_tower_that_crashes_the_cuda_backend_is_refused_at_launch_there_only()
             check_backend(family, cuda=True)
         check_backend(family, cuda=False)
     check_backend("gemma3", cuda=True)
+
+
+def test_prompt_media_token_counts_are_checked_for_every_kind() -> None:
+    """After encoding, the prompt must hold exactly the image, video and audio tokens its media
+    fill (a message whose text spells the token would shift every feature) and must not end in
+    one; each mismatch is a 400 naming the kind and both counts."""
+    from pipeline.errors import InvalidRequest
+    from pipeline.vision.rows import PromptMedia
+
+    IMG, VID, AUD = 900, 901, 902
+    media = PromptMedia(None, {}, ["a" * 64], IMG, tokens_per_image=[2],
+                        video_digests=["b" * 64], tokens_per_video=[3], video_token_id=VID,
+                        audio_digests=["c" * 64], tokens_per_audio=[1], audio_token_id=AUD)
+    good = [1, IMG, IMG, 2, VID, VID, VID, 3, AUD, 4]
+    media.check_tokens(good)
+    cases = [([1, IMG, IMG, IMG, *good[3:]], r"3 image tokens where its 1 images need 2"),
+             ([1, IMG, IMG, 2, VID, VID, 3, AUD, 4], r"2 video tokens where its 1 videos need 3"),
+             ([*good[:-2], 4], r"0 audio tokens where its 1 audio clips need 1"),
+             ([*good[:-1]], r"prompt ends in audio")]
+    for ids, message in cases:
+        with pytest.raises(InvalidRequest, match=message):
+            media.check_tokens(ids)
+    text_only = PromptMedia(None, {}, [], IMG)
+    text_only.check_tokens([1, 2, 3])
+    with pytest.raises(InvalidRequest, match=r"1 image tokens where its 0 images need 0"):
+        text_only.check_tokens([1, IMG, 3])
