@@ -334,3 +334,24 @@ def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     # the stored turn brought its image along: the follow-up's prompt has it, from the cache
     assert follow.output_text and follow.usage.input_tokens > first.usage.input_tokens
     assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_image_rows_on_the_paged_kv_layout_equal_mlx_vlm(arch: str, server_factory: Any,
+                                                         model_cache: Path) -> None:
+    """kv=paged (lossless) holds image rows' KV in its block pool: greedy output with an image,
+    one request alone and two with different images in one batch, equals mlx-vlm's own
+    generate (dense caches) token for token."""
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "kv=paged",
+                            "server.max_image_pixels=20000")
+    server.arch, server.path = arch, ensure_model(arch, "float32", model_cache)
+    want = {img: mlx_vlm_greedy(server.path, img, QUESTION, 16) for img in (IMAGE_A, IMAGE_B)}
+    assert served_bytes(greedy(server, image_message(IMAGE_A))) == want[IMAGE_A]
+
+    async def both() -> list[Any]:
+        c = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(c.chat.completions.create(
+            model="tiny_vlm", messages=image_message(img), max_tokens=16, temperature=0,
+            logprobs=True) for img in (IMAGE_A, IMAGE_B)))
+    together = asyncio.run(both())
+    assert [served_bytes(r) for r in together] == [want[IMAGE_A], want[IMAGE_B]]
