@@ -184,3 +184,44 @@ def test_the_page_attaches_an_image_and_shows_it(browser: Any, server_factory: A
     assert shown == api["choices"][0]["message"]["content"]
     assert api["usage"]["pipeserve"]["images"].startswith("sha256:")
     page.close()
+
+
+def test_the_page_attaches_an_audio_clip_for_a_model_with_an_audio_tower(
+        browser: Any, server_factory: Any, tmp_path: Path) -> None:
+    """A model with an audio tower (model=tiny_vlm model.arch=gemma4, text and audio): the
+    attach button offers audio, sends the WAV as an input_audio part, shows a player for it in
+    the transcript, and the answer is the API's for that message."""
+    import base64
+    import wave
+
+    import numpy as np
+
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+    server = server_factory("model=tiny_vlm", "model.arch=gemma4")
+    t = np.arange(8000) / 16000
+    path = tmp_path / "clip.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((np.sin(2 * np.pi * 440 * t) * 12000).astype("<i2").tobytes())
+    page = open_page(browser, server.base_url)
+    page.wait_for_selector("#attach-label:not([hidden])", timeout=10_000)
+    assert page.inner_text("#attach-text") == "Audio"
+    assert page.get_attribute("#attach", "accept") == "audio/*"
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    page.set_input_files("#attach", str(path))
+    page.wait_for_selector("#attached audio", timeout=10_000)
+    send(page, "What do you hear?")
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    assert page.query_selector(".msg.error") is None
+    assert page.query_selector(".msg.user audio") is not None
+    assert page.query_selector("#attached audio") is None
+    shown = page.inner_text(".msg.assistant .content")
+    api = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What do you hear?"},
+            {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(path.read_bytes()).decode(), "format": "wav"}}]}]}).json()
+    assert shown == api["choices"][0]["message"]["content"]
+    assert api["usage"]["pipeserve"]["audios"].startswith("sha256:")
+    page.close()
