@@ -248,9 +248,12 @@ def refuse_unserved(parts: list[MediaPart], vision: Any, model: str) -> None:
     """A video part for a model that takes none is a 400 saying so (before any decoding)."""
     at = next((p.where for p in parts if p.kind == "video"), None)
     if at is not None and vision is not None and vision.processor.video_processor is None:
+        from pipeline.vision.processor import IMAGE_ONLY
+        why = ("pipeserve does not run its video path yet (one timestamped block of frames per "
+               "temporal patch)" if vision.family in IMAGE_ONLY else "its processor has no video path")
         raise InvalidRequest(
-            f"{at} is a video, but model {model!r} ({vision.family}) takes no video: its "
-            "processor has no video path; send frames as image parts, or serve a model that "
+            f"{at} is a video, but model {model!r} ({vision.family}) takes no video: {why}; "
+            "send frames as image parts, or serve a model that "
             "takes video (Qwen2-VL / Qwen2.5-VL; GET /v1/models lists each model's modalities)",
             param=at)
 

@@ -22,7 +22,7 @@ from pipeline.tiny_vlm import ensure_model
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
-ARCHS = ["gemma3", "qwen2_5_vl"]
+ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl"]
 # protocol-level tests (parsing, errors, other endpoints): one architecture's server suffices
 ONE_ARCH = pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 QUESTION = "What is in the picture?"
@@ -334,3 +334,16 @@ def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     # the stored turn brought its image along: the follow-up's prompt has it, from the cache
     assert follow.output_text and follow.usage.input_tokens > first.usage.input_tokens
     assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
+def test_a_video_to_qwen3_vl_is_a_400_until_its_video_path_is_wired(vlm: Any) -> None:
+    """Qwen3-VL's processor takes video with timestamped frame groups pipeserve does not write
+    yet: the model lists no video modality and a video part is refused, naming the part."""
+    assert "video" not in client(vlm).models.list().data[0].model_extra["modalities"]
+    with pytest.raises(openai.BadRequestError,
+                       match=r"messages\[0\]\.content\[1\] is a video, but model 'tiny_vlm' "
+                             r"\(qwen3_vl\) takes no video"):
+        greedy(vlm, [{"role": "user", "content": [
+            {"type": "text", "text": "Watch:"},
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
