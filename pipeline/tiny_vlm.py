@@ -12,20 +12,19 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "gemma4")   # gemma4: + an audio tower (tiny_audio.py)
-QWEN_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")   # gemma4: + audio (tiny_audio.py)
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
 }
-IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen2_5_vl"]
+IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen3_5"] = IMAGE_TOKENS["qwen2_5_vl"]
 # What a user message's image part renders as: the family's own placeholder, which its
 # processor expands to one token per image feature.
 IMAGE_MARK = {"gemma3": "<start_of_image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
-IMAGE_MARK["qwen3_vl"] = IMAGE_MARK["qwen2_5_vl"]
+IMAGE_MARK["qwen3_vl"] = IMAGE_MARK["qwen3_5"] = IMAGE_MARK["qwen2_5_vl"]
 # and a video part, for a family whose processor takes video (as Qwen2.5-VL's own template)
 VIDEO_PART = {"qwen2_5_vl": "{%- elif part.type == 'video' %}"
                             "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"}
@@ -90,8 +89,8 @@ def _config(arch: str, ids: dict[str, int], eos: list[int], size: str = "tiny") 
                  "vision_start_token_id": ids["<|vision_start|>"],
                  "vision_end_token_id": ids["<|vision_end|>"],
                  "vision_token_id": ids["<|vision_start|>"]}
-    if arch == "qwen3_vl":
-        return _qwen3_vl_config(ids, eos, size, token_ids)
+    if arch in ("qwen3_vl", "qwen3_5"):
+        return _qwen3_vl_config(arch, ids, eos, size, token_ids)
     text = tiny._model_config("qwen3", size, eos)
     for key in ("head_dim", "attention_bias"):
         text.pop(key)
@@ -117,24 +116,37 @@ def _interleaved_sections(pairs: int) -> list[int]:
     return [pairs - h - w, h, w]
 
 
-def _qwen3_vl_config(ids: dict[str, int], eos: list[int], size: str,
+def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
                      token_ids: dict[str, int]) -> dict[str, Any]:
     """A Qwen3-VL: the Qwen3 decoder (mlx-lm's qwen3_vl serves it) with interleaved M-RoPE,
-    and a tower whose first layer's features also feed the decoder's first layer (deepstack)."""
+    and a tower whose first layer's features also feed the decoder's first layer (deepstack).
+    A Qwen3.5: model=tiny's qwen3_5 decoder (gated delta layers, attention every 2nd layer,
+    its rotary on a quarter of each head) with the same tower, without deepstack (as
+    Qwen3.5's), and without the MTP head (draft=mtp does not compose with images)."""
     dims = _vision_dims(size)
-    text = tiny._model_config("qwen3", size, eos)
-    pairs = text["head_dim"] // 2
-    text.update(model_type="qwen3_vl_text", vocab_size=len(ids), tie_word_embeddings=size != "large",
-                rope_scaling={"rope_type": "default", "mrope_interleaved": True,
-                              "mrope_section": _interleaved_sections(pairs)})
-    text.pop("architectures", None)
-    vision = {"model_type": "qwen3_vl", "depth": dims["layers"],
+    if arch == "qwen3_5":
+        text = tiny._model_config("qwen3_5", size, eos)["text_config"]
+        text.pop("mtp_num_hidden_layers")
+        pairs = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
+        text.update(vocab_size=len(ids), tie_word_embeddings=False)
+        text["rope_parameters"].update(mrope_interleaved=True,
+                                       mrope_section=_interleaved_sections(pairs))
+    else:
+        text = tiny._model_config("qwen3", size, eos)
+        pairs = text["head_dim"] // 2
+        text.update(model_type="qwen3_vl_text", vocab_size=len(ids),
+                    tie_word_embeddings=size != "large",
+                    rope_scaling={"rope_type": "default", "mrope_interleaved": True,
+                                  "mrope_section": _interleaved_sections(pairs)})
+        text.pop("architectures", None)
+    vision = {"model_type": arch, "depth": dims["layers"],
               "hidden_size": dims["hidden_size"], "intermediate_size": dims["intermediate_size"],
               "out_hidden_size": text["hidden_size"], "num_heads": dims["heads"],
               "patch_size": QWEN3_PATCH, "spatial_merge_size": QWEN_MERGE,
               "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 64,
-              "deepstack_visual_indexes": [0]}
-    return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+              "deepstack_visual_indexes": [0] if arch == "qwen3_vl" else []}
+    name = "Qwen3VLForConditionalGeneration" if arch == "qwen3_vl" else "Qwen3_5ForConditionalGeneration"
+    return {"model_type": arch, "architectures": [name],
             "text_config": text, "vision_config": vision, "tie_word_embeddings": text["tie_word_embeddings"],
             "eos_token_id": eos, "pad_token_id": eos[1], **token_ids}
 
@@ -151,7 +163,7 @@ def _processor_files(arch: str, size: str = "tiny") -> dict[str, Any]:
                     **norm, "resample": 2},
                 "processor_config.json": {"processor_class": "Gemma3Processor",
                                           "image_seq_length": per_image}}
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_5"):
         low, high = (QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS) if size == "tiny" else (64 * 64, 448 * 448)
         return {"preprocessor_config.json": {
                     "image_processor_type": "Qwen2VLImageProcessorFast",

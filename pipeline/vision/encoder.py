@@ -22,7 +22,7 @@ from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "qwen3_vl": True,
-            "gemma4": False}
+            "qwen3_5": True, "gemma4": False}
 # families whose tower also returns deepstack features: the outputs of some tower layers,
 # each added to the hidden states of one of the decoder's first layers at the visual tokens
 DEEPSTACK_FAMILIES = ("qwen3_vl",)
@@ -124,7 +124,10 @@ class VisionEncoder:
         vlm = load_model(Path(path), lazy=True)
         inner = vlm.language_model
         embed = lm.language_model.model.embed_tokens
-        rotary = inner.model.layers[0].self_attn.rotary_emb if FAMILIES[family] else None
+        # (Qwen3.5's gated delta layers have no attention, so no rope: its first attention
+        # layer's rotary, as every attention layer's)
+        rotary = (next(layer.self_attn.rotary_emb for layer in inner.model.layers
+                       if "self_attn" in layer) if FAMILIES[family] else None)
         # the tower shares the served decoder's embedding; mlx-vlm's own decoder is never run,
         # so its layers (lazy, never read from disk) are dropped
         inner.model.embed_tokens = embed
@@ -147,8 +150,9 @@ class VisionEncoder:
             encoder.audio = AudioProcessor(encoder.processor.proc)
         if rotary is not None:
             for layer in lm.layers:
-                attn = layer.self_attn
-                attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
+                if "self_attn" in layer:
+                    attn = layer.self_attn
+                    attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
         if family in DEEPSTACK_FAMILIES:
             for index in range(len(vlm.config.vision_config.deepstack_visual_indexes)):
                 add_deepstack(lm.layers[index], index, encoder.armed)

@@ -13,10 +13,11 @@ import numpy as np
 from pipeline.errors import InvalidRequest
 
 
-# families whose processor has a video path pipeserve does not run yet: Qwen3-VL's prompt
-# gets a "<t seconds>" marker and its own vision block per temporal patch, which the video
-# expansion (pipeline/vision/video.py) does not write; their video parts are refused
-IMAGE_ONLY = ("qwen3_vl",)
+# families whose processor has a video path pipeserve does not run yet: Qwen3-VL's and
+# Qwen3.5's prompt gets a "<t seconds>" marker and its own vision block per temporal patch,
+# which the video expansion (pipeline/vision/video.py) does not write; their video parts are
+# refused
+IMAGE_ONLY = ("qwen3_vl", "qwen3_5")
 
 
 @dataclass

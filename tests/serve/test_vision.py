@@ -22,7 +22,7 @@ from pipeline.tiny_vlm import ensure_model
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
-ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl"]
+ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 # protocol-level tests (parsing, errors, other endpoints): one architecture's server suffices
 ONE_ARCH = pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 QUESTION = "What is in the picture?"
@@ -118,9 +118,11 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
         tmp_path_factory: pytest.TempPathFactory) -> Any:
     arch = request.param
     # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
+    # (Qwen3.5's attention heads are 64 wide, not 16: its prompts' KV is ~4x larger)
+    ram_gb = 0.0004 if arch == "qwen3_5" else 0.0001
     server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
                             "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
-                            "cache.ram_gb=0.0001", "scheduler.prefill_chunk=64")
+                            f"cache.ram_gb={ram_gb}", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
     return server
@@ -336,14 +338,14 @@ def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     assert follow.usage.input_tokens_details.cached_tokens > 0
 
 
-@pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
+@pytest.mark.parametrize("vlm", ["qwen3_vl", "qwen3_5"], indirect=True)
 def test_a_video_to_qwen3_vl_is_a_400_until_its_video_path_is_wired(vlm: Any) -> None:
-    """Qwen3-VL's processor takes video with timestamped frame groups pipeserve does not write
-    yet: the model lists no video modality and a video part is refused, naming the part."""
+    """Qwen3-VL's and Qwen3.5's processor takes video with timestamped frame groups pipeserve
+    does not write yet: the model lists no video modality and a video part is refused."""
     assert "video" not in client(vlm).models.list().data[0].model_extra["modalities"]
     with pytest.raises(openai.BadRequestError,
                        match=r"messages\[0\]\.content\[1\] is a video, but model 'tiny_vlm' "
-                             r"\(qwen3_vl\) takes no video"):
+                             rf"\({vlm.arch}\) takes no video"):
         greedy(vlm, [{"role": "user", "content": [
             {"type": "text", "text": "Watch:"},
             {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
