@@ -26,8 +26,9 @@ IMAGE_MARK = {"gemma3": "<start_of_image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 IMAGE_MARK["qwen3_vl"] = IMAGE_MARK["qwen3_5"] = IMAGE_MARK["qwen2_5_vl"]
 # and a video part, for a family whose processor takes video (as Qwen2.5-VL's own template)
-VIDEO_PART = {"qwen2_5_vl": "{%- elif part.type == 'video' %}"
-                            "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"}
+VIDEO_PART = {arch: "{%- elif part.type == 'video' %}"
+                    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+              for arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_5")}
 GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE = 32, 8, 4
 QWEN_PATCH, QWEN_MERGE = 14, 2
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 112 * 112   # 4 to 16 merged tokens per image

@@ -185,7 +185,8 @@ class VisionEncoder:
             extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
         images = pixels.get("pixel_values")   # absent: a video's (pixel_values_videos in extra)
         if mixed.takes_both(pixels) and self.family not in DEEPSTACK_FAMILIES:
-            # images and videos: mlx-vlm's Qwen2-VL / Qwen2.5-VL take one kind per prompt
+            # images and videos: mlx-vlm's Qwen2-VL / Qwen2.5-VL / Qwen3.5 take one kind per
+            # prompt (its Qwen3-VL both, with their deepstack features)
             out = mixed.input_embeddings(self.vlm, ids, pixels, tokens_per_image is not None,
                                          self.dtype)
         else:

@@ -1,8 +1,9 @@
-"""Images and videos in one Qwen-VL prompt. mlx-vlm's get_input_embeddings takes one kind per
+"""Images and videos in one Qwen-VL prompt (Qwen2-VL, Qwen2.5-VL, Qwen3.5; Qwen3-VL's own
+get_input_embeddings takes both). mlx-vlm's get_input_embeddings of those takes one kind per
 prompt (its pixel_values are the images', else the videos'); this composes the same parts of
 its model for both: the vision tower on each kind's pixels, each kind's features merged at its
-own tokens (merge_input_ids_with_image_features), and the M-RoPE positions of both grids
-(get_rope_index takes both). Engine thread."""
+own tokens (merge_input_ids_with_image_features; Qwen3.5: its masked scatter), and the M-RoPE
+positions of both grids (get_rope_index takes both). Engine thread."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +35,11 @@ def input_embeddings(vlm: Any, ids: mx.array, pixels: dict[str, Any], cached: bo
         else:
             pv = mx.array(pixels[values]).astype(tower.patch_embed.proj.weight.dtype)
             features = tower(pv, mx.array(pixels[grid]), output_hidden_states=False)
+        if isinstance(features, tuple):   # Qwen3.5's tower: (features, deepstack: none)
+            from mlx_vlm.models.qwen3_vl.qwen3_vl import masked_scatter
+            where = mx.broadcast_to((ids == token)[..., None], embeds.shape)
+            embeds = masked_scatter(embeds, where, features[0])
+            continue
         embeds = vlm.merge_input_ids_with_image_features(token, token, features, embeds, ids)
     positions, deltas = inner.get_rope_index(ids, mx.array(pixels["image_grid_thw"]),
                                              mx.array(pixels["video_grid_thw"]),

@@ -13,13 +13,6 @@ import numpy as np
 from pipeline.errors import InvalidRequest
 
 
-# families whose processor has a video path pipeserve does not run yet: Qwen3-VL's and
-# Qwen3.5's prompt gets a "<t seconds>" marker and its own vision block per temporal patch,
-# which the video expansion (pipeline/vision/video.py) does not write; their video parts are
-# refused
-IMAGE_ONLY = ("qwen3_vl", "qwen3_5")
-
-
 @dataclass
 class Prepared:
     text: str                              # the rendered prompt, placeholders expanded
@@ -47,8 +40,6 @@ class VisionProcessor:
         self.image_token_id = int(tok.convert_tokens_to_ids(self.image_token))
         # video: mlx-vlm's numpy video processor where the family has one (Qwen-VL; not Gemma 3)
         self.video_processor = getattr(proc, "video_processor", None)
-        if family in IMAGE_ONLY:
-            self.video_processor = None
         self.video_token = getattr(proc, "video_token", None)
         self.video_token_id = (int(tok.convert_tokens_to_ids(self.video_token))
                                if self.video_processor is not None else -1)

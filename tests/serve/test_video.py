@@ -83,11 +83,20 @@ def mlx_vlm_greedy(path: Path, tmp: Path, video: bytes, text: str,
     return token_bytes(tok, ids[:max_tokens])
 
 
-@pytest.fixture(scope="module")
-def vlm(server_factory: Any, model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = server_factory("model=tiny_vlm", "model.arch=qwen2_5_vl",
+# Qwen2.5-VL (one run of video tokens per video) and Qwen3.5 (the family the product's video
+# path serves: one "<t seconds>" marker and vision block per temporal patch); protocol-level
+# tests (parsing, errors, other endpoints) run on one
+ONE_ARCH = pytest.mark.parametrize("vlm", ["qwen2_5_vl"], indirect=True)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_5"])
+def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch = request.param
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}",
                             "server.max_video_seconds=5", "scheduler.prefill_chunk=64")
-    server.path = ensure_model("qwen2_5_vl", "float32", model_cache)
+    server.arch = arch
+    server.path = ensure_model(arch, "float32", model_cache)
     server.tmp = tmp_path_factory.mktemp("videos")
     return server
 
@@ -182,9 +191,12 @@ def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes, part
     inp = prepare_inputs(processor, images=[Image.open(io.BytesIO(image))], videos=[str(file)],
                          prompts=[prompt], fps=FPS, max_frames=MAX_FRAMES)
     ids, grids = inp["input_ids"], (inp["image_grid_thw"], inp["video_grid_thw"])
-    features = np.array(model.vision_tower(
+    features = model.vision_tower(
         mx.concatenate([inp["pixel_values"], inp["pixel_values_videos"]]),
-        mx.concatenate(grids), output_hidden_states=False))
+        mx.concatenate(grids), output_hidden_states=False)
+    if isinstance(features, tuple):   # Qwen3.5's tower: (features, deepstack: none)
+        features = features[0]
+    features = np.array(features)
     lm = model.language_model
     embeds = np.array(lm.model.embed_tokens(ids))
     flat = np.array(ids)[0]
@@ -226,6 +238,7 @@ def test_an_image_and_a_video_in_one_prompt(vlm: Any) -> None:
     assert served_bytes(again) == served_bytes(resp)
 
 
+@ONE_ARCH
 def test_responses_input_video(vlm: Any) -> None:
     out = client(vlm).responses.create(model="tiny_vlm", max_output_tokens=16, temperature=0,
                                        input=[{"role": "user", "content": [
@@ -260,6 +273,7 @@ def test_models_metrics_and_record_name_the_videos(vlm: Any) -> None:
     assert metric(vlm, "pipeserve_video_frames_total") == frames + 6
 
 
+@ONE_ARCH
 def test_bad_videos_are_400s_naming_the_part(vlm: Any) -> None:
     cases = [
         (b"not a video at all", "could not be decoded"),

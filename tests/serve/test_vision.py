@@ -299,9 +299,9 @@ def test_ssd_tier_serves_an_image_prefix_after_ram_eviction(vlm: Any) -> None:
 
 def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
     models = client(vlm).models.list().data
-    # Qwen-VL's processor also takes video (tests/serve/test_video.py); Gemma 3's does not
+    # Qwen-VL's processors also take video (tests/serve/test_video.py); Gemma 3's does not
     assert models[0].model_extra["modalities"] == (
-        ["text", "image", "video"] if vlm.arch == "qwen2_5_vl" else ["text", "image"])
+        ["text", "image"] if vlm.arch == "gemma3" else ["text", "image", "video"])
     images, tokens = metric(vlm, "pipeserve_images_total"), metric(vlm, "pipeserve_image_tokens_total")
     encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
     messages = [{"role": "user", "content": [
@@ -338,14 +338,43 @@ def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     assert follow.usage.input_tokens_details.cached_tokens > 0
 
 
-@pytest.mark.parametrize("vlm", ["qwen3_vl", "qwen3_5"], indirect=True)
-def test_a_video_to_qwen3_vl_is_a_400_until_its_video_path_is_wired(vlm: Any) -> None:
-    """Qwen3-VL's and Qwen3.5's processor takes video with timestamped frame groups pipeserve
-    does not write yet: the model lists no video modality and a video part is refused."""
-    assert "video" not in client(vlm).models.list().data[0].model_extra["modalities"]
-    with pytest.raises(openai.BadRequestError,
-                       match=r"messages\[0\]\.content\[1\] is a video, but model 'tiny_vlm' "
-                             rf"\({vlm.arch}\) takes no video"):
-        greedy(vlm, [{"role": "user", "content": [
-            {"type": "text", "text": "Watch:"},
-            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
+@pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
+def test_qwen3_vl_video_alone_and_beside_an_image_equals_mlx_vlm(vlm: Any, tmp_path: Path) -> None:
+    """Qwen3-VL's video: one "<t seconds>" block per temporal patch, the tower's deepstack
+    features at the video's tokens; mlx-vlm's Qwen3-VL takes an image and a video in one
+    prompt, so both are checked against its own stream_generate (tests/serve/test_video.py has
+    the rest of the video tests, on Qwen2.5-VL and Qwen3.5)."""
+    from mlx_vlm import stream_generate
+
+    from tests.serve.test_video import FPS, MAX_FRAMES, mlx_vlm_greedy, mp4
+    from tests.serve.test_video import data_url as video_url
+    assert "video" in client(vlm).models.list().data[0].model_extra["modalities"]
+    video = mp4(2, 10, 5)
+    alone = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": video_url(video)}},
+        {"type": "text", "text": QUESTION}]}]
+    assert served_bytes(greedy(vlm, alone)) == mlx_vlm_greedy(vlm.path, tmp_path, video,
+                                                               QUESTION, 16)
+    both = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_A)}},
+        {"type": "text", "text": "and a clip:"},
+        {"type": "video_url", "video_url": {"url": video_url(video)}},
+        {"type": "text", "text": QUESTION}]}]
+    model, processor = _reference(vlm.path)
+    tok = processor.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "and a clip:"}, {"type": "video"},
+        {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True)
+    file = tmp_path / "clip.mp4"
+    file.write_bytes(video)
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    ids: list[int] = []
+    for r in stream_generate(model, processor, prompt, image=[Image.open(io.BytesIO(IMAGE_A))],
+                             video=[str(file)], max_tokens=16, temperature=0.0, fps=FPS,
+                             max_frames=MAX_FRAMES):
+        if r.token in eos:
+            break
+        ids.append(r.token)
+    resp = greedy(vlm, both)
+    assert resp.usage.model_extra["pipeserve"]["video_tokens"] > 0
+    assert served_bytes(resp) == token_bytes(tok, ids[:16])
