@@ -12,23 +12,25 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4")   # gemma4: + audio (tiny_audio.py)
+ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe",
+         "gemma4")   # gemma4: + an audio tower (tiny_audio.py)
+QWEN3_ARCHS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")   # Qwen3-VL's tower and processor
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
 }
-IMAGE_TOKENS["qwen3_vl"] = IMAGE_TOKENS["qwen3_5"] = IMAGE_TOKENS["qwen2_5_vl"]
+IMAGE_TOKENS.update({arch: IMAGE_TOKENS["qwen2_5_vl"] for arch in QWEN3_ARCHS})
 # What a user message's image part renders as: the family's own placeholder, which its
 # processor expands to one token per image feature.
 IMAGE_MARK = {"gemma3": "<start_of_image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
-IMAGE_MARK["qwen3_vl"] = IMAGE_MARK["qwen3_5"] = IMAGE_MARK["qwen2_5_vl"]
+IMAGE_MARK.update({arch: IMAGE_MARK["qwen2_5_vl"] for arch in QWEN3_ARCHS})
 # and a video part, for a family whose processor takes video (as Qwen2.5-VL's own template)
 VIDEO_PART = {arch: "{%- elif part.type == 'video' %}"
                     "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-              for arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_5")}
+              for arch in ("qwen2_5_vl", *QWEN3_ARCHS)}
 GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE = 32, 8, 4
 QWEN_PATCH, QWEN_MERGE = 14, 2
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 112 * 112   # 4 to 16 merged tokens per image
@@ -90,7 +92,7 @@ def _config(arch: str, ids: dict[str, int], eos: list[int], size: str = "tiny") 
                  "vision_start_token_id": ids["<|vision_start|>"],
                  "vision_end_token_id": ids["<|vision_end|>"],
                  "vision_token_id": ids["<|vision_start|>"]}
-    if arch in ("qwen3_vl", "qwen3_5"):
+    if arch in QWEN3_ARCHS:
         return _qwen3_vl_config(arch, ids, eos, size, token_ids)
     text = tiny._model_config("qwen3", size, eos)
     for key in ("head_dim", "attention_bias"):
@@ -125,9 +127,14 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
     its rotary on a quarter of each head) with the same tower, without deepstack (as
     Qwen3.5's), and without the MTP head (draft=mtp does not compose with images)."""
     dims = _vision_dims(size)
-    if arch == "qwen3_5":
+    if arch in ("qwen3_5", "qwen3_5_moe"):
         text = tiny._model_config("qwen3_5", size, eos)["text_config"]
         text.pop("mtp_num_hidden_layers")
+        if arch == "qwen3_5_moe":   # 4 experts, 2 a token, and the shared expert
+            inter = text["intermediate_size"]
+            text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=inter // 2, shared_expert_intermediate_size=inter,
+                        norm_topk_prob=True)
         pairs = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
         text.update(vocab_size=len(ids), tie_word_embeddings=False)
         text["rope_parameters"].update(mrope_interleaved=True,
@@ -146,7 +153,8 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
               "patch_size": QWEN3_PATCH, "spatial_merge_size": QWEN_MERGE,
               "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 64,
               "deepstack_visual_indexes": [0] if arch == "qwen3_vl" else []}
-    name = "Qwen3VLForConditionalGeneration" if arch == "qwen3_vl" else "Qwen3_5ForConditionalGeneration"
+    name = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[arch]
     return {"model_type": arch, "architectures": [name],
             "text_config": text, "vision_config": vision, "tie_word_embeddings": text["tie_word_embeddings"],
             "eos_token_id": eos, "pad_token_id": eos[1], **token_ids}
@@ -164,7 +172,7 @@ def _processor_files(arch: str, size: str = "tiny") -> dict[str, Any]:
                     **norm, "resample": 2},
                 "processor_config.json": {"processor_class": "Gemma3Processor",
                                           "image_seq_length": per_image}}
-    if arch in ("qwen3_vl", "qwen3_5"):
+    if arch in QWEN3_ARCHS:
         low, high = (QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS) if size == "tiny" else (64 * 64, 448 * 448)
         return {"preprocessor_config.json": {
                     "image_processor_type": "Qwen2VLImageProcessorFast",

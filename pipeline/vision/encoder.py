@@ -22,7 +22,7 @@ from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "qwen3_vl": True,
-            "qwen3_5": True, "gemma4": False}
+            "qwen3_5": True, "qwen3_5_moe": True, "gemma4": False}
 # families whose tower also returns deepstack features: the outputs of some tower layers,
 # each added to the hidden states of one of the decoder's first layers at the visual tokens
 DEEPSTACK_FAMILIES = ("qwen3_vl",)

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +92,15 @@ ONE_ARCH = pytest.mark.parametrize("vlm", ["qwen2_5_vl"], indirect=True)
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_5"])
 def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Any:
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     arch = request.param
     server = server_factory("model=tiny_vlm", f"model.arch={arch}",
                             "server.max_video_seconds=5", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
     server.tmp = tmp_path_factory.mktemp("videos")
-    return server
+    yield server
+    server.stop()   # one architecture's server at a time
 
 
 def client(server: Any) -> openai.OpenAI:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from pipeline.tiny_vlm import ensure_model
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
 ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+# Qwen3.5's mixture-of-experts decoder: the same model code but its MLPs, so the tests of the
+# decoder's own output (greedy against mlx-vlm, batching) run on it too
+WITH_MOE = pytest.mark.parametrize("vlm", [*ARCHS, "qwen3_5_moe"], indirect=True)
 # protocol-level tests (parsing, errors, other endpoints): one architecture's server suffices
 ONE_ARCH = pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 QUESTION = "What is in the picture?"
@@ -115,17 +119,18 @@ def first_image_token(path: Path, text: str) -> int:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Any:
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     arch = request.param
     # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
     # (Qwen3.5's attention heads are 64 wide, not 16: its prompts' KV is ~4x larger)
-    ram_gb = 0.0004 if arch == "qwen3_5" else 0.0001
+    ram_gb = 0.0004 if arch.startswith("qwen3_5") else 0.0001
     server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
                             "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
                             f"cache.ram_gb={ram_gb}", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
-    return server
+    yield server
+    server.stop()   # one architecture's server at a time
 
 
 def client(server: Any) -> openai.OpenAI:
@@ -142,6 +147,7 @@ def served_bytes(resp: Any) -> list[list[int]]:
     return [list(t.bytes) for t in resp.choices[0].logprobs.content]
 
 
+@WITH_MOE
 def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
     for image in (IMAGE_A, IMAGE_B):
         resp = greedy(vlm, image_message(image))
@@ -176,6 +182,7 @@ def test_an_image_inside_a_prompt_of_several_chunks(vlm: Any) -> None:
     assert served_bytes(resp) == reference_bytes(vlm.path, prompt, IMAGE_B, 16)
 
 
+@WITH_MOE
 def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
     rows = [image_message(IMAGE_A), [{"role": "user", "content": "Tell me about trains."}],
             image_message(IMAGE_B, "Describe it."), image_message(IMAGE_A, "And the colours?")]
