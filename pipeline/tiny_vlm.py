@@ -12,9 +12,9 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe",
+ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
          "gemma4")   # gemma4: + an audio tower (tiny_audio.py)
-QWEN3_ARCHS = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")   # Qwen3-VL's tower and processor
+QWEN3_ARCHS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # Qwen3-VL's tower
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
@@ -141,9 +141,13 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
                                        mrope_section=_interleaved_sections(pairs))
     else:
         text = tiny._model_config("qwen3", size, eos)
+        if arch == "qwen3_vl_moe":   # 4 experts, 2 a token, in every layer
+            text.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                        mlp_only_layers=[], moe_intermediate_size=text["intermediate_size"] // 2,
+                        norm_topk_prob=True)
         pairs = text["head_dim"] // 2
-        text.update(model_type="qwen3_vl_text", vocab_size=len(ids),
-                    tie_word_embeddings=size != "large",
+        text.update(model_type=f"{arch}_text", vocab_size=len(ids),   # (mlx-lm's MoE wants lm_head)
+                    tie_word_embeddings=size != "large" and arch == "qwen3_vl",
                     rope_scaling={"rope_type": "default", "mrope_interleaved": True,
                                   "mrope_section": _interleaved_sections(pairs)})
         text.pop("architectures", None)
@@ -152,8 +156,10 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
               "out_hidden_size": text["hidden_size"], "num_heads": dims["heads"],
               "patch_size": QWEN3_PATCH, "spatial_merge_size": QWEN_MERGE,
               "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 64,
-              "deepstack_visual_indexes": [0] if arch == "qwen3_vl" else []}
-    name = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+              "deepstack_visual_indexes": [0] if arch.startswith("qwen3_vl") else []}
+    name = {"qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+            "qwen3_5": "Qwen3_5ForConditionalGeneration",
             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[arch]
     return {"model_type": arch, "architectures": [name],
             "text_config": text, "vision_config": vision, "tie_word_embeddings": text["tie_word_embeddings"],

@@ -22,10 +22,13 @@ from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "qwen3_vl": True,
-            "qwen3_5": True, "qwen3_5_moe": True, "gemma4": False}
+            "qwen3_vl_moe": True, "qwen3_5": True, "qwen3_5_moe": True, "gemma4": False}
 # families whose tower also returns deepstack features: the outputs of some tower layers,
 # each added to the hidden states of one of the decoder's first layers at the visual tokens
-DEEPSTACK_FAMILIES = ("qwen3_vl",)
+DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+# families whose mlx-vlm get_input_embeddings takes images and videos in one prompt (the
+# others' prompts with both go through pipeline/vision/mixed.py)
+BOTH_KINDS = ("qwen3_vl",)
 # families whose audio tower is served (pipeline/vision/audio.py); gemma4's image tokens attend
 # to each other both ways at prefill, which the served (causal) decoder does not, so its images
 # are refused (stages/tokenize.py) and it serves text and audio
@@ -184,9 +187,9 @@ class VisionEncoder:
                      else (sum(tokens_per_image), width))
             extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
         images = pixels.get("pixel_values")   # absent: a video's (pixel_values_videos in extra)
-        if mixed.takes_both(pixels) and self.family not in DEEPSTACK_FAMILIES:
-            # images and videos: mlx-vlm's Qwen2-VL / Qwen2.5-VL / Qwen3.5 take one kind per
-            # prompt (its Qwen3-VL both, with their deepstack features)
+        if mixed.takes_both(pixels) and self.family not in BOTH_KINDS:
+            # images and videos: mlx-vlm's Qwen2-VL / Qwen2.5-VL / Qwen3.5 / Qwen3-VL-MoE take
+            # one kind per prompt (its Qwen3-VL both, with their deepstack features)
             out = mixed.input_embeddings(self.vlm, ids, pixels, tokens_per_image is not None,
                                          self.dtype)
         else:
@@ -194,7 +197,8 @@ class VisionEncoder:
                                                 mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         embeddings = out.inputs_embeds[0].astype(self.dtype)
         visual, deepstack = None, getattr(out, "deepstack_visual_embeds", None)
-        if deepstack is not None:   # (the tower ran: skipped on a prompt-cache hit)
+        if deepstack is not None and len(deepstack):   # the tower ran (not on a cache hit),
+            # with deepstack layers (a list of them, or one array when mlx-vlm merged kinds)
             visual = np.nonzero(np.array(out.visual_pos_masks[0]))[0]
             deepstack = mx.stack(list(deepstack)).astype(self.dtype)
             mx.eval(deepstack)

@@ -217,7 +217,7 @@ class PreparedVideos:
 
 # families whose processor writes a video as one "<t seconds>" marker and vision block per
 # temporal patch (mlx-vlm's Qwen3VLProcessor), not as one run of video tokens
-TIMESTAMPED = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def group_seconds(video: DecodedVideo, temporal_patch: int) -> list[float]:

@@ -126,14 +126,14 @@ def test_a_tower_that_crashes_the_cuda_backend_is_refused_at_launch_there_only()
 
 def test_a_family_not_wired_in_is_refused_at_launch_naming_it(tmp_path: Path) -> None:
     """mlx-vlm loads more families than pipeserve serves: a checkpoint of one not wired in
-    (here the mixture-of-experts Qwen3-VL, LLaVA, GLM-4V) is a launch error naming its family
+    (here LLaVA, GLM-4V, Idefics 3) is a launch error naming its family
     and the ones served, before any weight is read."""
     pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
     from pipeline.errors import ConfigError
     from pipeline.vision.encoder import VisionEncoder
 
-    for family in ("qwen3_vl_moe", "llava", "glm4v"):
+    for family in ("llava", "glm4v", "idefics3"):
         with pytest.raises(ConfigError, match=rf"is a '{family}' vision-language model; "
                                               r"pipeserve serves the mlx-vlm families .*qwen3_5, "
-                                              r"qwen3_5_moe, qwen3_vl so far"):
+                                              r"qwen3_5_moe, qwen3_vl, qwen3_vl_moe so far"):
             VisionEncoder.load(tmp_path, {"model_type": family}, lm=None)

@@ -170,8 +170,8 @@ def test_prompt_cache_keys_videos_by_content(vlm: Any) -> None:
     assert served_bytes(other) == mlx_vlm_greedy(vlm.path, vlm.tmp, VIDEO_D, text, 16)
 
 
-def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes, parts: list[Any],
-                         max_tokens: int) -> list[list[int]]:
+def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes,
+                         messages: list[dict[str, Any]], max_tokens: int) -> list[list[int]]:
     """The greedy answer of mlx-vlm's own model to a prompt with an image and a video, which its
     generate does not take together (its get_input_embeddings merges one kind): mlx-vlm's
     processor makes the ids and both kinds' pixels, its vision tower encodes both in one call,
@@ -186,8 +186,7 @@ def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes, part
     mlx_vlm_greedy(path, tmp, video, QUESTION, 1)   # loads the reference model
     model, processor = _REFERENCE[str(path)]
     tok = processor.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     file = tmp / "mixed.mp4"
     file.write_bytes(video)
     inp = prepare_inputs(processor, images=[Image.open(io.BytesIO(image))], videos=[str(file)],
@@ -234,10 +233,21 @@ def test_an_image_and_a_video_in_one_prompt(vlm: Any) -> None:
     assert record["images"] and record["videos"] and record["video_tokens"] > 0
     parts = [{"type": "image"}, {"type": "text", "text": "Here is a clip:"}, {"type": "video"},
              {"type": "text", "text": text}]
-    assert served_bytes(resp) == model_forward_greedy(vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, parts, 16)
+    turn = [{"role": "user", "content": parts}]
+    assert served_bytes(resp) == model_forward_greedy(vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, turn, 16)
     again = greedy(vlm, messages)   # from the prompt cache: the towers skipped, the same answer
     assert again.usage.prompt_tokens_details.cached_tokens == resp.usage.prompt_tokens - 1
     assert served_bytes(again) == served_bytes(resp)
+    # a follow-up turn: its prefix (the image, the video, the answer) from the cache, so its
+    # first chunk starts past every visual token (the towers skipped, their tokens' positions
+    # still placed)
+    answer, more = resp.choices[0].message.content, "And the colours?"
+    follow = greedy(vlm, [*messages, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": more}])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= resp.usage.prompt_tokens - 1
+    assert served_bytes(follow) == model_forward_greedy(
+        vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, [*turn, {"role": "assistant", "content": answer},
+                                              {"role": "user", "content": more}], 16)
 
 
 @ONE_ARCH
