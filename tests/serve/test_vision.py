@@ -214,6 +214,16 @@ def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     # another image: at most the text before the image is reused, never the image
     assert other.usage.prompt_tokens_details.cached_tokens <= first_image_token(vlm.path, text)
     assert served_bytes(other) == mlx_vlm_greedy(vlm.path, IMAGE_C, text, 16)
+    # a follow-up turn: the image and the answer from the cache, so the prompt's first chunk
+    # starts past the image's tokens (the tower skipped; their positions still placed)
+    turn = [{"type": "image"}, {"type": "text", "text": text}]
+    history = [{"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "And the colours?"}]
+    follow = greedy(vlm, [*image_message(IMAGE_A, text), *history])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= n - 1
+    prompt = _reference(vlm.path)[1].tokenizer.apply_chat_template(
+        [{"role": "user", "content": turn}, *history], tokenize=False, add_generation_prompt=True)
+    assert served_bytes(follow) == reference_bytes(vlm.path, prompt, IMAGE_A, 16)
 
 
 @ONE_ARCH
