@@ -152,6 +152,9 @@ class ModelConfig:
                                       # cuDNN graph builds); no effect elsewhere
     composed_decode: bool = False     # CUDA, with composed_attention: a padded batch's decode
                                       # attention (one query per row, masked) composed too
+    vision: bool = True   # false: serve a vision-language checkpoint text only (towers not loaded)
+                          # (Qwen3.5's are VLMs), so draft=mtp, server.isolate and distributed
+                          # compose with it; image, video and audio parts are then 400s
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted

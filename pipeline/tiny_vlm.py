@@ -125,11 +125,11 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
     and a tower whose first layer's features also feed the decoder's first layer (deepstack).
     A Qwen3.5: model=tiny's qwen3_5 decoder (gated delta layers, attention every 2nd layer,
     its rotary on a quarter of each head) with the same tower, without deepstack (as
-    Qwen3.5's), and without the MTP head (draft=mtp does not compose with images)."""
+    Qwen3.5's), and with model=tiny's MTP head beside it (draft=mtp serves it text only:
+    model.vision=false)."""
     dims = _vision_dims(size)
     if arch in ("qwen3_5", "qwen3_5_moe"):
         text = tiny._model_config("qwen3_5", size, eos)["text_config"]
-        text.pop("mtp_num_hidden_layers")
         if arch == "qwen3_5_moe":   # 4 experts, 2 a token, and the shared expert
             inter = text["intermediate_size"]
             text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
@@ -249,6 +249,11 @@ def _write(out: Path, arch: str, dtype: str, size: str = "tiny") -> None:
         else:   # vision tower and projector: plain norms (weight 1), fan-in scaled matrices
             arr = _vision_fill(name, tuple(param.shape))
         weights[name] = mx.array(arr).astype(getattr(mx, dtype))
+    mtp_layers = config.get("text_config", {}).get("mtp_num_hidden_layers")
+    if mtp_layers:   # Qwen3.5's MTP head beside the trunk, as model=tiny's qwen3_5 has it
+        from mlx_lm.models.qwen3_5 import TextModelArgs
+        args = TextModelArgs.from_dict(json.loads(json.dumps(config["text_config"])))
+        weights.update(tiny._mtp_weights(args, mtp_layers, "qwen3_5", getattr(mx, dtype)))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     tok.save(str(out / "tokenizer.json"))
     special = tiny.SPECIAL_TOKENS + IMAGE_TOKENS[arch]
