@@ -162,7 +162,8 @@ def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
             "qwen3_5": "Qwen3_5ForConditionalGeneration",
             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[arch]
     return {"model_type": arch, "architectures": [name],
-            "text_config": text, "vision_config": vision, "tie_word_embeddings": text["tie_word_embeddings"],
+            "text_config": text, "vision_config": vision,
+            "tie_word_embeddings": text["tie_word_embeddings"],
             "eos_token_id": eos, "pad_token_id": eos[1], **token_ids}
 
 

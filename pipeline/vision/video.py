@@ -1,9 +1,10 @@
-"""Video in (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5): `video_url` / `input_video` parts, decoded with PyAV off the
-event loop (the tokenize stage's preparation pool) under byte, duration, pixel and frame caps,
-sampled to frames at server.video_fps the way mlx-vlm's load_video samples them (evenly spaced
-source frame indices, a multiple of the model's temporal patch), then turned into the model's
-`pixel_values_videos` / `video_grid_thw` and `<|video_pad|>` tokens by the checkpoint's own
-(mlx-vlm, numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
+"""Video in (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5): `video_url` / `input_video` parts,
+decoded with PyAV off the event loop (the tokenize stage's preparation pool) under byte,
+duration, pixel and frame caps, sampled to frames at server.video_fps the way mlx-vlm's
+load_video samples them (evenly spaced source frame indices, a multiple of the model's
+temporal patch), then turned into the model's `pixel_values_videos` / `video_grid_thw` and
+`<|video_pad|>` tokens (Qwen3: in timestamped blocks) by the checkpoint's own (mlx-vlm,
+numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
 from __future__ import annotations
 
 import base64

@@ -38,8 +38,9 @@ def test_chunked_prefill_logits_equal_mlx_vlms_forward(model_cache: Path) -> Non
 
     lm, config = load_model(path)
     encoder = VisionEncoder.load(path, json.loads((path / "config.json").read_text()), lm)
-    embedded = encoder.embed(ids[0].tolist(), {"pixel_values": np.array(inputs["pixel_values"]),
-                                               "image_grid_thw": np.array(inputs["image_grid_thw"])})
+    embedded = encoder.embed(ids[0].tolist(), {
+        "pixel_values": np.array(inputs["pixel_values"]),
+        "image_grid_thw": np.array(inputs["image_grid_thw"])})
     visual = embedded.visual
     assert len(visual) >= 8   # several visual tokens, so a chunk edge can fall among them
     chunk = int(visual[len(visual) // 2] - visual[0]) + 1   # an edge inside the image
