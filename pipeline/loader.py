@@ -188,7 +188,8 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     text_cfg = config.get("text_config", config)
     native = int(text_cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
     vision = None
-    if "vision_config" in config:   # a vision-language checkpoint: its tower through mlx-vlm
+    if "vision_config" in config and cfg.vision:   # a VLM (unless served text only): its tower
+        # through mlx-vlm
         from pipeline.vision.encoder import VisionEncoder
         vision = VisionEncoder.load(path, config, model)
         progress.stages += 1

@@ -12,23 +12,30 @@ from typing import Any
 from pipeline import tiny
 from pipeline.model_cache import cache_root, publish
 
-ARCHS = ("gemma3", "qwen2_5_vl", "gemma4")   # gemma4: + an audio tower (pipeline/tiny_audio.py)
+ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+         "gemma4")   # gemma4: + an audio tower (tiny_audio.py)
+QWEN3_ARCHS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")   # Qwen3-VL's tower
 VLM_SIZES = ("tiny", "medium", "large")   # tests; the decoder at Qwen3-0.6B's / 8B's shape
 FORMAT_VERSION = 3
 IMAGE_TOKENS = {    # added after tiny.py's tokens, in this order
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
 }
+IMAGE_TOKENS.update({arch: IMAGE_TOKENS["qwen2_5_vl"] for arch in QWEN3_ARCHS})
 # What a user message's image part renders as: the family's own placeholder, which its
 # processor expands to one token per image feature.
 IMAGE_MARK = {"gemma3": "<start_of_image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+IMAGE_MARK.update({arch: IMAGE_MARK["qwen2_5_vl"] for arch in QWEN3_ARCHS})
 # and a video part, for a family whose processor takes video (as Qwen2.5-VL's own template)
-VIDEO_PART = {"qwen2_5_vl": "{%- elif part.type == 'video' %}"
-                            "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"}
+VIDEO_PART = {arch: "{%- elif part.type == 'video' %}"
+                    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+              for arch in ("qwen2_5_vl", *QWEN3_ARCHS)}
 GEMMA_IMAGE_SIZE, GEMMA_PATCH, GEMMA_TOKENS_PER_IMAGE = 32, 8, 4
 QWEN_PATCH, QWEN_MERGE = 14, 2
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 112 * 112   # 4 to 16 merged tokens per image
+QWEN3_PATCH = 16   # Qwen3-VL's tower: 16-pixel patches, 32-pixel merged tokens
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 64 * 64, 128 * 128   # 4 to 16 merged tokens per image
 
 
 def chat_template(arch: str) -> str:
@@ -81,6 +88,12 @@ def _config(arch: str, ids: dict[str, int], eos: list[int], size: str = "tiny") 
                 "image_token_index": ids["<image_soft_token>"],
                 "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
                 "pad_token_id": eos[1], "eos_token_id": eos}
+    token_ids = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                 "vision_start_token_id": ids["<|vision_start|>"],
+                 "vision_end_token_id": ids["<|vision_end|>"],
+                 "vision_token_id": ids["<|vision_start|>"]}
+    if arch in QWEN3_ARCHS:
+        return _qwen3_vl_config(arch, ids, eos, size, token_ids)
     text = tiny._model_config("qwen3", size, eos)
     for key in ("head_dim", "attention_bias"):
         text.pop(key)
@@ -94,13 +107,64 @@ def _config(arch: str, ids: dict[str, int], eos: list[int], size: str = "tiny") 
               "spatial_patch_size": QWEN_PATCH, "spatial_merge_size": QWEN_MERGE,
               "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
               "in_channels": 3, "tokens_per_second": 2}
-    token_ids = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
-                 "vision_start_token_id": ids["<|vision_start|>"],
-                 "vision_end_token_id": ids["<|vision_end|>"],
-                 "vision_token_id": ids["<|vision_start|>"]}
     # the text fields at the top (mlx-vlm reads them there) and under text_config (mlx-lm)
     return {**text, "architectures": ["Qwen2_5_VLForConditionalGeneration"],
             "text_config": dict(text), "vision_config": vision, **token_ids}
+
+
+def _interleaved_sections(pairs: int) -> list[int]:
+    """Qwen3's interleaved M-RoPE sections (t, h, w) over `pairs` rotary pairs: h and w take
+    every third pair from the second (third) on, t the rest, as [24, 20, 20] of 64 pairs."""
+    h = w = pairs * 20 // 64 or 1
+    return [pairs - h - w, h, w]
+
+
+def _qwen3_vl_config(arch: str, ids: dict[str, int], eos: list[int], size: str,
+                     token_ids: dict[str, int]) -> dict[str, Any]:
+    """A Qwen3-VL: the Qwen3 decoder (mlx-lm's qwen3_vl serves it) with interleaved M-RoPE,
+    and a tower whose first layer's features also feed the decoder's first layer (deepstack).
+    A Qwen3.5: model=tiny's qwen3_5 decoder (gated delta layers, attention every 2nd layer,
+    its rotary on a quarter of each head) with the same tower, without deepstack (as
+    Qwen3.5's), and with model=tiny's MTP head beside it (draft=mtp serves it text only:
+    model.vision=false)."""
+    dims = _vision_dims(size)
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text = tiny._model_config("qwen3_5", size, eos)["text_config"]
+        if arch == "qwen3_5_moe":   # 4 experts, 2 a token, and the shared expert
+            inter = text["intermediate_size"]
+            text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=inter // 2, shared_expert_intermediate_size=inter,
+                        norm_topk_prob=True)
+        pairs = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
+        text.update(vocab_size=len(ids), tie_word_embeddings=False)
+        text["rope_parameters"].update(mrope_interleaved=True,
+                                       mrope_section=_interleaved_sections(pairs))
+    else:
+        text = tiny._model_config("qwen3", size, eos)
+        if arch == "qwen3_vl_moe":   # 4 experts, 2 a token, in every layer
+            text.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                        mlp_only_layers=[], moe_intermediate_size=text["intermediate_size"] // 2,
+                        norm_topk_prob=True)
+        pairs = text["head_dim"] // 2
+        text.update(model_type=f"{arch}_text", vocab_size=len(ids),   # (mlx-lm's MoE wants lm_head)
+                    tie_word_embeddings=size != "large" and arch == "qwen3_vl",
+                    rope_scaling={"rope_type": "default", "mrope_interleaved": True,
+                                  "mrope_section": _interleaved_sections(pairs)})
+        text.pop("architectures", None)
+    vision = {"model_type": arch, "depth": dims["layers"],
+              "hidden_size": dims["hidden_size"], "intermediate_size": dims["intermediate_size"],
+              "out_hidden_size": text["hidden_size"], "num_heads": dims["heads"],
+              "patch_size": QWEN3_PATCH, "spatial_merge_size": QWEN_MERGE,
+              "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 64,
+              "deepstack_visual_indexes": [0] if arch.startswith("qwen3_vl") else []}
+    name = {"qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+            "qwen3_5": "Qwen3_5ForConditionalGeneration",
+            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[arch]
+    return {"model_type": arch, "architectures": [name],
+            "text_config": text, "vision_config": vision,
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "eos_token_id": eos, "pad_token_id": eos[1], **token_ids}
 
 
 def _processor_files(arch: str, size: str = "tiny") -> dict[str, Any]:
@@ -115,6 +179,15 @@ def _processor_files(arch: str, size: str = "tiny") -> dict[str, Any]:
                     **norm, "resample": 2},
                 "processor_config.json": {"processor_class": "Gemma3Processor",
                                           "image_seq_length": per_image}}
+    if arch in QWEN3_ARCHS:
+        low, high = (QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS) if size == "tiny" else (64 * 64, 448 * 448)
+        return {"preprocessor_config.json": {
+                    "image_processor_type": "Qwen2VLImageProcessorFast",
+                    "processor_class": "Qwen3VLProcessor", "do_resize": True,
+                    "size": {"shortest_edge": low, "longest_edge": high},
+                    "patch_size": QWEN3_PATCH, "merge_size": QWEN_MERGE, "temporal_patch_size": 2,
+                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3, **norm},
+                "processor_config.json": {"processor_class": "Qwen3VLProcessor"}}
     low, high = (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS) if size == "tiny" else (56 * 56, 448 * 448)
     return {"preprocessor_config.json": {
                 "image_processor_type": "Qwen2VLImageProcessor",
@@ -139,7 +212,12 @@ def _vision_fill(name: str, shape: tuple[int, ...]) -> Any:
         return (np.ones(shape, np.float32) if "norm" in name and leaf == "weight"
                 else np.zeros(shape, np.float32))
     fan_in = int(np.prod(shape[1:])) if "mm_input_projection" not in name else shape[0]
-    return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+    # Qwen3-VL's deepstack features join a residual stream the decoder's branches have grown
+    # (tiny.BRANCH_GAIN): at the same gain they move the answer, so a test sees them
+    out = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+    if "deepstack_merger_list" in name and "fc2" in name:
+        out *= np.float32(tiny.BRANCH_GAIN["qwen3"])
+    return out
 
 
 def _write(out: Path, arch: str, dtype: str, size: str = "tiny") -> None:
@@ -172,6 +250,11 @@ def _write(out: Path, arch: str, dtype: str, size: str = "tiny") -> None:
         else:   # vision tower and projector: plain norms (weight 1), fan-in scaled matrices
             arr = _vision_fill(name, tuple(param.shape))
         weights[name] = mx.array(arr).astype(getattr(mx, dtype))
+    mtp_layers = config.get("text_config", {}).get("mtp_num_hidden_layers")
+    if mtp_layers:   # Qwen3.5's MTP head beside the trunk, as model=tiny's qwen3_5 has it
+        from mlx_lm.models.qwen3_5 import TextModelArgs
+        args = TextModelArgs.from_dict(json.loads(json.dumps(config["text_config"])))
+        weights.update(tiny._mtp_weights(args, mtp_layers, "qwen3_5", getattr(mx, dtype)))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     tok.save(str(out / "tokenizer.json"))
     special = tiny.SPECIAL_TOKENS + IMAGE_TOKENS[arch]

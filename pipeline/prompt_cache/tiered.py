@@ -57,14 +57,25 @@ class TieredPromptCache:
         model = model_key(adapter)
         entry, n, reason, shared = self.ram.find(prompt_ids, adapter)
         on_disk = self.ssd.best(prompt_ids, trimmable=True, model=model)
-        if on_disk is not None and on_disk[1] > n:
+        uncut = False   # a longer entry on disk could not be cut back to the shared prefix
+        for _ in range(2):
+            if on_disk is None or on_disk[1] <= n:
+                break
             restored = self._restore(on_disk[0], on_disk[1], model)
             if restored is not None:
                 entry, n = restored, on_disk[1]
                 self.metrics.cache_hits.labels("ssd").inc()
                 self.metrics.cache_hit_tokens.labels("ssd").inc(n)
                 return Lookup(self.ram.take(entry, n), n, "hit")
+            if uncut or len(on_disk[0]) == on_disk[1] or (model, on_disk[0]) not in self.ssd.index:
+                break   # (no longer indexed: missing or corrupt, counted as such)
+            # a longer entry that cannot be cut back (recurrent layers): the longest stored
+            # prefix of the prompt instead, as the RAM tier falls back to its shorter entry
+            uncut = True
+            on_disk = self.ssd.best(prompt_ids, trimmable=False, model=model)
         if entry is None:
+            if uncut and reason in ("no_prefix", "evicted"):
+                reason = "no_snapshot"
             limit = list(prompt_ids[:-1])
             if (reason in ("no_prefix", "no_snapshot")
                     and self.ssd.foreign.shared(limit, model) > max(shared, MIN_EXPLAINED - 1)):
@@ -79,8 +90,7 @@ class TieredPromptCache:
         if caches is None:
             return None
         if n < len(tokens) and not can_trim_prompt_cache(caches):
-            self.metrics.cache_misses.labels("no_snapshot").inc()
-            return None
+            return None   # (the lookup's miss, if it ends in one, says no_snapshot)
         return self.ram.put_model(list(tokens), caches, model)   # durable already: not dirty
 
     def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> None:

@@ -27,15 +27,18 @@ def check_vision(cfg: Any, keep_hidden: bool) -> None:
     if keep_hidden:
         raise ConfigError(f"draft={cfg.draft.name} with a vision-language model: the MTP head "
                           "learns from prompt chunks fed as token ids, and image rows' chunks are "
-                          "embeddings; use draft=none, ngram or model")
+                          "embeddings; use draft=none, ngram or model, or serve the checkpoint "
+                          "text only with model.vision=false")
     if cfg.server.isolate:
         raise ConfigError("server.isolate=true with a vision-language model: requests cross to "
                           "the engine's process as token ids, without their images; leave "
-                          "server.isolate unset for a VLM")
+                          "server.isolate unset for a VLM, or serve it text only with "
+                          "model.vision=false")
     distributed = getattr(getattr(cfg, "distributed", None), "name", "none")
     if distributed != "none":
         raise ConfigError(f"distributed={distributed} with a vision-language model: images do "
-                          "not cross to the other ranks yet; serve it on one process")
+                          "not cross to the other ranks yet; serve it on one process, or text "
+                          "only with model.vision=false")
 
 
 # Towers that do not run on MLX's CUDA backend (measured on an H200 with MLX 0.32.4: a

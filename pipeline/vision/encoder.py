@@ -2,7 +2,8 @@
 the token embedding of the language model pipeserve runs (mlx-lm's, in the step core). At
 prefill it turns a row's prompt ids and pixels into the prompt's input embeddings (image
 features merged at the image tokens, exactly as mlx-vlm's get_input_embeddings does) and, for
-M-RoPE models (Qwen2-VL / Qwen2.5-VL), the prompt's 3-D positions. Engine thread."""
+M-RoPE models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL), the prompt's 3-D positions, and for Qwen3-VL
+the deepstack features its first decoder layers add at the visual tokens. Engine thread."""
 from __future__ import annotations
 
 import time
@@ -14,12 +15,20 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from pipeline.errors import ConfigError
 from pipeline.vision import mixed
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
-FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "gemma4": False}
+FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "qwen3_vl": True,
+            "qwen3_vl_moe": True, "qwen3_5": True, "qwen3_5_moe": True, "gemma4": False}
+# families whose tower also returns deepstack features: the outputs of some tower layers,
+# each added to the hidden states of one of the decoder's first layers at the visual tokens
+DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+# families whose mlx-vlm get_input_embeddings takes images and videos in one prompt (the
+# others' prompts with both go through pipeline/vision/mixed.py)
+BOTH_KINDS = ("qwen3_vl",)
 # families whose audio tower is served (pipeline/vision/audio.py); gemma4's image tokens attend
 # to each other both ways at prefill, which the served (causal) decoder does not, so its images
 # are refused (stages/tokenize.py) and it serves text and audio
@@ -53,6 +62,30 @@ class PositionedRope(nn.Module):
         return rotated.astype(x.dtype)
 
 
+_DEEPSTACK_CLASSES: dict[type, type] = {}
+
+
+def add_deepstack(layer: nn.Module, index: int, armed: _Hidden) -> None:
+    """Make decoder layer `index` add its deepstack features to its output at the visual
+    tokens while a chunk is armed with them (mlx-vlm's Qwen3VLModel._deepstack_process, the
+    same scatter-add), and nothing otherwise. The layer's class becomes a subclass of its own
+    whose __call__ does that, so its parameters keep their names (adapters, KV layouts)."""
+    base = type(layer)
+    cls = _DEEPSTACK_CLASSES.get(base)
+    if cls is None:
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> mx.array:
+            h = base.__call__(self, *args, **kwargs)
+            armed = self._deepstack.armed.deepstack
+            if armed is None:
+                return h
+            at, features = armed
+            return h[0].at[at].add(features[self._deepstack.index])[None]
+        cls = _DEEPSTACK_CLASSES[base] = type(f"Deepstack{base.__name__}", (base,),
+                                              {"__call__": __call__})
+    layer.__class__ = cls
+    layer._deepstack = _Hidden(index=index, armed=armed)
+
+
 @dataclass
 class Embedded:
     """One prompt's input embeddings (L, D), and its M-RoPE positions (3, 1, L) shifted so that
@@ -62,6 +95,10 @@ class Embedded:
     positions: mx.array | None
     encode_s: float
     per_layer: mx.array | None = None   # Gemma 4's per-layer inputs (L, layers, width)
+    # Qwen3-VL's deepstack: the visual tokens' prompt positions, and per injected decoder
+    # layer their features (layers, visual tokens, width), in prompt order
+    visual: Any = None
+    deepstack: mx.array | None = None
 
 
 class VisionEncoder:
@@ -70,7 +107,7 @@ class VisionEncoder:
         self.family = family
         self.mrope = FAMILIES[family]
         self.dtype = lm_dtype
-        self.armed = _Hidden(positions=None)
+        self.armed = _Hidden(positions=None, deepstack=None)
         self.audio: Any = None   # pipeline.vision.audio.AudioProcessor: the audio tower's side
         self.takes_images = family not in IMAGELESS_FAMILIES
 
@@ -90,7 +127,10 @@ class VisionEncoder:
         vlm = load_model(Path(path), lazy=True)
         inner = vlm.language_model
         embed = lm.language_model.model.embed_tokens
-        rotary = inner.model.layers[0].self_attn.rotary_emb if FAMILIES[family] else None
+        # (Qwen3.5's gated delta layers have no attention, so no rope: its first attention
+        # layer's rotary, as every attention layer's)
+        rotary = (next(layer.self_attn.rotary_emb for layer in inner.model.layers
+                       if "self_attn" in layer) if FAMILIES[family] else None)
         # the tower shares the served decoder's embedding; mlx-vlm's own decoder is never run,
         # so its layers (lazy, never read from disk) are dropped
         inner.model.embed_tokens = embed
@@ -113,8 +153,12 @@ class VisionEncoder:
             encoder.audio = AudioProcessor(encoder.processor.proc)
         if rotary is not None:
             for layer in lm.layers:
-                attn = layer.self_attn
-                attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
+                if "self_attn" in layer:
+                    attn = layer.self_attn
+                    attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
+        if family in DEEPSTACK_FAMILIES:
+            for index in range(len(vlm.config.vision_config.deepstack_visual_indexes)):
+                add_deepstack(lm.layers[index], index, encoder.armed)
         encoder.num_params = sum(v.size for t in towers for _, v in tree_flatten(t.parameters()))
         return encoder
 
@@ -143,13 +187,21 @@ class VisionEncoder:
                      else (sum(tokens_per_image), width))
             extra["cached_image_features"] = mx.zeros(shape, dtype=self.dtype)
         images = pixels.get("pixel_values")   # absent: a video's (pixel_values_videos in extra)
-        if mixed.takes_both(pixels):            # images and videos: mlx-vlm takes one kind
+        if mixed.takes_both(pixels) and self.family not in BOTH_KINDS:
+            # images and videos: mlx-vlm's Qwen2-VL / Qwen2.5-VL / Qwen3.5 / Qwen3-VL-MoE take
+            # one kind per prompt (its Qwen3-VL both, with their deepstack features)
             out = mixed.input_embeddings(self.vlm, ids, pixels, tokens_per_image is not None,
                                          self.dtype)
         else:
             out = self.vlm.get_input_embeddings(ids, None if images is None else mx.array(images),
                                                 mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
         embeddings = out.inputs_embeds[0].astype(self.dtype)
+        visual, deepstack = None, getattr(out, "deepstack_visual_embeds", None)
+        if deepstack is not None and len(deepstack):   # the tower ran (not on a cache hit),
+            # with deepstack layers (a list of them, or one array when mlx-vlm merged kinds)
+            visual = np.nonzero(np.array(out.visual_pos_masks[0]))[0]
+            deepstack = mx.stack(list(deepstack)).astype(self.dtype)
+            mx.eval(deepstack)
         positions = None
         if self.mrope:
             delta = out.rope_deltas.reshape(-1)[0]
@@ -157,17 +209,24 @@ class VisionEncoder:
             mx.eval(embeddings, positions)
         else:
             mx.eval(embeddings)
-        return Embedded(embeddings, positions, time.perf_counter() - t0)
+        return Embedded(embeddings, positions, time.perf_counter() - t0, visual=visual,
+                        deepstack=deepstack)
 
     @contextmanager
     def chunk(self, embedded: Embedded, start: int, num: int) -> Iterator[dict[str, Any]]:
         """The model kwargs of one prompt chunk [start, start + num), positions armed for it."""
         if embedded.positions is not None:
             self.armed.positions = embedded.positions[:, :, start:start + num]
+        if embedded.deepstack is not None:   # this chunk's visual tokens, if any
+            inside = (embedded.visual >= start) & (embedded.visual < start + num)
+            if inside.any():
+                at = mx.array(embedded.visual[inside] - start, dtype=mx.uint32)
+                rows = mx.array(np.nonzero(inside)[0], dtype=mx.uint32)
+                self.armed.deepstack = (at, embedded.deepstack[:, rows])
         try:
             inputs = {"input_embeddings": embedded.embeddings[None, start:start + num]}
             if embedded.per_layer is not None:
                 inputs["per_layer_inputs"] = embedded.per_layer[None, start:start + num]
             yield inputs
         finally:
-            self.armed.positions = None
+            self.armed.positions = self.armed.deepstack = None

@@ -33,7 +33,7 @@ class VisionProcessor:
             self.placeholder = tok.boi_token
             self.image_token = tok.image_token
             self.expansion = proc.full_image_sequence
-        else:   # qwen2_vl / qwen2_5_vl
+        else:   # qwen2_vl / qwen2_5_vl / qwen3_vl
             self.placeholder = self.image_token = tok.image_token if hasattr(
                 tok, "image_token") else "<|image_pad|>"
             self.merge = int(getattr(self.image_processor, "merge_size", 2))

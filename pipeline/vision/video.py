@@ -1,9 +1,10 @@
-"""Video in (Qwen2-VL / Qwen2.5-VL): `video_url` / `input_video` parts, decoded with PyAV off the
-event loop (the tokenize stage's preparation pool) under byte, duration, pixel and frame caps,
-sampled to frames at server.video_fps the way mlx-vlm's load_video samples them (evenly spaced
-source frame indices, a multiple of the model's temporal patch), then turned into the model's
-`pixel_values_videos` / `video_grid_thw` and `<|video_pad|>` tokens by the checkpoint's own
-(mlx-vlm, numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
+"""Video in (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5): `video_url` / `input_video` parts,
+decoded with PyAV off the event loop (the tokenize stage's preparation pool) under byte,
+duration, pixel and frame caps, sampled to frames at server.video_fps the way mlx-vlm's
+load_video samples them (evenly spaced source frame indices, a multiple of the model's
+temporal patch), then turned into the model's `pixel_values_videos` / `video_grid_thw` and
+`<|video_pad|>` tokens (Qwen3: in timestamped blocks) by the checkpoint's own (mlx-vlm,
+numpy) video processor. Every failure is an InvalidRequest naming the part. No MLX."""
 from __future__ import annotations
 
 import hashlib
@@ -61,6 +62,7 @@ class DecodedVideo:
     nbytes: int
     source_frames: int      # frames in the video's stream
     source_fps: float
+    indices: list[int]      # the source frame index of each sampled frame
 
 
 def sample_indices(total: int, source_fps: float, fps: float, max_frames: int,
@@ -133,7 +135,7 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
         raise InvalidRequest(f"{where}: the video's frame size changes mid-stream; send a "
                              "video of one frame size", param=where)
     return DecodedVideo(np.stack(frames).transpose(0, 3, 1, 2), hashlib.sha256(data).hexdigest(),
-                        len(data), total, source_fps)
+                        len(data), total, source_fps, keep[:len(frames)])
 
 
 def _overdue(where: str, limits: VideoLimits, deadline: float) -> None:
@@ -210,10 +212,46 @@ class PreparedVideos:
     tokens_per_video: list[int]
 
 
+# families whose processor writes a video as one "<t seconds>" marker and vision block per
+# temporal patch (mlx-vlm's Qwen3VLProcessor), not as one run of video tokens
+TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+def group_seconds(video: DecodedVideo, temporal_patch: int) -> list[float]:
+    """Each temporal patch's time in the video, as mlx-vlm's Qwen3-VL processor computes it
+    from the sampled frames' source indices: the mean of its first and last frame's time (the
+    last frame repeated to fill the final patch)."""
+    indices = list(video.indices)
+    indices += indices[-1:] * (-len(indices) % temporal_patch)
+    times = [i / video.source_fps for i in indices]
+    return [(times[k] + times[k + temporal_patch - 1]) / 2
+            for k in range(0, len(times), temporal_patch)]
+
+
+def _expand_timestamped(processor: Any, text: str, grids: list[np.ndarray],
+                        videos: list[DecodedVideo], merge: int, temporal_patch: int) -> str:
+    """Qwen3-VL / Qwen3.5: each `<vision_start><|video_pad|><vision_end>` of the prompt becomes,
+    per temporal patch, `<t.t seconds>` and a vision block of that patch's tokens, as mlx-vlm's
+    Qwen3VLProcessor writes it (a bare `<|video_pad|>` becomes all the video's tokens)."""
+    token, mark = processor.video_token, "\x00video\x00"
+    start, end = processor.proc.vision_start_token, processor.proc.vision_end_token
+    wrapped = start + token + end
+    for grid, video in zip(grids, videos):
+        t, per_patch = int(grid[0]), int(grid[1] * grid[2]) // (merge ** 2)
+        if wrapped in text:
+            blocks = "".join(f"<{s:.1f} seconds>" + start + mark * per_patch + end
+                             for s in group_seconds(video, temporal_patch))
+            text = text.replace(wrapped, blocks, 1)
+        else:
+            text = text.replace(token, mark * (t * per_patch), 1)
+    return text.replace(mark, token)
+
+
 def prepare(processor: Any, text: str, videos: list[DecodedVideo],
             where: list[str]) -> PreparedVideos:
     """Pixels and tokens of the videos, as mlx-vlm's Qwen-VL processor makes them: each
-    `<|video_pad|>` of the rendered prompt becomes grid_t x grid_h x grid_w / merge^2 tokens."""
+    `<|video_pad|>` of the rendered prompt becomes grid_t x grid_h x grid_w / merge^2 tokens
+    (Qwen3-VL / Qwen3.5: in one timestamped block per temporal patch)."""
     token = processor.video_token
     found = text.count(token)
     if found != len(videos):
@@ -234,8 +272,12 @@ def prepare(processor: Any, text: str, videos: list[DecodedVideo],
     grid = np.concatenate(grids)
     merge = int(getattr(vp, "merge_size", 2))
     counts = [int(np.prod(g)) // (merge ** 2) for g in grid]
-    pieces = text.split(token)
-    expanded = pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:]))
+    if getattr(processor, "family", None) in TIMESTAMPED:
+        expanded = _expand_timestamped(processor, text, list(grid), videos, merge,
+                                       int(getattr(vp, "temporal_patch_size", 2)))
+    else:
+        pieces = text.split(token)
+        expanded = pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:]))
     return PreparedVideos(expanded, {"pixel_values_videos": np.concatenate(pixels),
                                      "video_grid_thw": grid}, counts)
 
@@ -247,8 +289,8 @@ def refuse_unserved(parts: list[MediaPart], vision: Any, model: str) -> None:
         raise InvalidRequest(
             f"{at} is a video, but model {model!r} ({vision.family}) takes no video: its "
             "processor has no video path; send frames as image parts, or serve a model that "
-            "takes video (Qwen2-VL / Qwen2.5-VL; GET /v1/models lists each model's modalities)",
-            param=at)
+            "takes video (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5; GET /v1/models lists each "
+            "model's modalities)", param=at)
 
 
 def attach(media: Any, processor: Any, text: str, parts: list[MediaPart], limits: VideoLimits,

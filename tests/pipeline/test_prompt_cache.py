@@ -107,3 +107,23 @@ def test_agents_arriving_together_pay_for_one_prefill(engine_factory) -> None:
     assert cached[0] == 0 and all(c >= len(SYSTEM) for c in cached[1:])
     prefill = h.metrics.step_tokens.labels("prefill")._value.get()
     assert prefill < 2 * len(SYSTEM) + 20   # the shared prefix was prefilled once
+
+
+def test_hybrid_on_the_ssd_tier_falls_back_to_the_stored_prompt_boundary(engine_factory,
+                                                                         tmp_path) -> None:
+    """A prompt extending a stored prompt, but not the longer entry its answer made (that one
+    cannot be cut back: recurrent layers), reuses the stored prompt from the SSD tier as it
+    does from RAM, rather than nothing."""
+    a = SYSTEM + [5, 6, 7, 8]
+    follow = a + [77, 78, 79]   # diverges from a's stored answer right after a
+    expected = cold(engine_factory, "hybrid", follow)
+    h = engine_factory("model=hybrid", "cache=ssd", f"cache.ssd.dir={tmp_path}",
+                       "cache.ram_gb=0.0001", "cache.ssd.write_behind=false")   # ~2 entries
+    h.generate(a, max_tokens=8, logit_bias=EOS_OFF)
+    for k in range(2):   # other prompts push a's entries out of RAM, onto the disk
+        h.generate([300 + k * 7 + i % 50 for i in range(130)], max_tokens=8, logit_bias=EOS_OFF)
+    assert h.metrics.cache_spills.labels("eviction")._value.get() >= 2
+    got = h.generate(follow, max_tokens=16, logit_bias=EOS_OFF)
+    assert got["cached"] == len(a) - 1   # the stored prompt (its last token is fed)
+    assert got["ids"] == expected
+    assert h.metrics.cache_hits.labels("ssd")._value.get() == 1

@@ -151,6 +151,13 @@ def test_vlm_benchmark_sizes_are_consistent_shapes_and_others_are_refused() -> N
         head_dim = q["hidden_size"] // q["num_attention_heads"]
         assert sum(q["rope_scaling"]["mrope_section"]) * 2 == head_dim, size
         assert q["vision_config"]["out_hidden_size"] == q["hidden_size"]
+        for arch in ("qwen3_vl", "qwen3_vl_moe"):
+            q3 = tiny_vlm._config(arch, ids, [0, 1], size)["text_config"]
+            assert sum(q3["rope_scaling"]["mrope_section"]) * 2 == q3["head_dim"], size
+        for arch in ("qwen3_5", "qwen3_5_moe"):
+            q35 = tiny_vlm._config(arch, ids, [0, 1], size)["text_config"]
+            rope = q35["rope_parameters"]
+            assert sum(rope["mrope_section"]) * 2 == q35["head_dim"] * rope["partial_rotary_factor"]
         g = tiny_vlm._config("gemma3", ids, [0, 1], size)
         side, patch = g["vision_config"]["image_size"], g["vision_config"]["patch_size"]
         per_side = int(g["mm_tokens_per_image"] ** 0.5)

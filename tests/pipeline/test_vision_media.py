@@ -7,6 +7,7 @@ import http.server
 import io
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -147,3 +148,18 @@ def test_prompt_media_token_counts_are_checked_for_every_kind() -> None:
     text_only.check_tokens([1, 2, 3])
     with pytest.raises(InvalidRequest, match=r"1 image tokens where its 0 images need 0"):
         text_only.check_tokens([1, IMG, 3])
+
+
+def test_a_family_not_wired_in_is_refused_at_launch_naming_it(tmp_path: Path) -> None:
+    """mlx-vlm loads more families than pipeserve serves: a checkpoint of one not wired in
+    (here LLaVA, GLM-4V, Idefics 3) is a launch error naming its family
+    and the ones served, before any weight is read."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
+    from pipeline.errors import ConfigError
+    from pipeline.vision.encoder import VisionEncoder
+
+    for family in ("llava", "glm4v", "idefics3"):
+        with pytest.raises(ConfigError, match=rf"is a '{family}' vision-language model; "
+                                              r"pipeserve serves the mlx-vlm families .*qwen3_5, "
+                                              r"qwen3_5_moe, qwen3_vl, qwen3_vl_moe so far"):
+            VisionEncoder.load(tmp_path, {"model_type": family}, lm=None)

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +84,23 @@ def mlx_vlm_greedy(path: Path, tmp: Path, video: bytes, text: str,
     return token_bytes(tok, ids[:max_tokens])
 
 
-@pytest.fixture(scope="module")
-def vlm(server_factory: Any, model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = server_factory("model=tiny_vlm", "model.arch=qwen2_5_vl",
+# Qwen2.5-VL (one run of video tokens per video) and Qwen3.5 (the family the product's video
+# path serves: one "<t seconds>" marker and vision block per temporal patch); protocol-level
+# tests (parsing, errors, other endpoints) run on one
+ONE_ARCH = pytest.mark.parametrize("vlm", ["qwen2_5_vl"], indirect=True)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_5"])
+def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    arch = request.param
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}",
                             "server.max_video_seconds=5", "scheduler.prefill_chunk=64")
-    server.path = ensure_model("qwen2_5_vl", "float32", model_cache)
+    server.arch = arch
+    server.path = ensure_model(arch, "float32", model_cache)
     server.tmp = tmp_path_factory.mktemp("videos")
-    return server
+    yield server
+    server.stop()   # one architecture's server at a time
 
 
 def client(server: Any) -> openai.OpenAI:
@@ -159,8 +170,8 @@ def test_prompt_cache_keys_videos_by_content(vlm: Any) -> None:
     assert served_bytes(other) == mlx_vlm_greedy(vlm.path, vlm.tmp, VIDEO_D, text, 16)
 
 
-def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes, parts: list[Any],
-                         max_tokens: int) -> list[list[int]]:
+def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes,
+                         messages: list[dict[str, Any]], max_tokens: int) -> list[list[int]]:
     """The greedy answer of mlx-vlm's own model to a prompt with an image and a video, which its
     generate does not take together (its get_input_embeddings merges one kind): mlx-vlm's
     processor makes the ids and both kinds' pixels, its vision tower encodes both in one call,
@@ -175,16 +186,18 @@ def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes, part
     mlx_vlm_greedy(path, tmp, video, QUESTION, 1)   # loads the reference model
     model, processor = _REFERENCE[str(path)]
     tok = processor.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     file = tmp / "mixed.mp4"
     file.write_bytes(video)
     inp = prepare_inputs(processor, images=[Image.open(io.BytesIO(image))], videos=[str(file)],
                          prompts=[prompt], fps=FPS, max_frames=MAX_FRAMES)
     ids, grids = inp["input_ids"], (inp["image_grid_thw"], inp["video_grid_thw"])
-    features = np.array(model.vision_tower(
+    features = model.vision_tower(
         mx.concatenate([inp["pixel_values"], inp["pixel_values_videos"]]),
-        mx.concatenate(grids), output_hidden_states=False))
+        mx.concatenate(grids), output_hidden_states=False)
+    if isinstance(features, tuple):   # Qwen3.5's tower: (features, deepstack: none)
+        features = features[0]
+    features = np.array(features)
     lm = model.language_model
     embeds = np.array(lm.model.embed_tokens(ids))
     flat = np.array(ids)[0]
@@ -220,12 +233,24 @@ def test_an_image_and_a_video_in_one_prompt(vlm: Any) -> None:
     assert record["images"] and record["videos"] and record["video_tokens"] > 0
     parts = [{"type": "image"}, {"type": "text", "text": "Here is a clip:"}, {"type": "video"},
              {"type": "text", "text": text}]
-    assert served_bytes(resp) == model_forward_greedy(vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, parts, 16)
+    turn = [{"role": "user", "content": parts}]
+    assert served_bytes(resp) == model_forward_greedy(vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, turn, 16)
     again = greedy(vlm, messages)   # from the prompt cache: the towers skipped, the same answer
     assert again.usage.prompt_tokens_details.cached_tokens == resp.usage.prompt_tokens - 1
     assert served_bytes(again) == served_bytes(resp)
+    # a follow-up turn: its prefix (the image, the video, the answer) from the cache, so its
+    # first chunk starts past every visual token (the towers skipped, their tokens' positions
+    # still placed)
+    answer, more = resp.choices[0].message.content, "And the colours?"
+    follow = greedy(vlm, [*messages, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": more}])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= resp.usage.prompt_tokens - 1
+    assert served_bytes(follow) == model_forward_greedy(
+        vlm.path, vlm.tmp, IMAGE_A, VIDEO_B, [*turn, {"role": "assistant", "content": answer},
+                                              {"role": "user", "content": more}], 16)
 
 
+@ONE_ARCH
 def test_responses_input_video(vlm: Any) -> None:
     out = client(vlm).responses.create(model="tiny_vlm", max_output_tokens=16, temperature=0,
                                        input=[{"role": "user", "content": [
@@ -260,6 +285,7 @@ def test_models_metrics_and_record_name_the_videos(vlm: Any) -> None:
     assert metric(vlm, "pipeserve_video_frames_total") == frames + 6
 
 
+@ONE_ARCH
 def test_bad_videos_are_400s_naming_the_part(vlm: Any) -> None:
     cases = [
         (b"not a video at all", "could not be decoded"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ from pipeline.tiny_vlm import ensure_model
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
-ARCHS = ["gemma3", "qwen2_5_vl"]
+ARCHS = ["gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+# Qwen3.5's mixture-of-experts decoder: the same model code but its MLPs, so the tests of the
+# decoder's own output (greedy against mlx-vlm, batching) run on it too
+WITH_MOE = pytest.mark.parametrize("vlm", [*ARCHS, "qwen3_5_moe"], indirect=True)
 # protocol-level tests (parsing, errors, other endpoints): one architecture's server suffices
 ONE_ARCH = pytest.mark.parametrize("vlm", ["gemma3"], indirect=True)
 QUESTION = "What is in the picture?"
@@ -115,15 +119,18 @@ def first_image_token(path: Path, text: str) -> int:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Any:
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     arch = request.param
     # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
+    # (Qwen3.5's attention heads are 64 wide, not 16: its prompts' KV is ~4x larger)
+    ram_gb = 0.0004 if arch.startswith("qwen3_5") else 0.0001
     server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
                             "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
-                            "cache.ram_gb=0.0001", "scheduler.prefill_chunk=64")
+                            f"cache.ram_gb={ram_gb}", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
-    return server
+    yield server
+    server.stop()   # one architecture's server at a time
 
 
 def client(server: Any) -> openai.OpenAI:
@@ -140,6 +147,7 @@ def served_bytes(resp: Any) -> list[list[int]]:
     return [list(t.bytes) for t in resp.choices[0].logprobs.content]
 
 
+@WITH_MOE
 def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
     for image in (IMAGE_A, IMAGE_B):
         resp = greedy(vlm, image_message(image))
@@ -174,6 +182,7 @@ def test_an_image_inside_a_prompt_of_several_chunks(vlm: Any) -> None:
     assert served_bytes(resp) == reference_bytes(vlm.path, prompt, IMAGE_B, 16)
 
 
+@WITH_MOE
 def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
     rows = [image_message(IMAGE_A), [{"role": "user", "content": "Tell me about trains."}],
             image_message(IMAGE_B, "Describe it."), image_message(IMAGE_A, "And the colours?")]
@@ -205,6 +214,16 @@ def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:
     # another image: at most the text before the image is reused, never the image
     assert other.usage.prompt_tokens_details.cached_tokens <= first_image_token(vlm.path, text)
     assert served_bytes(other) == mlx_vlm_greedy(vlm.path, IMAGE_C, text, 16)
+    # a follow-up turn: the image and the answer from the cache, so the prompt's first chunk
+    # starts past the image's tokens (the tower skipped; their positions still placed)
+    turn = [{"type": "image"}, {"type": "text", "text": text}]
+    history = [{"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "And the colours?"}]
+    follow = greedy(vlm, [*image_message(IMAGE_A, text), *history])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= n - 1
+    prompt = _reference(vlm.path)[1].tokenizer.apply_chat_template(
+        [{"role": "user", "content": turn}, *history], tokenize=False, add_generation_prompt=True)
+    assert served_bytes(follow) == reference_bytes(vlm.path, prompt, IMAGE_A, 16)
 
 
 @ONE_ARCH
@@ -297,9 +316,9 @@ def test_ssd_tier_serves_an_image_prefix_after_ram_eviction(vlm: Any) -> None:
 
 def test_models_metrics_and_record_name_the_images(vlm: Any) -> None:
     models = client(vlm).models.list().data
-    # Qwen-VL's processor also takes video (tests/serve/test_video.py); Gemma 3's does not
+    # Qwen-VL's processors also take video (tests/serve/test_video.py); Gemma 3's does not
     assert models[0].model_extra["modalities"] == (
-        ["text", "image", "video"] if vlm.arch == "qwen2_5_vl" else ["text", "image"])
+        ["text", "image"] if vlm.arch == "gemma3" else ["text", "image", "video"])
     images, tokens = metric(vlm, "pipeserve_images_total"), metric(vlm, "pipeserve_image_tokens_total")
     encodes = metric(vlm, "pipeserve_vision_encoder_seconds_count")
     messages = [{"role": "user", "content": [
@@ -336,7 +355,7 @@ def test_responses_input_image_and_a_follow_up_turn(vlm: Any) -> None:
     assert follow.usage.input_tokens_details.cached_tokens > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_image_rows_on_the_paged_kv_layout_equal_mlx_vlm(arch: str, server_factory: Any,
                                                          model_cache: Path) -> None:
     """kv=paged (lossless) holds image rows' KV in its block pool: greedy output with an image,
@@ -355,3 +374,45 @@ def test_image_rows_on_the_paged_kv_layout_equal_mlx_vlm(arch: str, server_facto
             logprobs=True) for img in (IMAGE_A, IMAGE_B)))
     together = asyncio.run(both())
     assert [served_bytes(r) for r in together] == [want[IMAGE_A], want[IMAGE_B]]
+
+
+@pytest.mark.parametrize("vlm", ["qwen3_vl"], indirect=True)
+def test_qwen3_vl_video_alone_and_beside_an_image_equals_mlx_vlm(vlm: Any, tmp_path: Path) -> None:
+    """Qwen3-VL's video: one "<t seconds>" block per temporal patch, the tower's deepstack
+    features at the video's tokens; mlx-vlm's Qwen3-VL takes an image and a video in one
+    prompt, so both are checked against its own stream_generate (tests/serve/test_video.py has
+    the rest of the video tests, on Qwen2.5-VL and Qwen3.5)."""
+    from mlx_vlm import stream_generate
+
+    from tests.serve.test_video import FPS, MAX_FRAMES, mlx_vlm_greedy, mp4
+    from tests.serve.test_video import data_url as video_url
+    assert "video" in client(vlm).models.list().data[0].model_extra["modalities"]
+    video = mp4(2, 10, 5)
+    alone = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": video_url(video)}},
+        {"type": "text", "text": QUESTION}]}]
+    assert served_bytes(greedy(vlm, alone)) == mlx_vlm_greedy(vlm.path, tmp_path, video,
+                                                               QUESTION, 16)
+    both = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(IMAGE_A)}},
+        {"type": "text", "text": "and a clip:"},
+        {"type": "video_url", "video_url": {"url": video_url(video)}},
+        {"type": "text", "text": QUESTION}]}]
+    model, processor = _reference(vlm.path)
+    tok = processor.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "and a clip:"}, {"type": "video"},
+        {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True)
+    file = tmp_path / "clip.mp4"
+    file.write_bytes(video)
+    eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    ids: list[int] = []
+    for r in stream_generate(model, processor, prompt, image=[Image.open(io.BytesIO(IMAGE_A))],
+                             video=[str(file)], max_tokens=16, temperature=0.0, fps=FPS,
+                             max_frames=MAX_FRAMES):
+        if r.token in eos:
+            break
+        ids.append(r.token)
+    resp = greedy(vlm, both)
+    assert resp.usage.model_extra["pipeserve"]["video_tokens"] > 0
+    assert served_bytes(resp) == token_bytes(tok, ids[:16])

@@ -35,7 +35,7 @@ def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
                 "task": task}
     from pipeline.core.limits import EngineLimits
     vision = getattr(loaded, "vision", None)
-    modalities = ["text", "image"] if loaded.config.get("vision_config") else ["text"]
+    modalities = ["text", "image"] if vision is not None else ["text"]   # (model.vision)
     if vision is not None and not vision.takes_images:
         modalities.remove("image")
     if vision is not None and vision.takes_images and vision.processor.video_processor is not None:
