@@ -151,7 +151,10 @@ class Step:
         out = StepOutput(failed=dict(s.failed) if s is not None else {})
         if s is None or not s.order:
             return out
-        ids = s.token_ids.tolist()
+        ids = s.token_ids.tolist()   # one host copy per array, then plain lists per row
+        if s.logprobs is None and s.top_ids is None:
+            out.rows = {rid: RowOutput([t]) for rid, t in zip(s.order, ids)}
+            return out
         lps = s.logprobs.tolist() if s.logprobs is not None else None
         top = ([list(zip(i, v)) for i, v in zip(s.top_ids.tolist(), s.top_logprobs.tolist())]
                if s.top_ids is not None else None)
