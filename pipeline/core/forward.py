@@ -4,6 +4,7 @@ every decoding row in one batched forward, with its drafts when it verifies them
 (the prefill stage) and a draft model's (draft=model) are two instances. Engine thread."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -41,7 +42,7 @@ class Forward:
             self.adapters.reset()
 
     # -- prompt chunks ----------------------------------------------------------------
-    def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
+    def prefill(self, rows: Sequence[PlannedRow], kv: RowStore) -> int:
         """Run every prefill chunk; returns how many rows shared a grouped forward. A row with
         media whose chunk raises (its tower on its own input) lands in `self.failed`, alone."""
         self.hidden = {}
@@ -111,7 +112,7 @@ class Forward:
         kv.group(ids, caches)
 
     # -- decoding rows ----------------------------------------------------------------
-    def decode(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
+    def decode(self, rows: Sequence[PlannedRow], kv: RowStore) -> Logits:
         """One forward for every decoding row (their order is the batch's): each feeds its
         input token, then its drafts when it verifies them (logits at every position)."""
         hidden = {rid: h for rid, h in self.hidden.items()}

@@ -141,19 +141,21 @@ class Scheduler:
         budget = lim.max_num_batched_tokens
         rows: list[PlannedRow] = []
         prefilling: list[tuple[Request, int]] = []
-        for req in self.running:
-            pos = req.num_computed_tokens + self._ahead.get(req.request_id, 0)
+        ahead, outputs_ahead, drafts = self._ahead, self._outputs_ahead, self.num_drafts
+        for req in self.running:   # every running row, every step: plain lookups only
+            rid = req.request_id
+            pos = req.num_computed_tokens + ahead.get(rid, 0)
             if pos < req.num_prompt_tokens - 1:
                 prefilling.append((req, pos))
                 continue
-            outputs = len(req.output_ids) + self._outputs_ahead.get(req.request_id, 0)
-            if outputs >= req.sampling.max_tokens:
+            left = req.sampling.max_tokens - len(req.output_ids) - outputs_ahead.get(rid, 0)
+            if left <= 0:
                 continue
-            room = min(self.num_drafts, req.sampling.max_tokens - outputs - 1)
-            rows.append(PlannedRow(req, pos, 1, max_drafts=max(0, room)))
+            rows.append(PlannedRow(req, pos, 1, max_drafts=min(drafts, left - 1)))
         budget -= len(rows)
-        rows = self._draft_room(rows, budget)
-        budget -= sum(r.max_drafts for r in rows)
+        if drafts:
+            rows = self._draft_room(rows, budget)
+            budget -= sum(r.max_drafts for r in rows)
         if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
             prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
@@ -169,13 +171,16 @@ class Scheduler:
         hits, self._hits = tuple(self._hits), []
         if not rows:
             return StepPlan((), hits) if hits else None
+        plan, n = StepPlan(tuple(rows), hits), len(rows)
         for r in rows:
-            self._ahead[r.request_id] = self._ahead.get(r.request_id, 0) + r.num_tokens
-            if r.samples:
-                rid = r.request_id
-                self._outputs_ahead[rid] = self._outputs_ahead.get(rid, 0) + 1
-            r.request.batch_size_max = max(r.request.batch_size_max, len(rows))
-        return StepPlan(tuple(rows), hits)
+            req = r.request
+            ahead[req.request_id] = ahead.get(req.request_id, 0) + r.num_tokens
+            if req.batch_size_max < n:
+                req.batch_size_max = n
+        for r in plan.decode:
+            rid = r.request.request_id
+            outputs_ahead[rid] = outputs_ahead.get(rid, 0) + 1
+        return plan
 
     def _admit(self) -> None:
         """FIFO: the head waits until a row slot and, under a KV budget, its projected KV

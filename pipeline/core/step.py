@@ -127,7 +127,7 @@ class Step:
 
     def _count(self, plan: StepPlan) -> None:
         self._batch_size.observe(len(plan.rows))
-        decode = sum(r.width for r in plan.decode)
+        decode = plan.num_decode_tokens
         prefill = plan.num_tokens - decode
         if decode:
             self._tokens["decode"].inc(decode)
