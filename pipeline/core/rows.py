@@ -117,20 +117,22 @@ class RowStore:
         return [layer.extract(where) for layer in self._caches]
 
     # -- the decode batch -------------------------------------------------------------
-    def decode_batch(self, rids: Sequence[str], known: dict[str, int | None]
+    def decode_batch(self, rids: Sequence[str], known: Callable[[str], int | None]
                      ) -> tuple[list[Any], list[str], mx.array]:
         """Make the batch hold exactly `rids`: continuing rows keep their order, the rest are
         dropped (their KV kept as their own caches), newcomers join at the end with their
-        input from `known` (host tokens). Returns (caches, row order, next-input tokens)."""
+        input from `known(rid)` (host tokens). Returns (caches, row order, next-input
+        tokens). The same rows as the last step (steady decode) change nothing."""
         self._verify = None   # a forward follows: an earlier verify's state is stale
-        wanted = set(rids)
-        keep = [i for i, r in enumerate(self._rows) if r in wanted]
-        if len(keep) != len(self._rows):
-            self._filter(keep, park=True)
-        present = set(self._rows)
-        joiners = [r for r in rids if r not in present]
-        if joiners:
-            self._extend(joiners, known)
+        if list(rids) != self._rows:
+            wanted = set(rids)
+            keep = [i for i, r in enumerate(self._rows) if r in wanted]
+            if len(keep) != len(self._rows):
+                self._filter(keep, park=True)
+            present = set(self._rows)
+            joiners = [r for r in rids if r not in present]
+            if joiners:
+                self._extend(joiners, known)
         assert self._caches is not None and self._next is not None
         return self._caches, list(self._rows), self._next
 
@@ -172,7 +174,7 @@ class RowStore:
             self._caches = [layer.extract(0) for layer in self._caches]
             self.solo = True
 
-    def _extend(self, joiners: list[str], known: dict[str, int | None]) -> None:
+    def _extend(self, joiners: list[str], known: Callable[[str], int | None]) -> None:
         if self._caches is None and len(joiners) == 1 and joiners[0] not in self._groups:
             self._caches, self.solo = self.own_or_new(joiners[0]), True
             self._own.pop(joiners[0], None)
@@ -191,7 +193,7 @@ class RowStore:
                 for mine, theirs in zip(self._caches, caches):
                     mine.extend(theirs)
             self._rows.extend(ids)
-        new = mx.array([known[r] for ids, _ in parts for r in ids], dtype=mx.uint32)
+        new = mx.array([known(r) for ids, _ in parts for r in ids], dtype=mx.uint32)
         self._next = new if self._next is None else mx.concatenate([self._next, new])
 
     def own_or_new(self, rid: str) -> list[Any]:

@@ -101,7 +101,7 @@ class Step:
             failed.setdefault(rid, cause)
         self._timed("persist", lambda: self.persist.prompts(plan, kv))
         self._count(plan)
-        by_id = {r.request_id: r.request for r in plan.rows}
+        by_id = {r.request.request_id: r.request for r in plan.rows}
         rows = [by_id[rid] for rid in logits.order]
         if plan.has_drafts:
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
