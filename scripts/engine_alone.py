@@ -105,6 +105,8 @@ def instrument(engine: Any, clock: StepClock) -> None:
     sched.schedule = schedule
     clock.wrap(engine.step, "launch", "launch")
     clock.wrap(engine.step, "dispatch", "dispatch (async_eval)")
+    clock.wrap(engine.step, "prefill", "launch: prefill stage (the forward's graph)")
+    clock.wrap(engine.step, "sample", "launch: sample stage")
     clock.wrap(engine.step, "read", "read")
     clock.wrap(engine, "_apply", "apply (incl. read)")
     clock.wrap(engine._out, "flush", "flush")
