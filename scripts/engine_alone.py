@@ -22,7 +22,6 @@ import os
 import json
 import pstats
 import random
-import statistics
 import sys
 import time
 import uuid
