@@ -2,8 +2,6 @@
 process). Updated from the engine thread and the event loop; the client is thread-safe."""
 from __future__ import annotations
 
-from bisect import bisect_left
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from pipeline import registry
@@ -315,25 +313,6 @@ class Metrics:
                 family.labels(name)
         for state in ("used", "free", "shared"):
             self.kv_pool_blocks.labels(state)
-
-
-def observe_n(hist: Histogram, value: float, n: int) -> None:
-    """`n` observations of one value, as `n` calls of `hist.observe(value)` record them (the
-    rows of an engine step that share one inter-token gap): one bucket and one sum update
-    instead of n. An unlabelled histogram of prometheus_client's own layout; any other takes
-    the n calls."""
-    if n == 1:
-        hist.observe(value)
-        return
-    buckets, bounds = getattr(hist, "_buckets", None), getattr(hist, "_upper_bounds", None)
-    if buckets is None or bounds is None:
-        for _ in range(n):
-            hist.observe(value)
-        return
-    hist._sum.inc(value * n)
-    i = bisect_left(bounds, value)   # the first bound >= value: where observe counts it
-    if i < len(buckets):
-        buckets[i].inc(n)
 
 
 def family_names(registry: CollectorRegistry) -> dict[str, str]:

@@ -43,7 +43,6 @@ class StepClock:
 
     def __init__(self) -> None:
         self.total: dict[str, float] = defaultdict(float)
-        self.cpu: dict[str, float] = defaultdict(float)   # the engine thread's own CPU time
         self.steps = 0
         self.on = False
         self.profile: cProfile.Profile | None = None
@@ -54,24 +53,21 @@ class StepClock:
         inner = getattr(obj, name)
 
         def timed(*a: Any, **k: Any) -> Any:
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0 = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
                 if self.on:
                     self.total[label] += time.perf_counter() - t0
-                    self.cpu[label] += time.thread_time() - c0
         setattr(obj, name, timed)
 
     def reset(self) -> None:
         self.total.clear()
-        self.cpu.clear()
         self.steps = 0
 
-    def report(self, cpu: bool = False) -> dict[str, float]:
+    def report(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        return {k: round(1000 * v / n, 3)
-                for k, v in sorted((self.cpu if cpu else self.total).items())} | {
+        return {k: round(1000 * v / n, 3) for k, v in sorted(self.total.items())} | {
             "steps": self.steps}
 
 
@@ -95,17 +91,13 @@ def instrument(engine: Any, clock: StepClock) -> None:
             if want != clock.enabled:
                 (clock.profile.enable if want else clock.profile.disable)()
                 clock.enabled = want
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         plan = inner_schedule()
         if clock.on:
             clock.total["schedule"] += time.perf_counter() - t0
-            clock.cpu["schedule"] += time.thread_time() - c0
         return plan
     sched.schedule = schedule
     clock.wrap(engine.step, "launch", "launch")
-    clock.wrap(engine.step, "dispatch", "dispatch (async_eval)")
-    clock.wrap(engine.step, "prefill", "launch: prefill stage (the forward's graph)")
-    clock.wrap(engine.step, "sample", "launch: sample stage")
     clock.wrap(engine.step, "read", "read")
     clock.wrap(engine, "_apply", "apply (incl. read)")
     clock.wrap(engine._out, "flush", "flush")
@@ -249,8 +241,7 @@ def main() -> None:
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
-                      "rep": rep, "per_step_ms": clock.report(),
-                      "per_step_cpu_ms": clock.report(cpu=True)}
+                      "rep": rep, "per_step_ms": clock.report()}
                 print(json.dumps(r), flush=True)
                 if clock.profile is not None:
                     asyncio.run(run_batch(engine, warm[:1], 2, {}))   # disables it, in-thread

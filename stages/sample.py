@@ -5,7 +5,6 @@ alone (`Sampled.failed`); the other rows' tokens do not depend on it. Engine thr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import mlx.core as mx
@@ -31,7 +30,8 @@ class Sample:
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.eos_ids = sorted(deps.loaded.tokenizer.eos_token_ids)
         self.rows = deps.samplers if deps.samplers is not None else SamplerStates()
-        self._batch: _Batch | None = None   # what the last call's rows need (same rows: kept)
+        self._bias_key: tuple[str, ...] = ()
+        self._bias: tuple[mx.array, mx.array, mx.array] | None = None
         self._shifts = mx.arange(32, dtype=mx.int32)
 
     def __call__(self, logits: Logits, rows: Sequence[Request]) -> Sampled:
@@ -39,38 +39,30 @@ class Sample:
         if not rows:
             return out
         reqs = list(rows)
-        batch = self._batch
-        if batch is None or not batch.same(reqs):   # rows joined or left: look them over
-            states = self.states(reqs, out.failed)
-            batch = self._batch = _Batch.of(reqs, states)
-        else:   # the same rows as the last call: their settings and state objects stand
-            states = self.states(reqs, out.failed) if batch.needs_states else []
-        x = logits.logits
-        if batch.bias is not None:   # every row's logit_bias in one scatter-add
-            rows_idx, cols_idx, vals = batch.bias
-            x = x.at[rows_idx, cols_idx].add(vals.astype(x.dtype))
-        if batch.processors:
+        states = self.states(reqs, out.failed)
+        x = self.apply_bias(logits.logits, reqs, states)
+        if any(s.processors for s in states):
             x = mx.concatenate([self._process(out.failed, r, s, x[i:i + 1])
                                 for i, (r, s) in enumerate(zip(reqs, states))], axis=0)
-        if batch.grammar:
+        if any(r.grammar is not None for r in reqs):
             x = self._constrain(out.failed, x, reqs)
             out.sync = True   # the next mask needs this step's token on the host
         logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        if batch.greedy:
+        if all(r.sampling.greedy for r in reqs):
             tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         else:
             tokens = mx.concatenate([self._draw(out.failed, r, s, logprobs[i:i + 1])
                                      for i, (r, s) in enumerate(zip(reqs, states))])
-        if batch.processors:
-            for i, state in enumerate(states):
-                if state.history is not None:
-                    state.history = mx.concatenate([state.history, tokens[i:i + 1]])
+        for i, state in enumerate(states):
+            if state.history is not None:
+                state.history = mx.concatenate([state.history, tokens[i:i + 1]])
         out.token_ids = tokens
-        if batch.logprobs:
+        if any(r.sampling.logprobs for r in reqs):
             out.logprobs = mx.take_along_axis(logprobs, tokens[:, None].astype(mx.int32),
                                               axis=-1)[:, 0]
-            if batch.top_logprobs:
-                out.top_ids, out.top_logprobs = top_k(logprobs, batch.top_logprobs)
+            k = max(r.sampling.top_logprobs for r in reqs)
+            if k:
+                out.top_ids, out.top_logprobs = top_k(logprobs, k)
         return out
 
     def states(self, reqs: list[Request], failed: dict[str, BaseException]
@@ -85,6 +77,25 @@ class Sample:
                 failed.setdefault(r.request_id, e)
                 states.append(self.rows.of(r))   # the neutral stand-in the store kept
         return states
+
+    def apply_bias(self, logits: mx.array, reqs: list[Request],
+                    states: list[RowSampling]) -> mx.array:
+        """Every row's logit_bias in one scatter-add; the index arrays are rebuilt only when
+        the rows change."""
+        key = tuple(r.request_id for r in reqs)
+        if key != self._bias_key:
+            rows, cols, vals = [], [], []
+            for i, state in enumerate(states):
+                rows += [i] * len(state.bias_ids)
+                cols += state.bias_ids
+                vals += state.bias_values
+            self._bias_key = key
+            self._bias = ((mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32),
+                           mx.array(vals, dtype=mx.float32)) if rows else None)
+        if self._bias is None:
+            return logits
+        rows_idx, cols_idx, vals = self._bias
+        return logits.at[rows_idx, cols_idx].add(vals.astype(logits.dtype))
 
     def _constrain(self, failed: dict[str, BaseException], logits: mx.array,
                    reqs: list[Request]) -> mx.array:
@@ -131,47 +142,6 @@ class Sample:
         state.prev_key = state.key
         state.key, sub = mx.random.split(state.key)
         return mx.random.categorical(scaled, key=sub).astype(mx.uint32)
-
-
-@dataclass(slots=True)
-class _Batch:
-    """What one set of rows needs from the sampler, worked out when the rows change (a
-    request's sampling settings and grammar are fixed once admitted; its state object is
-    made on its first step): steady decode over the same rows skips the per-row passes.
-    `reqs` keeps the rows alive, so their ids (`key`) cannot be another request's."""
-
-    reqs: list[Request]
-    key: tuple[int, ...]
-    bias: tuple[mx.array, mx.array, mx.array] | None
-    processors: bool      # a row has penalties (its history is kept too)
-    grammar: bool         # a row has a structured-output grammar
-    greedy: bool          # every row is greedy: one argmax
-    logprobs: bool
-    top_logprobs: int
-
-    @property
-    def needs_states(self) -> bool:
-        return self.processors or not self.greedy
-
-    def same(self, reqs: list[Request]) -> bool:
-        return len(reqs) == len(self.reqs) and tuple(map(id, reqs)) == self.key
-
-    @classmethod
-    def of(cls, reqs: list[Request], states: list[RowSampling]) -> _Batch:
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        for i, state in enumerate(states):   # every row's logit_bias, one index array
-            rows += [i] * len(state.bias_ids)
-            cols += state.bias_ids
-            vals += state.bias_values
-        bias = ((mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32),
-                 mx.array(vals, dtype=mx.float32)) if rows else None)
-        return cls(reqs, tuple(map(id, reqs)), bias, any(s.processors for s in states),
-                   any(r.grammar is not None for r in reqs),
-                   all(r.sampling.greedy for r in reqs),
-                   any(r.sampling.logprobs for r in reqs),
-                   max(r.sampling.top_logprobs for r in reqs))
 
 
 def top_k(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:

@@ -12,7 +12,7 @@ from pipeline.core import adapter_swap
 from pipeline.config import ServeConfig, build
 from pipeline.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeline.core.inbox import Inbox
-from pipeline.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit
+from pipeline.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
 from pipeline.loader import LoadedModel
 from pipeline.memory import MemoryModel
 from pipeline.metrics import Metrics
@@ -176,8 +176,14 @@ class Engine:
         except Exception as e:
             self._fail_plan(launched.plan, e)
             return
-        events = self.scheduler.update(launched.plan, output)
-        finished = self._out.step_events(events, time.perf_counter())
+        now = time.perf_counter()
+        finished: list[Request] = []
+        for req, event in self.scheduler.update(launched.plan, output):
+            if isinstance(event, TokenDelta):
+                self._out.tokens(req, event, now)
+            else:
+                finished.append(req)
+                self._out.post(req.request_id, event)
         self.step.settle(launched, output)
         for rid, cause in output.failed.items():   # rows a stage failed on their own
             self._fail_request(rid, row_failure(rid, cause))

@@ -4,7 +4,6 @@ every decoding row in one batched forward, with its drafts when it verifies them
 (the prefill stage) and a draft model's (draft=model) are two instances. Engine thread."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -29,9 +28,9 @@ class Forward:
         self.failed: dict[str, BaseException] = {}     # media rows whose own chunk raised
         self.adapters = AdapterSet.of(model)   # per-row adapters (empty: none mounted yet)
 
-    def _select(self, rows: Iterable[PlannedRow]) -> None:
+    def _select(self, rows: list[PlannedRow]) -> None:
         """The next model call's rows, in its batch order, run each with its request's adapter
-        (nothing to do, per step, while no adapter is mounted: `rows` is not even read)."""
+        (nothing to do, per step, while no adapter is mounted)."""
         a = self.adapters
         if a.slots or a.retired:
             a.select([a.slots_of(r.request.adapter) for r in rows])
@@ -42,7 +41,7 @@ class Forward:
             self.adapters.reset()
 
     # -- prompt chunks ----------------------------------------------------------------
-    def prefill(self, rows: Sequence[PlannedRow], kv: RowStore) -> int:
+    def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
         """Run every prefill chunk; returns how many rows shared a grouped forward. A row with
         media whose chunk raises (its tower on its own input) lands in `self.failed`, alone."""
         self.hidden = {}
@@ -112,15 +111,15 @@ class Forward:
         kv.group(ids, caches)
 
     # -- decoding rows ----------------------------------------------------------------
-    def decode(self, rows: Sequence[PlannedRow], kv: RowStore) -> Logits:
+    def decode(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
         """One forward for every decoding row (their order is the batch's): each feeds its
         input token, then its drafts when it verifies them (logits at every position)."""
         hidden = {rid: h for rid, h in self.hidden.items()}
         if not rows:
             return Logits([], hidden=hidden)
-        by_id = {r.request.request_id: r for r in rows}
-        caches, order, inputs = kv.decode_batch(list(by_id),
-                                                lambda rid: by_id[rid].known_input())
+        by_id = {r.request_id: r for r in rows}
+        caches, order, inputs = kv.decode_batch(list(by_id), {r.request_id: r.known_input()
+                                                            for r in rows})
         width = _width(rows)
         if width > 1:
             kv.before_verify(width)   # what a rollback of the rejected drafts needs
@@ -138,7 +137,8 @@ class Forward:
         kept tokens): one forward over the decode batch, right-padded and masked like a prompt
         group; logits at each row's last token."""
         by_id = {r.request_id: r for r in rows}
-        caches, order, _ = kv.decode_batch(list(by_id), lambda rid: by_id[rid].known_input())
+        caches, order, _ = kv.decode_batch(list(by_id), {r.request_id: r.known_input()
+                                                         for r in rows})
         chunks = [by_id[rid].token_ids() + list(by_id[rid].drafts) for rid in order]
         assert all(len(t) == by_id[rid].width for t, rid in zip(chunks, order)), \
             "feed: a row's tokens are not all on the host"
@@ -160,7 +160,7 @@ class Forward:
 
     def _run(self, tokens: mx.array, caches: list[Any], order: list[str],
              rows: dict[str, PlannedRow], hidden: dict[str, Any]) -> mx.array:
-        self._select(rows[rid] for rid in order)
+        self._select([rows[rid] for rid in order])
         try:
             if not self.keep_hidden:
                 return self.model(tokens, cache=caches)

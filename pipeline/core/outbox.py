@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from pipeline.core.events import Event, Failed, Finished, TokenDelta
-from pipeline.metrics import Metrics, observe_n
+from pipeline.metrics import Metrics
 from pipeline.request import Request
 from pipeline.core.stream import RequestStream, post_many
 
@@ -21,31 +21,16 @@ class Outbox:
     def open(self, request_id: str, stream: RequestStream) -> None:
         self._streams[request_id] = stream
 
-    def step_events(self, events: list[tuple[Request, Event]], now: float) -> list[Request]:
-        """A step's (request, event) pairs, in order (scheduler.update's): token deltas time
-        each request's TTFT (its first) or ITL (the gap since its last); rows whose last tokens
-        came in one step share one gap, observed once with their count. Returns the requests
-        that finished."""
-        finished: list[Request] = []
-        streams, pending, gaps = self._streams, self._pending, {}
-        for req, event in events:
-            if type(event) is not TokenDelta:
-                finished.append(req)
-                self.post(req.request_id, event)
-                continue
-            if req.first_token_s is None:
-                req.first_token_s = now
-                self.metrics.ttft.observe(now - req.arrival_s)
-            else:
-                last = req.last_token_s
-                gaps[last] = gaps.get(last, 0) + 1
-            req.last_token_s = now
-            stream = streams.get(req.request_id)
-            if stream is not None:
-                pending.append((stream, event))
-        for last, n in gaps.items():
-            observe_n(self.metrics.itl, now - last, n)
-        return finished
+    def tokens(self, req: Request, event: TokenDelta, now: float | None = None) -> None:
+        """A token delta; the first one of a request times its TTFT, later ones the ITL."""
+        now = time.perf_counter() if now is None else now
+        if req.first_token_s is None:
+            req.first_token_s = now
+            self.metrics.ttft.observe(now - req.arrival_s)
+        else:
+            self.metrics.itl.observe(now - req.last_token_s)
+        req.last_token_s = now
+        self.post(req.request_id, event)
 
     def replay(self, running: list[Request]) -> None:
         """Send resumed requests the output their checkpoint already holds."""

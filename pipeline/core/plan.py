@@ -74,32 +74,22 @@ class StepPlan:
 
     rows: tuple[PlannedRow, ...]
     hits: tuple[tuple[str, CacheHit], ...] = ()
-    # derived once from `rows` (every stage of the step reads them; per row and per read it
-    # would be host time): the rows that only feed prompt tokens and those that sample, in
-    # row order; positions fed in all (tokens + drafts) and by the sampling rows; any drafts
-    prefill: tuple[PlannedRow, ...] = field(init=False, repr=False, compare=False)
-    decode: tuple[PlannedRow, ...] = field(init=False, repr=False, compare=False)
-    num_tokens: int = field(init=False, repr=False, compare=False)
-    num_decode_tokens: int = field(init=False, repr=False, compare=False)
-    has_drafts: bool = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        prefill: list[PlannedRow] = []
-        decode: list[PlannedRow] = []
-        fed = fed_decode = drafted = 0
-        for r in self.rows:
-            width = r.num_tokens + len(r.drafts)
-            drafted += len(r.drafts)
-            fed += width
-            if r.samples:
-                decode.append(r)
-                fed_decode += width
-            else:
-                prefill.append(r)
-        for name, value in (("prefill", tuple(prefill)), ("decode", tuple(decode)),
-                            ("num_tokens", fed), ("num_decode_tokens", fed_decode),
-                            ("has_drafts", drafted > 0)):
-            object.__setattr__(self, name, value)
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.width for r in self.rows)
+
+    @property
+    def prefill(self) -> list[PlannedRow]:
+        return [r for r in self.rows if not r.samples]
+
+    @property
+    def decode(self) -> list[PlannedRow]:
+        return [r for r in self.rows if r.samples]
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(r.drafts for r in self.rows)
 
     def with_drafts(self, drafts: Drafts) -> StepPlan:
         got = drafts.tokens

@@ -57,14 +57,10 @@ class RowStore:
 
     # -- where a row's KV is ------------------------------------------------------------
     def __contains__(self, rid: str) -> bool:
-        return rid in self._own or rid in self._groups or rid in self._rows
+        return rid in self._own or rid in self._groups or rid in self._index()
 
-    def _where(self, rid: str) -> int | None:
-        """The row's place in the decode batch (one scan, no index built), or None."""
-        try:
-            return self._rows.index(rid)
-        except ValueError:
-            return None
+    def _index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self._rows)}
 
     @property
     def num_rows(self) -> int:
@@ -82,7 +78,7 @@ class RowStore:
 
     def own(self, rid: str) -> list[Any]:
         """The row's own caches (a new row gets empty ones); it must not be batched."""
-        assert rid not in self._groups and rid not in self._rows, rid
+        assert rid not in self._groups and rid not in self._index(), rid
         caches = self._own.get(rid)
         if caches is None:
             caches = self._own[rid] = self.make_cache()
@@ -113,7 +109,7 @@ class RowStore:
         if g is not None:
             i = g.ids.index(rid)
             return [layer.extract(i) for layer in g.caches]
-        where = self._where(rid)
+        where = self._index().get(rid)
         if where is None:
             return None
         if self.solo:
@@ -121,22 +117,20 @@ class RowStore:
         return [layer.extract(where) for layer in self._caches]
 
     # -- the decode batch -------------------------------------------------------------
-    def decode_batch(self, rids: Sequence[str], known: Callable[[str], int | None]
+    def decode_batch(self, rids: Sequence[str], known: dict[str, int | None]
                      ) -> tuple[list[Any], list[str], mx.array]:
         """Make the batch hold exactly `rids`: continuing rows keep their order, the rest are
         dropped (their KV kept as their own caches), newcomers join at the end with their
-        input from `known(rid)` (host tokens). Returns (caches, row order, next-input
-        tokens). The same rows as the last step (steady decode) change nothing."""
+        input from `known` (host tokens). Returns (caches, row order, next-input tokens)."""
         self._verify = None   # a forward follows: an earlier verify's state is stale
-        if list(rids) != self._rows:
-            wanted = set(rids)
-            keep = [i for i, r in enumerate(self._rows) if r in wanted]
-            if len(keep) != len(self._rows):
-                self._filter(keep, park=True)
-            present = set(self._rows)
-            joiners = [r for r in rids if r not in present]
-            if joiners:
-                self._extend(joiners, known)
+        wanted = set(rids)
+        keep = [i for i, r in enumerate(self._rows) if r in wanted]
+        if len(keep) != len(self._rows):
+            self._filter(keep, park=True)
+        present = set(self._rows)
+        joiners = [r for r in rids if r not in present]
+        if joiners:
+            self._extend(joiners, known)
         assert self._caches is not None and self._next is not None
         return self._caches, list(self._rows), self._next
 
@@ -158,8 +152,7 @@ class RowStore:
     def _filter(self, keep: list[int], park: bool = False) -> None:
         """Keep the batch rows at `keep`; with `park`, rows that leave keep their KV as
         their own caches (a row that stops decoding for a step without finishing)."""
-        kept = set(keep)
-        leaving = [i for i in range(len(self._rows)) if i not in kept]
+        leaving = [i for i in range(len(self._rows)) if i not in set(keep)]
         if park:
             for i in leaving:
                 rid = self._rows[i]
@@ -179,7 +172,7 @@ class RowStore:
             self._caches = [layer.extract(0) for layer in self._caches]
             self.solo = True
 
-    def _extend(self, joiners: list[str], known: Callable[[str], int | None]) -> None:
+    def _extend(self, joiners: list[str], known: dict[str, int | None]) -> None:
         if self._caches is None and len(joiners) == 1 and joiners[0] not in self._groups:
             self._caches, self.solo = self.own_or_new(joiners[0]), True
             self._own.pop(joiners[0], None)
@@ -198,7 +191,7 @@ class RowStore:
                 for mine, theirs in zip(self._caches, caches):
                     mine.extend(theirs)
             self._rows.extend(ids)
-        new = mx.array([known(r) for ids, _ in parts for r in ids], dtype=mx.uint32)
+        new = mx.array([known[r] for ids, _ in parts for r in ids], dtype=mx.uint32)
         self._next = new if self._next is None else mx.concatenate([self._next, new])
 
     def own_or_new(self, rid: str) -> list[Any]:
@@ -307,26 +300,19 @@ class RowStore:
 
     def release(self, rid: str) -> None:
         """The row finished: free its KV wherever it is."""
-        self.release_many([rid])
-
-    def release_many(self, rids: Sequence[str]) -> None:
-        """These rows finished: free their KV wherever it is. The decode batch is filtered
-        once for all of them (each filter copies the batch's KV and reads its padding back)."""
-        for rid in rids:
-            self._own.pop(rid, None)
-            g = self._groups.pop(rid, None)
-            if g is not None:
-                i = g.ids.index(rid)
-                keep = [j for j in range(len(g.ids)) if j != i]
-                g.ids.pop(i)
-                if keep:
-                    idx = mx.array(keep, dtype=mx.int32)
-                    for layer in g.caches:
-                        layer.filter(idx)
-        gone = set(rids)
-        keep = [i for i, r in enumerate(self._rows) if r not in gone]
-        if len(keep) != len(self._rows):
-            self._filter(keep)
+        self._own.pop(rid, None)
+        g = self._groups.pop(rid, None)
+        if g is not None:
+            i = g.ids.index(rid)
+            keep = [j for j in range(len(g.ids)) if j != i]
+            g.ids.pop(i)
+            if keep:
+                idx = mx.array(keep, dtype=mx.int32)
+                for layer in g.caches:
+                    layer.filter(idx)
+        where = self._index().get(rid)
+        if where is not None:
+            self._filter([i for i in range(len(self._rows)) if i != where])
 
     def drop_shared(self) -> list[str]:
         """After a failed step the shared KV (decode batch, prefill groups) cannot be trusted:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from pipeline.config import ServeConfig
 from pipeline.core.events import Event, Finished, TokenDelta
 from pipeline.memory import MemoryModel
-from pipeline.core.plan import CacheHit, PlannedRow, RowOutput, StepOutput, StepPlan
+from pipeline.core.plan import CacheHit, PlannedRow, StepOutput, StepPlan
 from pipeline.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 SHARED_PREFIX_MIN = 64   # prompt tokens two requests must share for one to wait for the other
@@ -141,21 +141,19 @@ class Scheduler:
         budget = lim.max_num_batched_tokens
         rows: list[PlannedRow] = []
         prefilling: list[tuple[Request, int]] = []
-        ahead, outputs_ahead, drafts = self._ahead, self._outputs_ahead, self.num_drafts
-        for req in self.running:   # every running row, every step: plain lookups only
-            rid = req.request_id
-            pos = req.num_computed_tokens + ahead.get(rid, 0)
+        for req in self.running:
+            pos = req.num_computed_tokens + self._ahead.get(req.request_id, 0)
             if pos < req.num_prompt_tokens - 1:
                 prefilling.append((req, pos))
                 continue
-            left = req.sampling.max_tokens - len(req.output_ids) - outputs_ahead.get(rid, 0)
-            if left <= 0:
+            outputs = len(req.output_ids) + self._outputs_ahead.get(req.request_id, 0)
+            if outputs >= req.sampling.max_tokens:
                 continue
-            rows.append(PlannedRow(req, pos, 1, max_drafts=min(drafts, left - 1)))
+            room = min(self.num_drafts, req.sampling.max_tokens - outputs - 1)
+            rows.append(PlannedRow(req, pos, 1, max_drafts=max(0, room)))
         budget -= len(rows)
-        if drafts:
-            rows = self._draft_room(rows, budget)
-            budget -= sum(r.max_drafts for r in rows)
+        rows = self._draft_room(rows, budget)
+        budget -= sum(r.max_drafts for r in rows)
         if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
             prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
@@ -171,16 +169,13 @@ class Scheduler:
         hits, self._hits = tuple(self._hits), []
         if not rows:
             return StepPlan((), hits) if hits else None
-        plan, n = StepPlan(tuple(rows), hits), len(rows)
         for r in rows:
-            req = r.request
-            ahead[req.request_id] = ahead.get(req.request_id, 0) + r.num_tokens
-            if req.batch_size_max < n:
-                req.batch_size_max = n
-        for r in plan.decode:
-            rid = r.request.request_id
-            outputs_ahead[rid] = outputs_ahead.get(rid, 0) + 1
-        return plan
+            self._ahead[r.request_id] = self._ahead.get(r.request_id, 0) + r.num_tokens
+            if r.samples:
+                rid = r.request_id
+                self._outputs_ahead[rid] = self._outputs_ahead.get(rid, 0) + 1
+            r.request.batch_size_max = max(r.request.batch_size_max, len(rows))
+        return StepPlan(tuple(rows), hits)
 
     def _admit(self) -> None:
         """FIFO: the head waits until a row slot and, under a KV budget, its projected KV
@@ -236,36 +231,19 @@ class Scheduler:
             < req.num_prompt_tokens - 1
 
     # -- results ----------------------------------------------------------------------
-    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, Event]]:
+    def update(self, plan: StepPlan, output: StepOutput) -> Iterable[tuple[Request, Event]]:
         """Apply a step: move each row's counters by what it computed (a verifying row keeps
         its input and its accepted drafts), append the tokens it emitted and finish rows that
-        hit a stop token or max_tokens. Returns the (request, event) pairs to post, in order.
-        Every row of every step passes here: the per-row work is kept to plain dict and list
-        operations (on a CUDA device the host's time outside async_eval is device idle time)."""
-        events: list[tuple[Request, Event]] = []
-        ahead, outputs_ahead = self._ahead, self._outputs_ahead
-        failed, outs, running = output.failed, output.rows, RequestStatus.RUNNING
+        hit a stop token or max_tokens. Yields (request, event) pairs to post."""
         for row in plan.rows:
-            req = row.request
-            rid = req.request_id
-            left = ahead.get(rid, 0) - row.num_tokens   # the in-flight ledger settles first
-            if left > 0:
-                ahead[rid] = left
-            else:
-                ahead.pop(rid, None)
-            samples = row.samples
-            if samples:
-                n = outputs_ahead.get(rid, 0) - 1
-                if n > 0:
-                    outputs_ahead[rid] = n
-                else:
-                    outputs_ahead.pop(rid, None)
-            if req.status is not running or rid in failed:
+            req, rid = row.request, row.request_id
+            self._settle_ahead(rid, row)
+            if req.status is not RequestStatus.RUNNING or rid in output.failed:
                 continue   # finished while this step was in flight: its result is discarded
-            if not samples:
+            out = output.rows.get(rid)
+            if not row.samples:
                 req.num_computed_tokens += row.num_tokens
                 continue
-            out = outs.get(rid)
             if out is None:
                 continue
             req.num_computed_tokens += 1 + out.num_accepted
@@ -273,32 +251,22 @@ class Scheduler:
                 req.spec_proposed += out.num_drafts
                 req.spec_accepted += out.num_accepted
                 req.spec_rate = 0.7 * req.spec_rate + 0.3 * (out.num_accepted / out.num_drafts)
-            self._emit(req, out, events)
-        return events
+            yield from self._emit(req, out)
 
-    def _emit(self, req: Request, out: RowOutput, events: list[tuple[Request, Event]]) -> None:
-        sp = req.sampling
-        ids = out.token_ids
-        if len(ids) == 1 and not (sp.logprobs and out.logprobs is not None):
-            token = ids[0]   # the common case: one token, no logprobs
-            if token in req.stop_token_ids:
-                reason: FinishReason | None = FinishReason.STOP
-            else:
-                req.output_ids.append(token)
-                events.append((req, TokenDelta(req.request_id, [token])))
-                reason = FinishReason.LENGTH if len(req.output_ids) >= sp.max_tokens else None
+    def _settle_ahead(self, rid: str, row: PlannedRow) -> None:
+        left = self._ahead.get(rid, 0) - row.num_tokens
+        if left > 0:
+            self._ahead[rid] = left
         else:
-            reason = self._emit_many(req, out, events)
-        if reason is not None:
-            self.running.remove(req)
-            self._finish(req, reason)
-            events.append((req, finished_event(req)))
+            self._ahead.pop(rid, None)
+        if row.samples:
+            n = self._outputs_ahead.get(rid, 0) - 1
+            if n > 0:
+                self._outputs_ahead[rid] = n
+            else:
+                self._outputs_ahead.pop(rid, None)
 
-    @staticmethod
-    def _emit_many(req: Request, out: RowOutput, events: list[tuple[Request, Event]]
-                   ) -> FinishReason | None:
-        """Accepted drafts + one, or tokens with logprobs: up to the first stop token or
-        max_tokens. Returns why the row finishes, if it does."""
+    def _emit(self, req: Request, out) -> Iterable[tuple[Request, Event]]:
         tokens: list[int] = []
         lps: list[TokenLogprob] | None = [] if req.sampling.logprobs and \
             out.logprobs is not None else None
@@ -316,8 +284,11 @@ class Scheduler:
                 break
         if tokens:
             req.output_ids.extend(tokens)
-            events.append((req, TokenDelta(req.request_id, tokens, lps)))
-        return reason
+            yield req, TokenDelta(req.request_id, tokens, lps)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+            yield req, finished_event(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Mark finished; the engine persists and then frees the row's KV."""

@@ -101,7 +101,7 @@ class Step:
             failed.setdefault(rid, cause)
         self._timed("persist", lambda: self.persist.prompts(plan, kv))
         self._count(plan)
-        by_id = {r.request.request_id: r.request for r in plan.rows}
+        by_id = {r.request_id: r.request for r in plan.rows}
         rows = [by_id[rid] for rid in logits.order]
         if plan.has_drafts:
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
@@ -127,7 +127,7 @@ class Step:
 
     def _count(self, plan: StepPlan) -> None:
         self._batch_size.observe(len(plan.rows))
-        decode = plan.num_decode_tokens
+        decode = sum(r.width for r in plan.decode)
         prefill = plan.num_tokens - decode
         if decode:
             self._tokens["decode"].inc(decode)
@@ -151,10 +151,7 @@ class Step:
         out = StepOutput(failed=dict(s.failed) if s is not None else {})
         if s is None or not s.order:
             return out
-        ids = s.token_ids.tolist()   # one host copy per array, then plain lists per row
-        if s.logprobs is None and s.top_ids is None:
-            out.rows = {rid: RowOutput([t]) for rid, t in zip(s.order, ids)}
-            return out
+        ids = s.token_ids.tolist()
         lps = s.logprobs.tolist() if s.logprobs is not None else None
         top = ([list(zip(i, v)) for i, v in zip(s.top_ids.tolist(), s.top_logprobs.tolist())]
                if s.top_ids is not None else None)
@@ -175,16 +172,11 @@ class Step:
             self._timed("persist", lambda: self.persist(finished, running, self.kv))
         except Exception:
             log.exception("persist failed; %d finished row(s) are not cached", len(finished))
-        if finished:
-            self.kv.release_many([req.request_id for req in finished])   # one batch filter
-            for req in finished:
-                self._release_state(req)
+        for req in finished:
+            self.release(req)
 
     def release(self, req: Request) -> None:
         self.kv.release(req.request_id)
-        self._release_state(req)
-
-    def _release_state(self, req: Request) -> None:
         if self.draft is not None:
             self.draft.release(req)
         self.samplers.release(req.request_id)

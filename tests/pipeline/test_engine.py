@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
-
-import pytest
 
 from pipeline.core.events import Abort
 from pipeline.core.stream import RequestStream
@@ -114,37 +111,3 @@ def test_buffer_cache_cap_is_applied_and_output_unchanged(engine_factory) -> Non
         assert mx.set_cache_limit(before) == 250_000_000
     finally:
         mx.set_cache_limit(before)
-
-
-def _hist(h: Any) -> dict[str, float]:
-    """A histogram's _count, _sum and cumulative buckets (by bound)."""
-    return {s.name.rsplit("_", 1)[-1] + s.labels.get("le", ""): s.value
-            for m in h.collect() for s in m.samples if not s.name.endswith("_created")}
-
-
-def test_token_latency_metrics_count_every_token_of_a_batch(engine_factory) -> None:
-    """The rows of one step share an inter-token gap, observed once with their count: the
-    histograms still hold one TTFT per request and one ITL per later token."""
-    h = engine_factory("scheduler.max_batch=4")
-    reqs = [h.request(PROMPT, max_tokens=n, logit_bias={5: 50.0}) for n in (3, 5, 8, 8)]
-    outs = asyncio.run(h.generate_many(reqs))
-    assert [len(o["ids"]) for o in outs] == [3, 5, 8, 8]
-    ttft, itl = _hist(h.metrics.ttft), _hist(h.metrics.itl)
-    assert ttft["count"] == 4
-    assert itl["count"] == 2 + 4 + 7 + 7 == itl["bucket+Inf"]
-    assert 0 < itl["sum"] < 120
-
-
-def test_observe_n_records_what_n_observes_record() -> None:
-    from prometheus_client import CollectorRegistry, Histogram
-    from pipeline.metrics import LATENCY_BUCKETS_S, observe_n
-    for value in (0.0, 0.001, 0.0011, 0.3, 1.0, 99.0):
-        for n in (1, 3, 128):
-            one = Histogram("a", "a", buckets=LATENCY_BUCKETS_S, registry=CollectorRegistry())
-            many = Histogram("a", "a", buckets=LATENCY_BUCKETS_S, registry=CollectorRegistry())
-            for _ in range(n):
-                one.observe(value)
-            observe_n(many, value, n)
-            a, b = _hist(one), _hist(many)
-            assert a.keys() == b.keys()
-            assert all(a[k] == pytest.approx(b[k], rel=1e-12) for k in a), (value, n)
