@@ -57,10 +57,14 @@ class RowStore:
 
     # -- where a row's KV is ------------------------------------------------------------
     def __contains__(self, rid: str) -> bool:
-        return rid in self._own or rid in self._groups or rid in self._index()
+        return rid in self._own or rid in self._groups or rid in self._rows
 
-    def _index(self) -> dict[str, int]:
-        return {rid: i for i, rid in enumerate(self._rows)}
+    def _where(self, rid: str) -> int | None:
+        """The row's place in the decode batch (one scan, no index built), or None."""
+        try:
+            return self._rows.index(rid)
+        except ValueError:
+            return None
 
     @property
     def num_rows(self) -> int:
@@ -78,7 +82,7 @@ class RowStore:
 
     def own(self, rid: str) -> list[Any]:
         """The row's own caches (a new row gets empty ones); it must not be batched."""
-        assert rid not in self._groups and rid not in self._index(), rid
+        assert rid not in self._groups and rid not in self._rows, rid
         caches = self._own.get(rid)
         if caches is None:
             caches = self._own[rid] = self.make_cache()
@@ -109,7 +113,7 @@ class RowStore:
         if g is not None:
             i = g.ids.index(rid)
             return [layer.extract(i) for layer in g.caches]
-        where = self._index().get(rid)
+        where = self._where(rid)
         if where is None:
             return None
         if self.solo:
@@ -152,7 +156,8 @@ class RowStore:
     def _filter(self, keep: list[int], park: bool = False) -> None:
         """Keep the batch rows at `keep`; with `park`, rows that leave keep their KV as
         their own caches (a row that stops decoding for a step without finishing)."""
-        leaving = [i for i in range(len(self._rows)) if i not in set(keep)]
+        kept = set(keep)
+        leaving = [i for i in range(len(self._rows)) if i not in kept]
         if park:
             for i in leaving:
                 rid = self._rows[i]
@@ -300,19 +305,26 @@ class RowStore:
 
     def release(self, rid: str) -> None:
         """The row finished: free its KV wherever it is."""
-        self._own.pop(rid, None)
-        g = self._groups.pop(rid, None)
-        if g is not None:
-            i = g.ids.index(rid)
-            keep = [j for j in range(len(g.ids)) if j != i]
-            g.ids.pop(i)
-            if keep:
-                idx = mx.array(keep, dtype=mx.int32)
-                for layer in g.caches:
-                    layer.filter(idx)
-        where = self._index().get(rid)
-        if where is not None:
-            self._filter([i for i in range(len(self._rows)) if i != where])
+        self.release_many([rid])
+
+    def release_many(self, rids: Sequence[str]) -> None:
+        """These rows finished: free their KV wherever it is. The decode batch is filtered
+        once for all of them (each filter copies the batch's KV and reads its padding back)."""
+        for rid in rids:
+            self._own.pop(rid, None)
+            g = self._groups.pop(rid, None)
+            if g is not None:
+                i = g.ids.index(rid)
+                keep = [j for j in range(len(g.ids)) if j != i]
+                g.ids.pop(i)
+                if keep:
+                    idx = mx.array(keep, dtype=mx.int32)
+                    for layer in g.caches:
+                        layer.filter(idx)
+        gone = set(rids)
+        keep = [i for i, r in enumerate(self._rows) if r not in gone]
+        if len(keep) != len(self._rows):
+            self._filter(keep)
 
     def drop_shared(self) -> list[str]:
         """After a failed step the shared KV (decode batch, prefill groups) cannot be trusted:

@@ -172,11 +172,16 @@ class Step:
             self._timed("persist", lambda: self.persist(finished, running, self.kv))
         except Exception:
             log.exception("persist failed; %d finished row(s) are not cached", len(finished))
-        for req in finished:
-            self.release(req)
+        if finished:
+            self.kv.release_many([req.request_id for req in finished])   # one batch filter
+            for req in finished:
+                self._release_state(req)
 
     def release(self, req: Request) -> None:
         self.kv.release(req.request_id)
+        self._release_state(req)
+
+    def _release_state(self, req: Request) -> None:
         if self.draft is not None:
             self.draft.release(req)
         self.samplers.release(req.request_id)
