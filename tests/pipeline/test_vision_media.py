@@ -3,9 +3,7 @@ corrupt and oversized images refused by part), and remote fetching against a rea
 on 127.0.0.1 — refused unless enabled, refused for loopback unless private hosts are allowed."""
 from __future__ import annotations
 
-import http.server
 import io
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from PIL import Image
 
 from pipeline.errors import InvalidRequest
 from pipeline.vision.media import MediaLimits, MediaPart, decode, decode_all, from_url
+from tests.media_util import local_server
 
 
 def limits(**kw) -> MediaLimits:
@@ -68,30 +67,9 @@ def test_caps_and_corrupt_images_name_the_part() -> None:
 @pytest.fixture(scope="module")
 def local_images() -> Iterator[str]:
     """A real HTTP server on 127.0.0.1 serving one JPEG (and a redirect), stopped after."""
-    body = jpeg((30, 10))
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/moved":
-                self.send_response(302)
-                self.send_header("Location", "/cat.jpg")
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "image/jpeg")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with local_server({"/cat.jpg": (200, {"Content-Type": "image/jpeg"}, jpeg((30, 10))),
+                       "/moved": (302, {"Location": "/cat.jpg"}, b"")}) as url:
+        yield url
 
 
 def test_remote_fetch_policy(local_images: str) -> None:

@@ -4,9 +4,7 @@ duration, pixel, count and per-request caps, corrupt videos refused by part, and
 fetched from a real HTTP server on 127.0.0.1 only when remote and private media are allowed."""
 from __future__ import annotations
 
-import http.server
 import io
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 from pipeline.errors import InvalidRequest
 from pipeline.vision.media import MediaLimits, MediaPart
 from pipeline.vision.video import VideoLimits, decode, decode_all, from_url
+from tests.media_util import encode_video, local_server
 
 av = pytest.importorskip("av", reason="the vision extra: pip install -e '.[vision]'")
 FACTOR, MIN_FRAMES = 2, 4   # Qwen-VL's temporal patch, its video processor's min_frames
@@ -33,20 +32,7 @@ def limits(**kw) -> VideoLimits:
 
 def video(frames: int, fps: int, size: tuple[int, int] = (64, 48), codec: str = "libx264",
           fmt: str = "mp4", rotation: int = 0) -> bytes:
-    buf = io.BytesIO()
-    rng = np.random.default_rng(frames * 100 + fps)
-    with av.open(buf, "w", format=fmt) as c:
-        s = c.add_stream(codec, rate=fps)
-        s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
-        if rotation:
-            s.set_display_rotation(rotation)
-        for _ in range(frames):
-            arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
-            for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
+    return encode_video(frames, fps, size, codec=codec, fmt=fmt, rotation=rotation)
 
 
 @pytest.mark.parametrize("frames,fps,max_frames,codec,fmt,rotation", [
@@ -132,25 +118,8 @@ def test_a_file_without_a_video_stream() -> None:
 @pytest.fixture(scope="module")
 def local_videos() -> Iterator[str]:
     """A real HTTP server on 127.0.0.1 serving one MP4, stopped after."""
-    body = video(12, 4)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "video/mp4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with local_server({"/clip.mp4": (200, {"Content-Type": "video/mp4"}, video(12, 4))}) as url:
+        yield url
 
 
 def test_remote_fetch_policy(local_videos: str) -> None:

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from pipeline.tiny_vlm import ensure_model
+from tests.media_util import assert_batched_equals_alone, encode_video
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 av = pytest.importorskip("av", reason="the vision extra: pip install -e '.[vision]'")
@@ -29,18 +30,7 @@ FPS, MAX_FRAMES = 2.0, 32   # the server's defaults, which the mlx-vlm reference
 
 def mp4(seed: int, frames: int, fps: int, size: tuple[int, int] = (64, 48)) -> bytes:
     """An H.264 MP4 of random frames (each frame its own picture, so sampling matters)."""
-    buf = io.BytesIO()
-    rng = np.random.default_rng(seed)
-    with av.open(buf, "w", format="mp4") as c:
-        s = c.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
-        for _ in range(frames):
-            arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
-            for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-    return buf.getvalue()
+    return encode_video(frames, fps, size, seed=seed)
 
 
 VIDEO_A, VIDEO_B, VIDEO_C, VIDEO_D = mp4(1, 12, 4), mp4(2, 10, 5), mp4(3, 8, 4), mp4(4, 9, 3)
@@ -150,13 +140,7 @@ def test_batch_of_video_and_text_rows_equals_each_alone(vlm: Any) -> None:
         return await asyncio.gather(*(aclient.chat.completions.create(
             model="tiny_vlm", messages=m, max_tokens=16, temperature=0, logprobs=True)
             for m in rows))
-    for _ in range(4):   # the rows must share a step at least once (arrival timing varies
-        batched = asyncio.run(together())   # under load); every round equals each alone
-        assert [served_bytes(r) for r in batched] == alone
-        if max(r.usage.model_extra["pipeserve"]["batch_size"] for r in batched) > 1:
-            break
-    else:
-        raise AssertionError("the rows never shared a step in 4 concurrent rounds")
+    assert_batched_equals_alone(lambda: asyncio.run(together()), alone, served_bytes)
 
 
 def test_prompt_cache_keys_videos_by_content(vlm: Any) -> None:

@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from pipeline.tiny_vlm import ensure_model
+from tests.media_util import assert_batched_equals_alone
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
@@ -194,13 +195,7 @@ def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
         return await asyncio.gather(*(aclient.chat.completions.create(
             model="tiny_vlm", messages=m, max_tokens=16, temperature=0, logprobs=True)
             for m in rows))
-    for _ in range(4):   # the rows must share a step at least once (arrival timing varies
-        batched = asyncio.run(together())   # under load); every round equals each alone
-        assert [served_bytes(r) for r in batched] == alone
-        if max(r.usage.model_extra["pipeserve"]["batch_size"] for r in batched) > 1:
-            break
-    else:
-        raise AssertionError("the rows never shared a step in 4 concurrent rounds")
+    assert_batched_equals_alone(lambda: asyncio.run(together()), alone, served_bytes)
 
 
 def test_prompt_cache_keys_images_by_content(vlm: Any) -> None:

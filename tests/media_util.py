@@ -1,0 +1,76 @@
+"""Shared by the media tests: a real HTTP server on 127.0.0.1 serving fixed responses (the
+remote-URL fetch tests), a video encoder (PyAV), and the "rows in one batch equal each alone"
+check that must see the rows share a step."""
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+Route = tuple[int, dict[str, str], bytes]   # status, headers, body
+
+
+@contextmanager
+def local_server(routes: dict[str, Route]) -> Iterator[str]:
+    """Serve `routes` (path -> response; any other path: the first route) on 127.0.0.1 until
+    the block ends; yields the base URL."""
+    first = next(iter(routes.values()))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, headers, body = routes.get(self.path, first)
+            self.send_response(status)
+            for k, v in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def encode_video(frames: int, fps: int, size: tuple[int, int] = (64, 48), *,
+                 seed: int | None = None, codec: str = "libx264", fmt: str = "mp4",
+                 rotation: int = 0) -> bytes:
+    """A video of random frames (each its own picture, so sampling matters); `seed` defaults
+    to one derived from frames and fps."""
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(frames * 100 + fps if seed is None else seed)
+    with av.open(buf, "w", format=fmt) as c:
+        s = c.add_stream(codec, rate=fps)
+        s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
+        if rotation:
+            s.set_display_rotation(rotation)
+        for _ in range(frames):
+            arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
+            for p in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
+def assert_batched_equals_alone(run_round: Callable[[], list[Any]], alone: list[Any],
+                                to_bytes: Callable[[Any], Any], rounds: int = 4) -> None:
+    """Each concurrent round's answers equal each row's answer alone, and in at least one
+    round the rows shared a step (arrival timing varies under load: up to `rounds` tries)."""
+    for _ in range(rounds):
+        batched = run_round()
+        assert [to_bytes(r) for r in batched] == alone
+        if max(r.usage.model_extra["pipeserve"]["batch_size"] for r in batched) > 1:
+            return
+    raise AssertionError(f"the rows never shared a step in {rounds} concurrent rounds")
