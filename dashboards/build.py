@@ -4,7 +4,7 @@
     python dashboards/build.py            # write dashboards/pipeserve.json
     python dashboards/build.py --check    # exit 1 when the committed JSON is stale
 
-Every query uses only names from pipeline/metrics.py (tests/serve/test_monitoring.py checks
+Every query uses only names from pipeserve/metrics.py (tests/serve/test_monitoring.py checks
 them against a live /metrics and runs each one through a real Prometheus)."""
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def dashboard() -> Dashboard:
     d = (Dashboard("pipeserve").uid(UID).tags(["pipeserve", "llm"]).refresh("10s")
          .time("now-1h", "now").timezone("browser")
          .description("pipeserve: traffic, latency, batching, prompt cache, admission, "
-                      "speculation and MLX memory (metrics: pipeline/metrics.py)")
+                      "speculation and MLX memory (metrics: pipeserve/metrics.py)")
          .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
          .with_variable(QueryVariable("instance").label("Instance").datasource(DATASOURCE)
                         .query("label_values(pipeserve_build_info, instance)")

@@ -1,7 +1,7 @@
 """The generated parts of the docs site, from what the code declares, so they cannot drift:
 the configuration reference (every group, option and key, from the schemas in
-pipeline/config.py and the group registries, with the option YAMLs' values and the fields'
-own comments), the metrics table (from pipeline/metrics.py's registry) and the benchmark tables
+pipeserve/config.py and the group registries, with the option YAMLs' values and the fields'
+own comments), the metrics table (from pipeserve/metrics.py's registry) and the benchmark tables
 (from the result files in docs/bench/).
 
     python scripts/docs_gen.py          # rewrite the generated blocks in docs/
@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DOCS = ROOT / "docs"
-CONF = ROOT / "conf"
+CONF = ROOT / "pipeserve" / "conf"
 BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (\w+) -->\n)(.*?)(<!-- END GENERATED: \2 -->)", re.S)
 HIDDEN_GROUPS = {"hydra", "bench"}
 
@@ -180,7 +180,7 @@ def _defaults() -> dict[str, str]:
 
 
 def config_reference() -> str:
-    from pipeline.config import SCHEMAS, register_configs
+    from pipeserve.config import SCHEMAS, register_configs
     register_configs()
     defaults = _defaults()
     order = [g for g in defaults if g in SCHEMAS] + sorted(set(SCHEMAS) - set(defaults))
@@ -228,7 +228,7 @@ def config_reference() -> str:
 # -- metrics ------------------------------------------------------------------------------
 def metrics_table() -> str:
     from prometheus_client import CollectorRegistry
-    from pipeline.metrics import Metrics, family_names
+    from pipeserve.metrics import Metrics, family_names
     registry = Metrics(CollectorRegistry()).registry
     names = family_names(registry)
     rows = ["| name | type | labels | meaning |", "| --- | --- | --- | --- |"]
@@ -254,7 +254,7 @@ def metrics_table() -> str:
 BENCH_COLUMNS = ["target", "workload", "streams", "requests", "output_tokens", "agg_tok_s",
                  "stream_tok_s_p50", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms",
                  "peak_rss_mb", "overrides"]
-MEASURED = ["pipeline/", "stages/", "serve.py", "bench.py", "conf/"]   # what a result measures
+MEASURED = ["pipeserve/", "pipeserve/stages/", "serve.py", "bench.py", "pipeserve/conf/"]   # what a result measures
 
 
 def _read_results(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:

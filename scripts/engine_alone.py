@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from pipeline.config import check_overrides, load_config, register_configs  # noqa: E402
+from pipeserve.config import check_overrides, load_config, register_configs  # noqa: E402
 
 
 class StepClock:
@@ -74,7 +74,7 @@ class StepClock:
 def compose_cfg(overrides: list[str]) -> Any:
     register_configs()
     check_overrides(overrides)
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "pipeserve" / "conf"), version_base="1.3"):
         return load_config(compose("serve", overrides=overrides))
 
 
@@ -106,9 +106,9 @@ def instrument(engine: Any, clock: StepClock) -> None:
 
 async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
                     bias: dict[int, float]) -> dict[str, Any]:
-    from pipeline.core.events import Failed, Finished, TokenDelta
-    from pipeline.request import PromptInput, Request, SamplingParams
-    from pipeline.core.stream import RequestStream
+    from pipeserve.core.events import Failed, Finished, TokenDelta
+    from pipeserve.request import PromptInput, Request, SamplingParams
+    from pipeserve.core.stream import RequestStream
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
 
@@ -151,8 +151,8 @@ def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_token
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator, generate_step
-    from pipeline.config import ComputeDType, ModelConfig
-    from pipeline.loader import _cast_weights
+    from pipeserve.config import ComputeDType, ModelConfig
+    from pipeserve.model.loader import _cast_weights
     model, _ = load(str(model_dir))
     _cast_weights(model, ModelConfig(compute_dtype=ComputeDType("checkpoint")))
     out = []
@@ -206,8 +206,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    from pipeline.core.engine import Engine
-    from pipeline.metrics import Metrics
+    from pipeserve.core.engine import Engine
+    from pipeserve.metrics import Metrics
     cfg = compose_cfg(args.overrides)
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # as the server sets it
     engine = Engine(cfg, Metrics(CollectorRegistry()))

@@ -59,8 +59,8 @@ def stream(port: int, model: str, tokens: int) -> tuple[float, float, int, str]:
 
 
 def main() -> None:
-    from pipeline import embedded_gemma3
-    from pipeline.model_cache import cache_root
+    from pipeserve.model.embedded import gemma3 as embedded_gemma3
+    from pipeserve.model.cache import cache_root
 
     which = sys.argv[1]
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 128

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import ComputeDType, ModelConfig  # noqa: E402  (first: the CPU BLAS)
+from pipeserve.config import ComputeDType, ModelConfig  # noqa: E402  (first: the CPU BLAS)
 
 
 def main() -> None:
@@ -41,10 +41,10 @@ def main() -> None:
     from mlx_lm.models.cache import BatchKVCache
     from mlx_lm.utils import load_model
 
-    from bench import _write_adapters
-    from pipeline.adapters import mount_all
-    from pipeline.loader import _cast_weights
-    from pipeline.tiny import ensure_model
+    from pipeserve.bench.run import _write_adapters
+    from pipeserve.adapters.lora import mount_all
+    from pipeserve.model.loader import _cast_weights
+    from pipeserve.model.tiny.text import ensure_model
 
     model_dir = ensure_model(args.arch, args.size, args.dtype, None)
     tmp = Path(tempfile.mkdtemp(prefix="lora-gather-"))

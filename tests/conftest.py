@@ -18,15 +18,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from prometheus_client import CollectorRegistry
 
-from pipeline.config import ServeConfig, check_overrides, load_config, register_configs
-from pipeline.core.engine import Engine
-from pipeline.core.events import Failed, Finished, TokenDelta
-from pipeline.metrics import Metrics
-from pipeline.request import PromptInput, Request, SamplingParams
-from pipeline.core.stream import RequestStream
+from pipeserve.config import ServeConfig, check_overrides, load_config, register_configs
+from pipeserve.core.engine import Engine
+from pipeserve.core.events import Failed, Finished, TokenDelta
+from pipeserve.metrics import Metrics
+from pipeserve.request import PromptInput, Request, SamplingParams
+from pipeserve.core.stream import RequestStream
 
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+CONF = ROOT / "pipeserve" / "conf"
 register_configs()
 
 

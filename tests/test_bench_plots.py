@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import bench_plots
+from pipeserve.bench import plots as bench_plots
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,16 +36,17 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_every_module_the_config_and_the_page(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {p.relative_to(ROOT).as_posix() for top in ("pipeline", "stages")
-               for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pipeserve").rglob("*.py")
+               if "__pycache__" not in p.parts}
     assert modules - names == set(), "modules left out of the wheel (pyproject: packages)"
-    conf = {"pipeserve_conf/" + p.relative_to(ROOT / "conf").as_posix()
-            for p in (ROOT / "conf").rglob("*.yaml")}
+    conf = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pipeserve" / "conf").rglob("*.yaml")}
     assert conf - names == set(), "config files left out of the wheel"
-    assert {"serve.py", "pipeline/static/chat.html", "pipeline/static/favicon.svg"} <= names
+    assert {"pipeserve/http/static/chat.html", "pipeserve/http/static/favicon.svg"} <= names
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pipeserve"}, "one top-level package, nothing generic in site-packages"
     entry = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "pipeserve = serve:main" in entry
+    assert "pipeserve = pipeserve.launch.serve:main" in entry
 
 
 def test_the_installed_command_serves_outside_the_checkout(wheel: Path, tmp_path: Path,
@@ -73,7 +74,7 @@ def test_the_installed_command_serves_outside_the_checkout(wheel: Path, tmp_path
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.usage.completion_tokens >= 1
         text = (tmp_path / "serve.log").read_text()
-        assert str(target / "pipeline") in _module_path(env, tmp_path), "ran the checkout's code"
+        assert str(target / "pipeserve") in _module_path(env, tmp_path), "ran the checkout's code"
         assert "chat page http://127.0.0.1:" in text
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -83,5 +84,5 @@ def test_the_installed_command_serves_outside_the_checkout(wheel: Path, tmp_path
 
 
 def _module_path(env: dict[str, str], cwd: Path) -> str:
-    return subprocess.run([sys.executable, "-c", "import pipeline; print(pipeline.__file__)"],
+    return subprocess.run([sys.executable, "-c", "import pipeserve; print(pipeserve.__file__)"],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=60).stdout

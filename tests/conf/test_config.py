@@ -18,13 +18,13 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipeline import config as pc
-from pipeline.errors import ConfigError
+from pipeserve import config as pc
+from pipeserve.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
-# conf/hydra/ holds options of Hydra's own groups (job_logging), not of ServeConfig
-# conf/bench/ holds bench.py's overlays (its model shapes), not a serve.py group
+CONF = ROOT / "pipeserve" / "conf"
+# pipeserve/conf/hydra/ holds options of Hydra's own groups (job_logging), not of ServeConfig
+# pipeserve/conf/bench/ holds bench.py's overlays (its model shapes), not a serve.py group
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "bench"))
 
 pc.register_configs()
@@ -58,11 +58,11 @@ def schema_of(group: str, option: str) -> type:
     defaults = list(option_yaml(group, option).get("defaults", []))
     refs = [d for d in defaults if isinstance(d, str) and d.startswith(f"/schema/{group}/")]
     assert len(refs) == 1, (
-        f"conf/{group}/{option}.yaml must extend exactly one /schema/{group}/<name>@_here_, "
+        f"pipeserve/conf/{group}/{option}.yaml must extend exactly one /schema/{group}/<name>@_here_, "
         f"has defaults {defaults}")
     name = refs[0].removeprefix(f"/schema/{group}/").split("@")[0]
     assert name in pc.SCHEMAS[group], (
-        f"conf/{group}/{option}.yaml extends schema/{group}/{name}, which register_configs() "
+        f"pipeserve/conf/{group}/{option}.yaml extends schema/{group}/{name}, which register_configs() "
         f"does not store (has {sorted(pc.SCHEMAS[group])})")
     return pc.SCHEMAS[group][name]
 
@@ -90,17 +90,17 @@ def assert_subset(expected: Any, actual: Any, where: str) -> None:
         assert actual == expected, f"{where}: YAML says {expected!r}, typed config has {actual!r}"
 
 
-OPTIONAL_GROUPS = ("pool",)   # `- pool: null` in conf/serve.yaml: one model unless selected
+OPTIONAL_GROUPS = ("pool",)   # `- pool: null` in pipeserve/conf/serve.yaml: one model unless selected
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
 # -- 1. every option composes ------------------------------------------------------------
 def test_groups_match_schema() -> None:
     fields = {f.name for f in dataclasses.fields(pc.ServeConfig)}
-    assert set(GROUPS) == fields, f"conf/ groups {GROUPS} vs ServeConfig fields {sorted(fields)}"
+    assert set(GROUPS) == fields, f"pipeserve/conf/ groups {GROUPS} vs ServeConfig fields {sorted(fields)}"
     assert set(pc.SCHEMAS) == fields
     for g in GROUPS:
-        assert list((CONF / g).glob("*.yaml")), f"conf/{g}/ has no options"
+        assert list((CONF / g).glob("*.yaml")), f"pipeserve/conf/{g}/ has no options"
 
 
 # Options that are errors on their own: what each needs to make sense.
@@ -147,7 +147,7 @@ def test_known_schema_classes_and_defaults() -> None:
     assert cfg.model.path is None and cfg.model.arch is pc.Arch.llama
     assert cfg.server.log_format is pc.LogFormat.text
     assert cfg.sampling.temperature is None
-    assert cfg.pipeline.sample._target_ == "stages.sample.Sample"
+    assert cfg.pipeline.sample._target_ == "pipeserve.stages.sample.Sample"
     assert type(load("scheduler=serial").scheduler) is pc.SerialSchedulerConfig
 
 

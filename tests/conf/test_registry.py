@@ -1,5 +1,5 @@
-"""One registry per config group (pipeline/registry.py): the options of kv, draft, cache and
-admission are declared once, by `@register` on their schema, and conf/<group>/, the
+"""One registry per config group (pipeserve/registry.py): the options of kv, draft, cache and
+admission are declared once, by `@register` on their schema, and pipeserve/conf/<group>/, the
 ConfigStore, option names, `group=<option>` messages and metric labels all follow from it.
 The last test registers a KV layout and a proposer that exist nowhere else and checks that
 each is served by its module + its YAML alone. No model load."""
@@ -16,15 +16,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from prometheus_client import CollectorRegistry
 
-from pipeline import config as pc
-from pipeline import registry
-from pipeline.draft.config import DraftConfig
-from pipeline.errors import ConfigError
-from pipeline.kv.config import KvConfig
-from pipeline.metrics import Metrics
+from pipeserve import config as pc
+from pipeserve import registry
+from pipeserve.draft.config import DraftConfig
+from pipeserve.errors import ConfigError
+from pipeserve.kv.config import KvConfig
+from pipeserve.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
+CONF = ROOT / "pipeserve" / "conf"
 GROUPS = sorted(registry.SCHEMA_MODULES)
 # Options that are errors on their own: what each needs to make sense (as in test_config).
 REQUIRED = {("admission", "budget"): ["admission.memory_budget_gb=8"],
@@ -52,13 +52,13 @@ def extended_schema(path: Path, group: str) -> str:
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_one_yaml_per_registered_option(group: str) -> None:
-    """conf/<group>/ holds exactly the registered options, and each YAML extends the schema
+    """pipeserve/conf/<group>/ holds exactly the registered options, and each YAML extends the schema
     registered under its own name."""
     yamls = {p.stem: p for p in (CONF / group).glob("*.yaml")}
     names = set(registry.options(group))
     assert names == set(yamls), (
-        f"registered {group} options {sorted(names)} vs conf/{group}/ {sorted(yamls)}: "
-        f"a registered option needs conf/{group}/<name>.yaml and a YAML needs @register")
+        f"registered {group} options {sorted(names)} vs pipeserve/conf/{group}/ {sorted(yamls)}: "
+        f"a registered option needs pipeserve/conf/{group}/<name>.yaml and a YAML needs @register")
     for name, path in yamls.items():
         assert extended_schema(path, group) == name, (
             f"{path.name} extends schema/{group}/{extended_schema(path, group)}, not its own name")
@@ -102,20 +102,20 @@ def test_register_refuses_a_second_schema_for_a_name() -> None:
 @pytest.fixture
 def new_options(tmp_path: Path) -> Iterator[Path]:
     """kv=probe and draft=probe, declared the way docs/development.md's recipe says (schema with
-    @register, `_target_` naming the class), plus a copy of conf/ with their YAMLs; removed
+    @register, `_target_` naming the class), plus a copy of pipeserve/conf/ with their YAMLs; removed
     from the registry and the ConfigStore afterwards."""
     saved = {g: dict(o) for g, o in registry._OPTIONS.items()}
 
     @registry.register("kv", "probe")
     @dataclasses.dataclass
     class ProbeKvConfig(KvConfig):
-        _target_: str = "pipeline.kv.layouts.DenseLayout"
+        _target_: str = "pipeserve.kv.layouts.DenseLayout"
         probe_bits: int = 8
 
     @registry.register("draft", "probe")
     @dataclasses.dataclass
     class ProbeDraftConfig(DraftConfig):
-        _target_: str = "pipeline.draft.proposers.NoDraft"
+        _target_: str = "pipeserve.draft.proposers.NoDraft"
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)

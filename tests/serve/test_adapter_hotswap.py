@@ -16,8 +16,8 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from pipeline.tiny import ensure_model
-from tests.pipeline.test_adapters import write_adapter
+from pipeserve.model.tiny.text import ensure_model
+from tests.adapters.test_adapters import write_adapter
 from tests.serve.test_openai import NO_EOS, TIMEOUT
 
 ADMIN = "swap-admin"

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline.tiny import ensure_model
-from tests.pipeline.test_adapters import write_adapter
+from pipeserve.model.tiny.text import ensure_model
+from tests.adapters.test_adapters import write_adapter
 from tests.serve.test_openai import NO_EOS, TIMEOUT
 
 KEY = "adapter-key"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.tiny import ensure_model
+from pipeserve.model.tiny.text import ensure_model
 from tests.serve.test_openai import NO_EOS, TIMEOUT
 
 _HISTORY = (

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from pipeline.tiny_vlm import ensure_model
+from pipeserve.model.tiny.vlm import ensure_model
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 

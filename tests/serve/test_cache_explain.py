@@ -10,8 +10,8 @@ import anthropic
 import httpx
 import pytest
 
-from pipeline.tiny import ensure_model
-from tests.pipeline.test_adapters import write_adapter
+from pipeserve.model.tiny.text import ensure_model
+from tests.adapters.test_adapters import write_adapter
 from tests.serve.test_openai import NO_EOS, TIMEOUT, metric_families, sample_value, sdk
 
 # tiny float32: 2 KV layers x 2 heads x 16 dims x (K + V) x 4 bytes = 512 bytes a token; 160 kB

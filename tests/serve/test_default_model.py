@@ -11,9 +11,9 @@ from typing import Any
 import openai
 import pytest
 
-from pipeline import embedded
-from pipeline.model_cache import cache_root
-from pipeline.errors import ConfigError
+from pipeserve.model.embedded import smollm2 as embedded
+from pipeserve.model.cache import cache_root
+from pipeserve.errors import ConfigError
 from tests.conftest import ServerProcess
 
 QUESTIONS = [  # greedy answers of this model, checked on this CPU in float32 and in 4-bit
@@ -74,7 +74,7 @@ def test_served_model_is_smollm2_in_the_chosen_compute_form(default_server: Serv
     assert [m.id for m in models] == ["smollm2"]
     log = default_server.log()
     assert f"from {embedded.DIR_NAME}" in log and "134515008 params" in log
-    from pipeline import blas
+    from pipeserve.model import blas
     if blas.loaded:   # the CPU's float32 BLAS path: quantized layers dequantized at load
         assert "dequantized 134M quantized weights" in log
 

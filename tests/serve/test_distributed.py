@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, free_port, make_config, startup_error, wait_http
-from pipeline.errors import ConfigError
+from pipeserve.errors import ConfigError
 
 TIMEOUT = 60
 MAX_TOKENS = 16   # greedy tokens compared per request

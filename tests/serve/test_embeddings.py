@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from pipeline.tiny_embed import ensure_embed_model
+from pipeserve.model.tiny.embed import ensure_embed_model
 
 TIMEOUT = 60.0
 TOL = 1e-5

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from pipeline.token_bound import NFC_SHRINK, NFKC_SHRINK, byte_chars, char_bound
+from pipeserve.eventloop.token_bound import NFC_SHRINK, NFKC_SHRINK, byte_chars, char_bound
 
 NO_EOS = {"0": -100, "2": -100}   # <|endoftext|>, <|im_end|> of the tiny tokenizer
 WORST_HEALTH_S = 0.25   # generous for a shared 2-core CI box; the p99 printed is the real figure

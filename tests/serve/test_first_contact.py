@@ -18,10 +18,10 @@ import httpx
 import openai
 import pytest
 
-from pipeline.config import SchedulerConfig
+from pipeserve.config import SchedulerConfig
 
-from pipeline.errors import ConfigError
-from pipeline.loader import locate
+from pipeserve.errors import ConfigError
+from pipeserve.model.loader import locate
 from tests.conftest import make_config, startup_error
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -77,7 +77,7 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
 ])
 def test_model_path_is_checked_before_anything_loads(tmp_path: Path, path: str, message: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve.py runs this check (pipeline/loader.py: locate) right after the config, so each of
+    """serve.py runs this check (pipeserve/model/loader.py: locate) right after the config, so each of
     these is the one-line launch error of the test above."""
     (tmp_path / "x.bin").write_bytes(b"not a gguf")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

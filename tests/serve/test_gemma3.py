@@ -12,8 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from pipeline import embedded_gemma3
-from pipeline.model_cache import cache_root
+from pipeserve.model.embedded import gemma3 as embedded_gemma3
+from pipeserve.model.cache import cache_root
 from tests.conftest import ServerProcess
 
 # greedy, this base model continues "The capital of France is" with " the capital of the country

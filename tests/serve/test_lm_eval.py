@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.tiny import ensure_model
+from pipeserve.model.tiny.text import ensure_model
 
 lm_eval = pytest.importorskip("lm_eval", reason="the optional eval extra (lm-eval) is not installed")
 

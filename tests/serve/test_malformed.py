@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-MAX_DEPTH = 64   # pipeline.http.api.fields.MAX_DEPTH
+MAX_DEPTH = 64   # pipeserve.http.api.fields.MAX_DEPTH
 HI = [{"role": "user", "content": "hi"}]
 LEAKS = ("Error(", "Traceback", "object is not", "maximum recursion", "line 1 column")
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from pipeline.tiny import ensure_model
-from pipeline.tiny_embed import ensure_embed_model
+from pipeserve.model.tiny.text import ensure_model
+from pipeserve.model.tiny.embed import ensure_embed_model
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value
 
 QWEN, LLAMA, DIR_MODEL, EMBED, RERANK = "tiny-qwen3", "tiny-llama", "dirmodel", "embed", "rerank"

@@ -26,7 +26,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.metrics import Metrics, family_names, sample_names
+from pipeserve.metrics import Metrics, family_names, sample_names
 from tests.system_tools import find_or_skip
 from tests.conftest import ROOT, free_port, wait_http
 

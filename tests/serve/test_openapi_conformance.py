@@ -19,9 +19,9 @@ import pytest
 from jsonschema import Draft202012Validator
 from mlx_lm.utils import load_tokenizer
 
-from pipeline.markup import OutputMarkup
-from pipeline.tiny import CHAT_TEMPLATE, ensure_model
-from stages.detokenize import Detokenize
+from pipeserve.markup.output import OutputMarkup
+from pipeserve.model.tiny.text import CHAT_TEMPLATE, ensure_model
+from pipeserve.stages.detokenize import Detokenize
 
 MODEL = "tiny"
 TIMEOUT = 60.0

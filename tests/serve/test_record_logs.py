@@ -165,5 +165,5 @@ def test_json_logs_are_one_object_per_line(server_factory: Any) -> None:
     assert ok[0]["cached_tokens"] == r.usage.prompt_tokens_details.cached_tokens
     assert 0 < ok[0]["ttft_s"] <= ok[0]["total_s"]
     assert any(rec["outcome"] == "invalid" for rec in requests)
-    loading = [rec["msg"] for rec in records if rec["logger"] == "pipeline.loader"]
+    loading = [rec["msg"] for rec in records if rec["logger"] == "pipeserve.model.loader"]
     assert any("[1/5]" in m for m in loading) and any("[5/5]" in m for m in loading), loading

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pipeline.tiny import ensure_model
+from pipeserve.model.tiny.text import ensure_model
 
 MODEL = "tiny"
 TIMEOUT = 60.0

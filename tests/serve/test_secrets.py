@@ -16,8 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.config import config_hash
-from pipeline.errors import ConfigError
+from pipeserve.config import config_hash
+from pipeserve.errors import ConfigError
 from tests.conftest import ROOT, make_config
 from tests.serve.test_monitoring import Prometheus, _find_prometheus
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from pipeline.tiny import CHAT_TEMPLATE, ensure_model
+from pipeserve.model.tiny.text import CHAT_TEMPLATE, ensure_model
 from tests.serve.test_openai import (MESSAGES, NO_EOS, TIMEOUT, chat_text, completion_text,
                                      metric_families, sample_value, sdk, sse)
 from tests.serve.test_tools_reasoning import GEN_PROMPT, THINKING_PROMPT

@@ -14,11 +14,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from pipeline.tiny import ensure_model
+from pipeserve.model.tiny.text import ensure_model
 
 MODEL = "tiny"
 TIMEOUT = 60.0
-TEMPLATES = Path(__file__).resolve().parent.parent / "pipeline" / "templates"
+TEMPLATES = Path(__file__).resolve().parent.parent / "markup" / "templates"
 WEATHER = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string", "maxLength": 8, "description": "City name"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from pipeline.tiny import CHAT_TEMPLATE, ensure_model
+from pipeserve.model.tiny.text import CHAT_TEMPLATE, ensure_model
 
 MODEL = "tiny"
 TIMEOUT = 60.0

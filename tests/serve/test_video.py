@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from pipeline.tiny_vlm import ensure_model
+from pipeserve.model.tiny.vlm import ensure_model
 from tests.media_util import assert_batched_equals_alone, encode_video
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")

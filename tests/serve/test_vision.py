@@ -19,7 +19,7 @@ import openai
 import pytest
 from PIL import Image
 
-from pipeline.tiny_vlm import ensure_model
+from pipeserve.model.tiny.vlm import ensure_model
 from tests.media_util import assert_batched_equals_alone
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from pipeline.markup import OutputMarkup
-from pipeline.tiny import ensure_model
-from stages.detokenize import Detokenize
+from pipeserve.markup.output import OutputMarkup
+from pipeserve.model.tiny.text import ensure_model
+from pipeserve.stages.detokenize import Detokenize
 
 TEXT = "Plain words, café and naïve, 日本語 and emoji 😀🚀 at the end. {\"k\": [1, 2]}"
 

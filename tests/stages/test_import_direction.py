@@ -1,5 +1,5 @@
-"""Imports point one way: stages reach the framework, never a protocol adapter (pipeline.http.api);
-the output markup they share with the adapters lives outside pipeline/http/api (pipeline.markup)."""
+"""Imports point one way: stages reach the framework, never a protocol adapter (pipeserve.http.api);
+the output markup they share with the adapters lives outside pipeserve/http/api (pipeserve.markup.output)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def imported(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (`from pipeline.http import api` → pipeline.http.api)."""
+    """Every module a file imports, at any depth (`from pipeserve.http import api` → pipeserve.http.api)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -24,24 +24,24 @@ def imported(path: Path) -> set[str]:
 
 def api_imports(path: Path) -> list[str]:
     return sorted(n for n in imported(path)
-                  if n == "pipeline.http.api" or n.startswith("pipeline.http.api."))
+                  if n == "pipeserve.http.api" or n.startswith("pipeserve.http.api."))
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "stages").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "pipeserve" / "stages").glob("*.py")), ids=lambda p: p.name)
 def test_no_stage_imports_a_protocol_adapter(path: Path) -> None:
     assert api_imports(path) == []
 
 
-@pytest.mark.parametrize("name", ["markup.py", *sorted(p.name for p in (ROOT / "pipeline" / "tool_formats").glob("*.py"))])
-def test_the_output_markup_is_framework_not_adapter(name: str) -> None:
-    path = ROOT / "pipeline" / name
-    assert api_imports(path if path.exists() else ROOT / "pipeline" / "tool_formats" / name) == []
+@pytest.mark.parametrize("path", sorted((ROOT / "pipeserve" / "markup").rglob("*.py")),
+                         ids=lambda p: p.name)
+def test_the_output_markup_is_framework_not_adapter(path: Path) -> None:
+    assert api_imports(path) == []
 
 
 def test_the_check_sees_adapter_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("from pipeline.http import api\nimport pipeline.http.api.tools\n"
-                     "from pipeline.http.api.reasoning import ReasoningSplitter\n")
-    assert api_imports(probe) == ["pipeline.http.api", "pipeline.http.api.reasoning",
-                                  "pipeline.http.api.reasoning.ReasoningSplitter",
-                                  "pipeline.http.api.tools"]
+    probe.write_text("from pipeserve.http import api\nimport pipeserve.http.api.tools\n"
+                     "from pipeserve.http.api.reasoning import ReasoningSplitter\n")
+    assert api_imports(probe) == ["pipeserve.http.api", "pipeserve.http.api.reasoning",
+                                  "pipeserve.http.api.reasoning.ReasoningSplitter",
+                                  "pipeserve.http.api.tools"]

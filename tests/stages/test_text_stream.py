@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from pipeline.markup import OutputMarkup
-from pipeline.tiny import ensure_model
-from stages.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, Detokenize
+from pipeserve.markup.output import OutputMarkup
+from pipeserve.model.tiny.text import ensure_model
+from pipeserve.stages.detokenize import CONTEXT_TOKENS, MAX_HELD_TOKENS, Detokenize
 
 
 class CountingDecode:

@@ -1,0 +1,2 @@
+"""pipeserve framework: config, engine, scheduler, request state, metrics, HTTP adapters."""
+from pipeserve.model import blas as _blas  # noqa: F401  (must run before anything imports mlx.core)

@@ -1,0 +1,72 @@
+"""The benchmark's config (`bench.*`, beside the served config) and its result row."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeserve.config import ServeConfig
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "single"        # single | concurrent (mixed lengths) | shared_prefix |
+    #                                 distinct (long prompts sharing nothing) | cache_ttft |
+    #                                 copy (asks to repeat a prose passage) |
+    #                                 repetitive (one short sentence repeated: n-gram lookup hits) |
+    #                                 steps (no server: one forward per step shape, timed) |
+    #                                 vision (chat requests, an image per stream; model=tiny_vlm
+    #                                 or a VLM's model.path; bench.mlx_lm=true: mlx-vlm's generate)
+    streams: int = 1                # concurrent client streams
+    requests_per_stream: int = 1    # requests each stream sends back to back
+    prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
+    max_tokens: int = 128           # output tokens per request (EOS suppressed)
+    mlx_lm: bool = False            # also run mlx_lm.server on the same model and load
+    bare_loop: bool = True          # also time the bare mlx-lm decode loop (single stream ceiling)
+    batch_generator: bool = False   # also run the same prompts through mlx-lm's BatchGenerator
+    #                                 (the library, no server: the batched ceiling)
+    engine_alone: bool = False      # also drive pipeserve's engine with no HTTP (scripts/
+    #                                 engine_alone.py: Engine.submit + RequestStreams, the same
+    #                                 overrides, prompt length and output, EOS suppressed), so a
+    #                                 loss is attributed to the engine or to the HTTP side
+    warmup: bool = True             # one short request per target before timing
+    out: str = "bench-out"          # directory for results.md / results.csv
+    timeout_s: float = 1800         # per target
+    prompt_file: str | None = None  # use this file's text as every prompt (overrides workload text)
+    step_context: int = 1024        # workload=steps: tokens already in the cache
+    step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
+    adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
+    #                                 at launch; request i asks for adapter i mod N (model
+    #                                 "<name>:<id>"); 0 = the base model
+    ranks: int = 2                  # distributed≠none: ranks on this host for the pipeserve target
+    launcher: str = "mlx.launch"    # distributed≠none: `mlx.launch --backend ring` (as users
+
+
+@dataclass
+class Row:
+    target: str
+    workload: str
+    streams: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    agg_tok_s: float
+    stream_tok_s_p50: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    itl_p50_ms: float
+    itl_p95_ms: float
+    peak_rss_mb: float
+    overrides: str = ""
+    prompt_tokens: float = float("nan")     # mean usage.prompt_tokens
+    prefill_tok_s: float = float("nan")     # mean prompt_tokens / TTFT (B=1: the prefill rate)
+    decode_agg_tok_s: float = float("nan")  # tokens after the first / (last end - first token)
+    spec_proposed: int = 0                  # sum of usage.speculation.proposed (timed requests)
+    spec_accepted: int = 0
+    acceptance: float = float("nan")        # accepted / proposed
+    kv_bytes_per_token: float = float("nan")  # the server's pipeserve_kv_bytes_per_token gauge
+    errors: int = 0                         # requests the server failed (error event)
+    decode_full_tok_s: float = float("nan")  # all streams' tokens while every stream decodes
+
+
+@dataclass
+class BenchRootConfig(ServeConfig):
+    bench: BenchConfig = field(default_factory=BenchConfig)

@@ -1,0 +1,180 @@
+"""The rows that bypass HTTP: the bare mlx-lm loop, its BatchGenerator, the engine alone and
+the step probe, each run in a child process on the same model directory."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeserve.bench.config import BenchConfig, Row
+from pipeserve.bench.server import ROOT
+from pipeserve.bench.tables import _write
+from pipeserve.bench.workload import _prompts
+from pipeserve.config import ServeConfig
+
+BARE_LOOP = r"""
+import sys, time, json
+path, prompt, n, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if mode == "served":   # the compute pipeserve serves with: its BLAS and compute dtype
+    from pipeserve.config import ModelConfig, ComputeDType
+    from pipeserve.model.loader import _cast_weights
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+model, tok = load(path)
+if mode == "served":
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[5])))
+ids = mx.array(tok.encode(prompt))
+for _ in generate_step(ids, model, max_tokens=8):
+    pass
+stamps = []
+for token, _ in generate_step(ids, model, max_tokens=n):
+    stamps.append(time.perf_counter())
+print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
+"""
+
+
+BATCH_GEN = r"""
+import sys, time, json
+path, prompts, n, mode = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if mode == "served":
+    from pipeserve.config import ModelConfig, ComputeDType
+    from pipeserve.model.loader import _cast_weights
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+model, tok = load(path)
+if mode == "served":
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[5])))
+ids = [tok.encode(p) for p in prompts]
+def run(batch, max_tokens):
+    # no stop tokens: every row runs to max_tokens, as bench.py's clients do (EOS suppressed)
+    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=max(len(batch), 1))
+    t0 = time.perf_counter()
+    uids = gen.insert(batch, [max_tokens] * len(batch))
+    first, end, count, stamps = {}, {}, {u: 0 for u in uids}, []
+    while len(end) < len(uids):
+        out = gen.next_generated()
+        if not out:
+            break
+        now = time.perf_counter()
+        for r in out:
+            first.setdefault(r.uid, now)
+            count[r.uid] += 1
+            stamps.append(now)
+            if r.finish_reason is not None:
+                end[r.uid] = now
+    gen.close()
+    return t0, first, end, count, stamps
+run([i[:16] for i in ids], 8)                      # warm-up: compile the kernels
+t0, first, end, count, stamps = run(ids, n)
+wall = max(end.values()) - t0
+w0, w1 = max(first.values()), min(end.values())
+full = sum(1 for t in stamps if w0 < t <= w1) / (w1 - w0) if w1 > w0 else float("nan")
+ttft = sorted(v - t0 for v in first.values())
+print(json.dumps({"tokens": sum(count.values()), "wall": wall, "full": full,
+                  "ttft_p50": ttft[len(ttft) // 2], "ttft_p95": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+                  "prompt_tokens": sum(map(len, ids)) / len(ids)}))
+"""
+
+
+STEP_PROBE = r"""
+import sys, time, json, statistics
+path, compute, ctx, width, streams = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+from pipeserve.config import ModelConfig, ComputeDType   # first: interposes the CPU BLAS
+from pipeserve.kv import attention
+from pipeserve.model.loader import _cast_weights
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache
+model, _ = load(path)
+_cast_weights(model, ModelConfig(compute_dtype=ComputeDType(compute)))
+attention.install(model)
+vocab = model.args.vocab_size
+for rows in sorted({1, streams}):
+    for w in sorted({1, width}):
+        for composed in (False, True):
+            attention.composed = composed
+            # rows > 1: left-padded like the engine's batch, so every step carries a mask
+            cache = ([KVCache() for _ in model.layers] if rows == 1 else
+                     [BatchKVCache(left_padding=[(7 * i) % 37 for i in range(rows)])
+                      for _ in model.layers])
+            toks = mx.random.randint(0, vocab, (rows, ctx))
+            for s in range(0, ctx, 2048):
+                model(toks[:, s:s + 2048], cache=cache)
+                mx.eval([c.state for c in cache])
+            times = []
+            for i in range(46):
+                t = mx.random.randint(0, vocab, (rows, w))
+                mx.eval(t)
+                t0 = time.perf_counter()
+                mx.eval(model(t, cache=cache))
+                times.append(time.perf_counter() - t0)
+                if w > 1:
+                    for c in cache:
+                        c.trim(w - 1)   # the key length grows by one per step, as in decode
+            print(json.dumps({"rows": rows, "width": w, "composed": composed,
+                              "ms": statistics.median(times[6:]) * 1e3}), flush=True)
+            del cache
+            mx.clear_cache()
+"""
+
+
+def _step_probe(b: BenchConfig, cfg: ServeConfig, model_dir: Path, out: Path) -> list[Row]:
+    """One forward per step shape (one row or `streams` padded rows; one token or
+    `step_width`), MLX's fused attention against the composed one, at `step_context` tokens:
+    what a decode or verify step costs on this device without the server around it."""
+    res = subprocess.run([sys.executable, "-c", STEP_PROBE, str(model_dir),
+                          cfg.model.compute_dtype.value, str(b.step_context), str(b.step_width),
+                          str(b.streams)], capture_output=True, text=True, check=True, cwd=ROOT,
+                         timeout=b.timeout_s)
+    rows = []
+    for line in res.stdout.strip().splitlines():
+        r = json.loads(line)
+        label = (f"step: {r['rows']} row(s) x {r['width']} token(s), "
+                 f"{'composed' if r['composed'] else 'fused'} attention")
+        rows.append(Row(label, "steps", r["rows"], 1, r["rows"] * r["width"], float("nan"),
+                        round(1000 * r["rows"] / r["ms"], 2), float("nan"), float("nan"),
+                        float("nan"), round(r["ms"], 2), float("nan"), float("nan"),
+                        f"step_context={b.step_context}"))
+    _write(out, rows)
+    return rows
+
+
+def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
+                  prompt_tokens: float) -> Row:
+    """The engine with no HTTP around it (one process, pipeserve's own config): random prompt
+    ids as long as the server's prompts were, greedy, logit_bias suppressing EOS."""
+    n = round(prompt_tokens) if prompt_tokens == prompt_tokens else b.prompt_words
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_alone.py"),
+                          "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
+                          "--prompt-tokens", str(n), "--bias", "on", "--library", "none", "--",
+                          *overrides, f"model.path={model_dir}"],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         timeout=b.timeout_s)
+    got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    r = next(g for g in got if g.get("what") == "engine alone")
+    row = Row("pipeserve engine alone", b.workload, b.streams, b.streams, r["tokens"],
+              r["wall_s"], r["agg_tok_s"], r["decode_tok_s_row"] or float("nan"),
+              r["ttft_p50_s"], r["ttft_p95_s"], float("nan"), float("nan"), float("nan"))
+    row.prompt_tokens = float(n)
+    return row
+
+
+def _batch_generator(b: BenchConfig, cfg: ServeConfig, model_dir: Path) -> Row:
+    """The same prompts, all at once, through mlx-lm's BatchGenerator in one process: the
+    library's batched rate with no server, HTTP or detokenizing around it, computing in the
+    dtype pipeserve serves (model.compute_dtype; on a GPU that is the checkpoint's)."""
+    prompts = _prompts(b)
+    res = subprocess.run([sys.executable, "-c", BATCH_GEN, str(model_dir), json.dumps(prompts),
+                          str(b.max_tokens), "served", cfg.model.compute_dtype.value],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=b.timeout_s)
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    row = Row("mlx-lm BatchGenerator", b.workload, b.streams, len(prompts), r["tokens"],
+              round(r["wall"], 2), round(r["tokens"] / r["wall"], 2), float("nan"),
+              round(r["ttft_p50"], 3), round(r["ttft_p95"], 3), float("nan"), float("nan"),
+              float("nan"))
+    row.prompt_tokens = round(r["prompt_tokens"], 1)
+    row.decode_full_tok_s = round(r["full"], 2)
+    return row

@@ -1,0 +1,108 @@
+"""The processes a benchmark starts: pipeserve (or a distributed launch of it), mlx_lm.server;
+their ports, gauges and peak memory."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from pipeserve.bench.config import BenchConfig
+from pipeserve.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[2]   # the checkout: serve.py, scripts/
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float, data: bytes | None = None) -> tuple[int, str]:
+    """A blocking GET (or POST of `data`): (status, body)."""
+    with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def _gauge(base_url: str, name: str) -> float:
+    """One unlabelled sample from the server's /metrics (nan when absent)."""
+    try:
+        text = _get(f"{base_url}/metrics", 10)[1]
+    except (OSError, urllib.error.URLError):
+        return float("nan")
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def _peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+class Process:
+    """A server we start and stop by its own PID."""
+
+    def __init__(self, args: list[str], log_path: Path, group: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        self.log = open(log_path, "wb")
+        self.group = group   # mlx.launch and its ranks: a process group of their own
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=group, env=env)
+
+    def wait_http(self, url: str, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if _get(url, 2)[0] == 200:
+                    return
+            except (OSError, urllib.error.URLError):   # not listening yet, or not ready (503)
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None and self.group:   # mlx.launch does not pass SIGTERM on
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _ranks(cfg: ServeConfig, b: BenchConfig, serve: list[str], out: Path
+           ) -> tuple[list[str], dict[str, str] | None, list[Process]]:
+    """distributed≠none: the launcher prefix of rank 0's command, its environment, and the other
+    ranks' processes (already started) for bench.launcher=env."""
+    if not cfg.distributed.enabled:
+        return [], None, []
+    if b.launcher == "mlx.launch":
+        return [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n",
+                str(b.ranks)], None, []
+    if b.launcher != "env":
+        raise ValueError(f"bench.launcher must be mlx.launch or env, got {b.launcher!r}")
+    hosts = out / "ring-hosts.json"
+    base = _free_port()
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(b.ranks)]))
+    env = [{**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(r)} for r in range(b.ranks)]
+    others = [Process(serve, out / f"rank{r}.log", env=env[r]) for r in range(1, b.ranks)]
+    return [], env[0], others

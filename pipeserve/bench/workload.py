@@ -1,0 +1,209 @@
+"""The client workloads: prompts, one streaming request, N concurrent streams (aiohttp, one
+connection per stream), and what each request measured."""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import aiohttp
+except ImportError:   # the base install has no bench client
+    sys.exit("bench.py needs the bench extra (aiohttp, its client; matplotlib, its plots): "
+             "pip install -e '.[bench]'")
+import orjson
+
+from pipeserve.bench.config import BenchConfig
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box "
+         "jumbled figures near the old river bank and count every small stone").split()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def _words(n: int, offset: int) -> str:
+    return " ".join(WORDS[(offset + j) % len(WORDS)] for j in range(n))
+
+
+REPEATED = "The cat sat on the mat and looked at the door. "
+
+
+def _prompts(b: BenchConfig, salt: str = "") -> list[str]:
+    """One prompt per request. `salt` makes a set that shares no prefix with the real one
+    (the warm-up uses it, so prompt caches start cold)."""
+    out = []
+    fixed = Path(b.prompt_file).expanduser().read_text() if b.prompt_file else None
+    for i in range(b.streams * b.requests_per_stream):
+        n = b.prompt_words
+        if fixed is not None:
+            text = fixed
+        elif b.workload == "copy":            # a long passage to repeat verbatim
+            from pipeserve.model.tiny.text import CORPUS
+            words = CORPUS.split()
+            passage = " ".join(words[(i * 17 + j) % len(words)] for j in range(n))
+            text = f"Repeat the following passage exactly, word for word.\n\n{passage}\n\nRepeated:\n"
+        elif b.workload == "repetitive":      # the prompt repeats itself: n-gram lookup can hit
+            reps = max(1, n // len(REPEATED.split()))
+            text = f"{i}: " + REPEATED * reps
+        elif b.workload == "concurrent":
+            text = _words(max(4, int(n * (0.5, 1.0, 2.0, 1.5)[i % 4])), i)
+        elif b.workload == "shared_prefix":   # N agents, one long system prompt
+            text = f"{_words(n, 0)} question {i}: {_words(8, 3 * i + 1)}"
+        elif b.workload == "distinct":        # N long prompts sharing nothing
+            text = f"document {i}: {_words(n, 7 * i + 1)}"
+        else:
+            text = _words(n, i)
+        out.append(f"{salt} {text}" if salt else text)
+    return out
+
+
+async def _one(client: aiohttp.ClientSession, url: str, model: str, prompt: str,
+               max_tokens: int, eos_bias: dict[str, float], attempts: int = 5) -> dict[str, Any]:
+    """One streaming request; a connection refused or reset before any response byte is
+    retried (a server with a short listen backlog drops bursts of connects)."""
+    for attempt in range(attempts):
+        try:
+            return await _one_try(client, url, model, prompt, max_tokens, eos_bias)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: str,
+                   max_tokens: int, eos_bias: dict[str, float]) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": eos_bias}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage_tokens = None
+    usage: dict[str, Any] = {}
+    end = float("nan")
+    async with client.post(url, data=orjson.dumps(body),
+                           headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:   # the server's own error names the field and the limit
+            raise SystemExit(f"bench: {url} answered {r.status}: {(await r.text())[:500]}")
+        async for line in r.content:   # SSE, one line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = orjson.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("error"):   # the server failed this request: counted, not timed
+                return {"t0": t0, "stamps": [], "tokens": 0, "end": float("nan"),
+                        "prompt_tokens": None, "speculation": None, "error": chunk["error"]}
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+                usage_tokens = usage.get("completion_tokens")
+            for ch in chunk.get("choices") or []:
+                if ch.get("finish_reason"):
+                    end = now
+                elif ch.get("text") is not None:
+                    stamps.append(now)   # one chunk per token (text may be empty)
+    n = usage_tokens if usage_tokens is not None else len(stamps)
+    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end,
+            "prompt_tokens": usage.get("prompt_tokens"), "speculation": usage.get("speculation")}
+
+
+def _full_batch_rate(results: list[dict[str, Any]], b: BenchConfig) -> float:
+    """Batched decode rate with every stream decoding: the tokens all streams received between
+    the last stream's first token and the first stream's end, over that window. Unlike
+    decode_agg it leaves out steps that also prefilled someone's prompt. Counted in chunks, one
+    per token, so it is nan when speculation (several tokens per chunk) took part, and when the
+    window holds fewer than two tokens per stream."""
+    firsts = results[::b.requests_per_stream]   # each stream's first request
+    if any(not r["stamps"] or r["end"] != r["end"] or (r.get("speculation") or {}).get("accepted")
+           for r in results):
+        return float("nan")
+    w0 = max(r["stamps"][0] for r in firsts)
+    w1 = min(r["end"] for r in firsts)
+    n = sum(1 for r in results for t in r["stamps"] if w0 < t <= w1)
+    return n / (w1 - w0) if w1 > w0 and n >= 2 * b.streams else float("nan")
+
+
+async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float],
+                adapters: list[str] | None = None) -> dict[str, Any]:
+    prompts = _prompts(b)
+    base_model = model
+
+    def model_of(i: int) -> str:   # request i's model id: the base, or "<base>:<adapter>"
+        return f"{base_model}:{adapters[i % len(adapters)]}" if adapters else base_model
+
+    url = f"{base_url}/v1/completions"
+    # aiohttp, one kept-alive connection per stream. The client must not be what is measured:
+    # httpx's pool rescans every connection for every queued request, so at 128 streams it
+    # spent ~70% of this process's CPU there and issued one burst over 2.3 s on this 2-core
+    # CPU (TTFT p50 1.4 s, against 0.2 s with this client); its per-chunk stack also cost ~3×
+    async with _session(b.streams, b.timeout_s) as client:
+        if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
+            warm = _prompts(b, salt="warm-up")
+            await _one(client, url, model_of(0), warm[0], b.max_tokens, eos_bias)
+            await asyncio.gather(*(_one(client, url, model_of(i), p, 16, eos_bias)
+                                   for i, p in enumerate(warm[:b.streams])))
+
+        total = b.streams * b.requests_per_stream
+        done = 0
+
+        async def stream(k: int) -> list[dict[str, Any]]:
+            nonlocal done
+            out = []
+            for j in range(b.requests_per_stream):
+                i = k * b.requests_per_stream + j
+                out.append(await _one(client, url, model_of(i), prompts[i], b.max_tokens,
+                                      eos_bias))
+                done += 1
+                if done % max(1, total // 10) == 0 or done == total:
+                    print(f"bench: {done}/{total} requests, {time.perf_counter() - t0:.1f} s",
+                          flush=True)
+            return out
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
+                   for r in rs]
+        wall = time.perf_counter() - t0
+    failed = [r["error"] for r in results if r.get("error")]
+    if failed:
+        print(f"bench: {len(failed)} of {len(results)} requests FAILED, e.g. {failed[0]}",
+              flush=True)
+    ttft = [r["stamps"][0] - r["t0"] for r in results if r["stamps"]]
+    itl = [(y - x) * 1000 for r in results for x, y in zip(r["stamps"], r["stamps"][1:])]
+    # decode rate of a stream: tokens after the first over the time from the first to the end
+    per_stream = [(r["tokens"] - 1) / (r["end"] - r["stamps"][0])
+                  for r in results if r["stamps"] and r["end"] > r["stamps"][0]]
+    tokens = sum(r["tokens"] for r in results)
+    timed = [r for r in results if r["stamps"] and r["end"] == r["end"]]
+    span = (max(r["end"] for r in timed) - min(r["stamps"][0] for r in timed)) if timed else 0.0
+    decode_agg = sum(r["tokens"] - 1 for r in timed) / span if span > 0 else float("nan")
+    decode_full = _full_batch_rate(results, b)
+    ptoks = [r["prompt_tokens"] for r in results if r["prompt_tokens"] is not None]
+    prefill = [r["prompt_tokens"] / (r["stamps"][0] - r["t0"]) for r in results
+               if r["prompt_tokens"] is not None and r["stamps"]]
+    specs = [r["speculation"] for r in results if r["speculation"]]
+    per_request = [{"start_s": r["t0"] - t0, "ttft_s": r["stamps"][0] - r["t0"],
+                    "latency_s": r["end"] - r["t0"], "tokens": r["tokens"]}
+                   for r in results if r["stamps"] and r["end"] == r["end"]]
+    return {"per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+            "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
+            "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
+            "prefill": statistics.mean(prefill) if prefill else float("nan"),
+            "spec_proposed": sum(int(x.get("proposed", 0)) for x in specs),
+            "spec_accepted": sum(int(x.get("accepted", 0)) for x in specs)}
+
+
+def _session(streams: int, timeout_s: float) -> aiohttp.ClientSession:
+    """The bench's client: a connection per stream, kept alive between its requests."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=streams + 4, limit_per_host=streams + 4),
+        timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def _single(base: str, model: str, prompt: str, n: int, bias: dict[str, float]) -> dict:
+    async with _session(1, 600) as client:
+        return await _one(client, f"{base}/v1/completions", model, prompt, n, bias)

@@ -1,0 +1,256 @@
+"""Engine: the one thread that owns MLX — it loads the model, builds the step stages, and runs
+the step loop. Public methods may be called from any thread; everything else is engine-only."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from enum import Enum
+from typing import Any
+
+from pipeserve.adapters import swap as adapter_swap
+from pipeserve.config import ServeConfig, build
+from pipeserve.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
+from pipeserve.core.inbox import Inbox
+from pipeserve.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
+from pipeserve.model.loader import LoadedModel
+from pipeserve.memory import MemoryModel
+from pipeserve.metrics import Metrics
+from pipeserve.core.plan import StepPlan
+from pipeserve.request import FinishReason, Request
+from pipeserve.core.scheduler import Scheduler, finished_event
+from pipeserve.core.scoring import Score
+from pipeserve.core.step import Launched, load_parts
+from pipeserve.core.outbox import Outbox
+from pipeserve.core.stream import RequestStream
+
+log = logging.getLogger(__name__)
+
+
+class EngineState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class Engine:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+        self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
+        self.loaded: LoadedModel | None = None
+        self.memory: MemoryModel | None = None
+        self.kv_pool_bytes: int | None = None   # kv=paged: what the block pool holds
+        self.startup_error: BaseException | None = None
+        self.scheduler: Scheduler = build(cfg.scheduler._target_, cfg)
+        self.prompt_cache: Any = None   # pipeserve.prompt_cache.*, or None (cache=off)
+        self.layout: Any = None         # pipeserve.kv.layouts.*; the step: load_parts
+        self._inbox, self._out = Inbox(), Outbox(metrics)
+        self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
+        self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
+        self.group: Any = None   # distributed≠none: pipeserve/distributed/group.py, built at load
+
+    # -- any thread -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start loading in the engine thread; returns at once (see wait_ready)."""
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded or failed; True when ready."""
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet scheduled (inbox + scheduler queue)."""
+        return self._inbox.num_waiting
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free batch slots: those that will really queue."""
+        free = self.scheduler.max_batch - len(self.scheduler.running)
+        return max(0, self.num_waiting - max(0, free))
+
+    @property
+    def num_inflight(self) -> int:
+        return self._inbox.num_submitted - self._out.num_done
+
+    def submit(self, request: Request, stream: RequestStream) -> None:
+        if self.state is not EngineState.READY:
+            raise EngineUnavailable(f"engine is {self.state.value}")
+        self._inbox.put(Submit(request, stream))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(Abort(request_id))
+
+    def command(self, cmd: Command) -> None:   # any thread; the engine runs it between steps
+        self._inbox.put(cmd)
+
+    def flush_cache(self) -> threading.Event:
+        """Ask the engine to write every dirty prompt-cache entry; the returned event is set
+        once they are all on disk (at once when there is nothing to write)."""
+        done = threading.Event()
+        if self.state is EngineState.READY:
+            self._inbox.put(Flush(done))
+        else:
+            done.set()
+        return done
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # the startup boundary: keep the error for start()'s caller
+            if not isinstance(e, ConfigError):   # a ConfigError is serve.py's one-line report
+                log.exception("model load failed")
+            self.startup_error = e
+            self.state = EngineState.DEAD
+            self._ready.set()
+            return
+        self.state = EngineState.READY
+        self.metrics.engine_up.set(1)
+        self._ready.set()
+        try:
+            self._loop()
+        except Exception as e:  # the engine cannot go on: fail everything in flight
+            log.exception("engine loop died")
+            self._die(e)
+        finally:
+            self._out.flush()
+            self.metrics.engine_up.set(0)
+            self.step.close()   # the prompt cache drains its SSD writer
+            if self.state is EngineState.READY:
+                self.state = EngineState.STOPPED
+
+    def _load(self) -> None:
+        if self.cfg.distributed.enabled:   # every rank, before the model is sharded
+            self.group = build(self.cfg.distributed._target_, self.cfg, self.metrics)
+        p = load_parts(self.cfg, self.metrics, self.scheduler)
+        self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
+        self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        pending: Launched | None = None   # last step, queued on the device, not yet read back
+        while not self.stopping:
+            idle = pending is None and not sched.has_work()
+            if idle:
+                self.step.idle()
+            if self.group is not None:   # every rank runs rank 0's plan (pipeserve/distributed)
+                plan = self.group.next_plan(self, idle)
+            else:
+                self.take_commands(block=idle, timeout=self.step.idle_wait_s)
+                plan = None if self.stopping else sched.schedule()
+            if self.stopping:
+                break
+            self._count_waiting()
+            self._out.replay(sched.running)
+            launched = None
+            if plan is not None:
+                try:
+                    launched = self.step.launch(plan)
+                except Exception as e:  # a step failure fails that step's rows only
+                    self._fail_plan(plan, e)
+            if pending is not None:
+                self._apply(pending)
+            if launched is not None and (launched.sync or not launched.samples):
+                self._apply(launched)   # the next plan needs these results: no pipelining
+                launched = None
+            self._out.flush()
+            if launched is not None:
+                self.step.dispatch(launched)   # scheduler.dispatch_late: only now
+            pending = launched
+            self.step.passed()
+        if self.group is not None:   # rank 0 tells the group it stops (pipeserve/distributed)
+            self.group.leave(self)
+
+    def _apply(self, launched: Launched) -> None:
+        """Read a step's results back and apply them: events out, finished rows retired."""
+        try:
+            output = self.step.read(launched)
+        except Exception as e:
+            self._fail_plan(launched.plan, e)
+            return
+        now = time.perf_counter()
+        finished: list[Request] = []
+        for req, event in self.scheduler.update(launched.plan, output):
+            if isinstance(event, TokenDelta):
+                self._out.tokens(req, event, now)
+            else:
+                finished.append(req)
+                self._out.post(req.request_id, event)
+        self.step.settle(launched, output)
+        for rid, cause in output.failed.items():   # rows a stage failed on their own
+            self._fail_request(rid, row_failure(rid, cause))
+        self.step.retire(finished, self.scheduler.running)
+        for req in finished:
+            self.scheduler.release(req.request_id)
+        self.metrics.active_rows.set(len(self.scheduler.running))
+        self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+
+    def take_commands(self, block: bool, timeout: float | None = None) -> list[Command]:
+        """Run every command in the inbox (waiting up to `timeout` for one when `block`);
+        returns them, in order (rank 0 of a distributed group broadcasts them)."""
+        done = list(self._inbox.take(block, timeout))
+        for cmd in done:
+            self.run_command(cmd)
+        return done
+
+    def run_command(self, cmd: Command) -> None:
+        """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
+        if isinstance(cmd, Flush):
+            cmd.reply(self.prompt_cache.flush() if self.prompt_cache is not None else None)
+        elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeserve/adapters/swap.py
+            adapter_swap.run(self, cmd)
+        elif isinstance(cmd, Score):   # prompt scoring: pipeserve/core/scoring.py
+            cmd.run(self)
+        elif isinstance(cmd, Submit):
+            self._out.open(cmd.request.request_id, cmd.stream)
+            self.scheduler.add(cmd.request)
+            self._inbox.num_added += 1
+        elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
+            self.step.retire([req], [])
+            self.scheduler.release(req.request_id)
+            self._out.post(req.request_id, finished_event(req))
+        self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))
+        self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+
+    def _fail_plan(self, plan: StepPlan, cause: Exception) -> None:
+        """The step itself failed (the forward, or work shared by its rows): none of its rows,
+        nor any row whose KV it shared, can be trusted, so each fails with a 503 its client
+        may retry; the loop goes on."""
+        if self.group is not None:   # a rank's collectives may be half done: the group stops
+            self.group.fatal(cause)
+        ids = list(dict.fromkeys([r.request_id for r in plan.rows] + self.step.kv.drop_shared()))
+        log.error("step failed for %d request(s): %s", len(ids), ", ".join(ids), exc_info=cause)
+        for rid in ids:
+            self._fail_request(rid, step_failed(rid))
+
+    def _fail_request(self, rid: str, err: ServeError) -> None:
+        req = self.scheduler.abort(rid, FinishReason.ERROR)   # its KV is not kept
+        if req is not None:
+            self.step.release(req)
+            self.scheduler.release(rid)
+            self._out.post(rid, Failed(rid, err))
+
+    def abandon(self, cause: Exception) -> None:
+        """Any thread, once the engine thread is stuck for good (a distributed rank is gone,
+        pipeserve/distributed/group.py): fail what is in flight, answer 503 from now on."""
+        log.error("engine abandoned: %s", cause)
+        self._die(cause)
+
+    def _die(self, cause: Exception) -> None:
+        self.state = EngineState.DEAD
+        err = EngineUnavailable("the engine stopped after an internal error (logged by the "
+                                "server); retry when /health answers 200")
+        for req in self.scheduler.fail_all():
+            self._out.post(req.request_id, Failed(req.request_id, err))
+        self._out.flush()

@@ -1,0 +1,83 @@
+"""Commands into the engine and events out of it. Commands: any thread → engine inbox;
+events: engine thread → RequestStream on the event loop."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipeserve.errors import ServeError
+from pipeserve.request import FinishReason, Request, TokenLogprob
+
+if TYPE_CHECKING:
+    from pipeserve.core.stream import RequestStream
+
+
+@dataclass(slots=True)
+class Submit:
+    request: Request
+    stream: RequestStream
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass(slots=True)
+class Flush:
+    """Write every dirty prompt-cache entry to disk; `done` is set once they are there."""
+
+    done: threading.Event
+
+    def reply(self, written: threading.Event | None) -> None:
+        if written is None:
+            self.done.set()
+            return
+        threading.Thread(target=lambda: (written.wait(), self.done.set()), daemon=True,
+                         name="pipeserve-flush-wait").start()
+
+
+@dataclass(slots=True)
+class AdapterSwap:
+    """Mount (`mount`) or unmount the adapter `adapter_id` between steps; `done` is set once
+    `result` (its /v1/adapters entry) or `error` is there (pipeserve/adapters/swap.py)."""
+
+    adapter_id: str
+    mount: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, object] | None = None
+    error: ServeError | None = None
+
+
+Command = Submit | Abort | Flush | AdapterSwap
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request ended. `extras` carries engine-side facts for the response's record:
+    `batch_size_max` (int): the most rows in one engine step while this request decoded."""
+
+    request_id: str
+    reason: FinishReason
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    extras: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Failed:
+    request_id: str
+    error: ServeError
+
+
+Event = TokenDelta | Finished | Failed

@@ -1,0 +1,45 @@
+"""Inbox: the commands any thread sends the engine (submit, abort, flush, adapter swaps), taken
+on the engine thread between steps, and the request counts admission reads from it."""
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+from pipeserve.core.events import Command, Submit
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self.num_submitted = 0    # written by submitters only
+        self.num_added = 0        # engine: submits taken into the scheduler
+        self.num_left_queue = 0   # engine: of those, the ones that ran or were aborted
+
+    def put(self, cmd: Command | None) -> None:
+        """Any thread. None wakes the engine (a stop)."""
+        if isinstance(cmd, Submit):
+            self.num_submitted += 1
+        self._queue.put(cmd)
+
+    @property
+    def num_waiting(self) -> int:
+        """Submitted requests not yet scheduled (in here or in the scheduler's queue)."""
+        return self.num_submitted - self.num_left_queue
+
+    def still_waiting(self, waiting: int) -> int:
+        """Engine thread: `waiting` of the submits taken are still in the scheduler's queue."""
+        self.num_left_queue = self.num_added - waiting
+        return waiting
+
+    def take(self, block: bool, timeout: float | None) -> Iterator[Command]:
+        """Engine thread: every command queued now, in order (waiting up to `timeout` for the
+        first when `block`); ends early at a None."""
+        while True:
+            try:
+                cmd = self._queue.get(block=block, timeout=timeout if block else 0)
+            except queue.Empty:
+                return
+            if cmd is None:
+                return
+            block = False
+            yield cmd

@@ -1,0 +1,383 @@
+"""RowStore: the one owner of every running row's KV, whatever its phase or batch shape —
+a row's own per-layer caches (prefill, prompt-cache hits), a group of rows prefilled together
+in one batched cache, or the decode batch (one batched cache per layer, rows in order, with
+each row's next input token). Rows are request ids; this module knows no request state.
+Merging, extending, filtering, padding and a verify step's rollback live here (the replay a
+recurrent layout needs runs through the forward the store is built with). Engine thread only."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from pipeserve.core.plan import PlannedRow
+
+Replay = Callable[[list[PlannedRow], "RowStore"], Any]   # Forward.feed: rows feed host tokens
+
+
+@dataclass(eq=False)
+class _Group:
+    """Rows prefilled together: one batched cache per layer whose rows are `ids`, in order.
+    They join the decode batch together (no extract + merge)."""
+
+    ids: list[str]
+    caches: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The decode batch's recurrent state before a verify forward (rebinding keeps the old
+    arrays alive: a zero-copy snapshot), and the rows it covers."""
+
+    ids: tuple[str, ...]
+    layers: tuple[tuple[int, list[Any], Any, Any], ...]
+
+
+class RowStore:
+    """Rows join the decode batch after their prefill (own caches are merged in, a prefill
+    group is extended in whole) and leave when released (filtered out). A lone decode row keeps
+    plain per-row caches (`solo`): no padding mask, the exact arithmetic of mlx-lm; the batch
+    converts when a second row joins and back when it drains to one. `replay` is the forward
+    a rollback replays kept tokens through (recurrent layers); a store that never rolls back a
+    recurrent batch needs none."""
+
+    def __init__(self, make_cache: Callable[[], list[Any]], replay: Replay | None = None) -> None:
+        self.make_cache = make_cache
+        self.replay = replay
+        self._verify: tuple[int, Snapshot | None] | None = None   # (width, state) of a verify
+        self._own: dict[str, list[Any]] = {}
+        self._groups: dict[str, _Group] = {}
+        self._rows: list[str] = []            # the decode batch, in row order
+        self._caches: list[Any] | None = None  # one cache per layer (batched unless solo)
+        self._next: mx.array | None = None     # (len(rows),) each row's next input token
+        self.solo = False
+
+    # -- where a row's KV is ------------------------------------------------------------
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._own or rid in self._groups or rid in self._rows
+
+    def _where(self, rid: str) -> int | None:
+        """The row's place in the decode batch (one scan, no index built), or None."""
+        try:
+            return self._rows.index(rid)
+        except ValueError:
+            return None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows whose KV the store holds, in any home."""
+        return len(set(self._own) | set(self._groups) | set(self._rows))
+
+    @property
+    def decode_rows(self) -> list[str]:
+        return list(self._rows)
+
+    def adopt(self, rid: str, caches: list[Any]) -> None:
+        """The row's KV arrives from elsewhere (a prompt-cache hit)."""
+        self.release(rid)
+        self._own[rid] = caches
+
+    def own(self, rid: str) -> list[Any]:
+        """The row's own caches (a new row gets empty ones); it must not be batched."""
+        assert rid not in self._groups and rid not in self._rows, rid
+        caches = self._own.get(rid)
+        if caches is None:
+            caches = self._own[rid] = self.make_cache()
+        return caches
+
+    def mergeable(self, rid: str) -> bool:
+        """Whether the row's own KV may join a padded group forward: none yet, or plain
+        attention caches (a prompt-cache hit's prefix)."""
+        caches = self._own.get(rid)
+        return caches is None or all(type(c) is KVCache for c in caches)
+
+    def take_own(self, rids: Sequence[str]) -> list[list[Any]]:
+        """The rows' own caches, handed over (for a grouped prefill: `group` gives them back)."""
+        return [self._own.pop(r, None) or self.make_cache() for r in rids]
+
+    def group(self, rids: Sequence[str], caches: list[Any]) -> None:
+        """These rows now live in one batched cache per layer (rows in `rids` order)."""
+        g = _Group(list(rids), caches)
+        for r in rids:
+            self._groups[r] = g
+
+    def caches_of(self, rid: str) -> list[Any] | None:
+        """This row's per-layer caches: its own (live), or extracted from a group or the batch
+        (copies); None when the store holds nothing for it."""
+        if rid in self._own:
+            return self._own[rid]
+        g = self._groups.get(rid)
+        if g is not None:
+            i = g.ids.index(rid)
+            return [layer.extract(i) for layer in g.caches]
+        where = self._where(rid)
+        if where is None:
+            return None
+        if self.solo:
+            return self._caches
+        return [layer.extract(where) for layer in self._caches]
+
+    # -- the decode batch -------------------------------------------------------------
+    def decode_batch(self, rids: Sequence[str], known: dict[str, int | None]
+                     ) -> tuple[list[Any], list[str], mx.array]:
+        """Make the batch hold exactly `rids`: continuing rows keep their order, the rest are
+        dropped (their KV kept as their own caches), newcomers join at the end with their
+        input from `known` (host tokens). Returns (caches, row order, next-input tokens)."""
+        self._verify = None   # a forward follows: an earlier verify's state is stale
+        wanted = set(rids)
+        keep = [i for i, r in enumerate(self._rows) if r in wanted]
+        if len(keep) != len(self._rows):
+            self._filter(keep, park=True)
+        present = set(self._rows)
+        joiners = [r for r in rids if r not in present]
+        if joiners:
+            self._extend(joiners, known)
+        assert self._caches is not None and self._next is not None
+        return self._caches, list(self._rows), self._next
+
+    def park(self, rids: Sequence[str]) -> None:
+        """These rows leave the decode batch, keeping their KV as their own caches."""
+        leaving = set(rids)
+        if leaving & set(self._rows):
+            self._filter([i for i, r in enumerate(self._rows) if r not in leaving], park=True)
+
+    def set_next(self, order: Sequence[str], tokens: mx.array) -> None:
+        """The tokens the batch's rows feed next (sampled or emitted), in `order`."""
+        if list(order) == self._rows:
+            self._next = tokens
+            return
+        where = {r: i for i, r in enumerate(order)}
+        idx = mx.array([where[r] for r in self._rows], dtype=mx.int32)
+        self._next = tokens[idx]
+
+    def _filter(self, keep: list[int], park: bool = False) -> None:
+        """Keep the batch rows at `keep`; with `park`, rows that leave keep their KV as
+        their own caches (a row that stops decoding for a step without finishing)."""
+        kept = set(keep)
+        leaving = [i for i in range(len(self._rows)) if i not in kept]
+        if park:
+            for i in leaving:
+                rid = self._rows[i]
+                self._own[rid] = (list(self._caches) if self.solo
+                                  else [layer.extract(i) for layer in self._caches])
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._rows, self._caches, self._next, self.solo = [], None, None, False
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        self._next = self._next[idx]
+        if self.solo:
+            return
+        for layer in self._caches:
+            layer.filter(idx)
+        if len(keep) == 1:
+            self._caches = [layer.extract(0) for layer in self._caches]
+            self.solo = True
+
+    def _extend(self, joiners: list[str], known: dict[str, int | None]) -> None:
+        if self._caches is None and len(joiners) == 1 and joiners[0] not in self._groups:
+            self._caches, self.solo = self.own_or_new(joiners[0]), True
+            self._own.pop(joiners[0], None)
+            parts: list[tuple[list[str], list[Any] | None]] = [(joiners, None)]
+        else:
+            if self.solo:
+                self._caches = [merge_layer([layer]) for layer in self._caches]
+                self.solo = False
+            parts = self._batched_parts(joiners)
+        for ids, caches in parts:
+            if caches is None:
+                pass
+            elif self._caches is None:
+                self._caches = caches
+            else:
+                for mine, theirs in zip(self._caches, caches):
+                    mine.extend(theirs)
+            self._rows.extend(ids)
+        new = mx.array([known[r] for ids, _ in parts for r in ids], dtype=mx.uint32)
+        self._next = new if self._next is None else mx.concatenate([self._next, new])
+
+    def own_or_new(self, rid: str) -> list[Any]:
+        return self._own.get(rid) or self.make_cache()
+
+    def _batched_parts(self, joiners: list[str]) -> list[tuple[list[str], list[Any]]]:
+        """Joiners as (rows, batched caches): rows with their own caches merged into one
+        part, each prefill group's rows as another (filtered if some of them left)."""
+        plain = [r for r in joiners if r not in self._groups]
+        parts: list[tuple[list[str], list[Any]]] = []
+        if plain:
+            own = [self.own_or_new(r) for r in plain]
+            for r in plain:
+                self._own.pop(r, None)
+            parts.append((plain, [merge_layer(list(layer)) for layer in zip(*own)]))
+        joining = set(joiners)
+        seen: set[int] = set()
+        for r in joiners:
+            g = self._groups.get(r)
+            if g is None or id(g) in seen:
+                continue
+            seen.add(id(g))
+            keep = [i for i, m in enumerate(g.ids) if m in joining]
+            others = [m for m in g.ids if m not in joining]
+            for m in others:   # members not joining now keep their KV as their own
+                self._own[m] = [layer.extract(g.ids.index(m)) for layer in g.caches]
+            if len(keep) != len(g.ids):
+                idx = mx.array(keep, dtype=mx.int32)
+                for layer in g.caches:
+                    layer.filter(idx)
+            for m in g.ids:
+                self._groups.pop(m, None)
+            parts.append(([g.ids[i] for i in keep], g.caches))
+        return parts
+
+    # -- rollback, memory, release ------------------------------------------------------
+    def snapshot(self) -> Snapshot | None:
+        """What a verify rollback needs for state that cannot be trimmed (recurrent layers)."""
+        if self._caches is None:
+            return None
+        saved = tuple((i, list(c.cache), getattr(c, "lengths", None),
+                       getattr(c, "left_padding", None))
+                      for i, c in enumerate(self._caches) if not c.is_trimmable())
+        return Snapshot(tuple(self._rows), saved) if saved else None
+
+    def restore(self, snap: Snapshot, drop: int = 0) -> None:
+        """Put the recurrent layers back as `snap` saw them; with `drop`, also cut the last
+        `drop` positions of every row's trimmable layers (what was fed since, the same for
+        every row)."""
+        assert snap.ids == tuple(self._rows) and self._caches is not None
+        for i, state, lengths, left in snap.layers:
+            c = self._caches[i]
+            c.cache = state
+            c.lengths, c.left_padding = lengths, left
+        if drop:
+            for c in self._caches:
+                if c.is_trimmable():
+                    c.trim(drop)
+
+    def before_verify(self, width: int) -> None:
+        """The decode batch is about to feed `width` positions per row (its input, then its
+        drafts, right-padded): keep what `rollback` needs — the recurrent layers' state (a
+        zero-copy snapshot) and the width."""
+        self._verify = (width, self.snapshot())
+
+    def rollback(self, rows: Sequence[PlannedRow], kept: Mapping[str, int]) -> None:
+        """After that verify forward: keep, per decode row, the KV of its input and its first
+        `kept[rid]` drafts and drop the rest. Attention-only: each row's surplus is trimmed (a
+        batched row's becomes left padding). With recurrent layers their state goes back to the
+        snapshot, every trimmable layer drops the whole width, and each row's input + kept
+        drafts are fed again through `replay`. `rows` are the plan's decode rows (any order)."""
+        held, self._verify = self._verify, None
+        assert held is not None and self._caches is not None, "rollback without a verify"
+        width, snap = held
+        drop = [width - 1 - kept[rid] for rid in self._rows]
+        if not any(drop):
+            return
+        if snap is None:
+            self.trim_decode(drop)
+            return
+        assert self.replay is not None, "a recurrent rollback needs the store's replay forward"
+        self.restore(snap, drop=width)
+        by_id = {r.request_id: r for r in rows}
+        again = [replace(by_id[rid], num_tokens=1, drafts=by_id[rid].drafts[:kept[rid]])
+                 for rid in self._rows]
+        self.replay(again, self)
+        mx.eval([c.state for c in self._caches])
+
+    def trim_own(self, rid: str, n: int) -> None:
+        """Drop the last `n` positions of the row's own caches (a draft head's speculative
+        entries)."""
+        for c in self._own.get(rid, ()):
+            c.trim(n)
+
+    def trim_decode(self, drop: Sequence[int]) -> None:
+        """Drop the last `drop[i]` positions of decode row i (rejected drafts): a batched
+        row's surplus becomes left padding."""
+        if not any(drop) or self._caches is None:
+            return
+        if self.solo:
+            for c in self._caches:
+                c.trim(drop[0])
+            return
+        trim_rows(self._caches, list(drop))
+        drop_shared_padding(self._caches, len(drop))
+
+    def release(self, rid: str) -> None:
+        """The row finished: free its KV wherever it is."""
+        self.release_many([rid])
+
+    def release_many(self, rids: Sequence[str]) -> None:
+        """These rows finished: free their KV wherever it is. The decode batch is filtered
+        once for all of them (each filter copies the batch's KV and reads its padding back)."""
+        for rid in rids:
+            self._own.pop(rid, None)
+            g = self._groups.pop(rid, None)
+            if g is not None:
+                i = g.ids.index(rid)
+                keep = [j for j in range(len(g.ids)) if j != i]
+                g.ids.pop(i)
+                if keep:
+                    idx = mx.array(keep, dtype=mx.int32)
+                    for layer in g.caches:
+                        layer.filter(idx)
+        gone = set(rids)
+        keep = [i for i, r in enumerate(self._rows) if r not in gone]
+        if len(keep) != len(self._rows):
+            self._filter(keep)
+
+    def drop_shared(self) -> list[str]:
+        """After a failed step the shared KV (decode batch, prefill groups) cannot be trusted:
+        drop it; returns the rows that lost their KV (rows with their own caches keep them)."""
+        lost = list(self._rows) + list(self._groups)
+        self._groups.clear()
+        self._verify = None
+        self._rows, self._caches, self._next, self.solo = [], None, None, False
+        return lost
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(c.nbytes for c in self._caches) if self._caches else 0
+        held += sum(c.nbytes for caches in self._own.values() for c in caches)
+        groups = {id(g): g for g in self._groups.values()}
+        return held + sum(c.nbytes for g in groups.values() for c in g.caches)
+
+
+def merge_layer(layers: list[Any]) -> Any:
+    """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods)."""
+    merge = getattr(type(layers[0]), "merge", None)
+    if merge is None:
+        raise TypeError(f"{type(layers[0]).__name__} cannot join a shared decode batch")
+    return merge(layers)
+
+
+SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
+
+
+def drop_shared_padding(caches: list[Any], rows: int) -> None:
+    """Rows that accept different numbers of drafts gain different left padding; once every
+    row has some, the batch is wider than any row needs: cut the common part (the same as a
+    filter that keeps every row)."""
+    keep = None
+    for c in caches:
+        pad = getattr(c, "left_padding", None)
+        if pad is None or isinstance(pad, list) and not pad:
+            continue
+        shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
+        if shared >= SHARED_PADDING_MAX:
+            keep = mx.arange(rows) if keep is None else keep
+            c.filter(keep)
+
+
+def trim_rows(caches: list[Any], drop: list[int]) -> None:
+    """Batched attention caches: trim what every row drops, then roll each row's remaining
+    surplus to its left edge, where it becomes masked padding (mlx-lm's right-padding
+    finalize)."""
+    common = min(drop)
+    rest = [d - common for d in drop]
+    for c in caches:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()

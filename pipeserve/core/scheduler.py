@@ -1,0 +1,325 @@
+"""Who runs in the next engine step, with how many tokens (`schedule() -> StepPlan`), and what
+a step's results mean (`update(plan, output)`): the only code that moves a request's token
+counters. Engine thread only; imports no mlx (results arrive as host lists)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from pipeserve.config import ServeConfig
+from pipeserve.core.events import Event, Finished, TokenDelta
+from pipeserve.memory import MemoryModel
+from pipeserve.core.plan import CacheHit, PlannedRow, StepOutput, StepPlan
+from pipeserve.request import FinishReason, Request, RequestStatus, TokenLogprob
+
+SHARED_PREFIX_MIN = 64   # prompt tokens two requests must share for one to wait for the other
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The step's shape, fitted to the device at load (scheduler.* unset → these defaults)."""
+
+    max_batch: int
+    max_num_batched_tokens: int
+    prefill_chunk: int
+
+    @classmethod
+    def fit(cls, cfg: ServeConfig, on_gpu: bool) -> Limits:
+        s = cfg.scheduler
+        budget = (s.max_num_batched_tokens if s.max_num_batched_tokens is not None
+                  else (16384 if on_gpu else 2048))
+        if s.max_batch is not None:
+            rows = s.max_batch
+            budget = max(budget, rows)   # an unset budget never starves the chosen rows
+        else:
+            rows = min(256 if on_gpu else 8, budget)   # an explicit budget is kept
+        return cls(rows, budget, min(s.prefill_chunk, budget))
+
+
+class Scheduler:
+    """FIFO admission into at most `max_batch` running rows; each step, every decoding row
+    gets its next token (1 + its drafts' room, so decode is never starved), and prompt chunks
+    of as many prefilling rows as the rest of the token budget allows share the step.
+    `scheduler=serial` is this with max_batch 1 (a lone row decodes with plain caches, the
+    arithmetic of mlx-lm). A decode step may be scheduled before the previous one's result
+    is read (pipelining): `_ahead` holds the tokens planned but not yet applied."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.limits = Limits.fit(cfg, on_gpu=False)
+        self.num_drafts = cfg.draft.num_draft_tokens if cfg.draft.enabled else 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.memory: MemoryModel | None = None
+        self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
+        self.kv_reserved = 0
+        self.lookup: Callable[[Request], CacheHit | None] | None = None   # cache_lookup stage
+        self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
+        self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
+        self._hits: list[tuple[str, CacheHit]] = []
+        self._lockstep = cfg.distributed.name != "none"
+
+    @property
+    def max_batch(self) -> int:
+        return self.limits.max_batch
+
+    def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
+                  lookup: Callable[[Request], CacheHit | None] | None = None) -> None:
+        """At load, once the device and the stages are known: the step's shape, the memory
+        model, and the cache_lookup stage when a prompt cache can hand prefixes over."""
+        self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
+        self.lookup = lookup
+
+    # -- membership -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Into the queue in priority order (lower first; FIFO within a priority)."""
+        w = self.waiting
+        if not w or request.priority >= w[-1].priority:
+            w.append(request)
+            return
+        for i, other in enumerate(w):
+            if other.priority > request.priority:
+                w.insert(i, request)
+                return
+
+    def _promote_starved(self) -> None:
+        """A request that has waited scheduler.max_wait_s goes ahead of every priority
+        (bounded starvation); only a queue of mixed priorities needs the scan."""
+        w, limit = self.waiting, self.cfg.scheduler.max_wait_s
+        if limit is None or len(w) < 2 or w[-1].priority <= w[0].priority or self._lockstep:
+            return   # (ranks of a distributed group schedule alike: no clock-based decisions)
+        now = time.perf_counter()
+        starved = sorted((r for r in w if 0 <= r.priority <= 9 and now - r.arrival_s > limit),
+                         key=lambda r: r.arrival_s)
+        for req in starved:   # oldest first, behind any aged before
+            w.remove(req)
+            req.priority = -1   # aged: nothing overtakes it now
+            self.add(req)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Remove a request wherever it is; returns it (status FINISHED) or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, reason)
+                    return req
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def outputs_ahead(self, request_id: str) -> int:
+        """Decode steps of this request planned but not yet applied."""
+        return self._outputs_ahead.get(request_id, 0)
+
+    def tokens_ahead(self, request_id: str) -> int:
+        """Tokens of this request planned (their KV computed or queued) but not applied."""
+        return self._ahead.get(request_id, 0)
+
+    def release(self, request_id: str) -> None:
+        """The request is gone (persisted and freed): forget its in-flight ledger."""
+        self._ahead.pop(request_id, None)
+        self._outputs_ahead.pop(request_id, None)
+
+    def fail_all(self) -> list[Request]:
+        reqs = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        for req in reqs:
+            self._finish(req, FinishReason.ERROR)
+        return reqs
+
+    # -- planning ---------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Admit waiting requests, then plan: one token (+ room for drafts) per decoding row
+        first, then prompt chunks FIFO while the token budget lasts."""
+        self._admit()
+        lim = self.limits
+        budget = lim.max_num_batched_tokens
+        rows: list[PlannedRow] = []
+        prefilling: list[tuple[Request, int]] = []
+        for req in self.running:
+            pos = req.num_computed_tokens + self._ahead.get(req.request_id, 0)
+            if pos < req.num_prompt_tokens - 1:
+                prefilling.append((req, pos))
+                continue
+            outputs = len(req.output_ids) + self._outputs_ahead.get(req.request_id, 0)
+            if outputs >= req.sampling.max_tokens:
+                continue
+            room = min(self.num_drafts, req.sampling.max_tokens - outputs - 1)
+            rows.append(PlannedRow(req, pos, 1, max_drafts=max(0, room)))
+        budget -= len(rows)
+        rows = self._draft_room(rows, budget)
+        budget -= sum(r.max_drafts for r in rows)
+        if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
+            prefilling.sort(key=lambda p: p[0].priority)
+        for req, pos in prefilling:
+            n = min(lim.prefill_chunk, budget, req.num_prompt_tokens - 1 - pos)
+            for at in req.checkpoints_at:   # a chunk ends where persist keeps the state
+                if at > pos:
+                    n = min(n, at - pos)
+                    break
+            if n <= 0:
+                break
+            rows.append(PlannedRow(req, pos, n))
+            budget -= n
+        hits, self._hits = tuple(self._hits), []
+        if not rows:
+            return StepPlan((), hits) if hits else None
+        for r in rows:
+            self._ahead[r.request_id] = self._ahead.get(r.request_id, 0) + r.num_tokens
+            if r.samples:
+                rid = r.request_id
+                self._outputs_ahead[rid] = self._outputs_ahead.get(rid, 0) + 1
+            r.request.batch_size_max = max(r.request.batch_size_max, len(rows))
+        return StepPlan(tuple(rows), hits)
+
+    def _admit(self) -> None:
+        """FIFO: the head waits until a row slot and, under a KV budget, its projected KV
+        (prompt + max_tokens) are free; later requests never overtake it. With a prompt
+        cache, a request whose prompt starts like one still being prefilled waits for that
+        prefill (then reuses its prefix) while others go ahead: N agents sharing a system
+        prompt pay for one prefill."""
+        deferred: list[Request] = []
+        self._promote_starved()
+        try:
+            while self.waiting and len(self.running) < self.limits.max_batch:
+                req = self.waiting[0]
+                if self.lookup is not None and self._donor_prefilling(req):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                if self.kv_budget is not None and self.memory is not None:
+                    need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
+                    if self.running and self.kv_reserved + need > self.kv_budget:
+                        return
+                    req.kv_reserved_bytes = need
+                    self.kv_reserved += need
+                self.waiting.popleft()
+                req.queue_wait_s = time.perf_counter() - req.arrival_s
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._apply_hit(req)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _apply_hit(self, req: Request) -> None:
+        hit = self.lookup(req) if self.lookup is not None and not req.num_computed_tokens \
+            else None
+        if hit is None:
+            return
+        self._hits.append((req.request_id, hit))
+        req.num_computed_tokens = hit.num_tokens
+        req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens - 1)
+        if hit.output_ids:   # a checkpoint resume: its output is replayed, the last fed next
+            req.output_ids = list(hit.output_ids)
+            req.replay_ids = list(hit.output_ids)
+            req.checkpointed_tokens = len(hit.output_ids)
+
+    def _donor_prefilling(self, req: Request) -> bool:
+        n = SHARED_PREFIX_MIN
+        if req.num_prompt_tokens <= n:
+            return False
+        head = req.key_ids[:n]   # images by digest: two images never share a prefix
+        return any(self._prefilling(r) and r.num_prompt_tokens > n and r.key_ids[:n] == head
+                   for r in self.running)
+
+    def _prefilling(self, req: Request) -> bool:
+        return req.num_computed_tokens + self._ahead.get(req.request_id, 0) \
+            < req.num_prompt_tokens - 1
+
+    # -- results ----------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> Iterable[tuple[Request, Event]]:
+        """Apply a step: move each row's counters by what it computed (a verifying row keeps
+        its input and its accepted drafts), append the tokens it emitted and finish rows that
+        hit a stop token or max_tokens. Yields (request, event) pairs to post."""
+        for row in plan.rows:
+            req, rid = row.request, row.request_id
+            self._settle_ahead(rid, row)
+            if req.status is not RequestStatus.RUNNING or rid in output.failed:
+                continue   # finished while this step was in flight: its result is discarded
+            out = output.rows.get(rid)
+            if not row.samples:
+                req.num_computed_tokens += row.num_tokens
+                continue
+            if out is None:
+                continue
+            req.num_computed_tokens += 1 + out.num_accepted
+            if out.num_drafts:
+                req.spec_proposed += out.num_drafts
+                req.spec_accepted += out.num_accepted
+                req.spec_rate = 0.7 * req.spec_rate + 0.3 * (out.num_accepted / out.num_drafts)
+            yield from self._emit(req, out)
+
+    def _settle_ahead(self, rid: str, row: PlannedRow) -> None:
+        left = self._ahead.get(rid, 0) - row.num_tokens
+        if left > 0:
+            self._ahead[rid] = left
+        else:
+            self._ahead.pop(rid, None)
+        if row.samples:
+            n = self._outputs_ahead.get(rid, 0) - 1
+            if n > 0:
+                self._outputs_ahead[rid] = n
+            else:
+                self._outputs_ahead.pop(rid, None)
+
+    def _emit(self, req: Request, out) -> Iterable[tuple[Request, Event]]:
+        tokens: list[int] = []
+        lps: list[TokenLogprob] | None = [] if req.sampling.logprobs and \
+            out.logprobs is not None else None
+        reason = None
+        for j, token in enumerate(out.token_ids):
+            if token in req.stop_token_ids:
+                reason = FinishReason.STOP
+                break
+            tokens.append(token)
+            if lps is not None:
+                top = out.top[j][: req.sampling.top_logprobs] if out.top else []
+                lps.append(TokenLogprob(token, out.logprobs[j], top))
+            if len(req.output_ids) + len(tokens) >= req.sampling.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        if tokens:
+            req.output_ids.extend(tokens)
+            yield req, TokenDelta(req.request_id, tokens, lps)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+            yield req, finished_event(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Mark finished; the engine persists and then frees the row's KV."""
+        self.kv_reserved -= req.kv_reserved_bytes
+        req.kv_reserved_bytes = 0
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def _draft_room(self, rows: list[PlannedRow], budget: int) -> list[PlannedRow]:
+        """Room for drafts counts against the budget: none past draft.disable_by_batch_size
+        decoding rows; shared evenly when the budget cannot hold every row's full draft."""
+        off = self.cfg.draft.disable_by_batch_size
+        if not rows or not self.num_drafts:
+            return rows
+        if off is not None and len(rows) > off:
+            each = 0
+        else:
+            each = max(0, budget) // len(rows)
+        if all(r.max_drafts <= each for r in rows):
+            return rows
+        return [replace(r, max_drafts=min(r.max_drafts, each)) for r in rows]
+
+
+def finished_event(req: Request) -> Finished:
+    assert req.finish_reason is not None
+    extras: dict[str, object] = {"batch_size_max": req.batch_size_max}
+    if req.spec_proposed:
+        extras["speculation"] = {"proposed": req.spec_proposed, "accepted": req.spec_accepted}
+    if req.cache_miss is not None:
+        extras["cache_miss"] = req.cache_miss
+    if req.queue_wait_s is not None:
+        extras["queue_wait_s"] = req.queue_wait_s
+    return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
+                    len(req.output_ids), num_cached_tokens=req.num_cached_tokens, extras=extras)

@@ -1,0 +1,92 @@
+"""The `draft` config group (SPEC §3, §4): one schema per proposer option, each declared once
+by `@register` (pipeserve/registry.py); its `_target_` names the proposer class, and every
+option but `none` is a value of the speculation metrics' `proposer` label. Launch time, main
+thread; no mlx import."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+from pipeserve.errors import ConfigError, check_positive as _positive
+from pipeserve.registry import name_of, register
+
+
+@dataclass
+class DraftConfig:
+    """Speculative decoding: who proposes tokens for the target to verify (SPEC §4)."""
+
+    _target_: str = MISSING
+    num_draft_tokens: int = 3   # tokens proposed per step for the target to verify
+    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+    disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
+                                                  # decode (unset: always)
+
+    @property
+    def name(self) -> str:
+        """The option (`draft=<name>`): the `proposer` metric label, the name in messages."""
+        return name_of(self)
+
+    @property
+    def enabled(self) -> bool:
+        """Rows draft and verify (every option but draft=none)."""
+        return True
+
+    @property
+    def keep_hidden(self) -> bool:
+        """The target's forwards also return the trunk's hidden states (the proposer drafts
+        from them)."""
+        return False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ConfigError(
+                f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
+        _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
+        if self.path is not None and self.name != "model":
+            raise ConfigError(
+                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
+                "does not load a draft model")
+
+
+@register("draft", "none", labelled=False)
+@dataclass
+class NoDraftConfig(DraftConfig):
+    _target_: str = "pipeserve.draft.proposers.NoDraft"
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+
+@register("draft", "ngram")
+@dataclass
+class NgramDraftConfig(DraftConfig):
+    _target_: str = "pipeserve.draft.proposers.NgramProposer"
+    num_draft_tokens: int = 10
+    ngram_min: int = 1   # shortest suffix of the text looked up earlier in it
+    ngram_max: int = 3   # longest suffix looked up (the longest match proposes)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"draft.ngram_min ({self.ngram_min}) must be >= 1 and <= "
+                              f"draft.ngram_max ({self.ngram_max})")
+
+
+@register("draft", "model")
+@dataclass
+class ModelDraftConfig(DraftConfig):
+    _target_: str = "pipeserve.draft.proposers.ModelProposer"
+    path: Optional[str] = MISSING
+
+
+@register("draft", "mtp")
+@dataclass
+class MtpDraftConfig(DraftConfig):
+    _target_: str = "pipeserve.draft.proposers.MtpProposer"
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the MTP head drafts from the trunk's hidden states

@@ -1,0 +1,241 @@
+"""EmbedEngine: the engine of an embedding model (model.task=embed) or a cross-encoder
+(model.task=rerank). One thread owns MLX: it loads the model through mlx-embeddings and runs
+Embed commands, every command waiting when a batch starts joining it (right-padded, with the
+attention mask), and returns per input the library's own output in float32: an embedding's
+pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
+cross-encoder's scores (`pooler_output`: its classifier head, sigmoid for one label).
+The same interface as Engine where the server reads it (state, loaded, counts, command, stop),
+so it serves alone or as a pool member. Public methods: any thread."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeserve.config import ServeConfig
+from pipeserve.core.engine import EngineState
+from pipeserve.errors import EngineUnavailable, InvalidRequest, ServeError
+from pipeserve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+BATCH_TOKENS = 16384   # padded tokens (rows x longest row) per forward
+NOT_GENERATIVE = ("this is an embedding or reranking model (model.task=embed|rerank): use POST "
+                  "/v1/embeddings or /v1/rerank")
+
+
+@dataclass(slots=True)
+class Embed:
+    """`inputs` (token ids, one list per text) → `result` (one float32 vector each), or
+    `error`; `on_done` is called once, on the engine thread, when either is set."""
+
+    inputs: list[list[int]]
+    on_done: Callable[[Embed], None]
+    result: list[list[float]] | None = None
+    error: ServeError | None = None
+
+
+class _Slots:
+    """What the HTTP side reads of a scheduler (the queue check of n > 1 choices)."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch, self.running, self.waiting = max_batch, [], []
+
+
+class EmbedEngine:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+        self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
+        self.loaded: Any = None
+        self.memory: Any = None
+        self.kv_pool_bytes: int | None = None
+        self.startup_error: BaseException | None = None
+        self.device = ""
+        self.dimensions = 0   # the width of the model's embedding
+        self.scheduler = _Slots(64)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeserve-embed", daemon=True)
+        self._num_submitted = self._num_done = 0
+
+    # -- any thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.state is EngineState.READY
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_submitted - self._num_done
+
+    @property
+    def num_waiting(self) -> int:
+        return self.num_inflight
+
+    num_queued = 0
+
+    def submit(self, request: Any, stream: Any) -> None:
+        raise InvalidRequest(NOT_GENERATIVE, param="model")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def command(self, cmd: Any) -> None:
+        """An Embed runs in the next batch; a generation command (prompt scoring) fails."""
+        if isinstance(cmd, Embed):
+            if self.state is not EngineState.READY:
+                raise EngineUnavailable(f"the embedding engine is {self.state.value}")
+            self._num_submitted += 1
+            self._queue.put(cmd)
+            return
+        cmd.error = InvalidRequest(NOT_GENERATIVE, param="model")
+        done = getattr(cmd, "on_done", None)
+        if done is not None:
+            done(cmd)
+        else:
+            cmd.done.set()
+
+    def flush_cache(self) -> threading.Event:
+        done = threading.Event()
+        done.set()   # no prompt cache
+        return done
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.state is EngineState.READY:
+            self.state = EngineState.STOPPED
+
+    # -- engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # the startup boundary: kept for start()'s caller
+            log.exception("embedding model load failed")
+            self.startup_error, self.state = e, EngineState.DEAD
+            self._ready.set()
+            return
+        self.state = EngineState.READY
+        self.metrics.engine_up.set(1)
+        self._ready.set()
+        try:
+            while (first := self._queue.get()) is not None:
+                batch, stop = [first], False
+                while not self._queue.empty():   # everything that arrived meanwhile joins
+                    cmd = self._queue.get_nowait()
+                    if cmd is None:
+                        stop = True
+                        break
+                    batch.append(cmd)
+                self._embed(batch)
+                if stop:
+                    break
+        finally:
+            self.metrics.engine_up.set(0)
+
+    def _load(self) -> None:
+        import mlx.core as mx
+        try:
+            from mlx_embeddings import load
+        except ImportError as e:
+            from pipeserve.errors import ConfigError
+            raise ConfigError("model.task=embed loads the model through mlx-embeddings, which is "
+                              "not installed: pip install -e .[embed]") from e
+
+        from pipeserve.model.loader import LoadedModel, _fingerprint, resolve_path
+
+        t0 = time.perf_counter()
+        path = resolve_path(self.cfg.model)
+        model, wrapper = load(str(path))
+        tokenizer = getattr(wrapper, "_tokenizer", wrapper)
+        config = dict(getattr(model.config, "__dict__", {}))
+        heads = [a for a in config.get("architectures") or [] if "SequenceClassification" in a]
+        if self.cfg.model.task.value == "rerank" and not heads:
+            from pipeserve.errors import ConfigError
+            raise ConfigError(f"model.task=rerank needs a cross-encoder (a sequence-"
+                              f"classification head, e.g. ModernBertForSequenceClassification); "
+                              f"{path.name} has architectures {config.get('architectures')}")
+        from mlx.utils import tree_flatten
+        params = tree_flatten(model.parameters())
+        probe = model(mx.array([[0]]), attention_mask=mx.ones((1, 1)))
+        vec = self._output(probe)
+        mx.eval(vec)
+        self.dimensions = int(vec.shape[-1])
+        max_context = int(config.get("max_position_embeddings") or 512)
+        if self.cfg.model.max_context:
+            max_context = min(max_context, self.cfg.model.max_context)
+        self.loaded = LoadedModel(
+            model=model, tokenizer=tokenizer, path=path, config=_jsonable(config),
+            fingerprint=_fingerprint(path), max_context=max_context,
+            num_params=sum(int(v.size) for _, v in params),
+            weight_bytes=sum(int(v.nbytes) for _, v in params),
+            compute_dtype=str(params[0][1].dtype).removeprefix("mlx.core.") if params else "")
+        self.device = str(mx.default_device())
+        log.info("embedding model %s loaded in %.2f s: %d dimensions, context %d",
+                 path.name, time.perf_counter() - t0, self.dimensions, max_context)
+
+    def _embed(self, batch: list[Embed]) -> None:
+        """Each command's vectors; the rows of all of them share forwards of BATCH_TOKENS."""
+        rows = [(c, i, ids) for c in batch for i, ids in enumerate(c.inputs)]
+        results: dict[int, list[list[float]]] = {id(c): [[] for _ in c.inputs] for c in batch}
+        try:
+            rows.sort(key=lambda r: len(r[2]))   # similar lengths pad less
+            start = 0
+            while start < len(rows):
+                end = start + 1
+                while end < len(rows) and len(rows[end][2]) * (end + 1 - start) <= BATCH_TOKENS:
+                    end += 1
+                for (c, i, _), vec in zip(rows[start:end], self.vectors([r[2] for r in rows[start:end]])):
+                    results[id(c)][i] = vec
+                start = end
+            for c in batch:
+                c.result = results[id(c)]
+        except Exception as e:  # the boundary: this batch fails, the engine goes on
+            log.exception("embedding a batch of %d input(s) failed", len(rows))
+            for c in batch:
+                c.error = ServeError(f"embedding failed ({type(e).__name__}); the server log "
+                                     "has the details")
+        for c in batch:
+            self._num_done += 1
+            c.on_done(c)
+
+    def vectors(self, inputs: list[list[int]]) -> list[list[float]]:
+        """Engine thread. One padded forward: the library's pooled vector of each row."""
+        import mlx.core as mx
+
+        width = max(len(ids) for ids in inputs)
+        ids = mx.array([row + [0] * (width - len(row)) for row in inputs])
+        mask = mx.array([[1] * len(row) + [0] * (width - len(row)) for row in inputs])
+        vec = self._output(self.loaded.model(ids, attention_mask=mask)).astype(mx.float32)
+        mx.eval(vec)
+        return vec.tolist()
+
+    def _output(self, output: Any) -> Any:
+        """A cross-encoder's scores; else the sentence embedding mlx-embeddings defines for
+        the architecture."""
+        if self.cfg.model.task.value == "rerank":
+            return output.pooler_output
+        vec = getattr(output, "text_embeds", None)
+        return vec if vec is not None else output.pooler_output
+
+
+def _jsonable(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if isinstance(v, (str, int, float, bool, list,
+                                                             dict, type(None)))}
+
+
+def apply_reply(cmd: Embed, msg: dict[str, Any]) -> None:
+    """A pool member's pipe reply (pipeserve/pool/proxy.py) back into the Embed; on_done."""
+    from pipeserve.pool.codec import decode_error
+    if msg.get("error") is not None:
+        cmd.error = decode_error(msg["error"])
+    elif msg.get("vecs") is None:
+        cmd.error = EngineUnavailable("the model's engine process stopped before it embedded "
+                                      "the input; retry")
+    else:
+        cmd.result = msg["vecs"]
+    cmd.on_done(cmd)

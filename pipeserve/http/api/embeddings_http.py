@@ -1,0 +1,140 @@
+"""POST /v1/embeddings in OpenAI's shape: `input` as a string, an array of strings, an array of
+token ids or an array of token-id arrays; `encoding_format` float or base64 (little-endian
+float32, as OpenAI's SDKs decode it); `dimensions` (the first N components, L2-normalised
+again: Matryoshka truncation); `usage`. Served by an embedding model (model.task=embed,
+pipeserve/embed/engine.py), alone or as a pool member. Event loop."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+from typing import Any
+
+import numpy as np
+import sanic
+from sanic import HTTPResponse, Sanic
+
+from pipeserve.http.api import fields as F
+from pipeserve.http.api import known_fields
+from pipeserve.http.api.http import Scope, json_response, read_body, route
+from pipeserve.embed.engine import Embed
+from pipeserve.core.engine import EngineState
+from pipeserve.errors import EngineUnavailable, InvalidRequest
+from pipeserve.eventloop.offload import off_loop
+
+MAX_INPUTS = 2048   # OpenAI's bound on the array
+WAIT_S = 600.0
+
+
+def parse_input(body: dict[str, Any]) -> list[str | list[int]]:
+    value = body.get("input")
+    if isinstance(value, str) or _ids(value):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise InvalidRequest("input must be a string, an array of strings, an array of token ids "
+                             "or an array of token-id arrays (non-empty)", param="input")
+    if len(items) > MAX_INPUTS:
+        raise InvalidRequest(f"input has {len(items)} items; the limit is {MAX_INPUTS}",
+                             param="input")
+    for i, item in enumerate(items):
+        if isinstance(item, str) and item:
+            continue
+        if not _ids(item):
+            raise InvalidRequest(f"input[{i}] must be a non-empty string or a non-empty array "
+                                 f"of token ids, got {F.short(item)}", param="input")
+    return items
+
+
+def _ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _tokenize(engine: Any, items: list[str | list[int]]) -> list[list[int]]:
+    loaded = engine.loaded
+    vocab = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
+    out = []
+    for i, item in enumerate(items):
+        ids = list(loaded.tokenizer.encode(item)) if isinstance(item, str) else list(item)
+        if len(ids) > loaded.max_context:
+            raise InvalidRequest(f"input[{i}] has {len(ids)} tokens; this model embeds at most "
+                                 f"{loaded.max_context} — shorten it", param="input",
+                                 code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"input[{i}] has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {vocab})", param="input")
+        out.append(ids)
+    return out
+
+
+async def embed(engine: Any, inputs: list[list[int]]) -> list[list[float]]:
+    """Hand an Embed to the model's engine (in-process or a pool member's) and wait for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Embed] = loop.create_future()
+
+    def done(cmd: Embed) -> None:   # engine thread (or a pipe's reader)
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(cmd))
+    engine.command(Embed(inputs, done))
+    try:
+        cmd = await asyncio.wait_for(future, WAIT_S)
+    except asyncio.TimeoutError:
+        raise EngineUnavailable(f"the embedding engine did not answer in {WAIT_S:.0f} s") from None
+    if cmd.error is not None:
+        raise cmd.error
+    assert cmd.result is not None
+    return cmd.result
+
+
+def _shape(vectors: list[list[float]], dims: int | None, fmt: str) -> list[Any]:
+    out: list[Any] = []
+    for vec in vectors:
+        if dims is not None:
+            vec = vec[:dims]
+            norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+            vec = [v / norm for v in vec]
+        out.append(base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+                   if fmt == "base64" else vec)
+    return out
+
+
+async def encoder(app: Sanic, scope: Scope, body: dict[str, Any], task: str, wrong: str,
+                  code: str) -> Any:
+    """The engine of the model the body names (a pool routes and pins it), which must be an
+    encoder of `task` (else a 400 saying `wrong`) and ready (else a 503)."""
+    ctx = scope.ctx = await route(app, body, pin=True)
+    scope.pinned = ctx if ctx is not app.ctx else None
+    if ctx.cfg.model.task.value != task:
+        raise InvalidRequest(f"model {ctx.cfg.model.name!r} {wrong}", param="model", code=code)
+    engine = ctx.engine
+    if engine.state is not EngineState.READY or engine.loaded is None:
+        raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
+    return engine
+
+
+async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    async with Scope(app, "embeddings", http) as scope:
+        body = await off_loop(len(http.body or b""), read_body, http)
+        known_fields.check(app.ctx, http, "embeddings", body)
+        items = parse_input(body)
+        fmt = F.get(body, "encoding_format", str, "float")
+        if fmt not in ("float", "base64"):
+            raise InvalidRequest(f"encoding_format is {fmt!r}; allowed: float, base64",
+                                 param="encoding_format")
+        dims = F.get(body, "dimensions", int)
+        engine = await encoder(app, scope, body, "embed", "generates text; /v1/embeddings needs "
+                               "an embedding model (model.task=embed, e.g. model=tiny_embed)",
+                               "not_an_embedding_model")
+        width = engine.dimensions
+        if dims is not None and not 1 <= dims <= width:
+            raise InvalidRequest(f"dimensions is {dims}; this model's embeddings have {width} "
+                                 f"(allowed range [1, {width}])", param="dimensions")
+        ids = await off_loop(len(http.body or b""), _tokenize, engine, items)
+        vectors = await embed(engine, ids)
+        num = sum(len(x) for x in ids)
+        data = [{"object": "embedding", "index": i, "embedding": e}
+                for i, e in enumerate(_shape(vectors, dims, fmt))]
+        return json_response({"object": "list", "data": data, "model": scope.ctx.cfg.model.name,
+                              "usage": {"prompt_tokens": num, "total_tokens": num}})

@@ -1,0 +1,314 @@
+"""OpenAI Responses adapter: /v1/responses bodies (input string or items, instructions,
+tools, previous_response_id) → Request, the handlers for create / retrieve / delete, and the
+conversation kept in the ResponseStore. Event loop."""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import sanic
+from sanic import HTTPResponse, Sanic
+
+from pipeserve.http.api import known_fields
+from pipeserve.http.api import fields as F
+from pipeserve.http.api import resume
+from pipeserve.http.api import structured
+from pipeserve.http.api.generation import Generation
+from pipeserve.http.api.http import Scope, check_ready, json_response, read_body, sse_event
+from pipeserve.http.api.openai import sampling_fields, tool_call_body
+from pipeserve.http.api.reasoning import thinking_from_effort
+from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
+from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api.store import ResponseStore
+from pipeserve.vision import video
+from pipeserve.vision.audio import from_input_audio
+from pipeserve.vision.media import MediaPart, from_url
+from pipeserve.errors import InvalidRequest, NotFound, ServeError
+from pipeserve.grammar.constraint import Constraint
+from pipeserve.eventloop.offload import off_loop
+from pipeserve.request import PromptInput, Request
+
+log = logging.getLogger("pipeserve")
+ROLES = ("user", "system", "developer", "assistant")
+
+
+@dataclass
+class Parsed:
+    inputs: PromptInput
+    requested: dict[str, Any]
+    conversation: list[dict[str, Any]]   # template messages without the instructions
+    echo: dict[str, Any] = field(default_factory=dict)   # request fields the body repeats
+    stream: bool = False
+    store: bool = True
+    constraint: Constraint | None = None   # text.format / guided_* (structured output)
+
+
+def parse(body: dict[str, Any], store: ResponseStore | _Looked) -> Parsed:
+    history: list[dict[str, Any]] = []
+    previous = F.get(body, "previous_response_id", str)
+    if previous is not None:
+        item = store.get(previous)
+        if item is None:
+            raise NotFound(f"previous_response_id {previous!r} is unknown or expired (responses "
+                           "are kept for server.responses_ttl_s and within "
+                           "server.responses_store_mb)", param="previous_response_id",
+                           code="previous_response_not_found")
+        history = list(item.conversation)
+    conversation = history + _items(body.get("input"))
+    instructions = F.get(body, "instructions", str)
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    raw_tools = F.get(body, "tools", list) or []
+    tools = [F.function_tool(t, f"tools[{i}]", "tools", flat=True) for i, t in enumerate(raw_tools)]
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    kwargs = dict(F.get(body, "chat_template_kwargs", dict) or {})
+    reasoning = F.get(body, "reasoning", dict) or {}
+    effort = reasoning.get("effort")
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning.effort"))
+        kwargs.setdefault("reasoning_effort", effort)
+    constraint, fmt = structured.from_text_format(body)
+    requested = sampling_fields(body)
+    requested["max_tokens"] = F.get(body, "max_output_tokens", int)
+    echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
+            "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
+            "tools": [_flat(t) for t in tools],
+            "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
+            "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
+    user = F.get(body, "user", str)
+    if user is not None:   # OpenAI's Response omits `user` when none was given
+        echo["user"] = user
+    inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
+                         tool_choice=choice, tool_name=name, media=_media(messages),
+                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
+                         reasoning_budget=F.reasoning_budget(body))
+    return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
+                  F.get(body, "store", bool, True), constraint)
+
+
+def _flat(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool["function"]
+    return {"type": "function", "name": fn["name"], "description": fn.get("description"),
+            "parameters": fn["parameters"], "strict": False}
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
+    if value is None or value in ("none", "auto", "required"):
+        return F.tool_choice(value or "auto", None, tools, "tool_choice")
+    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(
+            value.get("name"), str):
+        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
+                             f'{{"type": "function", "name": ...}}, got {F.short(value, 80)}',
+                             param="tool_choice")
+    return F.tool_choice("named", value["name"], tools, "tool_choice")
+
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    """`input` → template messages: message items become turns, function_call items the
+    assistant's tool_calls, function_call_output items `tool` messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("input must be a string or a non-empty array of items",
+                             param="input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call = _call(item, where)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": text})
+        elif kind != "reasoning":
+            raise InvalidRequest(f"{where}.type is {kind!r}; supported: message, function_call, "
+                                 "function_call_output, reasoning", param="input")
+    return out
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}",
+                             param="input")
+    content = item.get("content")
+    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
+    """Text parts joined; with an input_image (input_video), the parts a template renders —
+    each image (video) keeps its URL and where it was sent, so a stored conversation carries it
+    to the next turn."""
+    if not isinstance(parts, list) or not any(
+            isinstance(p, dict) and p.get("type") in ("input_image", "input_audio", *video.KINDS)
+            for p in parts):
+        return _text(parts, where)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            out.append({"type": "image", "image_url": url, "where": at})
+        elif isinstance(part, dict) and part.get("type") in video.KINDS:
+            out.append({"type": "video", "video_url": video.part_url(part), "where": at})
+        elif isinstance(part, dict) and part.get("type") == "input_audio":
+            from_input_audio(part.get("input_audio"), at)   # refused now, not at the next turn
+            out.append({"type": "audio", "input_audio": part["input_audio"], "where": at})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(
+                    part.get("text"), str):
+                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image, "
+                                     "input_video, input_audio", param="input")
+            out.append({"type": "text", "text": part["text"]})
+    return out
+
+
+def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
+    """The images, videos and audio clips of the whole conversation (history included), in
+    prompt order."""
+    def part(p: dict[str, Any]) -> MediaPart:
+        if p["type"] == "image":
+            return from_url(p["image_url"], p["where"])
+        if p["type"] == "video":
+            return video.from_url(p["video_url"], p["where"])
+        return from_input_audio(p["input_audio"], p["where"])
+    return [part(p) for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") in ("image", "video", "audio")]
+
+
+def _text(parts: Any, where: str) -> str:
+    if not isinstance(parts, list):
+        raise InvalidRequest(f"{where} must be a string or an array of text parts", param="input")
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}[{j}] has type {kind!r}; this model takes text parts "
+                                 "only", param="input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    name, args = item.get("name"), item.get("arguments", "{}")
+    if not isinstance(name, str) or not isinstance(args, str):
+        raise InvalidRequest(f"{where} needs a string name and string arguments", param="input")
+    arguments = F.json_text(args, f"{where}.arguments", "input") if args.strip() else {}
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.arguments must hold a JSON object, got "
+                             f"{F.short(arguments)}", param="input")
+    return {"id": item.get("call_id"), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+# -- handlers ------------------------------------------------------------------------------
+class _Looked:
+    """The response store as parse sees it off the loop: the one entry the body's
+    previous_response_id names, looked up on the loop beforehand."""
+
+    def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
+        previous = body.get("previous_response_id")
+        self.id = previous
+        self.item = store.get(previous) if isinstance(previous, str) else None
+
+    def get(self, response_id: str) -> Any:
+        return self.item if response_id == self.id else None
+
+
+async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
+    async with Scope(app, "responses", http) as scope:
+        check_ready(app)
+        # the JSON and its validation off the loop when large; the response store (event loop
+        # only) is read here, and parse gets the one entry it may ask for
+        size = len(http.body or b"")
+        body = await off_loop(size, read_body, http)
+        known_fields.check(app.ctx, http, "responses", body)
+        parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses))
+        await scope.route(body)
+        ctx = scope.ctx
+        req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
+                      inputs=parsed.inputs, requested=parsed.requested,
+                      constraint=parsed.constraint,
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+        keep = resume.resumable(body)
+        gen = await scope.start(req)
+        shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
+                              gen.request.sampling, parsed.store)
+        if parsed.stream:
+            async def produce(log: StreamLog) -> None:
+                final = await _stream(log, gen, shape)
+                scope.failed = final is None
+                if final is not None and parsed.store:   # stored even when the client left
+                    _save(app.ctx.responses, final, parsed.conversation, gen)
+            await resume.serve(http, app.ctx.streams, req.request_id, keep,
+                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
+            return None
+        await gen.run()
+        body = shape.body(shape.output(gen), gen)
+        if parsed.store:
+            _save(app.ctx.responses, body, parsed.conversation, gen)
+        return json_response(body)
+
+
+def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
+          gen: Generation) -> None:
+    turn: dict[str, Any] = {"role": "assistant", "content": gen.content}
+    if gen.tool_calls:
+        turn["tool_calls"] = [tool_call_body(c) for c in gen.tool_calls]
+        for call in turn["tool_calls"]:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    if not store.put(body["id"], body, conversation + [turn]):
+        log.warning("response %s is larger than server.responses_store_mb; not stored",
+                    body["id"])
+
+
+async def _stream(log: StreamLog, gen: Generation,
+                  shape: ResponseShape) -> dict[str, Any] | None:
+    """Append the event chain to `log`; the final response body, or None after an error."""
+    events = ResponseEvents(shape)
+
+    async def send(batch: list[dict[str, Any]]) -> None:
+        for event in batch:
+            await log.put(sse_event(event["type"], event))
+
+    await send(events.begin())
+    try:
+        async for delta in gen.deltas():
+            if delta:
+                await send(events.feed(delta))
+    except ServeError as e:
+        await send(events.fail(e))
+        return None
+    final = events.end(gen)
+    await send(final)
+    return final[-1]["response"]
+
+
+async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse | None:
+    if http.args.get("stream") == "true":   # OpenAI's resume: ?stream=true&starting_after=N
+        await resume.resume(http, app.ctx.streams, response_id, app.ctx.cfg.server.keep_alive_s)
+        return None
+    item = app.ctx.responses.get(response_id)
+    if item is None:
+        raise NotFound(f"response {response_id!r} is unknown or expired", param="response_id")
+    return json_response(item.body)
+
+
+async def handle_delete(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse:
+    if not app.ctx.responses.delete(response_id):
+        raise NotFound(f"response {response_id!r} is unknown or expired", param="response_id")
+    return json_response({"id": response_id, "object": "response", "deleted": True})

@@ -1,0 +1,121 @@
+"""The tokenizer endpoints, in vLLM's shapes: POST /tokenize (a prompt, or chat messages through
+the chat template), POST /detokenize (token ids → text), and POST /v1/chat/template (the prompt
+a chat request renders to). They route by `model` as generation does and never touch the
+engine. Event loop (large inputs render and encode on the preparation pool)."""
+from __future__ import annotations
+
+from typing import Any
+
+import sanic
+from sanic import HTTPResponse, Sanic
+
+from pipeserve.http.api import fields as F
+from pipeserve.http.api import known_fields
+from pipeserve.http.api import openai as oa
+from pipeserve.http.api.http import json_response, read_body, ready_front, route
+from pipeserve.errors import InvalidRequest
+from pipeserve.eventloop.offload import off_loop
+
+
+async def _front(app: Sanic, http: sanic.Request,
+                 endpoint: str) -> tuple[dict[str, Any], Any, Any]:
+    body = await off_loop(len(http.body or b""), read_body, http)
+    known_fields.check(app.ctx, http, endpoint, body)
+    ctx = await route(app, body)
+    return body, ctx, ready_front(app, ctx)
+
+
+def _model_name(ctx: Any) -> str:
+    return getattr(ctx, "id", None) or ctx.cfg.model.name
+
+
+def _render(front: Any, body: dict[str, Any]) -> str:
+    """The chat messages of `body` as the chat template writes them (the same rendering, tools
+    and chat_template_kwargs included, that /v1/chat/completions runs)."""
+    parsed = oa.parse_chat({k: v for k, v in body.items()
+                            if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
+                                     "reasoning_effort")})
+    add_generation = F.get(body, "add_generation_prompt", bool, True)
+    continue_final = F.get(body, "continue_final_message", bool, False)
+    if continue_final and add_generation:
+        raise InvalidRequest("continue_final_message=true continues the last message, so it "
+                             "needs add_generation_prompt=false", param="continue_final_message")
+    if continue_final and parsed.inputs.messages[-1]["role"] != "assistant":
+        raise InvalidRequest("continue_final_message=true needs the last message to be an "
+                             "assistant message", param="continue_final_message")
+    tokenize = front.tokenize
+    template = tokenize._request_template(parsed.inputs)
+    return tokenize.render_text(parsed.inputs, template, add_generation_prompt=add_generation,
+                                continue_final_message=continue_final)
+
+
+def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
+    tokenize = front.tokenize
+    if "messages" in body:
+        if "prompt" in body:
+            raise InvalidRequest("send prompt or messages, not both", param="prompt")
+        text = _render(front, body)
+        add_special = F.get(body, "add_special_tokens", bool, False)
+        return (tokenize.encode(text, "messages") if add_special
+                else tokenize.encode_rendered(text)), text
+    prompt = F.get(body, "prompt", str)
+    if prompt is None:
+        raise InvalidRequest("prompt (a string) or messages (chat messages) is required",
+                             param="prompt")
+    if F.get(body, "add_special_tokens", bool, True):
+        return tokenize.encode(prompt), prompt
+    return tokenize._encode(prompt, False, "prompt"), prompt
+
+
+async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """{"prompt": str} or {"messages": [...], "add_generation_prompt", "continue_final_message"}
+    (+ "add_special_tokens", "return_token_strs") → {"count", "max_model_len", "tokens",
+    "token_strs"}. The ids are those a completion (or chat completion) of the same input runs."""
+    body, ctx, front = await _front(app, http, "tokenize")
+    ids, _ = await off_loop(len(http.body or b""), _tokenize, front, body)
+    strs = ([front.detokenize.token_text(i) for i in ids]
+            if F.get(body, "return_token_strs", bool, False) else None)
+    return json_response({"count": len(ids), "max_model_len": front.tokenize.max_context,
+                          "tokens": ids, "token_strs": strs})
+
+
+async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """{"tokens": [ids]} → {"prompt": text}; special tokens are kept (as vLLM does), so
+    /tokenize then /detokenize round-trips a rendered chat."""
+    body, ctx, front = await _front(app, http, "detokenize")
+    tokens = F.get(body, "tokens", list)
+    if tokens is None:
+        raise InvalidRequest("tokens (an array of token ids) is required", param="tokens")
+    vocab = front.tokenize.vocab_size
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise InvalidRequest(f"tokens[{i}] is {F.short(t)}; token ids are integers in "
+                                 f"[0, {vocab})", param="tokens")
+    tokenizer = front.tokenize.tokenizer
+    text = await off_loop(len(tokens) * 4, tokenizer.decode, tokens)
+    return json_response({"prompt": text})
+
+
+async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """A chat request's body → {"prompt": the rendered text, "num_tokens": its length in
+    tokens}, exactly what /v1/chat/completions would feed the model."""
+    body, ctx, front = await _front(app, http, "chat_template")
+    chat = {"messages": None, **{k: v for k, v in body.items() if k != "prompt"}}
+    ids, text = await off_loop(len(http.body or b""), _tokenize, front, chat)
+    return json_response({"object": "chat.template", "model": _model_name(ctx),
+                          "prompt": text, "num_tokens": len(ids)})
+
+
+async def handle_tokenizer_info(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """GET /tokenizer_info[?model=id] (vLLM's): the special tokens and the chat template,
+    which clients with a remote-tokenizer mode (lm-evaluation-harness) read before /tokenize."""
+    ctx = await route(app, {"model": http.args.get("model")})
+    front = ready_front(app, ctx)
+    tok = front.tokenize.tokenizer
+    inner = getattr(tok, "_tokenizer", tok)
+    return json_response({
+        "tokenizer_class": type(inner).__name__, "model": _model_name(ctx),
+        "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+        "pad_token": getattr(inner, "pad_token", None), "unk_token": getattr(inner, "unk_token", None),
+        "chat_template": getattr(inner, "chat_template", None),
+        "model_max_length": front.tokenize.max_context, "vocab_size": front.tokenize.vocab_size})

@@ -1,0 +1,41 @@
+"""Front: the request stages (tokenize, admission, detokenize) of one served model, built on
+the event loop's side once its engine has loaded the model, and the model's output markup.
+The server builds one per model (pipeserve/http/server.py), the model pool one per member
+(pipeserve/pool/pool.py). Event loop; never touches MLX."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pipeserve.config import ServeConfig, build
+from pipeserve.markup.output import OutputMarkup
+from pipeserve.request import Request
+
+if TYPE_CHECKING:
+    from pipeserve.core.engine import Engine
+
+log = logging.getLogger("pipeserve")
+
+
+class Front:
+    """The request stages, built once the model (and so the tokenizer) is loaded, and the
+    model's output markup, inferred here once and handed to tokenize, detokenize and the
+    output path (pipeserve/http/api/generation.py reads `front.markup`)."""
+
+    def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
+        assert engine.loaded is not None
+        loaded = engine.loaded
+        self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value,
+                                         cfg.model.reasoning_format.value)
+        log.info("output markup: %s", self.markup.describe())
+        self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
+        self.admission = build(cfg.admission._target_, cfg, loaded, engine)
+        self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
+
+    async def prepare(self, request: Request) -> Request:
+        request = await self.tokenize(request)
+        return await self.admission(request)
+
+    def token_info(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.detokenize.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), raw

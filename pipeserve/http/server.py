@@ -1,0 +1,469 @@
+"""build_app(cfg): the Sanic app — routes, auth, errors, metrics endpoint — around one Engine.
+Handlers run on the event loop and never call MLX; the engine thread does."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import hashlib
+import hmac
+import logging
+import signal
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import sanic
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from sanic import HTTPResponse, Sanic
+from sanic.exceptions import SanicException
+
+from pipeserve.model import blas
+from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
+from pipeserve.http.api import openai as oa
+from pipeserve.http.api.http import json_response
+from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
+from pipeserve.http.api.record import HEADER as RECORD_HEADER
+from pipeserve.http.api.record import base_record
+from pipeserve.http.api.resume import StreamStore
+from pipeserve.http.api.store import ResponseStore
+from pipeserve.http.api.warmup import Warmup
+from pipeserve.http.chat_page import add_chat_page
+from pipeserve.config import ServeConfig, config_hash
+from pipeserve.core.engine import Engine, EngineState
+from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
+                             ServeError, Unauthorized)
+from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
+from pipeserve.metrics import Metrics
+from pipeserve.http.waits import wait_event
+from pipeserve.http.front import Front
+
+log = logging.getLogger("pipeserve")
+WARNING_HEADER = "x-pipeserve-warning"
+RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
+
+
+def _version(pkg: str) -> str:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _error(http: sanic.Request, message: str, error_type: str, param: str | None,
+           code: str | None, status: int, headers: dict[str, str] | None = None) -> HTTPResponse:
+    """An error in the shape of the protocol the route speaks (Anthropic under /v1/messages)."""
+    if http.path.startswith("/v1/messages"):
+        return json_response(anthropic.error_body(message, error_type, status), status, headers)
+    return json_response(oa.error_body(message, error_type, param, code), status, headers)
+
+
+def _presented_key(http: sanic.Request) -> str | None:
+    """The key a client sent: `Authorization: Bearer <key>` or `x-api-key` (Anthropic)."""
+    auth = http.headers.get("authorization", "")
+    return auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
+
+
+def _key_ok(http: sanic.Request, key: str) -> bool:
+    """Constant time: digests of equal length compared with hmac.compare_digest, so neither
+    a right prefix nor the key's length shows in the timing."""
+    presented = _presented_key(http)
+    if presented is None:
+        return False
+    return hmac.compare_digest(hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest(),
+                               hashlib.sha256(key.encode("utf-8")).digest())
+
+
+def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
+              members: dict[str, ServeConfig] | None = None,
+              launch: list[str] | None = None) -> Sanic:
+    """`members` (pipeserve/pool/members.py): the models of a pool by id, each engine in its
+    own process; None serves cfg's one model in-process. `launch`: the launch's overrides
+    (members found later by POST /v1/models/rescan compose over them)."""
+    app = Sanic(name, configure_logging=False)
+    app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
+    app.config.RESPONSE_TIMEOUT = 24 * 3600
+    app.config.REQUEST_TIMEOUT = 600
+    app.config.KEEP_ALIVE_TIMEOUT = 75
+    # SIGINT/SIGTERM: stop admitting, let requests in flight finish for this long.
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = cfg.server.shutdown_timeout_s
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    app.ctx.pool = None
+    if members:
+        from pipeserve.pool.pool import ModelPool, PoolEngine
+        app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
+    embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
+    if app.ctx.pool is not None:
+        engine: Any = PoolEngine(app.ctx.pool, metrics)
+    elif embedder:
+        from pipeserve.embed.engine import EmbedEngine
+        engine = EmbedEngine(cfg, metrics)
+    else:
+        engine = Engine(cfg, metrics)
+    app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
+    app.ctx.front = None
+    app.ctx.created = int(time.time())   # /v1/models' `created`
+    app.ctx.config_hash = config_hash(cfg)
+    app.ctx.record = base_record(cfg, app.ctx.config_hash, None)
+    if app.ctx.pool is not None:   # what the server answers itself (a 401, a 404) names the pool
+        app.ctx.record = dataclasses.replace(app.ctx.record, model=",".join(app.ctx.pool.ids))
+    adm = cfg.admission
+    metrics.queue_capacity.set(adm.max_queue)
+    metrics.memory_budget.set(adm.memory_budget_gb * 1e9 if adm.memory_budget_gb is not None
+                              else float("nan"))
+    app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
+                                      int(cfg.server.responses_store_mb * 1_000_000))
+    app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
+        if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
+    app.ctx.streams = StreamStore(cfg.server.stream_resume_s,
+                                  int(cfg.server.stream_resume_mb * 1_000_000), metrics)
+
+    @app.before_server_start
+    async def _start(app: Sanic) -> None:
+        sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # process-wide
+        engine.start()
+
+    @app.after_server_start
+    async def _wait_ready(app: Sanic) -> None:
+        page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
+                if cfg.server.chat_page else "")
+
+        async def wait() -> None:
+            ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
+            if not ok:
+                err = engine.startup_error
+                if isinstance(err, ConfigError):   # reported by serve.py as a launch error
+                    app.ctx.launch_error = str(err)
+                else:
+                    log.error("engine failed to start: %r; stopping", err)
+                app.ctx.exit_code = LAUNCH_ERROR
+                app.stop()
+                return
+            if app.ctx.pool is not None:   # models load on first use (pipeserve/pool/)
+                app.ctx.pool.started({"version": _version("pipeserve"),
+                                      "mlx_version": _version("mlx"),
+                                      "config_hash": app.ctx.config_hash,
+                                      "blas": blas.name or "bundled"})
+                log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
+                         cfg.server.host, cfg.server.port, page)
+                return
+            loaded = engine.loaded
+            adapter = loaded.adapter.identity if loaded.adapter is not None else None
+            app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
+            app.ctx.front = None if embedder else Front(cfg, engine)
+            # what startup made lives as long as the process: out of the collector's view, a full
+            # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
+            gc.collect()
+            gc.freeze()
+            metrics.build.info({
+                "version": _version("pipeserve"), "mlx_version": _version("mlx"),
+                "device": engine.device, "model": cfg.model.name,
+                "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
+                "blas": blas.name or "bundled"})
+            log.info("CPU BLAS: %s", blas.describe())
+            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
+                     cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
+                     cfg.server.host, cfg.server.port, page)
+        app.add_task(wait())
+
+    app.ctx.draining = False
+    app.ctx.drain_task = None
+
+    @app.after_server_start
+    async def _signals(app: Sanic) -> None:
+        # Replaces Sanic's handlers (installed just before this event), which stop the
+        # listener at once: drain with the listener open instead (see _drain).
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, _on_signal, app, sig)
+
+    @app.before_server_stop
+    async def _stopping(app: Sanic) -> None:
+        if not app.ctx.draining:   # stopped without a signal (engine failed to start)
+            app.ctx.draining = True
+            log.info("shutting down: %d request(s) in flight", engine.num_inflight)
+
+    @app.after_server_stop
+    async def _stop(app: Sanic) -> None:
+        left = engine.num_inflight
+        if left:
+            log.warning("shutdown timeout: %d request(s) were cut off", left)
+        t0 = time.perf_counter()
+        done = engine.flush_cache()
+        ok = await wait_event(done, 300)
+        metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
+        log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
+                 time.perf_counter() - t0)
+        engine.stop()
+
+    _add_middleware(app, cfg)
+    _add_routes(app)
+    add_chat_page(app, cfg.server.chat_page)
+    return app
+
+
+def _on_signal(app: Sanic, sig: signal.Signals) -> None:
+    """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
+    if app.ctx.draining:
+        log.warning("%s again: stopping now, %d request(s) in flight are cut off",
+                    sig.name, app.ctx.engine.num_inflight)
+        if app.ctx.drain_task is not None:
+            app.ctx.drain_task.cancel()
+        app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
+        app.stop(terminate=False)
+        return
+    app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
+    timeout = app.ctx.cfg.server.shutdown_timeout_s
+    log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
+             sig.name, app.ctx.engine.num_inflight, timeout)
+    app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
+
+
+async def _drain(app: Sanic, timeout: float) -> None:
+    """The listener stays open while the engine finishes what it holds (or the timeout hits);
+    then Sanic's own shutdown gets what is left of the timeout to finish writing responses
+    still open (a stream's last chunks, a request that was still being tokenized)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while app.ctx.engine.num_inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
+    left = app.ctx.engine.num_inflight
+    if left:
+        log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
+                    left, timeout)
+    else:
+        log.info("drained: no request in flight; stopping the listener")
+    app.stop(terminate=False)
+
+
+# Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
+API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/v2/rerank")
+
+
+def _api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in API_PATHS
+
+
+def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
+    origins = cfg.server.cors_origins
+
+    @app.on_request
+    async def _auth(http: sanic.Request) -> HTTPResponse | None:
+        if origins and http.method == "OPTIONS":
+            return HTTPResponse(status=204)
+        key = cfg.server.api_key
+        # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
+        # admin key instead, when one is set (their handlers check it)
+        swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
+                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")
+                     or (http.method == "POST" and http.path.startswith("/v1/models/"))))
+        if key and _api_path(http.path) and not swap:
+            if not _key_ok(http, key):
+                raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
+                                   "or x-api-key: <key>")
+        if app.ctx.draining and _api_path(http.path):
+            if http.stream is not None:
+                http.stream.keep_alive = False
+            raise EngineUnavailable("the server is shutting down; retry after Retry-After "
+                                    "seconds or send this request elsewhere")
+        return None
+
+    @app.on_response
+    async def _record(http: sanic.Request, response: HTTPResponse) -> None:
+        """Every /v1/ response names what it ran under; a generation's own record (with its
+        batch size) once it has one, else the server's (stream headers go out before it)."""
+        if http.path.startswith("/v1/") and RECORD_HEADER not in response.headers:
+            gen = getattr(http.ctx, "generation", None)
+            record = gen.record if gen is not None and gen.record is not None else app.ctx.record
+            response.headers[RECORD_HEADER] = record.header()
+            if gen is not None and gen.request.warnings:   # what the request asked and was ignored
+                response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
+
+    @app.on_response
+    async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
+        names = getattr(http.ctx, "ignored", None)   # pipeserve/http/api/known_fields.py
+        if names:
+            response.headers[IGNORED_HEADER] = names
+
+    if origins:
+        @app.on_response
+        async def _cors(http: sanic.Request, response: HTTPResponse) -> None:
+            origin = http.headers.get("origin")
+            if origin and ("*" in origins or origin in origins):
+                response.headers["Access-Control-Allow-Origin"] = origin
+                response.headers["Access-Control-Allow-Headers"] = (
+                    "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
+                response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+                response.headers["Access-Control-Expose-Headers"] = (
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}")
+
+    @app.exception(ServeError)
+    async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
+        headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, AdmissionRejected)
+                   else {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, EngineUnavailable)
+                   else None)
+        return _error(http, e.message, e.error_type, e.param, e.code, e.status, headers)
+
+    @app.exception(SanicException)
+    async def _sanic_error(http: sanic.Request, e: SanicException) -> HTTPResponse:
+        status = getattr(e, "status_code", 500) or 500
+        kind = {404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+        message = str(e)
+        if status == 413:
+            message = f"request body is larger than server.max_body_mb ({cfg.server.max_body_mb} MB)"
+        return _error(http, message, kind, None, None, status)
+
+    @app.exception(Exception)
+    async def _fault(http: sanic.Request, e: Exception) -> HTTPResponse:
+        # the exception goes to the log only; the client gets an id to quote
+        gen = getattr(http.ctx, "generation", None)
+        rid = gen.request.request_id if gen is not None else f"req_{http.id}"
+        log.exception("unhandled error on %s %s (request %s)", http.method, http.path, rid)
+        return _error(http, f"internal error (request {rid}); the server log has the details",
+                      "server_error", None, None, 500)
+
+
+def _add_routes(app: Sanic) -> None:
+    def _admin(http: sanic.Request) -> None:
+        """Admin routes (cache flush, adapter mount/unmount) take server.admin_key; when only
+        server.api_key is set, they take that (never open while the API is guarded)."""
+        server = app.ctx.cfg.server
+        name = "admin_key" if server.admin_key else "api_key"
+        key = getattr(server, name)
+        if key and not _key_ok(http, key):
+            raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
+                               f"Authorization: Bearer <server.{name}>")
+
+    @app.get("/health")
+    async def health(http: sanic.Request) -> HTTPResponse:
+        engine: Engine = app.ctx.engine
+        draining = getattr(app.ctx, "draining", False)
+        ready = (engine.state is EngineState.READY and not draining
+                 and (app.ctx.front is not None or app.ctx.pool is not None
+                      or app.ctx.cfg.model.encoder))
+        state = "draining" if draining else ("ok" if ready else engine.state.value)
+        pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
+        model = (app.ctx.cfg.model.name if pool is None
+                 else {m["id"]: m["state"] for m in pool.models_body()["data"]})
+        return json_response({"status": state, "model": model,
+                              "waiting": engine.num_waiting, "inflight": engine.num_inflight},
+                             200 if ready else 503)
+
+    @app.post("/admin/cache/flush")
+    async def flush(http: sanic.Request) -> HTTPResponse:
+        """Returns once every dirty prompt-cache entry is on disk."""
+        _admin(http)
+        t0 = time.perf_counter()
+        done = app.ctx.engine.flush_cache()
+        ok = await wait_event(done, 600)
+        app.ctx.metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
+        return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
+                             200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(http: sanic.Request) -> HTTPResponse:
+        server = app.ctx.cfg.server
+        if server.metrics_auth:   # the admin key guards /metrics; the API key when none is set
+            name = "admin_key" if server.admin_key else "api_key"
+            if not _key_ok(http, getattr(server, name)):
+                raise Unauthorized(f"/metrics needs a key (server.metrics_auth=true); send "
+                                   f"Authorization: Bearer <server.{name}>")
+        text = (await app.ctx.pool.exposition() if app.ctx.pool is not None
+                else generate_latest(app.ctx.registry))
+        return HTTPResponse(text, content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/adapters")
+    async def adapters(http: sanic.Request) -> HTTPResponse:
+        """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
+        POST /v1/adapters); the launch default (what requests naming none run with) has
+        `default: true`."""
+        loaded = app.ctx.engine.loaded
+        if loaded is None and app.ctx.pool is None:   # a pool's members mount none
+            raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
+        set_ = loaded.adapters if loaded is not None else None
+        mounted = ([{**a.describe(), "default": a.id == set_.default}
+                    for a in set_.adapters.values()] if set_ is not None else [])
+        return json_response({"object": "list", "data": mounted})
+
+    def _no_pool_swap() -> None:
+        if app.ctx.pool is not None:   # never a retryable 503: no retry can make it work
+            raise NotSupported(
+                "adapter hot-swap is not supported when models run in their own engine "
+                "processes (pool=… or server.isolate=true); serve the model alone (no pool) "
+                "with model.adapter_dir to mount adapters", code="adapters_unsupported")
+
+    scripting_routes.add_routes(app, _admin)   # models, tokenizer, embeddings, rerank
+
+    async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
+        """Hot-swap (pipeserve/adapters/swap.py): the engine thread mounts or unmounts between
+        steps; this handler only waits for its reply, in the executor."""
+        from pipeserve.adapters import swap as adapter_swap
+        from pipeserve.core.events import AdapterSwap
+
+        cmd = AdapterSwap(adapter_id, mount)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, adapter_swap.request, app.ctx.engine, cmd)
+        assert cmd.result is not None
+        return cmd.result
+
+    @app.post("/v1/adapters")
+    async def mount_adapter(http: sanic.Request) -> HTTPResponse:
+        """Mount model.adapter_dir/<id> at runtime: 200 with its /v1/adapters entry; 400 (not
+        an id, a path out of the directory, files that do not fit the base model, DoRA), 404
+        (no such subdirectory), 409 (already mounted). Needs server.admin_key when set."""
+        from pipeserve.http.api.http import read_body
+        from pipeserve.errors import InvalidRequest
+
+        _admin(http)
+        _no_pool_swap()
+        body = read_body(http)
+        if not isinstance(body.get("id"), str):
+            raise InvalidRequest('the body must be a JSON object {"id": "<subdirectory of '
+                                 'model.adapter_dir>"}', param="id")
+        return json_response(await _swap(body["id"], True))
+
+    @app.delete("/v1/adapters/<adapter_id:str>")
+    async def unmount_adapter(http: sanic.Request, adapter_id: str) -> HTTPResponse:
+        """Unmount: 200 with the entry it had, `deleted: true`; 404 when not mounted; 409 for
+        the launch default or while running or waiting requests use it (the count named)."""
+        _admin(http)
+        _no_pool_swap()
+        return json_response({**await _swap(adapter_id, False), "deleted": True})
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: sanic.Request) -> HTTPResponse | None:
+        return await openai_http.handle(app, http, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(http: sanic.Request) -> HTTPResponse | None:
+        return await openai_http.handle(app, http, "completions")
+
+    @app.post("/v1/messages")
+    async def messages(http: sanic.Request) -> HTTPResponse | None:
+        return await anthropic.handle_messages(app, http)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(http: sanic.Request) -> HTTPResponse:
+        return await anthropic.handle_count_tokens(app, http)
+
+    @app.post("/v1/responses")
+    async def create_response(http: sanic.Request) -> HTTPResponse | None:
+        return await responses.handle_create(app, http)
+
+    @app.get("/v1/streams/<stream_id:str>")
+    async def resume_stream(http: sanic.Request, stream_id: str) -> None:
+        """Replay a stream's frames after Last-Event-ID (or ?after=N), then follow it live."""
+        await resume.resume(http, app.ctx.streams, stream_id, app.ctx.cfg.server.keep_alive_s)
+
+    @app.get("/v1/responses/<response_id:str>")
+    async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse | None:
+        return await responses.handle_get(app, http, response_id)
+
+    @app.delete("/v1/responses/<response_id:str>")
+    async def delete_response(http: sanic.Request, response_id: str) -> HTTPResponse:
+        return await responses.handle_delete(app, http, response_id)

@@ -1,0 +1,255 @@
+"""The GGUF architectures pipeserve converts, each onto an mlx-lm model class: llama.cpp's tensor
+names -> mlx-lm parameter names, its `<arch>.*` metadata -> config.json, and the conventions its
+converter applied that the conversion undoes (llama's q/k row permutation, gemma's stored 1 + w
+norms). Pure data and dict building; gguf.py calls it on the engine thread."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeserve.errors import ConfigError
+
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ATTN = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
+MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+SUFFIXES = ("weight", "bias")
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str                           # mlx-lm's module name (config.json model_type)
+    blocks: dict[str, str]                    # blk.N.<gguf name> -> model.layers.N.<mlx-lm name>
+    config: Callable[[dict[str, Any], str], dict[str, Any]]   # (metadata, arch key prefix) -> config
+    permute_qk: bool = False                  # llama.cpp's LlamaModel.permute was applied to q/k
+    norm_shift: float = 0.0                   # subtracted from every *norm weight (gemma: 1)
+    scale_dtype: str = "float16"              # affine scales/biases (gemma: bfloat16, float16 overflows)
+    notes: str = ""
+
+
+def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    v = meta.get(key, default)
+    if v is None:
+        raise ConfigError(f"GGUF metadata lacks {key!r}")
+    return int(v)
+
+
+def _float(meta: dict[str, Any], key: str, default: float) -> float:
+    """GGUF floats are float32: the shortest decimal of that float32 (1e-05, not 9.99999974e-06)."""
+    import numpy as np
+    return float(str(np.float32(meta.get(key, default))))
+
+
+def _common(meta: dict[str, Any], a: str, default_theta: float = 10000.0) -> dict[str, Any]:
+    heads = _int(meta, f"{a}.attention.head_count")
+    hidden = _int(meta, f"{a}.embedding_length")
+    head_dim = _int(meta, f"{a}.attention.key_length", hidden // heads)
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden, "num_hidden_layers": _int(meta, f"{a}.block_count"),
+        "intermediate_size": _int(meta, f"{a}.feed_forward_length",
+                                  meta.get(f"{a}.expert_feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _float(meta, f"{a}.rope.freq_base", default_theta),
+        "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
+    }
+    scaling = meta.get(f"{a}.rope.scaling.type", "none")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"type": "linear", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0)}
+    elif scaling == "yarn" and a.startswith("qwen"):
+        cfg["rope_scaling"] = {
+            "type": "yarn", "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length")}
+    elif scaling != "none":
+        raise ConfigError(f"GGUF {a}.rope.scaling.type={scaling!r} is not supported for {a}; "
+                          f"supported: none, linear{', yarn' if a.startswith('qwen') else ''}")
+    rope_dim = _int(meta, f"{a}.rope.dimension_count", head_dim)
+    cfg["_rope_dim"] = rope_dim
+    return cfg
+
+
+def _full_rotary(cfg: dict[str, Any], a: str) -> dict[str, Any]:
+    rope_dim = cfg.pop("_rope_dim")
+    if rope_dim != cfg["head_dim"]:
+        raise ConfigError(f"GGUF {a}.rope.dimension_count={rope_dim} is partial rotary (head dim "
+                          f"{cfg['head_dim']}); mlx-lm's {a} model rotates the whole head")
+    return cfg
+
+
+def _llama(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a), a)
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **cfg,
+            "mlp_bias": False, "hidden_act": "silu"}
+
+
+def _qwen2(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ConfigError(f"GGUF qwen2 head dim {cfg['head_dim']} x {cfg['num_attention_heads']} "
+                          f"heads != hidden {cfg['hidden_size']}; mlx-lm's qwen2 derives it")
+    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **cfg}
+
+
+def _qwen3(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+            **_full_rotary(_common(meta, a, 1e6), a)}
+
+
+def _qwen3moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **cfg,
+            "num_experts": _int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True}   # llama.cpp's qwen3moe graph always renormalizes the top k
+
+
+def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a), a)
+    return {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **cfg,
+            "attn_logit_softcapping": _float(meta, f"{a}.attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": _float(meta, f"{a}.final_logit_softcapping", 30.0),
+            "query_pre_attn_scalar": _query_scalar(cfg)}
+
+
+def _gemma3(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **cfg,
+            "query_pre_attn_scalar": _query_scalar(cfg),
+            "sliding_window": _int(meta, f"{a}.attention.sliding_window", 512),
+            # llama.cpp hard-codes both for gemma3: every 6th layer global, local rope base 10k
+            "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
+
+
+def _query_scalar(cfg: dict[str, Any]) -> int:
+    """llama.cpp's gemma attention scale: 1/sqrt(hidden/heads) for the 27B shape (62 or 46
+    layers, hidden 5376 or 4608), else 1/sqrt(head_dim)."""
+    if (cfg["num_hidden_layers"], cfg["hidden_size"]) in ((62, 5376), (46, 4608)):
+        return cfg["hidden_size"] // cfg["num_attention_heads"]
+    return int(cfg["head_dim"])
+
+
+def _phi3(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _common(meta, a)
+    rope_dim = cfg.pop("_rope_dim")
+    if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
+        raise ConfigError("GGUF phi3 head dim does not divide the hidden size as mlx-lm's phi3 needs")
+    cfg.pop("head_dim")
+    cfg["partial_rotary_factor"] = rope_dim / (cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg["original_max_position_embeddings"] = _int(
+        meta, f"{a}.rope.scaling.original_context_length", cfg["max_position_embeddings"])
+    return {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **cfg}
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("llama", {**ATTN, **MLP, "ffn_norm": "post_attention_layernorm"}, _llama,
+                  permute_qk=True, notes="Llama 1-3, Mistral 7B/Nemo (llama.cpp writes them as llama)"),
+    "qwen2": Arch("qwen2", {**ATTN, **MLP, "ffn_norm": "post_attention_layernorm"}, _qwen2),
+    "qwen3": Arch("qwen3", {**ATTN, **MLP, **QK_NORM, "ffn_norm": "post_attention_layernorm"},
+                  _qwen3),
+    "qwen3moe": Arch("qwen3_moe", {**ATTN, **QK_NORM, "ffn_norm": "post_attention_layernorm",
+                                   "ffn_gate_inp": "mlp.gate",
+                                   "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+                                   "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                                   "ffn_down_exps": "mlp.switch_mlp.down_proj"}, _qwen3moe),
+    "gemma2": Arch("gemma2", {**ATTN, **MLP, "post_attention_norm": "post_attention_layernorm",
+                              "ffn_norm": "pre_feedforward_layernorm",
+                              "post_ffw_norm": "post_feedforward_layernorm"}, _gemma2,
+                   norm_shift=1.0, scale_dtype="bfloat16", notes="mlx-lm's gemma2 attends globally on every layer "
+                                         "(no 4096-token sliding window)"),
+    "gemma3": Arch("gemma3_text", {**ATTN, **MLP, **QK_NORM,
+                                   "post_attention_norm": "post_attention_layernorm",
+                                   "ffn_norm": "pre_feedforward_layernorm",
+                                   "post_ffw_norm": "post_feedforward_layernorm"}, _gemma3,
+                   norm_shift=1.0, scale_dtype="bfloat16", notes="text only"),
+    "phi3": Arch("phi3", {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+                          "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                          "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}, _phi3),
+}
+ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
+
+
+def lookup(arch: str | None) -> Arch | None:
+    return ARCHS.get(ALIASES.get(arch or "", arch or ""))
+
+
+def map_name(arch: Arch, name: str) -> str | None:
+    """GGUF tensor name -> mlx-lm parameter name, or None when the model has no place for it."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in SUFFIXES:
+        return None
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in arch.blocks:
+        return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}.{suffix}"
+    return None
+
+
+# Tensors that hold configuration, not weights: read into config.json, not written.
+CONFIG_TENSORS = {"llama": ("rope_freqs.weight",),
+                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+# Llama 3.x's rope scaling as its config.json states it; llama.cpp stores only the per-frequency
+# factors it implies (rope_freqs), so the conversion finds the setting that reproduces them.
+LLAMA3_ROPE = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},)
+
+
+def llama3_factors(base: float, dim: int, factor: float, low: float, high: float,
+                   old_len: int) -> Any:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs for rope_type llama3."""
+    import math
+
+    import numpy as np
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def rope_from_freqs(cfg: dict[str, Any], freqs: Any) -> dict[str, Any]:
+    """The llama3 `rope_scaling` whose factors equal the file's rope_freqs, or a refusal."""
+    import numpy as np
+    factor = float(freqs.max())
+    for known in LLAMA3_ROPE:
+        want = llama3_factors(cfg["rope_theta"], cfg["head_dim"], factor, known["low_freq_factor"],
+                              known["high_freq_factor"], known["original_max_position_embeddings"])
+        if want.shape == freqs.shape and np.allclose(want, freqs, rtol=1e-5, atol=1e-6):
+            return {"rope_type": "llama3", "factor": float(np.float32(factor)), **known}
+    raise ConfigError(f"GGUF rope_freqs ({freqs.shape[0]} factors, max {factor:g}) match no "
+                      "Llama 3 rope scaling (low 1, high 4, original context 8192)")
+
+
+def apply_config_tensors(cfg: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Fold CONFIG_TENSORS (name -> float32 values) into config.json: Llama 3's rope_freqs as
+    its llama3 rope_scaling, Phi-3's long-context rope factors as its longrope one."""
+    if "rope_freqs.weight" in tensors:
+        cfg["rope_scaling"] = rope_from_freqs(cfg, tensors["rope_freqs.weight"])
+    if "rope_factors_long.weight" in tensors:
+        long = tensors["rope_factors_long.weight"]
+        short = tensors.get("rope_factors_short.weight", long)
+        cfg["rope_scaling"] = {"type": "longrope", "long_factor": [float(v) for v in long],
+                               "short_factor": [float(v) for v in short]}
+
+
+def model_config(arch_name: str, meta: dict[str, Any], vocab_rows: int, tied: bool,
+                 has_bias: bool) -> dict[str, Any]:
+    arch = lookup(arch_name)
+    assert arch is not None
+    cfg = arch.config(meta, arch_name)
+    cfg.update(vocab_size=vocab_rows, tie_word_embeddings=tied)
+    if arch.model_type == "llama":
+        cfg["attention_bias"] = has_bias
+    return cfg

@@ -1,0 +1,237 @@
+"""The engine process of one pool member (started with multiprocessing's `spawn`): it owns MLX,
+the Engine thread and the prompt cache; its main thread reads commands from the pipe, and the
+engine thread's outbox writes each step's events as one message (PipeLoop)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pipeserve.config import ServeConfig
+from pipeserve.pool import codec
+
+log = logging.getLogger("pipeserve.pool")
+
+
+class PipeLoop:
+    """Stands in for the event loop of every stream in this process: `post_many` hands it a
+    step's events with one call_soon_threadsafe, which becomes one message on the pipe."""
+
+    def __init__(self, send: Any, engine: Any) -> None:
+        self.send, self.engine = send, engine
+
+    def call_soon_threadsafe(self, _deliver: Any, batch: list[tuple[Any, Any]]) -> None:
+        self.send({"op": "ev", "ev": [codec.encode_event(e) for _, e in batch],
+                   "w": self.engine.num_waiting, "r": len(self.engine.scheduler.running)})
+
+
+class ChildStream:
+    """The engine's RequestStream here: its `_loop` is the pipe (pipeserve/stream.post_many)."""
+
+    __slots__ = ("_loop", "finished")
+
+    def __init__(self, loop: PipeLoop) -> None:
+        self._loop, self.finished = loop, False
+
+    def post(self, event: Any) -> None:
+        from pipeserve.core.stream import post_many
+        post_many([(self, event)])
+
+
+def _facts(engine: Any, load_s: float) -> dict[str, Any]:
+    """What the parent needs to tokenize, admit and detokenize for this model."""
+    loaded = engine.loaded
+    return {"path": str(loaded.path), "config": loaded.config, "fingerprint": loaded.fingerprint,
+            "max_context": loaded.max_context, "generation_defaults": loaded.generation_defaults,
+            "num_params": loaded.num_params, "weight_bytes": loaded.weight_bytes,
+            "compute_dtype": loaded.compute_dtype, "device": engine.device,
+            "memory": dataclasses.asdict(engine.memory) if engine.memory is not None else None,
+            "kv_pool_bytes": engine.kv_pool_bytes, "max_batch": engine.scheduler.max_batch,
+            "pid": os.getpid(), "load_s": load_s,
+            "dimensions": getattr(engine, "dimensions", 0)}
+
+
+def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
+                               "%(name)s: %(message)s")
+    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
+    sender = Sender(conn)
+    send = sender.send
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pipeserve.core.engine import Engine
+    from pipeserve.metrics import Metrics
+
+    t0 = time.perf_counter()
+    registry = CollectorRegistry()
+    if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
+        from pipeserve.embed.engine import EmbedEngine
+        engine: Any = EmbedEngine(cfg, Metrics(registry))
+    else:
+        engine = Engine(cfg, Metrics(registry))
+    engine.start()
+    if not engine.wait_ready():
+        send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
+                                             f"{engine.startup_error}"})
+        sender.close()
+        _exit(0)
+    send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
+    _serve(conn, send, engine, lambda: generate_latest(registry).decode())
+    sender.close()   # what the engine said last (its final events, replies) goes out first
+    _exit(0)
+
+
+class Sender:
+    """Writes to the pipe from its own thread, so the engine thread never waits on the pipe
+    (a parent busy writing streams reads it late; in-process, posting never blocks either)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pipeserve-pipe-send",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, message: dict[str, Any]) -> None:   # any thread
+        self._queue.put(codec.dumps(message))
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:   # the parent is gone
+                return
+
+
+def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
+    from pipeserve.errors import ServeError
+    from pipeserve.core.events import Failed
+
+    loop = PipeLoop(send, engine)
+    grammars = _Grammars(engine)
+    while True:
+        try:
+            msg = codec.loads(conn.recv_bytes())
+        except (EOFError, OSError):   # the parent is gone: nobody to serve
+            break
+        op = msg["op"]
+        if op == "submit":
+            req = codec.decode_request(msg["req"])
+            if req.constraint is not None:   # compiled off this thread: the pipe keeps moving
+                grammars.submit(req, loop)
+                continue
+            try:
+                engine.submit(req, ChildStream(loop))
+            except ServeError as e:
+                loop.call_soon_threadsafe(None, [(None, Failed(req.request_id, e))])
+        elif op == "abort":
+            if not grammars.cancel(msg["id"]):
+                engine.abort(msg["id"])
+        elif op == "flush":
+            _reply_when_set(engine.flush_cache(), msg["n"], send)
+        elif op == "embed":   # an embedding model's batch (pipeserve/embed/engine.py)
+            from pipeserve.embed.engine import Embed
+            from pipeserve.pool.codec import encode_error
+            engine.command(Embed(msg["ids"], lambda cmd, n=msg["n"]: send(
+                {"op": "reply", "n": n, "vecs": cmd.result,
+                 "error": encode_error(cmd.error) if cmd.error is not None else None})))
+        elif op == "score":   # prompt logprobs (pipeserve/core/scoring.py), between steps
+            from pipeserve.core.scoring import Score
+            engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
+                {"op": "reply", "n": n, **codec.score_reply_fields(cmd)})))
+        elif op == "metrics":
+            send({"op": "reply", "of": "metrics", "n": msg["n"], "body": exposition()})
+        elif op == "stop":
+            break
+    engine.stop(30.0)   # the engine thread's exit drains the SSD writer
+
+
+def _reply_when_set(done: threading.Event, n: int, send: Any, timeout_s: float = 600) -> None:
+    """Answer command `n` once `done` is set, from a thread of its own (the pipe keeps being
+    read meanwhile). Both values are this call's arguments, never names a later command rebinds:
+    each flush is answered exactly once, under its own id."""
+    def wait() -> None:
+        send({"op": "reply", "of": "flush", "n": n, "ok": done.wait(timeout_s)})
+    threading.Thread(target=wait, name=f"pipeserve-flush-{n}", daemon=True).start()
+
+
+class _Grammars:
+    """The parent compiled (and so validated and bounded) the request's constraint; the matcher
+    that advances on the engine thread is compiled again here, against the same tokenizer, on a
+    thread of its own (then submitted), so a compile never holds up the pipe's other commands.
+    An abort that arrives while its request compiles ends it there."""
+
+    def __init__(self, engine: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self.engine = engine
+        self._compiler: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pending: dict[str, bool] = {}   # request id → cancelled
+        self._lock = threading.Lock()
+
+    def submit(self, req: Any, loop: PipeLoop) -> None:
+        with self._lock:
+            self._pending[req.request_id] = False
+        self._pool.submit(self._compile_and_submit, req, loop)
+
+    def cancel(self, request_id: str) -> bool:
+        """True when the request is still compiling (it ends when the compile does)."""
+        with self._lock:
+            if request_id not in self._pending:
+                return False
+            self._pending[request_id] = True
+            return True
+
+    def _compile_and_submit(self, req: Any, loop: PipeLoop) -> None:
+        from pipeserve.errors import EngineUnavailable, ServeError
+        from pipeserve.core.events import Failed
+        error: ServeError | None = None
+        try:
+            req.grammar = self.matcher(req.constraint)
+        except ServeError as e:
+            error = e
+        except Exception as e:   # the thread's boundary: the request fails, the child goes on
+            log.exception("grammar compile failed for %s", req.request_id)
+            error = EngineUnavailable(f"the grammar did not compile ({type(e).__name__})")
+        with self._lock:
+            cancelled = self._pending.pop(req.request_id, False)
+        if cancelled and error is None:
+            error = EngineUnavailable("the request was cancelled while its grammar compiled",
+                                      code="cancelled")
+        if error is None:
+            try:
+                self.engine.submit(req, ChildStream(loop))
+                return
+            except ServeError as e:
+                error = e
+        loop.call_soon_threadsafe(None, [(None, Failed(req.request_id, error))])
+
+    def matcher(self, constraint: Any) -> Any:
+        if self._compiler is None:
+            from pipeserve.grammar.constraint import GrammarCompiler
+            from pipeserve.core.limits import EngineLimits
+            loaded = self.engine.loaded
+            limits = EngineLimits.of(self.engine.cfg, loaded)
+            self._compiler = GrammarCompiler(loaded.tokenizer, limits.vocab_size,
+                                             loaded.tokenizer.eos_token_ids)
+        return self._compiler.matcher(constraint)
+
+
+def _exit(code: int) -> None:
+    """As serve.py: no interpreter teardown (MLX's thread state can abort in it)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,114 @@
+"""The wire between the parent and an engine process: commands and events as orjson messages,
+one message per engine step for events. Pure functions, any thread; no mlx."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import orjson
+
+from pipeserve import errors
+from pipeserve.core.events import Event, Failed, Finished, TokenDelta
+from pipeserve.core.scoring import Score
+from pipeserve.grammar.constraint import Constraint, ConstraintKind
+from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
+
+OPTS = orjson.OPT_NON_STR_KEYS   # logit_bias is keyed by token id
+
+
+def dumps(message: dict[str, Any]) -> bytes:
+    return orjson.dumps(message, option=OPTS)
+
+
+def loads(data: bytes) -> dict[str, Any]:
+    return orjson.loads(data)
+
+
+# -- requests (parent → child) ---------------------------------------------------------------
+def encode_request(req: Request) -> dict[str, Any]:
+    """What the engine reads of a Request: prompt, resolved sampling, stops, constraint,
+    adapter, priority, cache positions, arrival (perf_counter is CLOCK_MONOTONIC: one clock for both processes)."""
+    sp = dataclasses.asdict(req.sampling)
+    c = req.constraint
+    return {"id": req.request_id, "endpoint": req.endpoint, "prompt": req.prompt_ids,
+            "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
+            "constraint": [c.kind.value, c.source, c.param] if c is not None else None,
+            "prefix": req.output_prefix, "adapter": req.adapter, "arrival": req.arrival_s,
+            # queue order, and the positions the prompt cache keeps / pins (docs/beyond.md)
+            "priority": req.priority, "checkpoints": list(req.checkpoints_at),
+            "pins": [list(p) for p in req.pins]}
+
+
+def decode_request(d: dict[str, Any]) -> Request:
+    sp = dict(d["sampling"])
+    sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
+    c = d["constraint"]
+    return Request(request_id=d["id"], endpoint=d["endpoint"],
+                   inputs=PromptInput(token_ids=list(d["prompt"])), prompt_ids=list(d["prompt"]),
+                   sampling=SamplingParams(**sp), stop_token_ids=frozenset(d["stop_ids"]),
+                   constraint=Constraint(ConstraintKind(c[0]), c[1], c[2]) if c else None,
+                   output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"],
+                   priority=d["priority"], checkpoints_at=tuple(d["checkpoints"]),
+                   pins=tuple((int(at), float(ttl)) for at, ttl in d["pins"]))
+
+
+# -- events (child → parent) -----------------------------------------------------------------
+def encode_error(e: errors.ServeError) -> list[Any]:
+    return [type(e).__name__, e.status, e.error_type, e.message, e.param, e.code]
+
+
+def decode_error(d: list[Any]) -> errors.ServeError:
+    """The same class when pipeserve.errors has it (status and type kept either way)."""
+    name, status, error_type, message, param, code = d
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.ServeError)):
+        cls = errors.ServeError
+    e = cls.__new__(cls)
+    errors.ServeError.__init__(e, message, param=param, code=code)
+    e.status, e.error_type = status, error_type
+    return e
+
+
+def encode_event(event: Event) -> list[Any]:
+    if isinstance(event, TokenDelta):
+        lps = ([[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs]
+               if event.logprobs is not None else None)
+        return ["t", event.request_id, event.token_ids, lps]
+    if isinstance(event, Finished):
+        return ["f", event.request_id, event.reason.value, event.num_prompt_tokens,
+                event.num_output_tokens, event.num_cached_tokens, event.extras]
+    assert isinstance(event, Failed)
+    return ["x", event.request_id, encode_error(event.error)]
+
+
+def decode_event(d: list[Any]) -> Event:
+    kind, rid = d[0], d[1]
+    if kind == "t":
+        lps = ([TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d[3]]
+               if d[3] is not None else None)
+        return TokenDelta(rid, d[2], lps)
+    if kind == "f":
+        return Finished(rid, FinishReason(d[2]), d[3], d[4], d[5], d[6])
+    return Failed(rid, decode_error(d[2]))
+
+
+# -- prompt scoring (pipeserve/core/scoring.py): the reply's fields --------------------------
+def score_reply_fields(cmd: Score) -> dict[str, Any]:
+    """Child process: a finished Score as the fields of its pipe reply."""
+    if cmd.error is not None:
+        return {"error": encode_error(cmd.error)}
+    assert cmd.result is not None
+    return {"lps": [None if t is None else [t.token_id, t.logprob, t.top] for t in cmd.result]}
+
+
+def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:
+    """Parent's pipe reader: a reply's fields back into the Score, then its on_done."""
+    if msg.get("error") is not None:
+        cmd.error = decode_error(msg["error"])
+    elif msg.get("lps") is None:
+        cmd.error = errors.EngineUnavailable("the model's engine process stopped before it scored "
+                                             "the prompt; retry")
+    else:
+        cmd.result = [None if t is None else TokenLogprob(t[0], t[1], [(a, b) for a, b in t[2]])
+                      for t in msg["lps"]]
+    cmd.on_done(cmd)

@@ -1,0 +1,66 @@
+"""Per-layer KV caches taken apart and rebuilt through mlx-lm's cache protocol: `state` (the
+arrays and settings a cache holds) and `type(cache).from_state(state)` (a cache rebuilt from
+them without `__init__`), as mlx_lm.models.cache's classes implement it and pipeserve/kv/'s
+caches do too. The prompt cache lends, owns and stores caches only through it, never through
+their attributes. Engine thread.
+
+mlx-lm 0.32 has no separate `meta_state`: settings (bits, group size, block table, conversion
+boundary, ...) are part of `state`, as in its QuantizedKVCache."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import (CacheList, KVCache, QuantizedKVCache, RotatingKVCache,
+                                  can_trim_prompt_cache, make_prompt_cache)
+
+from pipeserve.kv.delayed import DelayedKVCache
+from pipeserve.kv.quantized import AffineKVCache
+from pipeserve.kv.turbo import TurboKVCache
+
+# Per-row layouts whose every 4-D array in `state` is (B, H, capacity, ·) with `offset` tokens
+# from the start: capacity past `offset` is preallocated, never content.
+PREFIX_LAYOUTS = (KVCache, QuantizedKVCache, AffineKVCache, TurboKVCache, DelayedKVCache)
+
+
+def map_arrays(fn: Callable[[mx.array], mx.array], state: Any) -> Any:
+    """`state` with `fn` applied to each array in it (tuples stay tuples, lists lists)."""
+    return tree_map(lambda v: fn(v) if isinstance(v, mx.array) else v, state)
+
+
+def rebuild(layer: Any, fn: Callable[[mx.array], mx.array], state: Any = None) -> Any:
+    """A new cache of `layer`'s class from its state (or `state`), each array passed through
+    `fn`. mlx-lm's CacheList rebuilds its members by class name from mlx-lm's own module, so
+    it is rebuilt member by member instead."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(rebuild(c, fn) for c in layer.caches))
+    return type(layer).from_state(map_arrays(fn, layer.state if state is None else state))
+
+
+def lend(layer: Any) -> Any:
+    """A new cache object over the same buffers: writes to it (MLX slice updates rebind the
+    array object) never reach `layer`, and nothing is copied until one happens. Pool-backed
+    caches (kv=paged) take their own reference to the blocks in `from_state`."""
+    return rebuild(layer, lambda a: a[...])
+
+
+def content_state(layer: Any) -> Any:
+    """`layer.state` without preallocated capacity (PREFIX_LAYOUTS: every 4-D array cut to
+    `offset` tokens); other layouts' state as it is."""
+    state = layer.state
+    if type(layer) not in PREFIX_LAYOUTS:
+        return state
+    n = layer.offset
+    return map_arrays(lambda a: a[..., :n, :] if a.ndim == 4 else a, state)
+
+
+def rewinds(model: Any) -> bool:
+    """Whether every layer's cache of `model` can be cut back to any prefix (attention-only):
+    then a cached entry serves every prompt that shares a prefix with it. Recurrent layers
+    cannot rewind, nor can sliding-window ones past their window. Builds cache objects only
+    (no arrays), so any thread may ask."""
+    caches = make_prompt_cache(model)
+    return can_trim_prompt_cache(caches) and not any(
+        isinstance(c, RotatingKVCache) for c in caches)

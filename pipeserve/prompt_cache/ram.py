@@ -1,0 +1,326 @@
+"""RamPromptCache: KV prefixes in a token trie (mlx-lm's PromptTrie) with a byte-capped LRU.
+An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
+keep a running batch's or a preallocated buffer alive), and counts their bytes. A hit lends the
+entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
+copies, so the entry stays intact. Both go through the caches' `state` / `from_state`
+(pipeserve/prompt_cache/protocol.py). Engine thread only."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList, PromptTrie, can_trim_prompt_cache
+
+from pipeserve.config import ServeConfig
+from pipeserve.metrics import Metrics
+from pipeserve.prompt_cache.protocol import content_state, lend, rebuild
+
+if TYPE_CHECKING:
+    from pipeserve.prompt_cache.checkpoint import Checkpoints
+
+log = logging.getLogger(__name__)
+TRIE_KEY = "model"   # the trie root of requests on the launch default (Request.adapter None)
+
+
+def model_key(adapter: str | None) -> str:
+    """The trie root (mlx-lm's PromptTrie model key) of a request's adapter choice
+    (Request.adapter): entries never serve a request of another adapter."""
+    return TRIE_KEY if adapter is None else "adapter:" + adapter
+
+
+MAX_PINS = 4096      # pinned prefixes remembered at once
+MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
+
+
+class GhostIndex:
+    """Token keys only (no KV) of up to `limit` entries, to explain misses; each with a note
+    (for evicted entries: when it was last used and when it was evicted)."""
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        self.trie = PromptTrie()
+        self.keys: OrderedDict[tuple[str, tuple[int, ...]], Any] = OrderedDict()
+
+    def add(self, tokens: tuple[int, ...], model: str = TRIE_KEY, note: Any = None) -> None:
+        if (model, tokens) in self.keys:
+            self.keys[(model, tokens)] = note
+            return
+        self.keys[(model, tokens)] = note
+        self.trie.add(model, list(tokens), True)
+        while len(self.keys) > self.limit:
+            (m, old), _ = self.keys.popitem(last=False)
+            self.trie.pop(m, list(old))
+
+    def shared(self, query: list[int], model: str = TRIE_KEY) -> int:
+        """How many leading tokens of `query` some remembered key shares."""
+        return self.match(query, model)[0]
+
+    def match(self, query: list[int], model: str = TRIE_KEY) -> tuple[int, Any]:
+        """(leading tokens of `query` the best remembered key shares, that key's note)."""
+        if not self.keys:
+            return 0, None
+        found = self.trie.search(model, query)
+        if found.exact is not None:
+            return len(query), self.keys.get((model, tuple(found.exact)))
+        best = (0, None)
+        if found.shorter:
+            best = (len(found.shorter), self.keys.get((model, tuple(found.shorter))))
+        if found.longer is not None and found.common_prefix > best[0]:
+            best = (found.common_prefix, self.keys.get((model, tuple(found.longer))))
+        return best
+
+
+def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
+    """(a copy of `layer` holding only its content, the bytes that copy keeps alive); the new
+    arrays are appended to `pending`, for the caller to evaluate.
+
+    A row's cache usually points into something larger than what it holds: a slice of a
+    batched cache B rows wide (`extract`), or a buffer preallocated in steps of 256 tokens. A
+    view keeps that whole buffer alive, and so does a lazy array (its graph holds its inputs).
+    So every array of its state is copied to a buffer of its own (`mx.contiguous` of a view
+    copies it; an array that is a whole buffer is shared as it is), and the copy is rebuilt
+    with `from_state`. Layouts that point into a shared block pool (kv=paged) are lent: the
+    pool holds them."""
+    if hasattr(layer, "portable"):
+        return lend(layer), layer.nbytes
+    if isinstance(layer, CacheList):   # caches of caches (mlx-lm's composite layers)
+        owned = [own(c, pending) for c in layer.caches]
+        return CacheList(*(c for c, _ in owned)), sum(n for _, n in owned)
+    nbytes = 0
+
+    def keep(arr: mx.array) -> mx.array:
+        nonlocal nbytes
+        arr = mx.contiguous(arr)
+        pending.append(arr)
+        nbytes += arr.nbytes
+        return arr
+
+    return rebuild(layer, keep, content_state(layer)), nbytes
+
+
+@dataclass(eq=False)
+class Entry:
+    tokens: tuple[int, ...]
+    caches: list[Any]       # per layer; never written (borrowers get `lend` copies)
+    nbytes: int             # bytes of the arrays `caches` keep alive (see `own`)
+    trimmable: bool         # attention-only: any prefix of it can be reused
+    last_used_s: float = field(default_factory=time.monotonic)
+    model: str = TRIE_KEY   # its adapter's trie root (model_key)
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return (self.model, self.tokens)
+
+
+@dataclass(slots=True)
+class Lookup:
+    caches: list[Any] | None   # lent per-layer caches holding `num_tokens` tokens, or None
+    num_tokens: int
+    reason: str                # "hit", or why nothing was reused
+
+
+class PromptCache(Protocol):
+    """What the step and its stages use of a prompt cache (cache=ram, cache=ssd); every
+    member is there on every tier, so nothing probes for one."""
+
+    checkpoints: Checkpoints | None   # generation checkpoints (cache.checkpoint_every), or None
+    idle_work: bool                   # `tick` has work to do while the engine is idle
+
+    def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup: ...
+
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> Any: ...
+
+    def tick(self) -> None: ...
+
+    def flush(self) -> threading.Event: ...
+
+    def close(self) -> None: ...
+
+
+class RamPromptCache:
+    tier = "ram"
+    checkpoints: Checkpoints | None = None   # RAM only: no generation checkpoints
+    idle_work = False
+
+    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str = "") -> None:
+        self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
+        self.metrics = metrics
+        self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
+        self.trie = PromptTrie()
+        self.entries: OrderedDict[tuple[str, tuple[int, ...]], Entry] = OrderedDict()  # LRU
+        # order, keyed by Entry.key (adapter root, tokens)
+        self.nbytes = 0
+        self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
+        self.pins: dict[tuple[str, tuple[int, ...]], float] = {}   # (root, tokens) → until
+
+    def find(self, prompt_ids: list[int], adapter: str | None = None
+             ) -> tuple[Entry | None, int, str, int]:
+        """(entry, tokens reusable from it, reason, tokens shared with any entry), among the
+        entries made with the same adapter choice (Request.adapter)."""
+        model = model_key(adapter)
+        limit = len(prompt_ids) - 1
+        query = list(prompt_ids[:limit])
+        if limit < 1 or not self.entries:
+            evicted = limit >= 1 and self.ghosts.shared(query, model) >= MIN_EXPLAINED
+            return None, 0, "evicted" if evicted else "no_prefix", 0
+        found = self.trie.search(model, query)
+        if found.exact is not None:
+            return self.entries[(model, tuple(query))], limit, "hit", limit
+        best: tuple[Entry, int] | None = None
+        if found.shorter is not None:
+            best = (self.entries[(model, tuple(found.shorter))], len(found.shorter))
+        if found.longer is not None and found.common_prefix > (best[1] if best else 0):
+            longer = self.entries[(model, tuple(found.longer))]
+            # a row that converted to a quantized layout at C (kv.quantized_start) is never
+            # reused below C: a cold run would still be dense there
+            converted = max((getattr(c, "converted_at", None) or 0) for c in longer.caches)
+            if longer.trimmable and found.common_prefix >= converted:
+                best = (longer, found.common_prefix)
+        shared = max(found.common_prefix, best[1] if best else 0)
+        if best is None:
+            if self.ghosts.shared(query, model) > max(shared, MIN_EXPLAINED - 1):
+                return None, 0, "evicted", shared
+            return None, 0, "no_snapshot" if shared else "no_prefix", shared
+        return best[0], best[1], "hit", shared
+
+    def take(self, entry: Entry, n: int) -> list[Any]:
+        """Lent caches holding the first `n` tokens of `entry`; marks it recently used."""
+        caches = [lend(c) for c in entry.caches]
+        if n < len(entry.tokens):
+            for c in caches:
+                c.trim(len(entry.tokens) - n)
+        entry.last_used_s = time.monotonic()
+        self.entries.move_to_end(entry.key)
+        return caches
+
+    def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup:
+        """Longest reusable prefix of `prompt_ids`, leaving at least its last token to feed,
+        made with the same adapter choice."""
+        entry, n, reason, shared = self.find(prompt_ids, adapter)
+        if entry is None:
+            return self._miss(reason, shared)
+        self.metrics.cache_hits.labels(self.tier).inc()
+        self.metrics.cache_hit_tokens.labels(self.tier).inc(n)
+        log.debug("prompt cache hit: %d of %d prompt tokens", n, len(prompt_ids))
+        return Lookup(self.take(entry, n), n, "hit")
+
+    def _miss(self, reason: str, shared: int) -> Lookup:
+        self.metrics.cache_misses.labels(reason).inc()
+        log.debug("prompt cache miss (%s): %d tokens shared with an entry", reason, shared)
+        return Lookup(None, 0, reason)
+
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None
+            ) -> Entry | None:
+        """Keep a copy of `caches` (holding exactly `tokens`, computed with the adapter
+        choice `adapter`) for reuse (see `own`)."""
+        if self.max_bytes <= 0 or not tokens:
+            return None
+        return self.put_model(tokens, caches, model_key(adapter))
+
+    def put_model(self, tokens: list[int], caches: list[Any], model: str) -> Entry | None:
+        if self.max_bytes <= 0 or not tokens:
+            return None
+        pending: list[mx.array] = []
+        owned = [own(c, pending) for c in caches]
+        mx.async_eval(pending)   # the copies run on the device; nothing waits for them
+        entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
+                      can_trim_prompt_cache(caches), model=model)
+        if entry.nbytes > self.max_bytes:
+            return None
+        key = entry.key
+        prev = self.entries.pop(key, None)
+        if prev is not None:
+            self.nbytes -= prev.nbytes
+        self.trie.add(model, list(entry.tokens), entry)
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        if entry.trimmable:   # shorter entries it extends are now redundant
+            for n, old in self.trie.pop_prefixes(model, list(entry.tokens)):
+                if old is not entry and self.entries.pop(old.key, None) is not None:
+                    self.nbytes -= old.nbytes
+        self._evict()
+        self._report()
+        return entry if key in self.entries else None
+
+    def remove(self, entry: Entry) -> None:
+        if self.entries.pop(entry.key, None) is not None:
+            self.trie.pop(entry.model, list(entry.tokens))
+            self.nbytes -= entry.nbytes
+            self._report()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self.entries:
+            self.evict_oldest()
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used entry (spilling it to the SSD tier, if any); False
+        when there is none. kv=paged calls it when its block pool runs short: cached
+        prefixes and running rows share one pool, and running rows come first."""
+        if not self.entries:
+            return False
+        entry = self._victim()
+        del self.entries[entry.key]
+        self.trie.pop(entry.model, list(entry.tokens))
+        self.nbytes -= entry.nbytes
+        self.metrics.cache_evictions.labels(self.tier).inc()
+        self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))
+        if self.on_evict is not None:
+            self.on_evict(entry)
+        self._report()
+        return True
+
+    def tick(self) -> None:
+        """Engine idle: nothing to do in RAM."""
+
+    def flush(self) -> threading.Event:
+        """Nothing waits for a disk: already set."""
+        done = threading.Event()
+        done.set()
+        return done
+
+    def close(self) -> None:
+        """Nothing to drain."""
+
+    # -- pins (Anthropic cache_control breakpoints) -----------------------------------------
+    def pin(self, tokens: list[int], ttl_s: float, adapter: str | None = None) -> None:
+        """Keep the entry holding `tokens` (once there is one) out of eviction for `ttl_s`;
+        a later pin of the same prefix refreshes it, as a cache hit refreshes Anthropic's."""
+        if tokens:
+            key = (model_key(adapter), tuple(tokens))
+            self.pins[key] = max(self.pins.get(key, 0.0), time.monotonic() + ttl_s)
+            if len(self.pins) > MAX_PINS:   # the one that would expire first goes
+                del self.pins[min(self.pins, key=self.pins.__getitem__)]
+
+    def _protected(self) -> set[tuple[str, tuple[int, ...]]]:
+        """Keys of the entries holding an unexpired pin: the entry of exactly its tokens, or
+        one that extends them (its prefix is the pinned one)."""
+        now = time.monotonic()
+        for key in [k for k, until in self.pins.items() if until <= now]:
+            del self.pins[key]
+        held = set()
+        for model, tokens in self.pins:
+            found = self.trie.search(model, list(tokens))
+            holder = found.exact if found.exact is not None else found.longer
+            if holder is not None:
+                held.add((model, tuple(holder)))
+        return held
+
+    def _victim(self) -> Entry:
+        """The least recently used entry no pin holds (the oldest of all when every one is
+        pinned: the byte cap wins over a pin)."""
+        if self.pins:
+            held = self._protected()
+            for key, entry in self.entries.items():
+                if key not in held:
+                    return entry
+        return next(iter(self.entries.values()))
+
+    def _report(self) -> None:
+        self.metrics.cache_entries.labels(self.tier).set(len(self.entries))
+        self.metrics.cache_bytes.labels(self.tier).set(self.nbytes)

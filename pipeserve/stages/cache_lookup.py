@@ -1,0 +1,60 @@
+"""CacheLookup: when a request is admitted, the longest reusable prefix of its prompt from
+the prompt cache (or the checkpoint of the identical request, to resume), so only the rest is
+computed; the scheduler applies the hit. What it could not reuse it explains on the request
+(`cache_miss`, pipeserve/prompt_cache/explain.py). Engine thread (called at admission)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pipeserve.config import ServeConfig
+from pipeserve.core.plan import CacheHit
+from pipeserve.prompt_cache.explain import explain
+from pipeserve.prompt_cache.protocol import rewinds
+from pipeserve.request import Request
+from pipeserve.core.stage import StageDeps
+
+
+class CacheLookup:
+    name: ClassVar[str] = "cache_lookup"
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.cache = deps.prompt_cache
+        self.layout = deps.layout
+        self.metrics = deps.metrics
+        # pins expire by each rank's clock: a distributed group's ranks would evict unalike
+        self.pins = cfg.distributed.name == "none"
+        self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
+        self.trimmable = rewinds(deps.model)   # then no state is needed at a marked position
+
+    def __call__(self, req: Request) -> CacheHit | None:
+        if self.cache is None:
+            return None
+        checkpoints = self.cache.checkpoints
+        if checkpoints is not None:
+            hit = self._resume(req, checkpoints)
+            if hit is not None:
+                return hit
+        for at, ttl_s in req.pins if self.pins else ():   # cache_control: kept from eviction
+            self.cache.pin(req.key_ids[:at], ttl_s, req.adapter)
+        found = self.cache.lookup(req.key_ids, req.adapter)
+        reused = found.num_tokens if found.caches is not None else 0
+        # a cache that can trim serves any prefix of a longer entry: no state to keep at the
+        # history boundary; one that cannot (recurrent layers) keeps it unless reused past it
+        req.checkpoints_at = () if self.trimmable else tuple(
+            p for p in req.checkpoints_at if reused < p < req.num_prompt_tokens - 1)
+        req.cache_miss = explain(self.cache, req.key_ids, req.adapter, reused, self.decode)
+        if req.cache_miss is not None:
+            self.metrics.cache_miss_reasons.labels(req.cache_miss["reason"]).inc()
+        if found.caches is None:
+            return None
+        return CacheHit(found.num_tokens, self.layout.adopt(found.caches))
+
+    def _resume(self, req: Request, checkpoints: Any) -> CacheHit | None:
+        """The identical request was checkpointed: replay its output and go on from there
+        (its KV covers prompt + output[:-1]; the last output token is fed next)."""
+        saved = checkpoints.load(req)
+        if saved is None or len(saved.output_ids) >= req.sampling.max_tokens:
+            return None
+        k = len(saved.output_ids)
+        return CacheHit(req.num_prompt_tokens + k - 1, self.layout.adopt(saved.caches),
+                        tuple(saved.output_ids), saved.key)

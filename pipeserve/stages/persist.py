@@ -1,0 +1,91 @@
+"""Persist: put reusable KV prefixes into the prompt cache — each prompt once its prefill is
+done (and at the positions tokenize marked: a chat history's end, cache_control breakpoints),
+each finished request's prompt + output before its KV is freed, and (cache.checkpoint_every)
+a checkpoint of each running row that emitted N more tokens. It asks the row store for a
+row's caches; it never looks for them. The scheduler's in-flight ledger and a checkpoint's
+sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from another
+stage's state. Engine thread."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from pipeserve.config import ServeConfig
+from pipeserve.core.rows import RowStore
+from pipeserve.core.plan import StepPlan
+from pipeserve.prompt_cache.ram import lend
+from pipeserve.request import FinishReason, Request
+from pipeserve.core.stage import StageDeps
+
+
+class Persist:
+    name: ClassVar[str] = "persist"
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        self.cache = deps.prompt_cache
+        self.checkpoints = self.cache.checkpoints if self.cache is not None else None
+        self.ledger = deps.ledger       # tokens of a row planned but not applied (KV exists)
+        self.samplers = deps.samplers   # the key a checkpoint resumes its sampler with
+
+    def _tokens_ahead(self, rid: str) -> int:
+        return self.ledger.tokens_ahead(rid) if self.ledger is not None else 0
+
+    def prompts(self, plan: StepPlan, kv: RowStore) -> None:
+        """Right after the forward: the prompts whose prefill finished in it (the prefix every
+        request with the same system prompt or conversation shares)."""
+        if self.cache is None:
+            return
+        for row in plan.prefill:
+            req = row.request
+            done = row.start + row.num_tokens
+            if (done == req.num_prompt_tokens - 1 or done in req.checkpoints_at) \
+                    and req.num_cached_tokens < done:
+                caches = kv.caches_of(row.request_id)
+                if caches is not None:
+                    self.cache.put(req.key_ids[:done], caches, req.adapter)
+
+    def __call__(self, finished: Sequence[Request], running: Sequence[Request],
+                 kv: RowStore) -> None:
+        """After a step is applied: finished rows (before their KV is freed), checkpoints."""
+        if self.cache is None:
+            return
+        for req in finished:
+            self._finished(req, kv)
+        if self.checkpoints is not None:
+            for req in running:
+                self._checkpoint(req, kv)
+
+    def _finished(self, req: Request, kv: RowStore) -> None:
+        """Before its KV is freed: keep what the finished (or cancelled) row computed; a
+        completed row's checkpoint is no longer needed (a client cancel keeps it)."""
+        if self.checkpoints is not None and req.checkpointed_tokens and req.finish_reason in (
+                FinishReason.STOP, FinishReason.LENGTH):
+            self.checkpoints.drop(req)
+        if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
+            return
+        caches = kv.caches_of(req.request_id)
+        if caches is None:
+            return
+        known = req.key_ids + req.output_ids
+        fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
+        if fed > len(known):            # e.g. the stop token was fed one step ahead
+            if not all(c.is_trimmable() for c in caches):
+                return
+            for c in caches:
+                c.trim(fed - len(known))
+            fed = len(known)
+        self.cache.put(known[:fed], caches, req.adapter)
+
+    def _checkpoint(self, req: Request, kv: RowStore) -> None:
+        """Host copies here, disk writes on the SSD writer thread."""
+        if req.num_computed_tokens < req.num_prompt_tokens or not self.checkpoints.due(req):
+            return
+        caches = kv.caches_of(req.request_id)
+        if caches is None:
+            return
+        # the key the next unseen token will be sampled with (a sampled step may be ahead)
+        ahead = self.ledger is not None and self.ledger.outputs_ahead(req.request_id) > 0
+        key = (self.samplers.checkpoint_key(req.request_id, ahead)
+               if self.samplers is not None else None)
+        self.checkpoints.save(req, [lend(c) for c in caches], key,
+                              req.num_computed_tokens + self._tokens_ahead(req.request_id))

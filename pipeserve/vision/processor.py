@@ -1,0 +1,66 @@
+"""VisionProcessor: a vision-language checkpoint's image processor (mlx-vlm's, numpy out) and
+its prompt expansion — each image placeholder of the rendered chat becomes the image tokens
+the vision tower's features fill, as the family's mlx-vlm processor writes them. Runs on the
+preparation pool (never touches MLX); built once at load."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeserve.errors import InvalidRequest
+
+
+@dataclass
+class Prepared:
+    text: str                              # the rendered prompt, placeholders expanded
+    pixels: dict[str, np.ndarray]          # pixel_values (+ image_grid_thw) for the tower
+    tokens_per_image: list[int] = field(default_factory=list)
+
+
+class VisionProcessor:
+    def __init__(self, path: Path, family: str) -> None:
+        from mlx_vlm.utils import load_processor
+
+        self.family = family
+        proc = load_processor(Path(path))
+        self.proc = proc   # the whole processor (pipeserve/vision/audio.py reads its audio side)
+        self.image_processor = proc.image_processor
+        tok = proc.tokenizer
+        if family == "gemma3":
+            self.placeholder = tok.boi_token
+            self.image_token = tok.image_token
+            self.expansion = proc.full_image_sequence
+        else:   # qwen2_vl / qwen2_5_vl / qwen3_vl
+            self.placeholder = self.image_token = tok.image_token if hasattr(
+                tok, "image_token") else "<|image_pad|>"
+            self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        self.image_token_id = int(tok.convert_tokens_to_ids(self.image_token))
+        # video: mlx-vlm's numpy video processor where the family has one (Qwen-VL; not Gemma 3)
+        self.video_processor = getattr(proc, "video_processor", None)
+        self.video_token = getattr(proc, "video_token", None)
+        self.video_token_id = (int(tok.convert_tokens_to_ids(self.video_token))
+                               if self.video_processor is not None else -1)
+
+    def prepare(self, text: str, images: list[Any], where: list[str]) -> Prepared:
+        found = text.count(self.placeholder)
+        if found != len(images):
+            raise InvalidRequest(
+                f"the chat template wrote {found} image placeholders for {len(images)} images; "
+                "each image part must be inside a message the template renders",
+                param=where[0] if where else "messages")
+        out = self.image_processor(images=images, return_tensors="np")
+        if self.family == "gemma3":
+            pixels = {"pixel_values": np.asarray(out["pixel_values"])}
+            count = self.expansion.count(self.image_token)
+            return Prepared(text.replace(self.placeholder, self.expansion), pixels,
+                            [count] * len(images))
+        grid = np.asarray(out["image_grid_thw"])
+        counts = [int(np.prod(g)) // (self.merge ** 2) for g in grid]
+        pieces = text.split(self.placeholder)
+        expanded = pieces[0] + "".join(self.image_token * n + rest
+                                       for n, rest in zip(counts, pieces[1:]))
+        return Prepared(expanded, {"pixel_values": np.asarray(out["pixel_values"]),
+                                   "image_grid_thw": grid}, counts)

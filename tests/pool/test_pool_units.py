@@ -1,0 +1,164 @@
+"""Unit tests of the model pool's pure parts, no model and no process: the wire codec, the
+members' composed configs, the pool schema's checks, routing by `model`, and the merged
+/metrics exposition."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeserve.config import ServeConfig
+from pipeserve.errors import AdmissionRejected, ConfigError, NotFound, StageError
+from pipeserve.core.events import Failed, Finished, TokenDelta
+from pipeserve.grammar.constraint import Constraint
+from pipeserve.pool import codec
+from pipeserve.pool.config import PoolConfig, PoolMemberConfig
+from pipeserve.pool.members import compose_members, member_overrides
+from pipeserve.pool.metrics import merge
+from pipeserve.pool.pool import ModelPool
+from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
+from tests.conftest import make_config
+
+
+def test_a_request_crosses_the_wire_with_what_the_engine_reads() -> None:
+    sp = SamplingParams(temperature=0.7, top_k=5, logit_bias={3: -100.0, 17: 2.5}, seed=2**63,
+                        logprobs=True, top_logprobs=2, max_tokens=9, stop=["\n\n"])
+    req = Request(request_id="r1", endpoint="chat", inputs=PromptInput(text="hi"),
+                  prompt_ids=[1, 2, 3], sampling=sp, stop_token_ids=frozenset({0, 2}),
+                  constraint=Constraint.regex("[a-z]+", "response_format"),
+                  output_prefix="<think>", adapter="none", priority=0,
+                  checkpoints_at=(2,), pins=((2, 300.0),))
+    back = codec.decode_request(codec.loads(codec.dumps({"req": codec.encode_request(req)}))["req"])
+    assert back.request_id == "r1" and back.prompt_ids == [1, 2, 3]
+    assert back.sampling == sp and back.sampling.logit_bias == {3: -100.0, 17: 2.5}
+    assert back.stop_token_ids == frozenset({0, 2}) and back.constraint == req.constraint
+    assert back.output_prefix == "<think>" and back.adapter == "none"
+    assert back.arrival_s == req.arrival_s
+    assert back.priority == 0 and back.checkpoints_at == (2,) and back.pins == ((2, 300.0),)
+
+
+def test_events_and_errors_cross_the_wire_as_they_were() -> None:
+    events = [TokenDelta("r", [5, 6], [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)])]),
+              TokenDelta("r", [7]),
+              Finished("r", FinishReason.LENGTH, 10, 4, 3, {"batch_size_max": 2,
+                                                            "speculation": {"proposed": 1}}),
+              Failed("r", AdmissionRejected("busy", retry_after_s=3, code="queue_full")),
+              Failed("s", StageError("sample", ["s"], RuntimeError("x")))]
+    wire = codec.loads(codec.dumps({"ev": [codec.encode_event(e) for e in events]}))["ev"]
+    back = [codec.decode_event(d) for d in wire]
+    assert back[:3] == events[:3]
+    for got, sent in zip(back[3:], events[3:]):
+        assert isinstance(got, Failed) and type(got.error) is type(sent.error)
+        assert (got.error.status, got.error.error_type, got.error.message, got.error.code) == \
+            (sent.error.status, sent.error.error_type, sent.error.message, sent.error.code)
+
+
+def test_a_member_inherits_the_launch_overrides_but_not_the_pool_or_hydra() -> None:
+    launch = ["model=tiny", "model.cache_dir=/m", "pool=example", "pool.max_resident=1",
+              "hydra.run.dir=/r", "kv=q8", "server.port=9"]
+    got = member_overrides(launch, ["model=tiny", "model.arch=llama", "kv=dense"], "a")
+    assert got == ["model.cache_dir=/m", "server.port=9", "model=tiny", "model.arch=llama",
+                   "kv=dense", "model.name=a"]
+
+
+def test_pool_example_composes_two_models_of_different_architectures(tmp_path) -> None:
+    cfg = make_config("pool=example", f"model.cache_dir={tmp_path}")
+    members = compose_members(cfg, ["model=tiny", f"model.cache_dir={tmp_path}", "pool=example"])
+    assert members is not None and list(members) == ["tiny-qwen3", "tiny-llama"]
+    assert [m.model.arch.value for m in members.values()] == ["qwen3", "llama"]
+    for model_id, m in members.items():
+        assert isinstance(m, ServeConfig) and m.model.name == model_id and m.pool is None
+        assert m.model.cache_dir == str(tmp_path)
+    assert compose_members(make_config(), []) is None   # one model: in-process, as before
+    one = compose_members(make_config("server.isolate=true"), ["server.isolate=true"])
+    assert one is not None and list(one) == ["tiny"]
+
+
+@pytest.mark.parametrize("launch,member,message", [
+    (["server.isolate=false"], ["model=tiny"], "server.isolate=false with pool"),
+    ([], ["kv=nope"], "pool.models.m"),
+    ([], ["model.arch=gpt"], "pool.models.m"),
+    ([], ["server.port=1"], "a member sets its model"),
+    ([], ["model.adapter_dir=/a", "model.adapter=x"], "mounts adapters"),
+])
+def test_a_bad_member_fails_at_launch_naming_it(launch, member, message) -> None:
+    cfg = make_config("pool=example", *launch)
+    cfg.pool = PoolConfig(models={"m": PoolMemberConfig(member)})
+    with pytest.raises(ConfigError, match=message):
+        compose_members(cfg, launch)
+
+
+def test_a_pool_or_isolation_with_distributed_serving_is_refused() -> None:
+    for extra in ("pool=example", "server.isolate=true"):   # pipeserve/distributed/config.py
+        with pytest.raises(ConfigError, match="pool= / server.isolate=true with distributed"):
+            make_config("distributed=tensor", extra)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"models": {}}, "pool.models is empty"),
+    ({"models": {"a:b": PoolMemberConfig()}}, "no ':'"),
+    ({"models": {"a": PoolMemberConfig()}, "default": "b"}, "pool.default=b"),
+    ({"models": {"a": PoolMemberConfig()}, "max_resident": 0}, "max_resident"),
+    ({"models": {"a": PoolMemberConfig()}, "idle_unload_s": -1}, "idle_unload_s"),
+    ({"models": {"a": PoolMemberConfig()}, "memory_gb": 0}, "memory_gb"),
+    ({"models": {"a": PoolMemberConfig()}, "load_timeout_s": 0}, "load_timeout_s"),
+])
+def test_pool_schema_refuses_what_cannot_work(kw, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PoolConfig(**kw)
+
+
+def test_routing_by_model_names_the_ids_when_unknown() -> None:
+    cfg = make_config("pool=example")
+    cfg.pool = PoolConfig(models={"a": PoolMemberConfig(), "b": PoolMemberConfig()})
+    members = {"a": make_config("model.name=a"), "b": make_config("model.name=b")}
+    pool = ModelPool(cfg, members, SimpleNamespace(draining=False), CollectorRegistry())
+    assert pool.member("b").id == "b" and pool.member("b:lora1").id == "b"
+    assert pool.member(None).id == "a" and pool.member("").id == "a"   # the first: the default
+    with pytest.raises(NotFound) as e:
+        pool.member("gpt-4o")
+    assert "'gpt-4o'" in e.value.message and "a, b" in e.value.message
+    assert e.value.param == "model" and e.value.code == "model_not_found"
+    with pytest.raises(NotFound):
+        pool.member(["a"])
+    body = pool.models_body()
+    assert [(m["id"], m["loaded"], m["state"]) for m in body["data"]] == \
+        [("a", False, "unloaded"), ("b", False, "unloaded")]
+
+
+def test_merged_exposition_labels_every_sample_with_its_model() -> None:
+    def text(n: float) -> str:
+        r = CollectorRegistry()
+        Counter("pipeserve_requests", "r", ["endpoint"], registry=r).labels("chat").inc(n)
+        Gauge("pipeserve_queue_depth", "q", registry=r).set(n)
+        return generate_latest(r).decode()
+    out = merge([("", text(1), {"pipeserve_requests_total"}, ()),
+                 ("a", text(2), None, ()), ("b", text(3), None, {"pipeserve_queue_depth"})])
+    fams = {f.name: f for f in text_string_to_metric_families(out.decode())}
+    requests = {s.labels["model"]: s.value for s in fams["pipeserve_requests"].samples
+                if s.name == "pipeserve_requests_total"}
+    assert requests == {"": 1.0, "a": 2.0, "b": 3.0}
+    depth = {s.labels["model"]: s.value for s in fams["pipeserve_queue_depth"].samples}
+    assert depth == {"a": 2.0}   # the server's dropped (not kept), b's dropped
+    assert out.decode().count("# TYPE pipeserve_requests_total counter") == 1
+
+
+def test_a_childs_last_message_before_it_exits_is_not_lost() -> None:
+    """A child that fails to load says why (start_failed) and exits at once. The reader gets
+    that message and then end of file in the same read (poll() is true at EOF too); the
+    reason must still reach the user, not 'exited while loading'."""
+    import time
+
+    from pipeserve.pool.proxy import SPAWN, ChildEngine
+    engine = ChildEngine("m", make_config(), metrics=None)   # type: ignore[arg-type]
+    parent_end, child_end = SPAWN.Pipe()
+    child_end.send_bytes(codec.dumps({"op": "start_failed", "error": "ConfigError: no such path"}))
+    child_end.close()   # the child has exited: its last message, then end of file
+    engine._conn, engine._proc = parent_end, SPAWN.Process(target=time.sleep, args=(0,))
+    engine._proc.start()
+    engine._proc.join()
+    engine._read()
+    assert str(engine.startup_error) == "ConfigError: no such path"
+    assert not engine.wait_ready(0)
