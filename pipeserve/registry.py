@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 SCHEMA_MODULES = {
     "kv": "pipeserve.kv.config",
     "draft": "pipeserve.draft.config",
-    "cache": "pipeserve.config",
-    "admission": "pipeserve.config",
+    "cache": "pipeserve.prompt_cache.config",
+    "admission": "pipeserve.stages.config",
     "distributed": "pipeserve.distributed.config",
 }
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 DOCS = ROOT / "docs"
 CONF = ROOT / "pipeserve" / "conf"
 BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (\w+) -->\n)(.*?)(<!-- END GENERATED: \2 -->)", re.S)
-HIDDEN_GROUPS = {"hydra", "bench"}
+HIDDEN_GROUPS = {"hydra", "bench", "preset"}   # presets: a hand-written table
 
 
 # -- configuration ------------------------------------------------------------------------

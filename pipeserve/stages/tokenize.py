@@ -65,9 +65,9 @@ class Tokenize:
         self.bound = char_bound(self.backend) if self.backend is not None else None
         self.vision = loaded.vision
         self.model_name = cfg.model.name
-        self.media_limits = MediaLimits.of(cfg.server)
-        self.video_limits = video.VideoLimits.of(cfg.server)
-        self.audio_limits = AudioLimits.of(cfg.server)
+        self.media_limits = MediaLimits.of(cfg.media)
+        self.video_limits = video.VideoLimits.of(cfg.media)
+        self.audio_limits = AudioLimits.of(cfg.media)
         template = getattr(self.tokenizer, "chat_template", None)
         self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,

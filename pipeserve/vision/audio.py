@@ -54,9 +54,9 @@ class AudioLimits:
     max_clips: int
 
     @classmethod
-    def of(cls, server: Any) -> AudioLimits:
-        return cls(int(server.max_audio_mb * 1e6), float(server.max_audio_s),
-                   int(server.max_audios))
+    def of(cls, media: Any) -> AudioLimits:
+        return cls(int(media.max_audio_mb * 1e6), float(media.max_audio_s),
+                   int(media.max_audios))
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
 
     if len(data) > limits.max_clip_bytes:
         raise InvalidRequest(f"{where}: the audio is {len(data)} bytes; the limit is "
-                             f"{limits.max_clip_bytes} bytes per clip (server.max_audio_mb)",
+                             f"{limits.max_clip_bytes} bytes per clip (media.max_audio_mb)",
                              param=where)
     fmt = _format(data)
     if fmt is None:
@@ -103,7 +103,7 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
         if info.num_frames <= 0 or info.sample_rate <= 0:
             raise InvalidRequest(f"{where}: the {fmt.upper()} audio has no samples", param=where)
         seconds = info.num_frames / info.sample_rate
-        limit, key = min((limits.max_seconds, "server.max_audio_s"),
+        limit, key = min((limits.max_seconds, "media.max_audio_s"),
                          (model_seconds, "the model's longest clip"))
         if seconds > limit:
             raise InvalidRequest(f"{where}: the audio is {seconds:.2f} s long; the limit is "
@@ -131,10 +131,10 @@ def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_sec
                request_bytes: int, used_bytes: int = 0,
                shortest_s: float = 0.0) -> list[DecodedAudio]:
     """Every audio part's waveform, caps checked (`used_bytes`: the request's images, which
-    share server.max_media_mb). Blocking: off the event loop."""
+    share media.max_media_mb). Blocking: off the event loop."""
     if len(parts) > limits.max_clips:
         raise InvalidRequest(f"the request has {len(parts)} audio clips; the limit is "
-                             f"{limits.max_clips} per request (server.max_audios)",
+                             f"{limits.max_clips} per request (media.max_audios)",
                              param=parts[limits.max_clips].where)
     out, total = [], used_bytes
     for part in parts:
@@ -142,7 +142,7 @@ def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_sec
         total += len(part.data)
         if total > request_bytes:
             raise InvalidRequest(f"{part.where}: the request's media add up to more than "
-                                 f"{request_bytes} bytes (server.max_media_mb)", param=part.where)
+                                 f"{request_bytes} bytes (media.max_media_mb)", param=part.where)
         out.append(decode(part.data, part.where, limits, rate, model_seconds, shortest_s))
     return out
 

@@ -1,6 +1,6 @@
-"""Remote images (server.allow_remote_media=true): one http(s) GET with a wall-clock and byte
+"""Remote images (media.allow_remote_media=true): one http(s) GET with a wall-clock and byte
 cap, no redirects followed, and the host's every address checked first — loopback, private,
-link-local, multicast and reserved addresses are refused unless server.allow_private_media.
+link-local, multicast and reserved addresses are refused unless media.allow_private_media.
 Blocking: runs on the preparation pool, never on the event loop. No MLX."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from pipeserve.errors import InvalidRequest
 
 
 def fetch(url: str, where: str, limits: Any, what: str = "image", max_bytes: int | None = None,
-          key: str = "server.max_image_mb") -> bytes:
+          key: str = "media.max_image_mb") -> bytes:
     """The URL's body; `what` (image, video) names it in errors, `max_bytes` (server `key`)
     caps it (default: limits.max_image_bytes)."""
     cap = limits.max_image_bytes if max_bytes is None else max_bytes
     if not limits.allow_remote:
         raise InvalidRequest(f"{where} is a remote {what} URL; this server takes {what}s as "
-                             "data: URLs only (server.allow_remote_media=false)", param=where)
+                             "data: URLs only (media.allow_remote_media=false)", param=where)
     parts = urlsplit(url)
     host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     if not host:
@@ -38,7 +38,7 @@ def fetch(url: str, where: str, limits: Any, what: str = "image", max_bytes: int
                 raise InvalidRequest(
                     f"{where}: host {host!r} resolves to {addr}, a loopback, private or "
                     "link-local address; remote media come only from public hosts "
-                    "(server.allow_private_media=false)", param=where)
+                    "(media.allow_private_media=false)", param=where)
     deadline = time.monotonic() + limits.fetch_timeout_s
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(host, port, timeout=limits.fetch_timeout_s)
@@ -53,7 +53,7 @@ def fetch(url: str, where: str, limits: Any, what: str = "image", max_bytes: int
         while True:
             if time.monotonic() > deadline:
                 raise InvalidRequest(f"{where}: fetching the {what} took longer than "
-                                     f"{limits.fetch_timeout_s} s (server.media_fetch_timeout_s)",
+                                     f"{limits.fetch_timeout_s} s (media.media_fetch_timeout_s)",
                                      param=where)
             chunk = resp.read1(65536)   # what has arrived: the deadline bounds a slow sender
             if not chunk:

@@ -36,7 +36,7 @@ class MediaPart:
 
     where: str                  # the part's JSON path, e.g. messages[0].content[1]
     data: bytes | None = None
-    url: str | None = None      # http(s), fetched only when server.allow_remote_media
+    url: str | None = None      # http(s), fetched only when media.allow_remote_media
     kind: str = "image"         # or "video" (pipeserve/vision/video.py), "audio" (audio.py)
 
 
@@ -51,11 +51,11 @@ class MediaLimits:
     fetch_timeout_s: float
 
     @classmethod
-    def of(cls, server: Any) -> MediaLimits:
-        return cls(int(server.max_image_mb * 1e6), int(server.max_image_pixels),
-                   int(server.max_images), int(server.max_media_mb * 1e6),
-                   server.allow_remote_media, server.allow_private_media,
-                   server.media_fetch_timeout_s)
+    def of(cls, media: Any) -> MediaLimits:
+        return cls(int(media.max_image_mb * 1e6), int(media.max_image_pixels),
+                   int(media.max_images), int(media.max_media_mb * 1e6),
+                   media.allow_remote_media, media.allow_private_media,
+                   media.media_fetch_timeout_s)
 
 
 def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
@@ -104,7 +104,7 @@ def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
     off the event loop."""
     if len(parts) > limits.max_images:
         raise InvalidRequest(f"the request has {len(parts)} images; the limit is "
-                             f"{limits.max_images} per request (server.max_images)",
+                             f"{limits.max_images} per request (media.max_images)",
                              param=parts[limits.max_images].where)
     out, total = [], 0
     for part in parts:
@@ -116,7 +116,7 @@ def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
         total += len(data)
         if total > limits.max_request_bytes:
             raise InvalidRequest(f"{part.where}: the request's images add up to more than "
-                                 f"{limits.max_request_bytes} bytes (server.max_media_mb)",
+                                 f"{limits.max_request_bytes} bytes (media.max_media_mb)",
                                  param=part.where)
         out.append(decode(data, part.where, limits))
     return out
@@ -128,7 +128,7 @@ def decode(data: bytes, where: str, limits: MediaLimits) -> Decoded:
     _register_heif()
     if len(data) > limits.max_image_bytes:
         raise InvalidRequest(f"{where}: the image is {len(data)} bytes; the limit is "
-                             f"{limits.max_image_bytes} bytes per image (server.max_image_mb)",
+                             f"{limits.max_image_bytes} bytes per image (media.max_image_mb)",
                              param=where)
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -137,7 +137,7 @@ def decode(data: bytes, where: str, limits: MediaLimits) -> Decoded:
                 raise InvalidRequest(
                     f"{where}: the image is {width}x{height} = {width * height} pixels; the "
                     f"limit is {limits.max_image_pixels} pixels per image "
-                    "(server.max_image_pixels)", param=where)
+                    "(media.max_image_pixels)", param=where)
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")
     except InvalidRequest:

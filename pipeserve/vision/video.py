@@ -1,6 +1,6 @@
 """Video in (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5): `video_url` / `input_video` parts,
 decoded with PyAV off the event loop (the tokenize stage's preparation pool) under byte,
-duration, pixel and frame caps, sampled to frames at server.video_fps the way mlx-vlm's
+duration, pixel and frame caps, sampled to frames at media.video_fps the way mlx-vlm's
 load_video samples them (evenly spaced source frame indices, a multiple of the model's
 temporal patch), then turned into the model's `pixel_values_videos` / `video_grid_thw` and
 `<|video_pad|>` tokens (Qwen3: in timestamped blocks) by the checkpoint's own (mlx-vlm,
@@ -35,11 +35,11 @@ class VideoLimits:
     max_decode_s: float = 30.0     # wall clock for one video's probe and frame decoding
 
     @classmethod
-    def of(cls, server: Any) -> VideoLimits:
-        return cls(float(server.video_fps), int(server.max_video_frames),
-                   int(server.max_video_mb * 1e6), float(server.max_video_seconds),
-                   int(server.max_videos), int(server.max_video_pixels), MediaLimits.of(server),
-                   float(server.max_video_decode_s))
+    def of(cls, media: Any) -> VideoLimits:
+        return cls(float(media.video_fps), int(media.max_video_frames),
+                   int(media.max_video_mb * 1e6), float(media.max_video_seconds),
+                   int(media.max_videos), int(media.max_video_pixels), MediaLimits.of(media),
+                   float(media.max_video_decode_s))
 
 
 def part_url(part: dict[str, Any]) -> Any:
@@ -83,11 +83,11 @@ def sample_indices(total: int, source_fps: float, fps: float, max_frames: int,
 def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_frames: int,
                other_bytes: int) -> list[DecodedVideo]:
     """Every video part decoded and sampled (fetching remote ones when allowed). `other_bytes`:
-    what the request's images already count against server.max_media_mb. Blocking: call it
+    what the request's images already count against media.max_media_mb. Blocking: call it
     off the event loop."""
     if len(parts) > limits.max_videos:
         raise InvalidRequest(f"the request has {len(parts)} videos; the limit is "
-                             f"{limits.max_videos} per request (server.max_videos)",
+                             f"{limits.max_videos} per request (media.max_videos)",
                              param=parts[limits.max_videos].where)
     out, total = [], other_bytes
     for part in parts:
@@ -96,12 +96,12 @@ def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_fra
             from pipeserve.vision.fetch import fetch
             assert part.url is not None
             data = fetch(part.url, part.where, limits.media, what="video",
-                         max_bytes=limits.max_bytes, key="server.max_video_mb")
+                         max_bytes=limits.max_bytes, key="media.max_video_mb")
         total += len(data)
         if total > limits.media.max_request_bytes:
             raise InvalidRequest(f"{part.where}: the request's images and videos add up to more "
                                  f"than {limits.media.max_request_bytes} bytes "
-                                 "(server.max_media_mb)", param=part.where)
+                                 "(media.max_media_mb)", param=part.where)
         out.append(decode(data, part.where, limits, factor, min_frames))
     return out
 
@@ -110,7 +110,7 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
            min_frames: int) -> DecodedVideo:
     if len(data) > limits.max_bytes:
         raise InvalidRequest(f"{where}: the video is {len(data)} bytes; the limit is "
-                             f"{limits.max_bytes} bytes per video (server.max_video_mb)",
+                             f"{limits.max_bytes} bytes per video (media.max_video_mb)",
                              param=where)
     try:
         import av
@@ -139,12 +139,12 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
 
 
 def _overdue(where: str, limits: VideoLimits, deadline: float) -> None:
-    """A 400 once one video's decoding has taken longer than server.max_video_decode_s (a
+    """A 400 once one video's decoding has taken longer than media.max_video_decode_s (a
     file built to be slow to decode must not hold a preparation thread for minutes)."""
     if time.monotonic() > deadline:
         raise InvalidRequest(
             f"{where}: decoding the video took longer than {limits.max_decode_s:g} s, the limit "
-            "per video (server.max_video_decode_s); send a shorter or smaller video",
+            "per video (media.max_video_decode_s); send a shorter or smaller video",
             param=where)
 
 
@@ -160,13 +160,13 @@ def _probe(data: bytes, where: str, limits: VideoLimits, deadline: float) -> tup
         if container.duration is not None and container.duration / 1e6 > limits.max_seconds:
             raise InvalidRequest(
                 f"{where}: the video is {container.duration / 1e6:.1f} s long; the limit is "
-                f"{limits.max_seconds:g} s per video (server.max_video_seconds)", param=where)
+                f"{limits.max_seconds:g} s per video (media.max_video_seconds)", param=where)
         width, height = stream.codec_context.width, stream.codec_context.height
         if width * height > limits.max_frame_pixels:
             raise InvalidRequest(
                 f"{where}: the video's frames are {width}x{height} = {width * height} pixels; "
                 f"the limit is {limits.max_frame_pixels} pixels per frame "
-                "(server.max_video_pixels)", param=where)
+                "(media.max_video_pixels)", param=where)
         count, last = 0, 0.0
         for packet in container.demux(stream):
             _overdue(where, limits, deadline)
@@ -176,7 +176,7 @@ def _probe(data: bytes, where: str, limits: VideoLimits, deadline: float) -> tup
                 if last > limits.max_seconds:
                     raise InvalidRequest(
                         f"{where}: the video is longer than {limits.max_seconds:g} s, the limit "
-                        "per video (server.max_video_seconds)", param=where)
+                        "per video (media.max_video_seconds)", param=where)
         if count == 0:
             raise InvalidRequest(f"{where}: the video stream has no frames", param=where)
         rate = stream.average_rate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,13 +20,17 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeserve import config as pc
+from pipeserve.core.config import ContinuousSchedulerConfig, SamplingConfig, SerialSchedulerConfig
+from pipeserve.http.config import LogFormat, ServerConfig
+from pipeserve.model.config import Arch, ModelConfig, ModelSource
+from pipeserve.stages.config import AdvisoryAdmissionConfig, PipelineConfig
 from pipeserve.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "pipeserve" / "conf"
 # pipeserve/conf/hydra/ holds options of Hydra's own groups (job_logging), not of ServeConfig
 # pipeserve/conf/bench/ holds bench.py's overlays (its model shapes), not a serve.py group
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "bench"))
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "bench", "preset"))
 
 pc.register_configs()
 
@@ -131,34 +136,34 @@ def test_every_option_composes(group: str, option: str) -> None:
 
 def test_known_schema_classes_and_defaults() -> None:
     cfg = load()
-    assert type(cfg.scheduler) is pc.ContinuousSchedulerConfig
-    assert type(cfg.admission) is pc.AdvisoryAdmissionConfig
-    assert type(cfg.model) is pc.ModelConfig
-    assert type(cfg.sampling) is pc.SamplingConfig
-    assert type(cfg.server) is pc.ServerConfig
-    assert type(cfg.pipeline) is pc.PipelineConfig
+    assert type(cfg.scheduler) is ContinuousSchedulerConfig
+    assert type(cfg.admission) is AdvisoryAdmissionConfig
+    assert type(cfg.model) is ModelConfig
+    assert type(cfg.sampling) is SamplingConfig
+    assert type(cfg.server) is ServerConfig
+    assert type(cfg.pipeline) is PipelineConfig
     assert cfg.server.port == 8080 and isinstance(cfg.server.port, int)
     assert cfg.server.host == "127.0.0.1"
     assert cfg.scheduler.prefill_chunk == 2048
     assert cfg.scheduler.max_batch is None   # fitted to the device at load (CPU 8, GPU 256)
     assert cfg.scheduler.max_num_batched_tokens is None
     assert cfg.admission.max_queue == 64
-    assert cfg.model.name == "smollm2" and cfg.model.source is pc.ModelSource.smollm2
-    assert cfg.model.path is None and cfg.model.arch is pc.Arch.llama
-    assert cfg.server.log_format is pc.LogFormat.text
+    assert cfg.model.name == "smollm2" and cfg.model.source is ModelSource.smollm2
+    assert cfg.model.path is None and cfg.model.arch is Arch.llama
+    assert cfg.server.log_format is LogFormat.text
     assert cfg.sampling.temperature is None
     assert cfg.pipeline.sample._target_ == "pipeserve.stages.sample.Sample"
-    assert type(load("scheduler=serial").scheduler) is pc.SerialSchedulerConfig
+    assert type(load("scheduler=serial").scheduler) is SerialSchedulerConfig
 
 
 def test_overrides_are_typed() -> None:
     cfg = load("server.port=9000", "model.arch=llama", "sampling.temperature=0.5",
                "admission.max_queue=0", "server.log_format=json")
     assert cfg.server.port == 9000
-    assert cfg.model.arch is pc.Arch.llama
+    assert cfg.model.arch is Arch.llama
     assert cfg.sampling.temperature == 0.5
     assert cfg.admission.max_queue == 0
-    assert cfg.server.log_format is pc.LogFormat.json
+    assert cfg.server.log_format is LogFormat.json
 
 
 # -- 2. bad overrides and their messages -------------------------------------------------
@@ -262,3 +267,40 @@ def test_config_hash_stable_and_sensitive() -> None:
     # override order does not matter
     assert (pc.config_hash(compose_raw("server.port=9000", "admission.max_queue=8"))
             == pc.config_hash(compose_raw("admission.max_queue=8", "server.port=9000")))
+
+
+# -- presets -------------------------------------------------------------------------------
+PRESETS = sorted(p.stem for p in (CONF / "preset").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_and_sets_what_the_docs_say(name: str) -> None:
+    """Each preset is a row of the configuration page's table, and every key the row names
+    holds that value in the loaded config (a group choice names its option)."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    row = next((line for line in page.splitlines() if line.startswith(f"| `{name}` |")), None)
+    assert row is not None, f"docs/configuration.md has no row for preset={name}"
+    cfg = load(f"preset={name}")
+    said = re.findall(r"`([a-z_]+)(?:\.([a-z_.]+))?=([^`]+)`", row.split("|")[3])
+    assert said, row
+    for group, key, value in said:
+        node = getattr(cfg, group)
+        if not key:
+            assert node.name == value, f"preset={name}: {group}={node.name}, the docs say {value}"
+            continue
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert str(node) == value or str(float(node)) == str(float(value)), (name, group, key, node)
+
+
+def test_a_preset_yields_to_the_command_line() -> None:
+    cfg = load("preset=agents", "cache=ram", "cache.ram_gb=2")
+    assert cfg.cache.name == "ram" and cfg.cache.ram_gb == 2.0
+    assert cfg.admission.default_priority == "interactive"   # the rest of the preset holds
+
+
+def test_a_media_key_under_server_names_its_new_place() -> None:
+    with pytest.raises(ConfigError, match=r"server\.max_images is media\.max_images now.*"
+                                          r"media\.max_images=4"):
+        pc.check_overrides(["server.max_images=4"])
+    assert load("media.max_images=4").media.max_images == 4

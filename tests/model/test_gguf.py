@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from pipeserve.model.gguf import convert as gguf
-from pipeserve.config import ComputeDType, ModelConfig
+from pipeserve.model.config import ComputeDType, ModelConfig
 from pipeserve.errors import ConfigError
 from pipeserve.model.loader import load
 from pipeserve.model.tiny.text import CHAT_TEMPLATE, CORPUS, build_tokenizer

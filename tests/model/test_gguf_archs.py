@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pipeserve.model.gguf import convert as gguf
-from pipeserve.config import ComputeDType, ModelConfig
+from pipeserve.model.config import ComputeDType, ModelConfig
 from pipeserve.errors import ConfigError
 from pipeserve.model.loader import load
 from tests.model.test_gguf import permute, save_mlx_gguf, tokenizer_metadata

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from pipeserve.model.gguf import quants as gguf_quants
-from pipeserve.config import ComputeDType, ModelConfig
+from pipeserve.model.config import ComputeDType, ModelConfig
 from pipeserve.model.loader import load
 from tests.model.test_gguf import permute, tokenizer_metadata
 

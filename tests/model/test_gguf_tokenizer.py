@@ -15,7 +15,7 @@ import pytest
 
 from pipeserve.model.gguf import convert as gguf
 from pipeserve.model.gguf import tokenizer as gguf_tokenizer
-from pipeserve.config import ComputeDType, ModelConfig
+from pipeserve.model.config import ComputeDType, ModelConfig
 from pipeserve.errors import ConfigError
 from pipeserve.model.loader import load
 from pipeserve.model.tiny.text import CHAT_TEMPLATE, CORPUS

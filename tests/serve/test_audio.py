@@ -56,7 +56,7 @@ def audio_message(data: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def omni(server_factory: Any, model_cache: Path) -> Any:
-    server = server_factory("model=tiny_vlm", "model.arch=gemma4", "server.max_audio_s=2",
+    server = server_factory("model=tiny_vlm", "model.arch=gemma4", "media.max_audio_s=2",
                             "scheduler.prefill_chunk=32")
     server.path = ensure_model("gemma4", "float32", model_cache)
     return server
@@ -213,7 +213,7 @@ def test_bad_audio_is_a_400_naming_the_part(omni: Any) -> None:
     cases = [
         (audio_part(corrupt), "could not be decoded"),
         (audio_part(b"plain text, not audio"), "not WAV, MP3 or FLAC"),
-        (audio_part(wav(5, 2.5)), "2.50 s long; the limit is 2 s per clip (server.max_audio_s)"),
+        (audio_part(wav(5, 2.5)), "2.50 s long; the limit is 2 s per clip (media.max_audio_s)"),
         (audio_part(wav(6, 0.02)), "20.0 ms long; the shortest clip this model takes is 40 ms"),
         ({"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}, "base64"),
         ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "m4a"}},

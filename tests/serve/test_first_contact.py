@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from pipeserve.config import SchedulerConfig
+from pipeserve.core.config import SchedulerConfig
 
 from pipeserve.errors import ConfigError
 from pipeserve.model.loader import locate

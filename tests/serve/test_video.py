@@ -85,7 +85,7 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     arch = request.param
     server = server_factory("model=tiny_vlm", f"model.arch={arch}",
-                            "server.max_video_seconds=5", "scheduler.prefill_chunk=64")
+                            "media.max_video_seconds=5", "scheduler.prefill_chunk=64")
     server.arch = arch
     server.path = ensure_model(arch, "float32", model_cache)
     server.tmp = tmp_path_factory.mktemp("videos")
@@ -278,7 +278,7 @@ def test_bad_videos_are_400s_naming_the_part(vlm: Any) -> None:
     cases = [
         (b"not a video at all", "could not be decoded"),
         (VIDEO_A[: len(VIDEO_A) // 3], "could not be decoded"),   # cut short: no index, no frames
-        (mp4(5, 12, 2), "the limit is 5 s"),                       # 6 s > server.max_video_seconds=5
+        (mp4(5, 12, 2), "the limit is 5 s"),                       # 6 s > media.max_video_seconds=5
         (mp4(6, 4, 4, size=(20, 20)), "cannot be processed"),      # smaller than one merged patch
     ]
     for data, reason in cases:

@@ -125,7 +125,7 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
     # a RAM tier of ~2 prompts' KV: older entries spill to the SSD tier, where they hit again
     # (Qwen3.5's attention heads are 64 wide, not 16: its prompts' KV is ~4x larger)
     ram_gb = 0.0004 if arch.startswith("qwen3_5") else 0.0001
-    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "server.max_image_pixels=20000",
+    server = server_factory("model=tiny_vlm", f"model.arch={arch}", "media.max_image_pixels=20000",
                             "cache=ssd", f"cache.ssd.dir={tmp_path_factory.mktemp('ssd')}",
                             f"cache.ram_gb={ram_gb}", "scheduler.prefill_chunk=64")
     server.arch = arch
@@ -244,7 +244,7 @@ def test_anthropic_image_block(vlm: Any) -> None:
 
 @ONE_ARCH
 def test_bad_images_are_400s_naming_the_part(vlm: Any) -> None:
-    big = png(3, (200, 150))   # 30000 pixels > server.max_image_pixels=20000
+    big = png(3, (200, 150))   # 30000 pixels > media.max_image_pixels=20000
     cases = [
         (b"not an image at all", "could not be decoded"),
         (big, "30000 pixels"),
@@ -361,7 +361,7 @@ def test_image_rows_on_the_paged_kv_layout_equal_mlx_vlm(arch: str, server_facto
     one request alone and two with different images in one batch, equals mlx-vlm's own
     generate (dense caches) token for token."""
     server = server_factory("model=tiny_vlm", f"model.arch={arch}", "kv=paged",
-                            "server.max_image_pixels=20000")
+                            "media.max_image_pixels=20000")
     server.arch, server.path = arch, ensure_model(arch, "float32", model_cache)
     want = {img: mlx_vlm_greedy(server.path, img, QUESTION, 16) for img in (IMAGE_A, IMAGE_B)}
     assert served_bytes(greedy(server, image_message(IMAGE_A))) == want[IMAGE_A]

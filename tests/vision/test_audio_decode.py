@@ -64,7 +64,7 @@ def test_caps_and_malformed_clips_name_the_part() -> None:
         (wav()[:44] + b"\x00" * 8, "0.2 ms long; the shortest clip this model takes is 40 ms"),
         (b"RIFF\x00\x00\x00\x00WAVEjunk" * 3, "WAV audio could not be decoded"),
         (b"\x00\x01 not audio", "are not WAV, MP3 or FLAC"),
-        (wav(np.zeros(22050 * 3)), "3.00 s long; the limit is 2 s per clip (server.max_audio_s)"),
+        (wav(np.zeros(22050 * 3)), "3.00 s long; the limit is 2 s per clip (media.max_audio_s)"),
         (b"x" * 1_000_001, "1000001 bytes; the limit is 1000000 bytes per clip"),
     ]
     for data, reason in cases:

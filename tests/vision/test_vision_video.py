@@ -39,7 +39,7 @@ def video(frames: int, fps: int, size: tuple[int, int] = (64, 48), codec: str = 
     (12, 4, 32, "libx264", "mp4", 0),      # 3 s at 2 fps: 6 frames
     (7, 3, 32, "libx264", "mp4", 0),       # at least 4 (min_frames), a multiple of 2
     (40, 10, 32, "libvpx-vp9", "webm", 0),  # 8 frames over 4 s
-    (40, 10, 4, "mpeg4", "mp4", 0),        # capped at server.max_video_frames, evenly spread
+    (40, 10, 4, "mpeg4", "mp4", 0),        # capped at media.max_video_frames, evenly spread
     (8, 4, 32, "libx264", "mp4", 90),      # a portrait phone video: shown upright
 ])
 def test_frames_equal_mlx_vlms_own_sampling(tmp_path: Path, frames: int, fps: int,
@@ -73,12 +73,12 @@ def test_caps_and_corrupt_videos_name_the_part() -> None:
     with pytest.raises(InvalidRequest, match=r"p: the video is \d+ bytes; the limit is 1000 bytes"):
         decode(clip, "p", limits(max_bytes=1000), FACTOR, MIN_FRAMES)
     with pytest.raises(InvalidRequest, match=r"p: the video's frames are 64x48 = 3072 pixels; "
-                                             r"the limit is 3000 .*server\.max_video_pixels"):
+                                             r"the limit is 3000 .*media\.max_video_pixels"):
         decode(clip, "p", limits(max_frame_pixels=3000), FACTOR, MIN_FRAMES)
     with pytest.raises(InvalidRequest, match=r"p: the video is 3\.0 s long; the limit is 2 s"):
         decode(clip, "p", limits(max_seconds=2), FACTOR, MIN_FRAMES)
     parts = [MediaPart(f"m[{i}]", data=clip, kind="video") for i in range(3)]
-    with pytest.raises(InvalidRequest, match=r"3 videos; the limit is 2 .*server\.max_videos"):
+    with pytest.raises(InvalidRequest, match=r"3 videos; the limit is 2 .*media\.max_videos"):
         decode_all(parts, limits(), FACTOR, MIN_FRAMES, 0)
     with pytest.raises(InvalidRequest, match=r"m\[1\]: the request's images and videos add up"):
         decode_all(parts[:2], limits(max_request_bytes=len(clip) + 10), FACTOR, MIN_FRAMES, 0)
@@ -91,11 +91,11 @@ def test_caps_and_corrupt_videos_name_the_part() -> None:
 
 
 def test_a_video_that_takes_too_long_to_decode_is_a_400_naming_the_part_and_the_key() -> None:
-    """server.max_video_decode_s bounds one video's decoding in wall-clock time (a file built
+    """media.max_video_decode_s bounds one video's decoding in wall-clock time (a file built
     to decode slowly must not hold a preparation thread); within it, the same clip decodes."""
     clip = video(40, 10)
     with pytest.raises(InvalidRequest, match=r"m\[0\]\.content\[1\]: decoding the video took "
-                                             r"longer than 1e-06 s.*server\.max_video_decode_s"):
+                                             r"longer than 1e-06 s.*media\.max_video_decode_s"):
         decode(clip, "m[0].content[1]", limits(max_decode_s=1e-6), FACTOR, MIN_FRAMES)
     assert decode(clip, "p", limits(max_decode_s=30), FACTOR, MIN_FRAMES).frames.shape[0] == 8
 
@@ -130,7 +130,7 @@ def test_remote_fetch_policy(local_videos: str) -> None:
         decode_all([part], limits(allow_remote=True), FACTOR, MIN_FRAMES, 0)
     got = decode_all([part], limits(allow_remote=True, allow_private=True), FACTOR, MIN_FRAMES, 0)
     assert got[0].frames.shape == (6, 3, 48, 64)
-    with pytest.raises(InvalidRequest, match=r"remote video is larger than 1000 bytes \(server\.max_video_mb\)"):
+    with pytest.raises(InvalidRequest, match=r"remote video is larger than 1000 bytes \(media\.max_video_mb\)"):
         decode_all([part], limits(allow_remote=True, allow_private=True, max_bytes=1000),
                    FACTOR, MIN_FRAMES, 0)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pipeserve.config import SerialSchedulerConfig, ServeConfig
+from pipeserve.config import ServeConfig
+from pipeserve.core.config import SerialSchedulerConfig
 
 HEADER = "x-pipeserve-record"
 

@@ -1,0 +1,91 @@
+"""The `server` group's schema: listening, keys, bodies, streams and stored responses of the HTTP
+side. Imports no mlx: checked at launch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+from pipeserve.errors import ConfigError, check_positive as _positive
+
+
+class LogFormat(Enum):
+    text = "text"
+    json = "json"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"   # address to listen on; 0.0.0.0 for every interface
+    port: int = 8080          # TCP port to listen on
+    api_key: Optional[str] = None     # when set, requests need `Authorization: Bearer <key>`
+    admin_key: Optional[str] = None   # guards /admin/* when set
+    api_key_file: Optional[str] = None    # read api_key from this file at launch (stripped)
+    admin_key_file: Optional[str] = None  # read admin_key from this file at launch (stripped)
+    metrics_auth: bool = False        # /metrics needs admin_key (api_key when no admin_key)
+    max_body_mb: float = 16.0         # request bodies above this get 413
+    shutdown_timeout_s: float = 120.0  # how long SIGTERM waits for active requests
+    cors_origins: list[str] = field(default_factory=list)  # Access-Control-Allow-Origin values
+    log_format: LogFormat = LogFormat.text   # text lines, or one JSON object per line
+    keep_alive_s: float = 15.0        # seconds between SSE keep-alive comments while queued
+    responses_ttl_s: float = 3600.0   # how long /v1/responses keeps a stored response
+    responses_store_mb: float = 64.0  # byte cap of stored responses (decimal MB; 0 = store none)
+    stream_resume_s: float = 60.0     # an SSE stream stays resumable (GET /v1/streams/{id}) this
+    #                                   long after it ends; a resumable one outlives its client so long
+    stream_resume_mb: float = 64.0    # byte cap of the frames kept for resumes (decimal MB)
+    chat_page: bool = True            # GET / serves the browser chat page (pipeserve/http/static/chat.html)
+    allow_request_templates: bool = False  # accept chat_template_kwargs.chat_template (sandboxed)
+    # a request field the endpoint does not implement is a 400 naming it; false: it is ignored,
+    # named in the x-pipeserve-ignored header and counted (pipeserve/http/api/known_fields.py)
+    strict_fields: bool = False
+    request_template_timeout_s: float = 2.0  # wall-clock seconds a request's template may render
+    # how long a Python thread holds the GIL while another waits for it (sys.setswitchinterval):
+    # the engine thread builds each step's graph while the event loop writes every stream's
+    # tokens; a shorter slice keeps the engine from waiting out the loop's
+    switch_interval_ms: float = 5.0
+    # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
+    # detokenize); None: on for a pool, off for a single model (pipeserve/pool/)
+    isolate: Optional[bool] = None
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        _positive("server.responses_ttl_s", self.responses_ttl_s, allow_none=False)
+        _positive("server.switch_interval_ms", self.switch_interval_ms, allow_none=False)
+        _positive("server.stream_resume_s", self.stream_resume_s, allow_none=False)
+        _positive("server.stream_resume_mb", self.stream_resume_mb, allow_none=False)
+        if self.responses_store_mb < 0:
+            raise ConfigError(
+                f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
+        _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
+        _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
+        _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
+        _positive("server.request_template_timeout_s", self.request_template_timeout_s,
+                  allow_none=False)
+        self.api_key = _read_key("api_key", self.api_key, self.api_key_file)
+        self.admin_key = _read_key("admin_key", self.admin_key, self.admin_key_file)
+        if self.metrics_auth and not (self.admin_key or self.api_key):
+            raise ConfigError("server.metrics_auth=true needs server.admin_key or server.api_key "
+                              "(or their _file forms): /metrics would have no key to check")
+
+
+# Server fields that hold or locate a key: never hashed, never written literally to run files.
+SECRET_FIELDS = ("api_key", "admin_key", "api_key_file", "admin_key_file")
+
+
+def _read_key(name: str, value: Optional[str], path: Optional[str]) -> Optional[str]:
+    """server.<name>, or the stripped contents of server.<name>_file (read at launch)."""
+    if value is not None and path is not None:
+        raise ConfigError(f"server.{name} and server.{name}_file are both set; set one")
+    if path is not None:
+        file = Path(path).expanduser()
+        try:
+            value = file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"server.{name}_file {str(file)!r} cannot be read: "
+                              f"{e.strerror or e}") from e
+        if not value:
+            raise ConfigError(f"server.{name}_file {str(file)!r} is empty")
+    elif value is not None and not value.strip():
+        raise ConfigError(f"server.{name} is empty; unset it to serve without a key")
+    return value
