@@ -63,6 +63,13 @@ def run_bench(raw: DictConfig) -> list[Row]:
         rows = bench_vision.run(b, cfg.model.name, overrides, model_dir, out, eos)
         _write(out, rows)
         return rows
+    if b.workload == "ttft":
+        from pipeserve.bench import ttft
+        vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size", 500)
+        rows = ttft.run(b, cfg.model.name, vocab, cfg.scheduler.prefill_chunk, overrides,
+                        model_dir, out, eos_bias)
+        _write(out, rows)
+        return rows
     if b.workload == "cache_ttft":
         rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
         _write(out, rows)

@@ -157,7 +157,10 @@ class Scheduler:
         if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
             prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
-            n = min(lim.prefill_chunk, budget, req.num_prompt_tokens - 1 - pos)
+            # chunks end on multiples of prefill_chunk (after a cache hit too): the attention
+            # shapes of a prompt's chunks recur across prompts, so a GPU builds each kernel once
+            n = min(lim.prefill_chunk - pos % lim.prefill_chunk, budget,
+                    req.num_prompt_tokens - 1 - pos)
             for at in req.checkpoints_at:   # a chunk ends where persist keeps the state
                 if at > pos:
                     n = min(n, at - pos)
