@@ -1,7 +1,7 @@
 """pipeserve entry point: compose the config with Hydra, build the app, serve it.
 
     pipeserve                                # SmolLM2-135M demo model on 127.0.0.1:8080
-    pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000
+    pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000   # ~: home
     python serve.py ...                      # the same, from a checkout
 
 Every launch error (a bad override, a model that is not there, a port in use, a model that
@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeserve.launch import checks as launch
 from pipeserve.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeserve.errors import ConfigError
+from pipeserve.launch.overrides import expand_home
 from pipeserve.launch.run_files import write_run_files
 
 log = logging.getLogger("pipeserve")
@@ -30,7 +31,7 @@ CONF = launch.conf_dir()
 def main() -> None:
     """The `pipeserve` command and `python serve.py`: our --help and override check, then
     Hydra's main (which owns the run dir and logging)."""
-    args = sys.argv[1:]
+    args = sys.argv[1:] = expand_home(sys.argv[1:])   # `model.path=~/x` as in a shell
     if any(a in ("-h", "--help") for a in args):
         print(launch.help_text(CONF))
         return

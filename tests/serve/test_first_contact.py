@@ -21,6 +21,8 @@ import pytest
 from pipeserve.core.config import SchedulerConfig
 
 from pipeserve.errors import ConfigError
+from pipeserve.launch.overrides import expand_home
+from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.loader import locate
 from tests.conftest import make_config, startup_error
 
@@ -54,6 +56,10 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
                 "unknown config key 'scheduler.max_batchh' (did you mean scheduler.max_batch?); "
                 f"'scheduler' has: {_keys(SchedulerConfig)}",
             ("kv=turb",): "kv=turb is not an option of kv (did you mean kv=turbo?); options: dense",
+            ("model.path=/models/a(b)",):   # Hydra's grammar: the character and the quoting fix
+                "model.path=/models/a(b): Hydra's override grammar cannot read '(' in an unquoted "
+                "value; quote the value (with the shell's quotes around it): "
+                "\"model.path='/models/a(b)'\"",
             ("model=tiny", f"server.port={port}"):
                 f"server.port {port} on 127.0.0.1 is already in use",
         }
@@ -65,7 +71,7 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
         assert len(lines) <= 2 and "Traceback" not in out + err, (args, out + err)
         assert cases[args] in err, (args, err)
         assert "huggingface-cli" not in err and "+scheduler" not in err
-    assert not (tmp_path / "3" / "models").exists(), "a model was generated before the port check"
+    assert not (tmp_path / "4" / "models").exists(), "a model was generated before the port check"
 
 
 @pytest.mark.parametrize("path, message", [
@@ -85,6 +91,42 @@ def test_model_path_is_checked_before_anything_loads(tmp_path: Path, path: str, 
     with pytest.raises(ConfigError) as e:
         locate(cfg.model)
     assert message in str(e.value)
+
+
+def test_paths_as_a_shell_user_types_them(server_factory: Any, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.path=~/models/X` unquoted (bash leaves a `~` after `=` alone and Hydra's grammar
+    rejects it): the launch reads `~` as the home directory, for the model, the SSD cache
+    directory and a pool's model directory alike."""
+    home = tmp_path / "home"
+    model = ensure_model(cache_dir=home / "models")
+    monkeypatch.setenv("HOME", str(home))
+    one = server_factory(f"model.path=~/models/{model.name}", "cache=ssd",
+                         "cache.ssd.dir=~/prompt-cache", wait=False)
+    pool = server_factory("pool=dir", "pool.model_dir=~/models", wait=False)
+    one.wait_ready()
+    pool.wait_ready()
+    client = openai.OpenAI(base_url=one.base_url + "/v1", api_key="x")
+    reply = client.chat.completions.create(model=model.name, max_tokens=4, messages=[
+        {"role": "user", "content": "hi"}])
+    assert reply.model == model.name and reply.choices[0].message.content
+    assert (home / "prompt-cache").is_dir() and not (ROOT / "~").exists()
+    served = openai.OpenAI(base_url=pool.base_url + "/v1", api_key="x").models.list()
+    assert model.name in [m.id for m in served.data]
+
+
+def test_home_is_expanded_only_in_path_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    monkeypatch.setenv("HOME", "/home/a b,c'd")   # Hydra would split on ',' and stop at "'"
+    args = ["model.path=~/m", "+pool.models.x.path=~", "server.api_key_file=~/k",
+            "model.chat_template=~/t.jinja", "server.api_key=~secret", "~model.adapter_dir",
+            "--cfg", "server.port=8080"]
+    out = expand_home(args)
+    parser = OverridesParser.create()
+    values = [parser.parse_override(a).value() for a in out[:4]]
+    assert values == ["/home/a b,c'd/m", "/home/a b,c'd", "/home/a b,c'd/k",
+                      "/home/a b,c'd/t.jinja"]
+    assert out[4:] == args[4:]   # a key's value, a deletion, a flag: as typed
 
 
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
