@@ -87,8 +87,8 @@ def serve(raw: DictConfig) -> None:
                 access_log=False, motd=False)
     except OSError as e:   # lost the port between check_port and the bind
         _fail(f"config error: {launch.port_message(cfg.server.host, cfg.server.port, e)}")
-    if app.ctx.launch_error:   # a ConfigError while the engine loaded the model
-        _fail(f"config error: {app.ctx.launch_error}")
+    if app.ctx.launch_error:   # the engine could not load the model
+        _fail(app.ctx.launch_error)
     # The engine has stopped and the prompt cache is flushed and closed by now.
     _exit(app.ctx.exit_code)
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,6 +128,63 @@ def test_home_is_expanded_only_in_path_values(monkeypatch: pytest.MonkeyPatch) -
     assert values == ["/home/a b,c'd/m", "/home/a b,c'd", "/home/a b,c'd/k",
                       "/home/a b,c'd/t.jinja"]
     assert out[4:] == args[4:]   # a key's value, a deletion, a flag: as typed
+
+
+def _broken_model_files(tmp: Path) -> dict[str, str]:
+    """Damaged GGUF files (written by llama.cpp's `gguf` package, then cut or overwritten) and
+    damaged safetensors checkpoints → what the launch's one line must say of each."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.model.test_gguf import _small, save_ggml_gguf, tokenizer_metadata
+
+    tensors, meta = _small(tokenizer_metadata())
+    whole = save_ggml_gguf(tmp / "whole.gguf", {n: (w, T.F32) for n, w in tensors.items()}, meta)
+    data = whole.read_bytes()
+    cut = len(data) - 4096
+    at = data.index(b"llama.block_count") - 8   # that key's 8-byte length
+    name = data.index(b"output_norm.weight") + len(b"output_norm.weight")
+    ttype = name + 4 + 8 * int.from_bytes(data[name:name + 4], "little")   # after ndim, dims
+    files = {
+        "cut-in-tensors.gguf": (data[:cut], f"is truncated at byte {cut} of "),
+        "cut-in-header.gguf": (data[:300], "is truncated at byte 300, inside its GGUF header"),
+        "bad-length.gguf": (data[:at] + b"\xff" * 8 + data[at + 8:],
+                            "is corrupt: its GGUF header does not parse (a string of "
+                            f"{2**64 - 1} bytes runs past the end of the file"),
+        "bad-type.gguf": (data[:ttype] + (200).to_bytes(4, "little") + data[ttype + 4:],
+                          "tensor type unknown type 200 is not supported"),
+    }
+    out = {}
+    for fname, (blob, message) in files.items():
+        (tmp / fname).write_bytes(blob)
+        out[str(tmp / fname)] = message
+    falcon = save_ggml_gguf(tmp / "falcon.gguf", {n: (w, T.F32) for n, w in tensors.items()},
+                            meta, arch="falcon")
+    out[str(falcon)] = "GGUF architecture 'falcon' is not supported; supported: llama"
+    model = ensure_model(cache_dir=tmp / "models")
+    weights = (model / "model.safetensors").read_bytes()
+    for dname, blob, message in [
+            ("cut-checkpoint", weights[:len(weights) // 2],
+             f"model.safetensors is truncated at byte {len(weights) // 2} of {len(weights)}"),
+            ("bad-checkpoint", b"\xff" * 8 + weights[8:],
+             "model.safetensors is corrupt (header too large")]:
+        shutil.copytree(model, tmp / dname)
+        (tmp / dname / "model.safetensors").write_bytes(blob)
+        out[str(tmp / dname)] = message
+    return out
+
+
+def test_a_broken_model_file_is_one_line_naming_it_and_the_fix(tmp_path: Path) -> None:
+    cases = _broken_model_files(tmp_path)
+    procs = {path: _launch(tmp_path / str(i), f"model.path={path}", "server.port=0")
+             for i, path in enumerate(cases)}
+    for path, p in procs.items():
+        rc = p.wait(120)
+        out, err = p.communicate()
+        assert rc == 2 and "Traceback" not in out + err, (path, rc, out, err)
+        assert err.count("\n") == 1 and err.startswith(f"pipeserve: config error: model.path "
+                                                         f"'{path}"), (path, err)
+        assert cases[path] in err, (path, err)
+        assert "download" in err or "supported:" in err, err   # the fix
 
 
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
