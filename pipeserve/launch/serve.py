@@ -37,6 +37,9 @@ def main() -> None:
         return
     overrides = [a for a in args if not a.startswith("-")]
     if len(overrides) == len(args):   # Hydra's own flags (--cfg, -m, ...) get Hydra's handling
+        if sys.stdout.isatty():   # a person waiting: words at once, before seconds of imports
+            print("pipeserve: starting: config, then MLX and the server, then the model "
+                  "(a first use fetches or converts it); the log follows", flush=True)
         try:
             check_overrides(overrides)
             launch.check_overrides_compose(CONF, overrides)
@@ -59,6 +62,9 @@ def hydra_main(raw: DictConfig) -> None:
 
 def serve(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
+    # the imports (load_config imports every stage, and MLX with them) take seconds
+    log.info("starting: importing MLX and the server, then loading the model %s",
+             raw.model.get("path") or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)

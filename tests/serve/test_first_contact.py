@@ -243,6 +243,34 @@ def test_every_documented_launch_composes_as_bash_passes_it(
                 assert " ".join(args) not in ERROR_EXAMPLES, where
 
 
+def test_a_launch_on_a_terminal_says_it_is_starting_before_the_imports(tmp_path: Path) -> None:
+    """On a terminal the first words come before seconds of imports and config checks (here
+    the launch then fails: its one error line follows); piped, stdout stays the log alone."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "model.path=/nonexistent/m",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=slave,
+                            stderr=slave, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    out = b""
+    for _ in range(10_000):   # until the process closes its end (EIO), bounded
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(60) == 2
+    lines = [x for x in out.decode().splitlines() if x.strip()]
+    assert lines[0].startswith("pipeserve: starting: config, then MLX and the server, then the "
+                               "model"), lines
+    assert lines[-1].startswith("pipeserve: config error: model.path '/nonexistent/m' does not "
+                                "exist"), lines
+
+
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
