@@ -107,3 +107,16 @@ def test_the_readme_commands_are_the_ones_ci_and_the_install_test_run() -> None:
     assert len(readme.splitlines()) <= 200
     for target in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / target).exists(), target
+
+
+def test_every_source_path_the_docs_name_exists() -> None:
+    """Paths into the tree (`pipeserve/...`, `tests/...`, `scripts/...`) in the README and the
+    pages name files that are there; the `foo` / `mine` of a how-to are examples, not paths."""
+    missing = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"(?<![\w/.])((?:pipeserve|tests|scripts|dashboards)/[\w./-]*[\w/])",
+                             page.read_text()):
+            path = m.group(1)
+            if not re.search(r"\bfoo\b|\bmine\b", path) and not (ROOT / path).exists():
+                missing.add(f"{page.name}: {path}")
+    assert not missing, sorted(missing)
