@@ -23,13 +23,14 @@ def quote(value: str) -> str:
 
 
 def expand_home(args: list[str]) -> list[str]:
-    """Each `key=~...` whose key names a path becomes `key='<home>...'`; every other argument
-    is left as it is (a `~key` deletion, a flag, a non-path value)."""
+    """Each `key=~...` whose key names a path becomes `key='<home>...'` (a sweep's
+    `key=~/a,~/b`, bench.py's -m, each element alike); every other argument is left as it is
+    (a `~key` deletion, a flag, a non-path value)."""
     out = []
     for arg in args:
         key, sep, value = arg.partition("=")
         if sep and not key.startswith(("-", "~")) and value.startswith("~") and is_path_key(key):
-            arg = f"{key}={quote(os.path.expanduser(value))}"
+            arg = f"{key}=" + ",".join(quote(os.path.expanduser(v)) for v in value.split(","))
         out.append(arg)
     return out
 
