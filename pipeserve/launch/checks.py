@@ -30,9 +30,17 @@ def conf_dir() -> Path:
 
 def fail(message: str) -> None:
     """Print a launch error (no traceback) and exit with LAUNCH_ERROR."""
-    print(f"pipeserve: {message}", file=sys.stderr)
+    print(f"pipeserve: {one_line(message)}", file=sys.stderr)
     sys.stderr.flush()
     raise SystemExit(LAUNCH_ERROR)
+
+
+def one_line(message: str) -> str:
+    """A launch error on one line: OmegaConf's multi-line errors joined with '; ', without its
+    reference_type / object_type lines (the key is already named)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()
+             and not line.strip().startswith(("reference_type=", "object_type="))]
+    return "; ".join(lines)
 
 
 def groups(conf: Path) -> dict[str, list[str]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-# keys whose value is a file or directory: model.path, cache.dir, model.adapter_dir,
+# keys whose value is a file or directory: model.path, cache.ssd.dir, model.adapter_dir,
 # pool.model_dir, kv.config_path, server.api_key_file, pool.models.<id>.path, ...
 PATH_LEAF = re.compile(r"^(path|dir|chat_template|\w+_(path|dir|file))$")
 

@@ -64,7 +64,8 @@ def serve(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     # the imports (load_config imports every stage, and MLX with them) take seconds
     log.info("starting: importing MLX and the server, then loading the model %s",
-             raw.model.get("path") or hydra_cfg.runtime.choices.get("model"))
+             OmegaConf.select(raw, "model.path", throw_on_resolution_failure=False)
+             or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
@@ -108,7 +109,7 @@ def _check_models(cfg: ServeConfig, members: dict[str, ServeConfig] | None) -> N
 
 
 def _fail(message: str) -> None:
-    print(f"pipeserve: {message}", file=sys.stderr)
+    print(f"pipeserve: {launch.one_line(message)}", file=sys.stderr)
     _exit(launch.LAUNCH_ERROR)
 
 

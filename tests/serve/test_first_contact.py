@@ -65,6 +65,8 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
                 "\"model.path='/models/a(b)'\"",
             ("model=tiny", f"server.port={port}"):
                 f"server.port {port} on 127.0.0.1 is already in use",
+            ("model.path=${oc.env:PIPESERVE_NOT_SET_X}",):   # OmegaConf's error, on one line
+                "Environment variable 'PIPESERVE_NOT_SET_X' not found\"; full_key: model.name",
         }
         procs = {args: _launch(tmp_path / str(i), *args) for i, args in enumerate(cases)}
         outputs = {args: (p.wait(60), *p.communicate()) for args, p in procs.items()}
