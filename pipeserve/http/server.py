@@ -135,10 +135,14 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
             if not ok:
                 err = engine.startup_error
-                if isinstance(err, ConfigError):   # reported by serve.py as a launch error
-                    app.ctx.launch_error = str(err)
+                # reported by serve.py as the launch error, one line on stderr
+                if isinstance(err, ConfigError):
+                    app.ctx.launch_error = f"config error: {err}"
                 else:
                     log.error("engine failed to start: %r; stopping", err)
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
+                                            f"{first}); the log above has the details")
                 app.ctx.exit_code = LAUNCH_ERROR
                 app.stop()
                 return

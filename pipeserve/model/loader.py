@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeserve.adapters.lora import Adapter, AdapterSet, mount_all
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.files import check_safetensors
 from pipeserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,13 @@ def locate(cfg: ModelConfig) -> Path:
         if magic != b"GGUF":
             raise ConfigError(f"model.path '{cfg.path}' is a file but not a GGUF file; point it "
                               "at a .gguf file or a model directory")
+        from pipeserve.model.gguf.convert import check_supported, read_header
+        check_supported(local, read_header(local))   # truncated, corrupt or unsupported: now
         return local
     if local.exists():
         if not (local / "config.json").exists():
             raise ConfigError(f"model.path '{cfg.path}' has no config.json; point it at a model directory")
+        check_safetensors(local, cfg.path)
         return local
     if cfg.path.startswith(("/", ".", "~")) or cfg.path.count("/") > 1 or cfg.path.endswith(".gguf"):
         raise ConfigError(f"model.path '{cfg.path}' does not exist; point it at a model "
@@ -106,12 +110,14 @@ def locate(cfg: ModelConfig) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
+        found = Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError):
         raise ConfigError(
             f"model.path '{cfg.path}' is not a local path and not in the local Hugging Face "
             f"cache (pipeserve never downloads); download it first: `hf download {cfg.path}`, "
             "or point model.path at a model directory or a .gguf file") from None
+    check_safetensors(found, cfg.path)
+    return found
 
 
 def _fingerprint(path: Path) -> str:
