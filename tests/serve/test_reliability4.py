@@ -1,9 +1,12 @@
 """End to end, issue 44 (reliability, round 4), on real `serve.py` processes on 127.0.0.1: the API
-key guards every route of the route table with or without a trailing slash. Every request has a
+key guards every route of the route table with or without a trailing slash; embeddings and rerank
+refuse by length before tokenizing and share their engine fairly. Every request has a
 timeout; every wait is bounded."""
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -54,3 +57,86 @@ def test_every_route_needs_the_key_with_or_without_a_trailing_slash(keyed: Any) 
     slash = httpx.post(keyed.base_url + "/tokenize/", json=body, headers=AUTH, timeout=TIMEOUT)
     assert plain.status_code == slash.status_code == 200
     assert plain.json()["tokens"] == slash.json()["tokens"]
+
+
+# -- embeddings and rerank: refused by length before tokenizing; one engine shared fairly -------
+@pytest.fixture(scope="module")
+def embedder(server_factory: Any) -> Any:
+    return server_factory("model=tiny_embed", "server.max_body_mb=32")
+
+
+@pytest.fixture(scope="module")
+def reranker(server_factory: Any) -> Any:
+    return server_factory("model=tiny_rerank", "server.max_body_mb=32")
+
+
+def test_a_huge_embedding_input_is_refused_by_its_length(embedder: Any) -> None:
+    huge = "word " * 2_000_000   # 10 MB: the old path tokenized all of it first
+    r = httpx.post(embedder.base_url + "/v1/embeddings",
+                   json={"input": ["fine", huge]}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and err["code"] == "context_length_exceeded"
+    assert "input[1] is 10000000 characters: at least" in err["message"]
+    assert "at most 512" in err["message"]
+    ok = httpx.post(embedder.base_url + "/v1/embeddings", json={"input": "fine"}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+
+
+def test_a_huge_rerank_document_is_refused_by_its_length(reranker: Any) -> None:
+    body = {"query": "which one", "documents": ["short", "x " * 3_000_000]}
+    r = httpx.post(reranker.base_url + "/v1/rerank", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "documents" and err["code"] == "context_length_exceeded"
+    assert "documents[1] is 6000000 characters: at least" in err["message"]
+    body["query"] = "q " * 3_000_000
+    r = httpx.post(reranker.base_url + "/v2/rerank", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
+
+
+def test_a_small_embedding_is_not_held_behind_a_huge_batch(embedder: Any) -> None:
+    """128 inputs of 510 ids each take four forwards; a one-string request sent meanwhile is
+    answered between two of them, long before the big one ends."""
+    base = embedder.base_url
+    big = {"input": [[(7 * i + j) % 500 + 5 for j in range(510)] for i in range(128)]}
+    order: list[str] = []
+    with ThreadPoolExecutor(2) as ex:
+        slow = ex.submit(lambda: (httpx.post(base + "/v1/embeddings", json=big, timeout=600),
+                                  order.append("big"))[0])
+        for _ in range(600):   # bounded: until the big one is in the engine
+            if httpx.get(base + "/health", timeout=TIMEOUT).json()["inflight"] >= 1:
+                break
+            time.sleep(0.01)
+        small = httpx.post(base + "/v1/embeddings", json={"input": "one string"}, timeout=600)
+        order.append("small")
+        assert small.status_code == 200, small.text
+        r = slow.result(timeout=600)
+    assert r.status_code == 200 and len(r.json()["data"]) == 128, r.text[:300]
+    assert order == ["small", "big"]
+
+
+# -- the tokenizer endpoints: refused by length; ids checked off the event loop ---------------
+def test_tokenize_refuses_a_huge_prompt_by_its_length(keyed: Any) -> None:
+    base = keyed.base_url
+    for body, field in (({"prompt": "token " * 2_000_000}, "prompt"),
+                        ({"messages": [{"role": "user", "content": "token " * 2_000_000}]},
+                         "messages")):
+        r = httpx.post(base + "/tokenize", json=body, headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == field and err["code"] == "context_length_exceeded"
+        assert "characters; no token of this tokenizer spells more than" in err["message"]
+
+
+def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
+    base = keyed.base_url
+    tokens = [5] * 4_000_000 + [10**9]
+    with ThreadPoolExecutor(1) as ex:
+        big = ex.submit(httpx.post, base + "/detokenize", json={"tokens": tokens}, headers=AUTH,
+                        timeout=120)
+        health = [httpx.get(base + "/health", timeout=TIMEOUT).status_code for _ in range(5)]
+        r = big.result(timeout=120)
+    assert health == [200] * 5
+    assert r.status_code == 400, r.text[:300]
+    assert "tokens[4000000] is 1000000000" in r.json()["error"]["message"]
