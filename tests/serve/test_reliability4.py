@@ -140,3 +140,100 @@ def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
     assert health == [200] * 5
     assert r.status_code == 400, r.text[:300]
     assert "tokens[4000000] is 1000000000" in r.json()["error"]["message"]
+
+
+# -- images: a request's decoded pixels are bounded; text never waits behind media ------------
+def _png(size: tuple[int, int], seed: int = 0) -> str:
+    """A PNG of `size` that compresses to a few kB (flat colour): cheap to send, costly to
+    decode."""
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", size, (seed % 255, 90, 160)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_chat(images: list[str], text: str = "Describe.") -> dict[str, Any]:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    return {"model": "tiny_vlm", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]}
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def vlm(server_factory: Any) -> Any:
+    return server_factory("model=tiny_vlm", "media.max_request_pixels=60000000",
+                          "server.max_body_mb=32")
+
+
+def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
+    base = vlm.base_url
+    ok = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
+                    timeout=TIMEOUT)
+    assert ok.status_code == 200, ok.text
+    before = _rss_bytes(vlm.proc.pid)
+    # 16 images of 6300x6300, each under media.max_image_pixels, 635 M pixels in all
+    body = _image_chat([_png((6300, 6300), i) for i in range(16)])
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1]"
+    assert "media.max_request_pixels" in err["message"] and "79380000" in err["message"]
+    assert "limit is 60000000 per request" in err["message"]
+    # one full-size image (119 MB as RGB) was decoded at a time, and none is kept afterwards
+    assert _rss_bytes(vlm.proc.pid) - before < 200_000_000
+    again = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
+                       timeout=TIMEOUT)
+    assert again.status_code == 200, again.text
+
+
+def test_a_data_url_type_must_match_its_bytes(vlm: Any) -> None:
+    body = _image_chat([_png((32, 32)).replace("image/png", "image/jpeg")])
+    r = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[0]"
+    assert "declares image/jpeg but its bytes are a PNG image" in err["message"]
+
+
+def test_other_formats_are_not_opened(vlm: Any) -> None:
+    import base64
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    url = "data:image/png;base64," + base64.b64encode(eps).decode()
+    r = httpx.post(vlm.base_url + "/v1/chat/completions", json=_image_chat([url]),
+                   timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    assert "could not be decoded" in r.json()["error"]["message"]
+
+
+def test_a_text_chat_never_waits_behind_two_media_requests(vlm: Any) -> None:
+    """Two requests that each decode two 29 M-pixel images hold the media threads; a 60 kB text
+    chat (5,000 template variables: large enough to be prepared off the event loop, short in
+    tokens) sent meanwhile is answered first."""
+    base = vlm.base_url
+    heavy = _image_chat([_png((5400, 5400), 40), _png((5400, 5400), 41)])
+    text = {"model": "tiny_vlm", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say something."}],
+            "chat_template_kwargs": {f"unused_{i}": i for i in range(5000)}}
+    order: list[str] = []
+
+    def send(name: str, body: dict[str, Any]) -> httpx.Response:
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+        order.append(name)
+        return r
+    with ThreadPoolExecutor(3) as ex:
+        media = [ex.submit(send, f"media{i}", heavy) for i in range(2)]
+        time.sleep(0.3)   # the media requests reach their threads first
+        chat = send("text", text)
+        results = [f.result(timeout=300) for f in media]
+    assert chat.status_code == 200, chat.text[:300]
+    assert [r.status_code for r in results] == [200, 200], [r.text[:200] for r in results]
+    assert order[0] == "text", order
