@@ -1,8 +1,9 @@
 """EmbedEngine: the engine of an embedding model (model.task=embed) or a cross-encoder
 (model.task=rerank). One thread owns MLX: it loads the model through mlx-embeddings and runs
-Embed commands, every command waiting when a batch starts joining it (right-padded, with the
-attention mask), and returns per input the library's own output in float32: an embedding's
-pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
+Embed commands in forwards of at most BATCH_TOKENS padded tokens (right-padded, with the
+attention mask), each forward's rows taken in turn from every command waiting (one large
+command never holds the engine while a small one waits), and returns per input the library's
+own output in float32: an embedding's pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
 cross-encoder's scores (`pooler_output`: its classifier head, sigmoid for one label).
 The same interface as Engine where the server reads it (state, loaded, counts, command, stop),
 so it serves alone or as a pool member. Public methods: any thread."""
@@ -35,6 +36,29 @@ class Embed:
     on_done: Callable[[Embed], None]
     result: list[list[float]] | None = None
     error: ServeError | None = None
+
+
+class _Work:
+    """An Embed in progress: its rows shortest first, the vectors done so far."""
+
+    def __init__(self, cmd: Embed) -> None:
+        self.cmd = cmd
+        self.order = sorted(range(len(cmd.inputs)), key=lambda i: len(cmd.inputs[i]))
+        self.vectors: list[list[float]] = [[] for _ in cmd.inputs]
+        self.next = 0   # rows of `order` already run
+
+    def peek(self, ahead: int) -> int | None:
+        """The row `ahead` places after the next one still to run, or None."""
+        at = self.next + ahead
+        return self.order[at] if at < len(self.order) else None
+
+    def put(self, row: int, vector: list[float]) -> None:
+        self.vectors[row] = vector
+        self.next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.next == len(self.order)
 
 
 class _Slots:
@@ -123,19 +147,24 @@ class EmbedEngine:
         self.metrics.engine_up.set(1)
         self._ready.set()
         try:
-            while (first := self._queue.get()) is not None:
-                batch, stop = [first], False
-                while not self._queue.empty():   # everything that arrived meanwhile joins
-                    cmd = self._queue.get_nowait()
-                    if cmd is None:
-                        stop = True
-                        break
-                    batch.append(cmd)
-                self._embed(batch)
-                if stop:
-                    break
+            active: list[_Work] = []
+            stopping = False
+            while active or not stopping:
+                stopping = self._take(active, block=not active) or stopping
+                if active:
+                    self._forward(active)
         finally:
             self.metrics.engine_up.set(0)
+
+    def _take(self, active: list[_Work], block: bool) -> bool:
+        """Move what arrived into `active` (waiting for one when `block`); True at stop."""
+        while block or not self._queue.empty():
+            cmd = self._queue.get()
+            if cmd is None:
+                return True
+            active.append(_Work(cmd))
+            block = False
+        return False
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -178,30 +207,45 @@ class EmbedEngine:
         log.info("embedding model %s loaded in %.2f s: %d dimensions, context %d",
                  path.name, time.perf_counter() - t0, self.dimensions, max_context)
 
-    def _embed(self, batch: list[Embed]) -> None:
-        """Each command's vectors; the rows of all of them share forwards of BATCH_TOKENS."""
-        rows = [(c, i, ids) for c in batch for i, ids in enumerate(c.inputs)]
-        results: dict[int, list[list[float]]] = {id(c): [[] for _ in c.inputs] for c in batch}
+    def _forward(self, active: list[_Work]) -> None:
+        """One forward of at most BATCH_TOKENS padded tokens, its rows taken in turn from every
+        command in `active` (each command's shortest first), so a large command shares the
+        engine with those that arrive while it runs; finished commands leave `active`."""
+        picks: list[tuple[_Work, int]] = []
+        ahead = dict.fromkeys(map(id, active), 0)   # rows of each command in this forward
+        width, taken = 0, True
+        while taken:
+            taken = False
+            for work in active:
+                row = work.peek(ahead[id(work)])
+                if row is None:
+                    continue
+                longest = max(width, len(work.cmd.inputs[row]))
+                if picks and longest * (len(picks) + 1) > BATCH_TOKENS:
+                    taken = False
+                    break
+                picks.append((work, row))
+                ahead[id(work)] += 1
+                width, taken = longest, True
         try:
-            rows.sort(key=lambda r: len(r[2]))   # similar lengths pad less
-            start = 0
-            while start < len(rows):
-                end = start + 1
-                while end < len(rows) and len(rows[end][2]) * (end + 1 - start) <= BATCH_TOKENS:
-                    end += 1
-                for (c, i, _), vec in zip(rows[start:end], self.vectors([r[2] for r in rows[start:end]])):
-                    results[id(c)][i] = vec
-                start = end
-            for c in batch:
-                c.result = results[id(c)]
-        except Exception as e:  # the boundary: this batch fails, the engine goes on
-            log.exception("embedding a batch of %d input(s) failed", len(rows))
-            for c in batch:
-                c.error = ServeError(f"embedding failed ({type(e).__name__}); the server log "
-                                     "has the details")
-        for c in batch:
-            self._num_done += 1
-            c.on_done(c)
+            vectors = self.vectors([w.cmd.inputs[row] for w, row in picks])
+        except Exception as e:  # the boundary: these rows' commands fail, the engine goes on
+            log.exception("embedding a batch of %d input(s) failed", len(picks))
+            for work in {id(w): w for w, _ in picks}.values():
+                work.cmd.error = ServeError(f"embedding failed ({type(e).__name__}); the server "
+                                            "log has the details")
+                self._finish(active, work)
+            return
+        for (work, row), vec in zip(picks, vectors):
+            work.put(row, vec)
+        for work in [w for w in active if w.complete]:
+            work.cmd.result = work.vectors
+            self._finish(active, work)
+
+    def _finish(self, active: list[_Work], work: _Work) -> None:
+        active.remove(work)
+        self._num_done += 1
+        work.cmd.on_done(work.cmd)
 
     def vectors(self, inputs: list[list[int]]) -> list[list[float]]:
         """Engine thread. One padded forward: the library's pooled vector of each row."""

@@ -31,6 +31,36 @@ async def off_loop(size: int, fn: Callable[..., T], *args: object) -> T:
     return await asyncio.get_running_loop().run_in_executor(POOL, call)
 
 
+class MediaPool:
+    """Media preparation (fetch, decode, the image/video/audio processors) on threads of its
+    own, so a request's text preparation never queues behind another's media; at most
+    `workers` run and `max_queue` wait, more are refused (429). A request counts until its
+    thread finishes, even when its client has gone."""
+
+    def __init__(self, workers: int, max_queue: int) -> None:
+        self.workers, self.max_queue = workers, max_queue
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="media")
+        self.pending = 0   # event loop only
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        from pipeserve.errors import AdmissionRejected
+
+        if self.pending >= self.workers + self.max_queue:
+            raise AdmissionRejected(
+                f"{self.pending} requests with media are being prepared or waiting; the limit is "
+                f"{self.workers} running + {self.max_queue} waiting (media.media_workers, "
+                "media.max_media_queue); retry after Retry-After seconds", retry_after_s=2,
+                code="media_queue_full")
+        self.pending += 1
+        future = asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(_paused_call, fn, *args))
+        future.add_done_callback(self._done)
+        return await future
+
+    def _done(self, _: object) -> None:
+        self.pending -= 1
+
+
 def _call(fn: Callable[..., T], *args: object) -> T:
     return fn(*args)
 

@@ -252,6 +252,13 @@ def _api_path(path: str) -> bool:
     return path.startswith("/v1/") or path in API_PATHS
 
 
+def route_path(http: sanic.Request) -> str:
+    """The path of the route a request matched, as declared ("/tokenize", "/v1/models/<target:path>"):
+    one rule whatever slashes the client sent (Sanic routes "/tokenize/" to "/tokenize")."""
+    route = http.route
+    return "/" + route.path.strip("/") if route is not None else http.path
+
+
 def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     origins = cfg.server.cors_origins
 
@@ -260,16 +267,17 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         if origins and http.method == "OPTIONS":
             return HTTPResponse(status=204)
         key = cfg.server.api_key
+        path = route_path(http)
         # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
         # admin key instead, when one is set (their handlers check it)
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
-                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")
-                     or (http.method == "POST" and http.path.startswith("/v1/models/"))))
-        if key and _api_path(http.path) and not swap:
+                and (path == "/v1/adapters" or path.startswith("/v1/adapters/")
+                     or (http.method == "POST" and path.startswith("/v1/models/"))))
+        if key and _api_path(path) and not swap:
             if not _key_ok(http, key):
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
-        if app.ctx.draining and _api_path(http.path):
+        if app.ctx.draining and _api_path(path):
             if http.stream is not None:
                 http.stream.keep_alive = False
             raise EngineUnavailable("the server is shutting down; retry after Retry-After "

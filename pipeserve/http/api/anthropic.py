@@ -197,7 +197,7 @@ def _image(block: dict[str, Any], where: str) -> MediaPart:
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64":
-        return from_base64(source.get("data"), where)
+        return from_base64(source.get("data"), where, source.get("media_type"))
     if kind == "url":
         return from_url(source.get("url"), where)
     raise InvalidRequest(f"{where} is an image block with source.type {kind!r}; allowed: base64, "

@@ -55,6 +55,7 @@ def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
         if "prompt" in body:
             raise InvalidRequest("send prompt or messages, not both", param="prompt")
         text = _render(front, body)
+        tokenize._check_length(text, "messages")   # refused by its length, before encoding
         add_special = F.get(body, "add_special_tokens", bool, False)
         return (tokenize.encode(text, "messages") if add_special
                 else tokenize.encode_rendered(text)), text
@@ -62,6 +63,7 @@ def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
     if prompt is None:
         raise InvalidRequest("prompt (a string) or messages (chat messages) is required",
                              param="prompt")
+    tokenize._check_length(prompt, "prompt")
     if F.get(body, "add_special_tokens", bool, True):
         return tokenize.encode(prompt), prompt
     return tokenize._encode(prompt, False, "prompt"), prompt
@@ -86,14 +88,18 @@ async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     tokens = F.get(body, "tokens", list)
     if tokens is None:
         raise InvalidRequest("tokens (an array of token ids) is required", param="tokens")
+    text = await off_loop(len(tokens) * 4, _detokenize, front, tokens)
+    return json_response({"prompt": text})
+
+
+def _detokenize(front: Any, tokens: list[Any]) -> str:
+    """The ids checked, then decoded (off the loop for long lists, the check included)."""
     vocab = front.tokenize.vocab_size
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise InvalidRequest(f"tokens[{i}] is {F.short(t)}; token ids are integers in "
                                  f"[0, {vocab})", param="tokens")
-    tokenizer = front.tokenize.tokenizer
-    text = await off_loop(len(tokens) * 4, tokenizer.decode, tokens)
-    return json_response({"prompt": text})
+    return front.tokenize.tokenizer.decode(tokens)
 
 
 async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
