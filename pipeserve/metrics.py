@@ -49,6 +49,9 @@ class Metrics:
             f"{PREFIX}_ignored_fields", "Request fields the endpoint does not implement, accepted "
             "and ignored (server.strict_fields=false), by endpoint and field (unlisted names: "
             "other)", ["endpoint", "field"], registry=r)
+        self.volatile_spans = Counter(
+            f"{PREFIX}_volatile_spans", "Requests whose prompt had a volatile span removed "
+            "before tokenize (server.volatile_spans), by span name", ["span"], registry=r)
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests admitted and waiting for the engine", registry=r)
         self.active_rows = Gauge(

@@ -28,6 +28,7 @@ from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
 from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
 from pipeserve.http.api.resume import StreamStore
+from pipeserve.http.api.volatile import HEADER as VOLATILE_HEADER
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.chat_page import add_chat_page
@@ -282,6 +283,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             response.headers[RECORD_HEADER] = record.header()
             if gen is not None and gen.request.warnings:   # what the request asked and was ignored
                 response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
+            if gen is not None and gen.request.volatile:   # spans removed before tokenize
+                response.headers[VOLATILE_HEADER] = ", ".join(gen.request.volatile)
 
     @app.on_response
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
@@ -299,7 +302,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
                 response.headers["Access-Control-Expose-Headers"] = (
-                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}")
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}, {VOLATILE_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:

@@ -367,8 +367,8 @@ async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     known_fields.check(app.ctx, http, "count_tokens", body)
     inputs, _ = await off_loop(len(http.body or b""), lambda: parse(body, True))
     front = ready_front(app, await route(app, body))
-    req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",
-                                       endpoint="count_tokens", inputs=inputs))
+    req = await front.tokenize(front.normalise(Request(
+        request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=inputs)))
     return json_response({"input_tokens": req.num_prompt_tokens})
 
 
