@@ -112,3 +112,78 @@ def test_off_with_one_key_the_line_breaks_the_prefix(server_factory: Any) -> Non
 def srv_metrics(srv: Any) -> str:
     import httpx
     return httpx.get(srv.base_url + "/metrics", timeout=TIMEOUT).text
+
+
+# -- Codex: Responses tools beside functions ---------------------------------------------------
+LARK = 'start: "*** Begin Patch\\n" hunk+ "*** End Patch"\nhunk: /[^\\n]*\\n/'
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Run a command", "strict": False,
+     "parameters": {"type": "object", "properties": {"command": {"type": "array",
+                                                                 "items": {"type": "string"}}},
+                    "required": ["command"]}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch",
+     "format": {"type": "grammar", "syntax": "lark", "definition": LARK}},
+    {"type": "custom", "name": "ticket", "description": "File a ticket by its id",
+     "format": {"type": "grammar", "syntax": "regex", "definition": "[A-Z]{3}-[0-9]{2}"}},
+    {"type": "web_search"},
+    {"type": "local_shell"},
+    {"type": "image_generation", "output_format": "png"},
+    {"type": "namespace", "name": "mcp__docs", "tools": []},
+]
+DROPPED = ("tools[3] (web_search), tools[4] (local_shell), tools[5] (image_generation), "
+           "tools[6] (namespace)")
+
+
+def oa(srv: Any) -> Any:
+    import openai
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+def codex(srv: Any, **kw: Any) -> Any:
+    body = {"model": "tiny", "instructions": "You are Codex.", "input": "Fix the bug.",
+            "tools": CODEX_TOOLS, "max_output_tokens": 48, "temperature": 0, **kw}
+    return oa(srv).responses.with_raw_response.create(**body)
+
+
+def test_codex_tools_hosted_ones_dropped_and_named(srv: Any) -> None:
+    raw = codex(srv, max_output_tokens=4)
+    r = raw.parse()
+    assert raw.status_code == 200 and r.status in ("completed", "incomplete")
+    assert DROPPED in raw.headers["x-pipeserve-warning"]
+    assert [(t.type, t.name) for t in r.tools] == [
+        ("function", "shell"), ("custom", "apply_patch"), ("custom", "ticket")]
+    assert r.tools[1].format.definition == LARK
+
+
+def test_custom_tool_call_under_its_regex(srv: Any) -> None:
+    import re
+    choice = {"type": "custom", "name": "ticket"}
+    r = codex(srv, tool_choice=choice, parallel_tool_calls=False).parse()
+    [call] = r.output
+    assert call.type == "custom_tool_call" and call.name == "ticket"
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", call.input), call.input
+    events = list(oa(srv).responses.create(
+        model="tiny", input="Fix the bug.", tools=CODEX_TOOLS, max_output_tokens=48,
+        temperature=0, tool_choice=choice, parallel_tool_calls=False, stream=True))
+    assert [e.type for e in events[2:]] == [
+        "response.output_item.added", "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done", "response.output_item.done",
+        "response.completed"]
+    assert events[-1].response.output[0].input == events[-2].item.input
+    # the call and its output go back as items, as Codex sends the next turn
+    nxt = codex(srv, max_output_tokens=2, input=[
+        {"role": "user", "content": "Fix the bug."},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": "ticket",
+         "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "filed"}]).parse()
+    assert nxt.usage.input_tokens > r.usage.input_tokens
+
+
+def test_strict_fields_refuses_hosted_tools_by_name(server_factory: Any) -> None:
+    import openai
+    strict = server_factory("server.strict_fields=true")
+    with pytest.raises(openai.BadRequestError) as info:
+        codex(strict)
+    err = info.value.response.json()["error"]
+    assert err["param"] == "tools[3]" and "'web_search'" in err["message"]
