@@ -89,9 +89,12 @@ class OutputChain:
                 and (constraint is None or constraint.whole_turn)):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id,
                                    max_calls=None if inputs.parallel_tool_calls else 1)
+        # with tools, a call's start marker also ends a think span (a call written inside an
+        # unclosed span is still a call)
+        calls = fmt.starts if tools is not None and fmt is not None else ()
         splitter: ReasoningSplitter | HarmonySplitter | None = (
             HarmonySplitter() if markup.channels else
-            ReasoningSplitter(think) if think is not None else None)
+            ReasoningSplitter(think, calls) if think is not None else None)
         return cls(splitter, tools, request.output_prefix)
 
     @property
