@@ -5,6 +5,7 @@ session reuse the whole prefix they share with the turn before; with server.vola
 the cache stops at the line."""
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -187,3 +188,61 @@ def test_strict_fields_refuses_hosted_tools_by_name(server_factory: Any) -> None
         codex(strict)
     err = info.value.response.json()["error"]
     assert err["param"] == "tools[3]" and "'web_search'" in err["message"]
+
+
+# -- no tool call lost, no markup leaked -----------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}
+CUT = 60   # tokens: one whole call of get_weather under the grammar, the second cut short
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def no_markup(text: str | None) -> bool:
+    return not text or ("<tool_call>" not in text and '"name"' not in text)
+
+
+def test_a_forced_call_cut_by_max_tokens_never_leaks_markup(srv: Any) -> None:
+    import httpx
+    # Anthropic, tool_choice any: the whole call, then one cut short and dropped
+    m = client_of(srv).messages.create(
+        model="tiny", max_tokens=CUT, messages=ASK, tool_choice={"type": "any"},
+        tools=[{"name": "get_weather", "input_schema": CITY}], extra_body={"temperature": 0})
+    assert m.stop_reason == "max_tokens"
+    assert [b.type for b in m.content] == ["tool_use"] and m.content[0].input == {"city": "Paris"}
+    assert m.usage.model_extra["incomplete_tool_call"] is True
+    with client_of(srv).messages.stream(
+            model="tiny", max_tokens=CUT, messages=ASK, tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": CITY}],
+            extra_body={"temperature": 0}) as stream:
+        texts = [e.delta.text for e in stream if e.type == "content_block_delta"
+                 and e.delta.type == "text_delta"]
+        final = stream.get_final_message()
+    assert all(no_markup(t) for t in texts) and [b.type for b in final.content] == ["tool_use"]
+    # Responses, tool_choice required
+    rtools = [{"type": "function", "name": "get_weather", "parameters": CITY}]
+    r = oa(srv).responses.create(model="tiny", input="Weather in Paris?", tools=rtools,
+                                 tool_choice="required", max_output_tokens=CUT, temperature=0)
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["function_call"]
+    assert r.usage.model_extra["incomplete_tool_call"] is True
+    events = list(oa(srv).responses.create(
+        model="tiny", input="Weather in Paris?", tools=rtools, tool_choice="required",
+        max_output_tokens=CUT, temperature=0, stream=True))
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    # streaming chat, tool_choice required
+    chunks = []
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": "tiny", "messages": ASK, "max_tokens": CUT, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                        "parameters": CITY}}]}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+            assert len(chunks) < 10_000
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert all(no_markup(d.get("content")) for d in deltas)
+    assert len([d for d in deltas if d.get("tool_calls") and d["tool_calls"][0].get("id")]) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["incomplete_tool_call"] is True
+    assert "pipeserve_incomplete_tool_calls_total 5.0" in srv_metrics(srv)

@@ -16,7 +16,7 @@ from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Delta, Generation, Usage
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body,
                                ready_front, route, sse_event)
-from pipeserve.http.api.openai import miss_fields, sampling_fields
+from pipeserve.http.api.openai import incomplete_fields, miss_fields, sampling_fields
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.errors import InvalidRequest, ServeError
 from pipeserve.eventloop.offload import off_loop
@@ -269,6 +269,8 @@ def usage_body(usage: Usage, output: bool = True, written: int = 0) -> dict[str,
         out["speculation"] = usage.speculation
     if output and usage.record is not None:
         out["pipeserve"] = usage.record
+    if output:
+        out.update(incomplete_fields(usage))
     return out
 
 

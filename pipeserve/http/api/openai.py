@@ -320,7 +320,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
-    return out
+    return {**out, **incomplete_fields(usage)}
+
+
+def incomplete_fields(usage: Usage) -> dict[str, Any]:
+    """`incomplete_tool_call: true` (an extension) when a call cut by max_tokens was dropped."""
+    return {"incomplete_tool_call": True} if usage.incomplete_call else {}
 
 
 def miss_fields(usage: Usage) -> dict[str, Any]:

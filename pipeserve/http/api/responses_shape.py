@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from pipeserve.http.api.generation import Delta, Generation, Usage
-from pipeserve.http.api.openai import miss_fields
+from pipeserve.http.api.openai import incomplete_fields, miss_fields
 from pipeserve.http.api.responses_tools import custom_input
 from pipeserve.http.api.tools import ToolCall
 from pipeserve.errors import ServeError
@@ -31,7 +31,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
-    return out
+    return {**out, **incomplete_fields(usage)}
 
 
 def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
