@@ -74,7 +74,8 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
     constraint, fmt = structured.from_text_format(body)
     requested = sampling_fields(body)
     requested["max_tokens"] = F.get(body, "max_output_tokens", int)
-    echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
+    parallel = F.get(body, "parallel_tool_calls", bool, True)
+    echo = {"instructions": instructions, "parallel_tool_calls": parallel, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
@@ -84,8 +85,7 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, media=_media(messages),
-                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
-                         reasoning_budget=F.reasoning_budget(body))
+                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served)
 
