@@ -246,3 +246,19 @@ def test_a_forced_call_cut_by_max_tokens_never_leaks_markup(srv: Any) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"]["incomplete_tool_call"] is True
     assert "pipeserve_incomplete_tool_calls_total 5.0" in srv_metrics(srv)
+
+
+def test_system_entries_inside_messages_join_the_system_prompt(srv: Any) -> None:
+    """Claude Code sends `role: system` inside `messages` for a model it does not know."""
+    client = client_of(srv)
+    inline = [{"role": "user", "content": "hi"},
+              {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}]
+    folded = [m for m in inline if m["role"] != "system"]
+    sent = client.messages.count_tokens(model="tiny", system="You are Claude Code.",
+                                        messages=inline).input_tokens
+    same = client.messages.count_tokens(model="tiny", system="You are Claude Code.\n\nBe brief.",
+                                        messages=folded).input_tokens
+    assert sent == same
+    m = client.messages.create(model="tiny", max_tokens=2, messages=inline)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0

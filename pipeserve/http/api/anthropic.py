@@ -38,10 +38,12 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
     if not messages:
         raise InvalidRequest("messages must be a non-empty array of {role, content} turns",
                              param="messages")
-    turns = _system(body.get("system"))
+    turns = _system(body.get("system"), _folded(messages))
     media: list[MediaPart] = []
     breakpoints = _breakpoints(body, turns)
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            continue   # folded into the system prompt above
         turns.extend(_turn(m, f"messages[{i}]", media))
         ttl = _marked(m.get("content") if isinstance(m, dict) else None, f"messages[{i}]")
         if ttl is not None:
@@ -118,15 +120,31 @@ def _breakpoints(body: dict[str, Any], system: list[dict[str, Any]]) -> list[tup
     return [(0, max(ttls))] if ttls and system else []
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, folded: list[str]) -> list[dict[str, Any]]:
+    """The system prompt: `system` (a string or text blocks), then the `folded` texts of
+    system entries sent inside `messages`."""
     if system is None or system == "":
-        return []
-    if isinstance(system, str):
-        return [{"role": "system", "content": system}]
-    if not isinstance(system, list):
+        texts = []
+    elif isinstance(system, str):
+        texts = [system]
+    elif isinstance(system, list):
+        texts = ["\n".join(_text(b, f"system[{i}]", "system") for i, b in enumerate(system))]
+    else:
         raise InvalidRequest("system must be a string or an array of text blocks", param="system")
-    return [{"role": "system", "content": "\n".join(_text(b, f"system[{i}]", "system")
-                                                     for i, b in enumerate(system))}]
+    texts = [t for t in texts + folded if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
+
+
+def _folded(messages: list[Any]) -> list[str]:
+    """The texts of `role: system` entries inside `messages` (Claude Code sends them for a
+    model it does not know): they join the system prompt, which templates render first."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            blocks = _blocks(m.get("content"), f"messages[{i}]")
+            out.append("".join(_text(b, f"messages[{i}].content[{j}]", "messages")
+                               for j, b in enumerate(blocks)))
+    return out
 
 
 def _text(block: Any, where: str, param: str) -> str:
@@ -152,7 +170,7 @@ def _turn(m: Any, where: str, media: list[MediaPart]) -> list[dict[str, Any]]:
     tool_use blocks the assistant's tool_calls; thinking blocks are dropped."""
     role = m.get("role") if isinstance(m, dict) else None
     if role not in ("user", "assistant"):
-        raise InvalidRequest(f"{where}.role is {role!r}; allowed: user, assistant",
+        raise InvalidRequest(f"{where}.role is {role!r}; allowed: user, assistant, system",
                              param="messages")
     out: list[dict[str, Any]] = []
     texts: list[str] = []
