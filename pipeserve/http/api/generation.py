@@ -28,6 +28,7 @@ class Usage:
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
     cache_miss: dict[str, Any] | None = None   # why prompt tokens were recomputed (cache_lookup)
     incomplete_call: bool = False   # a tool call cut by max_tokens was dropped from the output
+    max_tokens_clamped: int | None = None   # the max_tokens in force when the one asked was cut
 
     @classmethod
     def total(cls, usages: list[Usage]) -> Usage:
@@ -38,7 +39,8 @@ class Usage:
                   completion_tokens=sum(u.completion_tokens for u in usages),
                   reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record,
                   cache_miss=first.cache_miss,
-                  incomplete_call=any(u.incomplete_call for u in usages))
+                  incomplete_call=any(u.incomplete_call for u in usages),
+                  max_tokens_clamped=first.max_tokens_clamped)
         specs = [u.speculation for u in usages if u.speculation is not None]
         if specs:
             out.speculation = {k: sum(s.get(k, 0) for s in specs) for k in specs[0]}
@@ -142,6 +144,9 @@ class Generation:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage = Usage(prompt_tokens=request.num_prompt_tokens)
+        asked = request.requested.get("max_tokens")
+        if isinstance(asked, int) and asked > request.sampling.max_tokens:
+            self.usage.max_tokens_clamped = request.sampling.max_tokens
         self.all_logprobs: list[TokenLogprob] = []
         self.content = ""
         self.reasoning = ""

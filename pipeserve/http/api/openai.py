@@ -324,8 +324,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def incomplete_fields(usage: Usage) -> dict[str, Any]:
-    """`incomplete_tool_call: true` (an extension) when a call cut by max_tokens was dropped."""
-    return {"incomplete_tool_call": True} if usage.incomplete_call else {}
+    """Extensions: `incomplete_tool_call: true` when a call cut by max_tokens was dropped;
+    `max_tokens_clamped`: the max_tokens in force when the one asked was more than fits."""
+    out: dict[str, Any] = {"incomplete_tool_call": True} if usage.incomplete_call else {}
+    if usage.max_tokens_clamped is not None:
+        out["max_tokens_clamped"] = usage.max_tokens_clamped
+    return out
 
 
 def miss_fields(usage: Usage) -> dict[str, Any]:
