@@ -342,6 +342,12 @@ def _add_routes(app: Sanic) -> None:
             raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
                                f"Authorization: Bearer <server.{name}>")
 
+    async def head(http: sanic.Request) -> HTTPResponse:
+        """Agents probe the root and the API root with HEAD before their first request."""
+        return HTTPResponse(status=200)
+    app.add_route(head, "/", methods=["HEAD"], name="head_root")
+    app.add_route(head, "/v1", methods=["HEAD"], name="head_v1", strict_slashes=False)
+
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
         engine: Engine = app.ctx.engine

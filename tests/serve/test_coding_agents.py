@@ -181,9 +181,13 @@ def test_custom_tool_call_under_its_regex(srv: Any) -> None:
     assert nxt.usage.input_tokens > r.usage.input_tokens
 
 
-def test_strict_fields_refuses_hosted_tools_by_name(server_factory: Any) -> None:
+@pytest.fixture(scope="module")
+def strict(server_factory: Any) -> Any:
+    return server_factory("server.strict_fields=true")
+
+
+def test_strict_fields_refuses_hosted_tools_by_name(strict: Any) -> None:
     import openai
-    strict = server_factory("server.strict_fields=true")
     with pytest.raises(openai.BadRequestError) as info:
         codex(strict)
     err = info.value.response.json()["error"]
@@ -262,3 +266,31 @@ def test_system_entries_inside_messages_join_the_system_prompt(srv: Any) -> None
     assert sent == same
     m = client.messages.create(model="tiny", max_tokens=2, messages=inline)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+
+
+def test_max_tokens_past_the_context_is_clamped_and_said(srv: Any, strict: Any) -> None:
+    """Claude Code and opencode ask max_tokens 32000 of any model; tiny's context is 4096."""
+    raw = client_of(srv).messages.with_raw_response.create(
+        model="tiny", max_tokens=32000, messages=ASK,
+        extra_body={"temperature": 0, "logit_bias": {"2": 100}})
+    m = raw.parse()
+    prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    room = 4096 - prompt
+    assert m.usage.model_extra["max_tokens_clamped"] == room
+    assert f"max_tokens is 32000 but the prompt ({prompt} tokens) leaves {room} of the " \
+           f"4096-token context: clamped to {room}" in raw.headers["x-pipeserve-warning"]
+    chat = oa(srv).chat.completions.create(model="tiny", messages=ASK, max_tokens=9000,
+                                           logit_bias={"2": 100})
+    assert chat.usage.model_extra["max_tokens_clamped"] == 4096 - chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client_of(strict).messages.create(model="tiny", max_tokens=32000, messages=ASK)
+    assert "lower max_tokens" in info.value.body["error"]["message"]
+
+
+def test_head_on_the_root_and_the_api_root(srv: Any) -> None:
+    import httpx
+    for path in ("/", "/v1", "/v1/"):
+        r = httpx.head(srv.base_url + path, timeout=TIMEOUT)
+        assert r.status_code == 200, path
+    assert httpx.get(srv.base_url + "/", timeout=TIMEOUT).headers["content-type"].startswith(
+        "text/html")   # GET / is still the chat page
