@@ -57,7 +57,8 @@ def _error(http: sanic.Request, message: str, error_type: str, param: str | None
            code: str | None, status: int, headers: dict[str, str] | None = None) -> HTTPResponse:
     """An error in the shape of the protocol the route speaks (Anthropic under /v1/messages)."""
     if http.path.startswith("/v1/messages"):
-        return json_response(anthropic.error_body(message, error_type, status), status, headers)
+        return json_response(anthropic.error_body(message, error_type, status, code), status,
+                             headers)
     return json_response(oa.error_body(message, error_type, param, code), status, headers)
 
 
@@ -463,6 +464,10 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/responses")
     async def create_response(http: sanic.Request) -> HTTPResponse | None:
         return await responses.handle_create(app, http)
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(http: sanic.Request) -> HTTPResponse:
+        return await responses.handle_input_tokens(app, http)
 
     @app.get("/v1/streams/<stream_id:str>")
     async def resume_stream(http: sanic.Request, stream_id: str) -> None:

@@ -284,7 +284,23 @@ def test_max_tokens_past_the_context_is_clamped_and_said(srv: Any, strict: Any) 
     assert chat.usage.model_extra["max_tokens_clamped"] == 4096 - chat.usage.prompt_tokens
     with pytest.raises(anthropic.BadRequestError) as info:
         client_of(strict).messages.create(model="tiny", max_tokens=32000, messages=ASK)
-    assert "lower max_tokens" in info.value.body["error"]["message"]
+    message = info.value.body["error"]["message"]
+    # Anthropic's wording, which Claude Code parses to retry with a smaller max_tokens
+    assert message.startswith(f"input length and `max_tokens` exceed context limit: {prompt} + "
+                              "32000 > 4096, decrease input length or `max_tokens` and try again")
+    assert "lower max_tokens" in message
+
+
+def test_anthropic_errors_are_worded_and_typed_as_anthropic_words_them(srv: Any) -> None:
+    import httpx
+    long = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client_of(srv).messages.create(model="tiny", max_tokens=8, messages=long)
+    err = info.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("prompt is too long: ") and "> 4096 maximum" in err["message"]
+    r = httpx.post(srv.base_url + "/v1/messages/nope", json={}, timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_head_on_the_root_and_the_api_root(srv: Any) -> None:
@@ -294,3 +310,14 @@ def test_head_on_the_root_and_the_api_root(srv: Any) -> None:
         assert r.status_code == 200, path
     assert httpx.get(srv.base_url + "/", timeout=TIMEOUT).headers["content-type"].startswith(
         "text/html")   # GET / is still the chat page
+
+
+def test_responses_input_tokens_counts_what_create_reports(srv: Any) -> None:
+    body = {"model": "tiny", "instructions": "You are Codex.", "input": "Fix the bug.",
+            "tools": CODEX_TOOLS}
+    counted = oa(srv).responses.input_tokens.count(**body)
+    assert counted.object == "response.input_tokens"
+    made = oa(srv).responses.create(max_output_tokens=1, **body)
+    assert counted.input_tokens == made.usage.input_tokens
+    assert oa(srv).responses.input_tokens.count(model="tiny", input="Hi").input_tokens \
+        < counted.input_tokens

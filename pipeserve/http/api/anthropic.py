@@ -3,6 +3,7 @@ Generation output → Message bodies and the streaming event sequence (message_s
 content_block_*, message_delta, message_stop), errors in Anthropic's shape. Event loop."""
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -23,13 +24,35 @@ from pipeserve.eventloop.offload import off_loop
 from pipeserve.vision.media import MediaPart, from_base64, from_url
 from pipeserve.request import PromptInput, Request
 
-# our error types → Anthropic's (the rest are shared names)
-ERROR_TYPES = {"service_unavailable": "overloaded_error", "server_error": "api_error"}
+# HTTP status → Anthropic's error type: clients (Claude Code) pick their recovery by it
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 501: "invalid_request_error",
+               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+# our context-limit messages (pipeserve/stages/tokenize.py, admission.py) and Anthropic's own
+# wording of the same, which Claude Code parses to compact or to retry with a smaller max_tokens
+_PROMPT = re.compile(r"prompt has (\d+) tokens; the context limit is (\d+)")
+_ROOM = re.compile(r"max_tokens is (\d+) but the prompt \((\d+) tokens\) leaves \d+ of the "
+                   r"(\d+)-token context")
 
 
-def error_body(message: str, error_type: str, status: int = 400) -> dict[str, Any]:
-    kind = "request_too_large" if status == 413 else ERROR_TYPES.get(error_type, error_type)
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def error_body(message: str, error_type: str, status: int = 400,
+               code: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": _worded(message, code)}}
+
+
+def _worded(message: str, code: str | None) -> str:
+    """A context-limit error as Anthropic's API words it, ours after it."""
+    if code != "context_length_exceeded":
+        return message
+    if m := _ROOM.search(message):
+        asked, prompt, limit = m.groups()
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > "
+                f"{limit}, decrease input length or `max_tokens` and try again ({message})")
+    if m := _PROMPT.search(message):
+        return f"prompt is too long: {m[1]} tokens > {m[2]} maximum ({message})"
+    return message
 
 
 # -- request -------------------------------------------------------------------------------
@@ -408,7 +431,7 @@ async def _stream(log: StreamLog, gen: Generation, model: str) -> bool:
         async for delta in gen.deltas():
             await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
     except ServeError as e:
-        await send([("error", error_body(e.message, e.error_type, e.status))])
+        await send([("error", error_body(e.message, e.error_type, e.status, e.code))])
         return False
     reason, sequence = stop_reason(gen)
     await send(blocks.close(ensure_one=True) + [

@@ -17,7 +17,8 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import resume
 from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Generation
-from pipeserve.http.api.http import Scope, check_ready, json_response, read_body, sse_event
+from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body, ready_front,
+                                     route, sse_event)
 from pipeserve.http.api.openai import sampling_fields, tool_call_body
 from pipeserve.http.api.reasoning import thinking_from_effort
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
@@ -272,6 +273,23 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         if parsed.store:
             _save(app.ctx.responses, body, parsed.conversation, gen)
         return json_response(body)
+
+
+async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """POST /v1/responses/input_tokens: the prompt's token count of a Responses body, equal to
+    the input_tokens a request with the same body reports."""
+    check_ready(app)
+    size = len(http.body or b"")
+    body = await off_loop(size, read_body, http)
+    known_fields.check(app.ctx, http, "responses", body)
+    parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses),
+                            app.ctx.cfg.server.strict_fields)
+    front = ready_front(app, await route(app, body))
+    req = await front.tokenize(front.normalise(Request(
+        request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=parsed.inputs,
+        constraint=parsed.constraint)))
+    return json_response({"object": "response.input_tokens",
+                          "input_tokens": req.num_prompt_tokens})
 
 
 def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
