@@ -36,6 +36,13 @@ MIN_TEMPERATURE = 1e-5
 PROTOCOL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
+def prompt_field(request: Request) -> str:
+    """The request's own field that holds its prompt (an error names it)."""
+    if request.inputs.messages is None:
+        return "prompt"
+    return "input" if request.endpoint == "responses" else "messages"
+
+
 class Admission:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
         self.cfg = cfg.admission
@@ -128,7 +135,8 @@ class Admission:
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-                f"{self.max_context} — shorten the prompt", param="messages", code="context_length_exceeded")
+                f"{self.max_context} — shorten the prompt", param=prompt_field(request),
+                code="context_length_exceeded")
         max_tokens = merged.get("max_tokens") or self.cfg.max_tokens_default or room
         if given.get("max_tokens") is not None and max_tokens > room:
             said = (f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} "
@@ -223,7 +231,7 @@ class BudgetAdmission(Admission):
                     f"prompt has {prompt} tokens but admission.memory_budget_gb="
                     f"{self.cfg.memory_budget_gb} leaves room for {cap} tokens of context "
                     "(weights + KV + prefill temporaries); shorten the prompt or raise the budget",
-                    param="messages", code="context_over_budget")
+                    param=prompt_field(request), code="context_over_budget")
             if prompt + sp.max_tokens > cap:
                 sp.max_tokens = cap - prompt
                 self.metrics.admission.labels("clamped", "context_over_budget").inc()
