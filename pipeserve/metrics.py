@@ -49,6 +49,12 @@ class Metrics:
             f"{PREFIX}_ignored_fields", "Request fields the endpoint does not implement, accepted "
             "and ignored (server.strict_fields=false), by endpoint and field (unlisted names: "
             "other)", ["endpoint", "field"], registry=r)
+        self.volatile_spans = Counter(
+            f"{PREFIX}_volatile_spans", "Requests whose prompt had a volatile span removed "
+            "before tokenize (server.volatile_spans), by span name", ["span"], registry=r)
+        self.incomplete_calls = Counter(
+            f"{PREFIX}_incomplete_tool_calls", "Tool calls cut by max_tokens and dropped from "
+            "the output (the response says incomplete_tool_call)", registry=r)
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests admitted and waiting for the engine", registry=r)
         self.active_rows = Gauge(

@@ -112,6 +112,8 @@ class Request:
     # set by tokenize: what the request asked for that the server could not honour and ignored
     # (the response's x-pipeserve-warning header says so)
     warnings: list[str] = field(default_factory=list)
+    # set by the front: the volatile spans removed from the prompt (server.volatile_spans)
+    volatile: list[str] = field(default_factory=list)
     priority: int = 5   # set by admission: 0 (most urgent) .. 9; the scheduler's queue order
     priority_class: str = "default"   # set by admission: the label of `priority` in metrics
     # engine state

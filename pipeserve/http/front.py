@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from pipeserve.config import ServeConfig, build
+from pipeserve.http.api.volatile import VolatileSpans
 from pipeserve.markup.output import OutputMarkup
 from pipeserve.request import Request
 
@@ -31,9 +32,19 @@ class Front:
         self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
         self.admission = build(cfg.admission._target_, cfg, loaded, engine)
         self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
+        self.volatile = VolatileSpans(cfg.server.volatile_spans)
+        self.metrics = engine.metrics
+
+    def normalise(self, request: Request) -> Request:
+        """Remove the volatile spans from the chat (before tokenize: the prompt cache keys
+        the text without them) and count each kind removed."""
+        request.volatile = self.volatile.strip(request.inputs)
+        for name in request.volatile:
+            self.metrics.volatile_spans.labels(name).inc()
+        return request
 
     async def prepare(self, request: Request) -> Request:
-        request = await self.tokenize(request)
+        request = await self.tokenize(self.normalise(request))
         return await self.admission(request)
 
     def token_info(self, token_id: int) -> tuple[str, bytes]:

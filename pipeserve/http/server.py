@@ -28,6 +28,7 @@ from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
 from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
 from pipeserve.http.api.resume import StreamStore
+from pipeserve.http.api.volatile import HEADER as VOLATILE_HEADER
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.chat_page import add_chat_page
@@ -56,7 +57,8 @@ def _error(http: sanic.Request, message: str, error_type: str, param: str | None
            code: str | None, status: int, headers: dict[str, str] | None = None) -> HTTPResponse:
     """An error in the shape of the protocol the route speaks (Anthropic under /v1/messages)."""
     if http.path.startswith("/v1/messages"):
-        return json_response(anthropic.error_body(message, error_type, status), status, headers)
+        return json_response(anthropic.error_body(message, error_type, status, code), status,
+                             headers)
     return json_response(oa.error_body(message, error_type, param, code), status, headers)
 
 
@@ -294,6 +296,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             response.headers[RECORD_HEADER] = record.header()
             if gen is not None and gen.request.warnings:   # what the request asked and was ignored
                 response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
+            if gen is not None and gen.request.volatile:   # spans removed before tokenize
+                response.headers[VOLATILE_HEADER] = ", ".join(gen.request.volatile)
 
     @app.on_response
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
@@ -311,7 +315,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
                 response.headers["Access-Control-Expose-Headers"] = (
-                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}")
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}, {VOLATILE_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
@@ -350,6 +354,12 @@ def _add_routes(app: Sanic) -> None:
         if key and not _key_ok(http, key):
             raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
                                f"Authorization: Bearer <server.{name}>")
+
+    async def head(http: sanic.Request) -> HTTPResponse:
+        """Agents probe the root and the API root with HEAD before their first request."""
+        return HTTPResponse(status=200)
+    app.add_route(head, "/", methods=["HEAD"], name="head_root")
+    app.add_route(head, "/v1", methods=["HEAD"], name="head_v1", strict_slashes=False)
 
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
@@ -466,6 +476,10 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/responses")
     async def create_response(http: sanic.Request) -> HTTPResponse | None:
         return await responses.handle_create(app, http)
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(http: sanic.Request) -> HTTPResponse:
+        return await responses.handle_input_tokens(app, http)
 
     @app.get("/v1/streams/<stream_id:str>")
     async def resume_stream(http: sanic.Request, stream_id: str) -> None:

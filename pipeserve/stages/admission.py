@@ -36,9 +36,17 @@ MIN_TEMPERATURE = 1e-5
 PROTOCOL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
+def prompt_field(request: Request) -> str:
+    """The request's own field that holds its prompt (an error names it)."""
+    if request.inputs.messages is None:
+        return "prompt"
+    return "input" if request.endpoint == "responses" else "messages"
+
+
 class Admission:
     def __init__(self, cfg: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
         self.cfg = cfg.admission
+        self.strict = cfg.server.strict_fields   # a max_tokens past the context: 400, not clamped
         self.server_defaults = {k: v for k, v in vars(cfg.sampling).items() if v is not None}
         self.model_defaults = loaded.generation_defaults
         self.limits = EngineLimits.of(cfg, loaded)
@@ -127,13 +135,17 @@ class Admission:
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-                f"{self.max_context} — shorten the prompt", param="messages", code="context_length_exceeded")
+                f"{self.max_context} — shorten the prompt", param=prompt_field(request),
+                code="context_length_exceeded")
         max_tokens = merged.get("max_tokens") or self.cfg.max_tokens_default or room
         if given.get("max_tokens") is not None and max_tokens > room:
-            raise InvalidRequest(
-                f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} tokens) "
-                f"leaves {room} of the {self.max_context}-token context; lower max_tokens",
-                param="max_tokens", code="context_length_exceeded")
+            said = (f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} "
+                    f"tokens) leaves {room} of the {self.max_context}-token context")
+            if self.strict:
+                raise InvalidRequest(f"{said}; lower max_tokens", param="max_tokens",
+                                     code="context_length_exceeded")
+            # as llama-server and Ollama do: agents ask for more than a local context holds
+            request.warnings.append(f"{said}: clamped to {room}")
         merged["max_tokens"] = min(max_tokens, room)
         stop = merged.get("stop") or []
         if len(stop) > self.cfg.max_stop:
@@ -219,7 +231,7 @@ class BudgetAdmission(Admission):
                     f"prompt has {prompt} tokens but admission.memory_budget_gb="
                     f"{self.cfg.memory_budget_gb} leaves room for {cap} tokens of context "
                     "(weights + KV + prefill temporaries); shorten the prompt or raise the budget",
-                    param="messages", code="context_over_budget")
+                    param=prompt_field(request), code="context_over_budget")
             if prompt + sp.max_tokens > cap:
                 sp.max_tokens = cap - prompt
                 self.metrics.admission.labels("clamped", "context_over_budget").inc()

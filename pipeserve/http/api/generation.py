@@ -27,6 +27,8 @@ class Usage:
     speculation: dict[str, int] | None = None   # {proposed, accepted} draft tokens (draft≠none)
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
     cache_miss: dict[str, Any] | None = None   # why prompt tokens were recomputed (cache_lookup)
+    incomplete_call: bool = False   # a tool call cut by max_tokens was dropped from the output
+    max_tokens_clamped: int | None = None   # the max_tokens in force when the one asked was cut
 
     @classmethod
     def total(cls, usages: list[Usage]) -> Usage:
@@ -36,7 +38,9 @@ class Usage:
         out = cls(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
                   completion_tokens=sum(u.completion_tokens for u in usages),
                   reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record,
-                  cache_miss=first.cache_miss)
+                  cache_miss=first.cache_miss,
+                  incomplete_call=any(u.incomplete_call for u in usages),
+                  max_tokens_clamped=first.max_tokens_clamped)
         specs = [u.speculation for u in usages if u.speculation is not None]
         if specs:
             out.speculation = {k: sum(s.get(k, 0) for s in specs) for k in specs[0]}
@@ -89,9 +93,12 @@ class OutputChain:
                 and (constraint is None or constraint.whole_turn)):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id,
                                    max_calls=None if inputs.parallel_tool_calls else 1)
+        # with tools, a call's start marker also ends a think span (a call written inside an
+        # unclosed span is still a call)
+        calls = fmt.starts if tools is not None and fmt is not None else ()
         splitter: ReasoningSplitter | HarmonySplitter | None = (
             HarmonySplitter() if markup.channels else
-            ReasoningSplitter(think) if think is not None else None)
+            ReasoningSplitter(think, calls) if think is not None else None)
         return cls(splitter, tools, request.output_prefix)
 
     @property
@@ -102,17 +109,23 @@ class OutputChain:
         reasoning, content = self.splitter.feed(text) if self.splitter else ("", text)
         return self._content(Delta(reasoning=reasoning), content, final=False)
 
-    def finish(self) -> Delta:
+    def finish(self, cut: bool = False) -> Delta:
+        """The rest of the output; `cut`: it ended at max_tokens (an open call is dropped)."""
         reasoning, content = self.splitter.finish() if self.splitter else ("", "")
-        return self._content(Delta(reasoning=reasoning), content, final=True)
+        return self._content(Delta(reasoning=reasoning), content, final=True, cut=cut)
 
-    def _content(self, delta: Delta, text: str, final: bool) -> Delta:
+    @property
+    def dropped_cut(self) -> bool:
+        """A tool call cut by max_tokens was dropped."""
+        return self.tools is not None and self.tools.dropped_cut
+
+    def _content(self, delta: Delta, text: str, final: bool, cut: bool = False) -> Delta:
         if self.tools is None:
             delta.content = text
             return delta
         delta.content, delta.tool_calls = self.tools.feed(text)
         if final:
-            tail, calls = self.tools.finish()
+            tail, calls = self.tools.finish(cut)
             delta.content += tail
             delta.tool_calls.extend(calls)
         return delta
@@ -131,6 +144,9 @@ class Generation:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage = Usage(prompt_tokens=request.num_prompt_tokens)
+        asked = request.requested.get("max_tokens")
+        if isinstance(asked, int) and asked > request.sampling.max_tokens:
+            self.usage.max_tokens_clamped = request.sampling.max_tokens
         self.all_logprobs: list[TokenLogprob] = []
         self.content = ""
         self.reasoning = ""
@@ -214,8 +230,12 @@ class Generation:
                 spec = event.extras.get("speculation")
                 if isinstance(spec, dict):
                     self.usage.speculation = dict(spec)
-                tail = self._record(chain.feed(text.finish()).extend(chain.finish()))
-                self._settle("length" if event.reason is FinishReason.LENGTH else "stop", event)
+                cut = event.reason is FinishReason.LENGTH
+                tail = self._record(chain.feed(text.finish()).extend(chain.finish(cut)))
+                if chain.dropped_cut:
+                    self.usage.incomplete_call = True
+                    ctx.metrics.incomplete_calls.inc()
+                self._settle("length" if cut else "stop", event)
                 if tail:
                     yield tail
                 return
