@@ -57,6 +57,7 @@ def help_text(conf: Path) -> str:
              "  pipeserve model.path=~/models/q.gguf server.port=9000",
              "  pipeserve model=qwen kv=turbo draft=mtp",
              "  pipeserve model=tiny                       # generated random weights, no download",
+             "  pipeserve fit model.path=~/models/q.gguf   # will it fit? the estimate, no load",
              "", "config groups (group=option; default marked *):"]
     for group, options in groups(conf).items():
         default = defaults.get(group)
