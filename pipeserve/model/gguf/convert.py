@@ -182,7 +182,7 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_offset)
     report = gguf_quants.Report()
     out: dict[str, Any] = {}
-    bits: dict[str, int] = {}
+    bits: dict[str, tuple[int, str]] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     for name, (ttype, shape, offset) in header.tensors.items():
         if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
@@ -200,21 +200,21 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
                 arr = arr - arch.norm_shift
             out[f"{base}.{suffix}" if conv.bits else target] = arr
         if conv.bits:
-            bits[base] = conv.bits
+            bits[base] = (conv.bits, conv.mode)
     return out, quantization(bits), report
 
 
-def quantization(bits: dict[str, int]) -> dict[str, Any]:
-    """mlx-lm's `quantization` entry for layers quantized at `bits` (the commonest width as the
+def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """mlx-lm's `quantization` entry for layers quantized at (bits, mode) (the commonest as the
     default, the others per layer); {} when nothing is quantized."""
     if not bits:
         return {}
     default = Counter(bits.values()).most_common(1)[0][0]
     group = gguf_quants.GROUP
-    quant: dict[str, Any] = {"group_size": group, "bits": default, "mode": "affine"}
-    for base, b in sorted(bits.items()):
-        if b != default:
-            quant[base] = {"group_size": group, "bits": b, "mode": "affine"}
+    quant: dict[str, Any] = {"group_size": group, "bits": default[0], "mode": default[1]}
+    for base, (b, mode) in sorted(bits.items()):
+        if (b, mode) != default:
+            quant[base] = {"group_size": group, "bits": b, "mode": mode}
     return quant
 
 

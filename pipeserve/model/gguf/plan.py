@@ -14,17 +14,22 @@ FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def planned_arrays(ttype: str, shape: tuple[int, ...], scale_dtype: str
-                   ) -> tuple[dict[str, tuple[tuple[int, ...], str]], int | None]:
-    """What convert_tensor makes of one tensor: suffix -> (shape, dtype), and its affine bits.
-    A re-quantized type's width depends on its values; the narrowest candidate is assumed."""
+                   ) -> tuple[dict[str, tuple[tuple[int, ...], str]], tuple[int, str] | None]:
+    """What convert_tensor makes of one tensor: suffix -> (shape, dtype), and its (bits, mode)
+    when quantized. A re-quantized type's width depends on its values; the narrowest candidate
+    is assumed."""
     if ttype in FLOAT_DTYPES:
         return {"weight": (shape, FLOAT_DTYPES[ttype])}, None
-    bits = gguf_quants.EXACT_BITS.get(ttype) or gguf_quants.REQUANT_BITS[ttype][0]
     lead, cols = tuple(shape[:-1]), shape[-1]
     groups = cols // gguf_quants.GROUP
+    if ttype in gguf_quants.EXACT_MODES:   # microscaled: uint8 exponents, no biases
+        mode, bits = gguf_quants.EXACT_MODES[ttype]
+        return {"weight": ((*lead, cols * bits // 32), "uint32"),
+                "scales": ((*lead, groups), "uint8")}, (bits, mode)
+    bits = gguf_quants.EXACT_BITS.get(ttype) or gguf_quants.REQUANT_BITS[ttype][0]
     return {"weight": ((*lead, cols * bits // 32), "uint32"),
             "scales": ((*lead, groups), scale_dtype),
-            "biases": ((*lead, groups), scale_dtype)}, bits
+            "biases": ((*lead, groups), scale_dtype)}, (bits, "affine")
 
 
 def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -36,7 +41,7 @@ def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str,
     arch = gguf_arch.lookup(meta["general.architecture"])
     assert arch is not None
     out: dict[str, Any] = {}
-    bits: dict[str, int] = {}
+    bits: dict[str, tuple[int, str]] = {}
     for name, (ttype, shape, _) in header.tensors.items():
         if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
             continue
