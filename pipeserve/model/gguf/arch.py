@@ -26,6 +26,7 @@ class Arch:
     permute_qk: bool = False                  # llama.cpp's LlamaModel.permute was applied to q/k
     norm_shift: float = 0.0                   # subtracted from every *norm weight (gemma: 1)
     scale_dtype: str = "float16"              # affine scales/biases (gemma: bfloat16, float16 overflows)
+    bare: tuple[str, ...] = ()                # blocks whose mlx-lm parameter has no .weight (sinks)
     notes: str = ""
 
 
@@ -60,7 +61,7 @@ def _common(meta: dict[str, Any], a: str, default_theta: float = 10000.0) -> dic
     scaling = meta.get(f"{a}.rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"type": "linear", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0)}
-    elif scaling == "yarn" and a.startswith("qwen"):
+    elif scaling == "yarn" and a.startswith(("qwen", "gpt-oss")):
         cfg["rope_scaling"] = {
             "type": "yarn", "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
             "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length")}
@@ -107,6 +108,20 @@ def _qwen3moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
             "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
             "decoder_sparse_step": 1, "mlp_only_layers": [],
             "norm_topk_prob": True}   # llama.cpp's qwen3moe graph always renormalizes the top k
+
+
+def _gpt_oss(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a, 150000.0), a)
+    layers = cfg["num_hidden_layers"]
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **cfg,
+            "num_local_experts": _int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length",
+                                      cfg["intermediate_size"]),
+            "sliding_window": _int(meta, f"{a}.attention.sliding_window", 128),
+            # llama.cpp's gpt-oss graph: even layers attend in the window, odd ones globally
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)]}
 
 
 def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
@@ -170,6 +185,12 @@ ARCHS: dict[str, Arch] = {
     "phi3": Arch("phi3", {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
                           "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                           "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}, _phi3),
+    "gpt-oss": Arch("gpt_oss", {**ATTN, "post_attention_norm": "post_attention_layernorm",
+                                "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                                "ffn_gate_exps": "mlp.experts.gate_proj",
+                                "ffn_up_exps": "mlp.experts.up_proj",
+                                "ffn_down_exps": "mlp.experts.down_proj"}, _gpt_oss,
+                    bare=("attn_sinks",), notes="experts usually MXFP4 (served in mxfp4 mode)"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -186,6 +207,8 @@ def map_name(arch: Arch, name: str) -> str | None:
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in arch.bare and suffix == "weight":
+        return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}"
     if m and m.group(2) in arch.blocks:
         return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}.{suffix}"
     return None
