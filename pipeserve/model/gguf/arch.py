@@ -26,7 +26,8 @@ class Arch:
     permute_qk: bool = False                  # llama.cpp's LlamaModel.permute was applied to q/k
     norm_shift: float = 0.0                   # subtracted from every *norm weight (gemma: 1)
     scale_dtype: str = "float16"              # affine scales/biases (gemma: bfloat16, float16 overflows)
-    bare: tuple[str, ...] = ()                # blocks whose mlx-lm parameter has no .weight (sinks)
+    bare: tuple[str, ...] = ()                # blocks whose mlx-lm parameter takes no suffix (sinks)
+    mtp_key: str | None = None                # `<arch>.KEY`: MTP blocks appended after the layers
     notes: str = ""
 
 
@@ -124,6 +125,33 @@ def _gpt_oss(meta: dict[str, Any], a: str) -> dict[str, Any]:
                             for i in range(layers)]}
 
 
+def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _common(meta, a)
+    rope_dim = cfg.pop("_rope_dim")
+    if "rope_scaling" in cfg:
+        raise ConfigError(f"GGUF {a} with rope scaling: mlx-lm's glm4_moe rotates without it")
+    gating = int(meta.get(f"{a}.expert_gating_func", 2))
+    if gating != 2:
+        raise ConfigError(f"GGUF {a}.expert_gating_func={gating}: mlx-lm's glm4_moe routes with "
+                          "a sigmoid (2)")
+    nextn = int(meta.get(f"{a}.nextn_predict_layers", 0))
+    cfg["num_hidden_layers"] -= nextn   # the MTP blocks llama.cpp appends; mlx-lm drops them
+    shared = _int(meta, f"{a}.expert_shared_count", 0)
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **cfg,
+            "partial_rotary_factor": rope_dim / cfg["head_dim"],
+            "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+            "n_routed_experts": _int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "n_shared_experts": shared or None,
+            "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
+            "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
+            "n_group": _int(meta, f"{a}.expert_group_count", 1),
+            "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_scaling": None,
+            "num_nextn_predict_layers": nextn}
+
+
 def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
     cfg = _full_rotary(_common(meta, a), a)
     return {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **cfg,
@@ -191,6 +219,18 @@ ARCHS: dict[str, Arch] = {
                                 "ffn_up_exps": "mlp.experts.up_proj",
                                 "ffn_down_exps": "mlp.experts.down_proj"}, _gpt_oss,
                     bare=("attn_sinks",), notes="experts usually MXFP4 (served in mxfp4 mode)"),
+    "glm4moe": Arch("glm4_moe", {**ATTN, **MLP, **QK_NORM,
+                                 "post_attention_norm": "post_attention_layernorm",
+                                 "ffn_gate_inp": "mlp.gate",
+                                 "exp_probs_b": "mlp.gate.e_score_correction_bias",
+                                 "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+                                 "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                                 "ffn_down_exps": "mlp.switch_mlp.down_proj",
+                                 "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                 "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                 "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _glm4moe,
+                    bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
+                    notes="GLM-4.5 / 4.6 / 4.7 (its MTP block is dropped, as mlx-lm does)"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -207,11 +247,21 @@ def map_name(arch: Arch, name: str) -> str | None:
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in arch.bare and suffix == "weight":
+    if m and m.group(2) in arch.bare:
         return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}"
     if m and m.group(2) in arch.blocks:
         return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}.{suffix}"
     return None
+
+
+def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:
+    """A tensor of an MTP block appended after the model's layers (GLM's nextn): not served."""
+    if arch.mtp_key is None:
+        return False
+    a = meta["general.architecture"]
+    m = re.match(r"blk\.(\d+)\.", name)
+    first = int(meta[f"{a}.block_count"]) - int(meta.get(f"{a}.{arch.mtp_key}", 0))
+    return m is not None and int(m.group(1)) >= first
 
 
 # Tensors that hold configuration, not weights: read into config.json, not written.
@@ -268,11 +318,13 @@ def apply_config_tensors(cfg: dict[str, Any], tensors: dict[str, Any]) -> None:
 
 
 def model_config(arch_name: str, meta: dict[str, Any], vocab_rows: int, tied: bool,
-                 has_bias: bool) -> dict[str, Any]:
+                 has_bias: bool, has_qk_norm: bool = False) -> dict[str, Any]:
     arch = lookup(arch_name)
     assert arch is not None
     cfg = arch.config(meta, arch_name)
     cfg.update(vocab_size=vocab_rows, tie_word_embeddings=tied)
-    if arch.model_type == "llama":
+    if arch.model_type in ("llama", "glm4_moe"):
         cfg["attention_bias"] = has_bias
+    if arch.model_type == "glm4_moe":
+        cfg["use_qk_norm"] = has_qk_norm
     return cfg

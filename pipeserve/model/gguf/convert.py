@@ -157,6 +157,8 @@ def check_supported(path: Path, header: Header) -> None:
                               f"values, not a multiple of its {per}-value blocks or of 32")
     config_tensors = gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
     for n in header.tensors:
+        if gguf_arch.dropped(arch, meta, n):
+            continue
         if gguf_arch.map_name(arch, n) is None and n not in config_tensors:
             raise ConfigError(
                 f"model.path '{path}': tensor {n!r} has no place in an mlx-lm {name} model "
@@ -185,7 +187,8 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     bits: dict[str, tuple[int, str]] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     for name, (ttype, shape, offset) in header.tensors.items():
-        if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
+        if (name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
+                or gguf_arch.dropped(arch, header.metadata, name)):
             continue
         raw = np.asarray(data[offset:offset + gguf_quants.nbytes(ttype, shape)])
         conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
@@ -266,7 +269,8 @@ def model_config(src: Path, header: Header) -> dict[str, Any]:
     rows = header.tensors["token_embd.weight"][1][0]
     tied = "output.weight" not in header.tensors
     has_bias = "blk.0.attn_q.bias" in header.tensors
-    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
+    has_qk_norm = "blk.0.attn_q_norm.weight" in header.tensors
+    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias, has_qk_norm)
     config_tensors = {}
     for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
         if name in header.tensors:

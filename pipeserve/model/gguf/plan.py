@@ -43,7 +43,8 @@ def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str,
     out: dict[str, Any] = {}
     bits: dict[str, tuple[int, str]] = {}
     for name, (ttype, shape, _) in header.tensors.items():
-        if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
+        if (name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
+                or gguf_arch.dropped(arch, meta, name)):
             continue
         target = gguf_arch.map_name(arch, name)
         assert target is not None   # check_supported refused unmapped names
