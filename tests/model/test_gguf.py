@@ -299,7 +299,7 @@ def test_unsupported_architecture_is_refused_at_launch(tmp_path: Path, model_cac
     src = save_mlx_gguf(tmp_path / "falcon.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
     assert "architecture 'falcon' is not supported" in msg
-    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, gpt-oss, glm4moe" in msg
+    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, gpt-oss, glm4moe, deepseek2" in msg
 
 
 def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,

@@ -152,6 +152,51 @@ def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
             "num_nextn_predict_layers": nextn}
 
 
+def _deepseek2(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    """DeepSeek-V3 / R1 / Kimi-K2 (MLA attention, sigmoid-routed experts): llama.cpp writes the
+    MLA head sizes as key/value_length_mla (older files: key/value_length)."""
+    heads, rope = _int(meta, f"{a}.attention.head_count"), _int(meta, f"{a}.rope.dimension_count")
+    if int(meta.get(f"{a}.expert_gating_func", 2)) != 2:
+        raise ConfigError(f"GGUF {a} with softmax expert gating (DeepSeek-V2): only the sigmoid "
+                          "gating of DeepSeek-V3 / R1 / Kimi-K2 converts (mlx-lm's deepseek_v3)")
+    key = _int(meta, f"{a}.attention.key_length_mla", meta.get(f"{a}.attention.key_length"))
+    value = _int(meta, f"{a}.attention.value_length_mla", meta.get(f"{a}.attention.value_length"))
+    q_lora = meta.get(f"{a}.attention.q_lora_rank")
+    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+           "hidden_size": _int(meta, f"{a}.embedding_length"),
+           "num_hidden_layers": _int(meta, f"{a}.block_count") - int(
+               meta.get(f"{a}.nextn_predict_layers", 0)),
+           "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+           "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+           "num_attention_heads": heads, "num_key_value_heads": heads,
+           "n_routed_experts": _int(meta, f"{a}.expert_count"),
+           "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 0) or None,
+           "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+           "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+           "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
+           "n_group": _int(meta, f"{a}.expert_group_count", 1),
+           "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
+           "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
+           "kv_lora_rank": _int(meta, f"{a}.attention.kv_lora_rank"),
+           "q_lora_rank": None if q_lora is None else int(q_lora),
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value,
+           "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+           "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
+           "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
+           "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_scaling": None}
+    scaling = meta.get(f"{a}.rope.scaling.type", "none")
+    if scaling == "yarn":   # llama.cpp's yarn_log_multiplier is 0.1 * mscale_all_dim
+        m = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        cfg["rope_scaling"] = {
+            "type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": _int(
+                meta, f"{a}.rope.scaling.original_context_length"),
+            "mscale": m, "mscale_all_dim": m, "beta_fast": 32.0, "beta_slow": 1.0}
+    elif scaling != "none":
+        raise ConfigError(f"GGUF {a}.rope.scaling.type={scaling!r}; supported: none, yarn")
+    return cfg
+
+
 def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
     cfg = _full_rotary(_common(meta, a), a)
     return {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **cfg,
@@ -231,6 +276,22 @@ ARCHS: dict[str, Arch] = {
                                  "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _glm4moe,
                     bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
                     notes="GLM-4.5 / 4.6 / 4.7 (its MTP block is dropped, as mlx-lm does)"),
+    "deepseek2": Arch("deepseek_v3", {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.embed_q", "attn_v_b": "self_attn.unembed_out",
+        "attn_output": "self_attn.o_proj", **MLP, "ffn_gate_inp": "mlp.gate",
+        "exp_probs_b": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_exps": "mlp.switch_mlp.gate_proj", "ffn_up_exps": "mlp.switch_mlp.up_proj",
+        "ffn_down_exps": "mlp.switch_mlp.down_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _deepseek2,
+        bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
+        notes="DeepSeek-V3 / R1, Kimi-K2 (MLA; the MTP block dropped)"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
