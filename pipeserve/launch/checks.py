@@ -66,6 +66,7 @@ def help_text(conf: Path) -> str:
              "  pipeserve model.path=~/models/q.gguf server.port=9000",
              "  pipeserve model=qwen kv=turbo draft=mtp",
              "  pipeserve model=tiny                       # generated random weights, no download",
+             "  pipeserve fit model.path=~/models/q.gguf   # will it fit? the estimate, no load",
              "  (~ in a path value is your home directory; a value with ( ) [ ] { } = , or quotes",
              "   needs quoting: \"model.path='/data/run=3/model'\")",
              "", "config groups (group=option; default marked *):"]

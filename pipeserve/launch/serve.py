@@ -3,6 +3,7 @@
     pipeserve                                # SmolLM2-135M demo model on 127.0.0.1:8080
     pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000   # ~: home
     python serve.py ...                      # the same, from a checkout
+    pipeserve fit model.path=~/models/q.gguf # will it fit? the estimate, before any load
 
 Every launch error (a bad override, a model that is not there, a port in use, a model that
 fails to load) is one or two lines on stderr and exit code 2 (pipeserve/launch/checks.py).
@@ -32,6 +33,10 @@ def main() -> None:
     """The `pipeserve` command and `python serve.py`: our --help and override check, then
     Hydra's main (which owns the run dir and logging)."""
     args = sys.argv[1:] = expand_home(sys.argv[1:])   # `model.path=~/x` as in a shell
+    if args[:1] == ["fit"]:   # `pipeserve fit ...`: the memory estimate, no server, no load
+        from pipeserve.launch.fit import main as fit
+        fit(args[1:])
+        _exit(0)
     if any(a in ("-h", "--help") for a in args):
         print(launch.help_text(CONF))
         return

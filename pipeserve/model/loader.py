@@ -169,15 +169,15 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     path = resolve_path(cfg)
     progress.step("%s %s", _origin(cfg, path, made=path.stat().st_mtime >= t0), path)
     try:
-        model, config = load_model(path, lazy=shard is not None,
-                                   trust_remote_code=cfg.trust_remote_code)
+        # lazily: nothing is read until the weights are evaluated below, after the fit line
+        model, config = load_model(path, lazy=True, trust_remote_code=cfg.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:   # no weights; a model_type mlx-lm lacks
         raise ConfigError(f"model.path '{cfg.path or path}' cannot be loaded by mlx-lm: {e}; "
                           "point it at an MLX checkpoint (config.json + *.safetensors) or a "
                           ".gguf file") from e
     if shard is not None:
         shard(model, config)
-    progress.step("built %s with its weights", config.get("model_type", "model"))
+    progress.step("built %s (weights not read yet)", config.get("model_type", "model"))
     adapter, adapters = None, None
     if ids:   # before the cast: mlx_lm.load's order, one dtype for all
         assert cfg.adapter_dir is not None   # ModelConfig refuses an adapter without a dir
@@ -201,6 +201,7 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         progress.stages += 1
         progress.step("vision tower (%s, through mlx-vlm)", vision.family)
     params = tree_flatten(model.parameters())
+    _log_fit(sum(v.nbytes for _, v in params), compute)
     mx.eval(model.parameters())
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
     return LoadedModel(
@@ -215,6 +216,21 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         adapters=adapters,
         vision=vision,
     )
+
+
+def _log_fit(weight_bytes: int, compute: str) -> None:
+    """Before the weights are read: what they will take against the device's usable memory (a
+    warning when they cannot fit); `pipeserve fit` (pipeserve/model/fit.py) gives KV and rows."""
+    from pipeserve.memory import DEVICE_FRACTION, device_memory_bytes
+    usable = int(device_memory_bytes() * DEVICE_FRACTION)
+    if weight_bytes > usable:
+        log.warning("will it fit: no: the weights take %.1f MB as served (%s), more than the "
+                    "%.1f MB of device memory usable; loading them anyway", weight_bytes / 1e6,
+                    compute, usable / 1e6)
+    else:
+        log.info("will it fit: the weights take %.1f MB as served (%s) of %.1f MB usable device "
+                 "memory (`pipeserve fit` with these overrides adds KV and rows)",
+                 weight_bytes / 1e6, compute, usable / 1e6)
 
 
 def _cast_weights(model: Any, cfg: ModelConfig) -> str:

@@ -197,6 +197,8 @@ def check_supported(path: Path, header: Header) -> None:
                               f"values, not a multiple of its {per}-value blocks or of 32")
     config_tensors = gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
     for n in header.tensors:
+        if gguf_arch.dropped(arch, meta, n):
+            continue
         if gguf_arch.map_name(arch, n) is None and n not in config_tensors:
             raise ConfigError(
                 f"model.path '{path}': tensor {n!r} has no place in an mlx-lm {name} model "
@@ -223,10 +225,11 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_offset)
     report = gguf_quants.Report()
     out: dict[str, Any] = {}
-    bits: dict[str, int] = {}
+    bits: dict[str, tuple[int, str]] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     for name, (ttype, shape, offset) in header.tensors.items():
-        if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
+        if (name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
+                or gguf_arch.dropped(arch, header.metadata, name)):
             continue
         raw = np.asarray(data[offset:offset + gguf_quants.nbytes(ttype, shape)])
         conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
@@ -241,16 +244,22 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
                 arr = arr - arch.norm_shift
             out[f"{base}.{suffix}" if conv.bits else target] = arr
         if conv.bits:
-            bits[base] = conv.bits
+            bits[base] = (conv.bits, conv.mode)
+    return out, quantization(bits), report
+
+
+def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """mlx-lm's `quantization` entry for layers quantized at (bits, mode) (the commonest as the
+    default, the others per layer); {} when nothing is quantized."""
     if not bits:
-        return out, {}, report
+        return {}
     default = Counter(bits.values()).most_common(1)[0][0]
     group = gguf_quants.GROUP
-    quant: dict[str, Any] = {"group_size": group, "bits": default, "mode": "affine"}
-    for base, b in sorted(bits.items()):
-        if b != default:
-            quant[base] = {"group_size": group, "bits": b, "mode": "affine"}
-    return out, quant, report
+    quant: dict[str, Any] = {"group_size": group, "bits": default[0], "mode": default[1]}
+    for base, (b, mode) in sorted(bits.items()):
+        if (b, mode) != default:
+            quant[base] = {"group_size": group, "bits": b, "mode": mode}
+    return quant
 
 
 # -- conversion ---------------------------------------------------------------------------
@@ -267,24 +276,10 @@ def convert(src: Path, out: Path) -> None:
     if len(meta["tokenizer.ggml.tokens"]) > rows:
         raise ConfigError(f"model.path '{src}': {len(meta['tokenizer.ggml.tokens'])} tokens but "
                           f"token_embd has {rows} rows")
-    tied = "output.weight" not in header.tensors
-    has_bias = "blk.0.attn_q.bias" in header.tensors
-    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
-    config_tensors = {}
-    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
-        if name in header.tensors:
-            ttype, shape, offset = header.tensors[name]
-            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
-                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
-                shape)
-    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    cfg = model_config(src, header)
     weights, quant, report = _weights(src, header, arch_name, cfg)
     if quant:
         cfg["quantization"] = quant
-    gen_ids = gguf_tokenizer.eos_ids(meta)
-    cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
-    if "tokenizer.ggml.bos_token_id" in meta:
-        cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for line in report.lines():
         log.info("converting %s: %s", src.name, line)
@@ -307,11 +302,41 @@ def convert(src: Path, out: Path) -> None:
              time.perf_counter() - t0)
 
 
+def model_config(src: Path, header: Header) -> dict[str, Any]:
+    """config.json of the converted model, without its `quantization` entry: from the header's
+    metadata and the few small tensors some architectures keep config in (Llama 3's rope_freqs)."""
+    meta = header.metadata
+    arch_name = meta["general.architecture"]
+    rows = header.tensors["token_embd.weight"][1][0]
+    tied = "output.weight" not in header.tensors
+    has_bias = "blk.0.attn_q.bias" in header.tensors
+    has_qk_norm = "blk.0.attn_q_norm.weight" in header.tensors
+    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias, has_qk_norm)
+    config_tensors = {}
+    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
+        if name in header.tensors:
+            ttype, shape, offset = header.tensors[name]
+            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
+                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
+                shape)
+    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    gen_ids = gguf_tokenizer.eos_ids(meta)
+    cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
+    if "tokenizer.ggml.bos_token_id" in meta:
+        cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    return cfg
+
+
+def converted_dir(src: Path, header: Header, cache_dir: str | Path | None = None) -> Path:
+    """Where GGUF `src`'s conversion lives in the model cache (whether or not it exists yet)."""
+    return cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
+
+
 def ensure_converted(src: Path, cache_dir: str | Path | None = None) -> Path:
     """The converted directory of GGUF `src` in the model cache, converting it on first use."""
     header = read_header(src)
     check_supported(src, header)   # refuse before hashing or converting anything
-    final = cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
+    final = converted_dir(src, header, cache_dir)
     if (final / "config.json").is_file():
         log.info("GGUF %s: converted copy in %s", src.name, final)
         log_conversion(final)
