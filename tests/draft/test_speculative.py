@@ -299,3 +299,52 @@ def test_seeded_sampling_equals_plain_decode(engine_factory, proposer: str, mode
     spec = engine_factory(f"model={model}", f"draft={proposer}")
     assert go(spec) == expected
     assert counter(spec, "spec_accepted", proposer) > 0
+
+
+def length_counts(h: EngineHarness, proposer: str) -> dict[str, float]:
+    """The draft-length histogram as counts per bucket upper bound ('0.0', '1.0', ...)."""
+    hist = h.metrics.spec_draft_length.labels(proposer)
+    cumulative = {s.labels["le"]: s.value for s in hist.collect()[0].samples
+                  if s.name.endswith("_bucket")}
+    out, before = {}, 0.0
+    for le, total in cumulative.items():
+        out[le] = total - before
+        before = total
+    return out
+
+
+def test_adaptive_length_stops_a_failing_drafter(engine_factory, model_cache: Path) -> None:
+    """A draft model that disagrees with the target (the tiny llama for the tiny qwen3, same
+    tokenizer): with draft.adaptive its rows pause drafting (draft length 0 in the metrics)
+    and propose far fewer tokens than at a fixed length, more of them kept; output equals
+    draft=none, batched."""
+    plain = engine_factory("model=tiny")
+    expected = [g["ids"] for g in run(plain, 3, max_tokens=48)]
+    other = ensure_model("llama", "tiny", "float32", model_cache)
+    drafting = ["model=tiny", "draft=model", f"draft.path={other}", "draft.num_draft_tokens=4"]
+    fixed = engine_factory(*drafting, "draft.adaptive=false")
+    assert [g["ids"] for g in run(fixed, 3, max_tokens=48)] == expected
+    adaptive = engine_factory(*drafting)
+    assert [g["ids"] for g in run(adaptive, 3, max_tokens=48)] == expected
+    fixed_proposed = counter(fixed, "spec_proposed", "model")
+    adaptive_proposed = counter(adaptive, "spec_proposed", "model")
+    fixed_rate = counter(fixed, "spec_accepted", "model") / fixed_proposed
+    assert fixed_rate < 0.5   # it mostly fails
+    assert 0 < adaptive_proposed < 0.7 * fixed_proposed
+    assert counter(adaptive, "spec_accepted", "model") / adaptive_proposed > fixed_rate
+    lengths = length_counts(adaptive, "model")
+    assert lengths["0.0"] > 0 and lengths["4.0"] > 0   # paused steps, and full-length ones
+    assert set(k for k, v in length_counts(fixed, "model").items() if v) == {"4.0"}
+    wait_idle(adaptive)
+    assert adaptive.engine.step.draft.lengths.rows == {}   # finished rows leave the policy
+
+
+def test_adaptive_length_keeps_a_good_drafter_at_full_length(engine_factory,
+                                                             model_cache: Path) -> None:
+    """The target as its own draft is always right: every chosen length is draft.num_draft_tokens."""
+    path = ensure_model("qwen3", "tiny", "float32", model_cache)
+    spec = engine_factory("model=tiny", "draft=model", f"draft.path={path}",
+                          "draft.num_draft_tokens=4")
+    run(spec, 2, max_tokens=30)
+    chosen = {k for k, v in length_counts(spec, "model").items() if v}
+    assert chosen == {"4.0"}
