@@ -19,7 +19,8 @@ class DraftConfig:
 
     _target_: str = MISSING
     num_draft_tokens: int = 3   # tokens proposed per step for the target to verify
-    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id);
+                                 # draft=eagle3: the head's checkpoint directory
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
     adaptive: bool = True   # each row's draft length follows its recent acceptance (at most
@@ -56,10 +57,10 @@ class DraftConfig:
         if not 0 <= self.fast_forward <= 256:
             raise ConfigError(f"draft.fast_forward must be in [0, 256] (0: off), got "
                               f"{self.fast_forward}")
-        if self.path is not None and self.name != "model":
+        if self.path is not None and self.name not in ("model", "eagle3"):
             raise ConfigError(
-                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
-                "does not load a draft model")
+                f"draft.path={self.path!r} is only used by draft=model and eagle3; "
+                f"draft={self.name} does not load a draft model")
 
 
 @register("draft", "none", labelled=False)
@@ -108,4 +109,17 @@ class MtpDraftConfig(DraftConfig):
     @property
     def keep_hidden(self) -> bool:
         return True   # the MTP head drafts from the trunk's hidden states
+
+
+@register("draft", "eagle3")
+@dataclass
+class Eagle3DraftConfig(DraftConfig):
+    """An EAGLE-3 head reading three of the target's layers (draft.path: its checkpoint
+    directory; unset on a generated model: a generated head)."""
+
+    _target_: str = "pipeserve.draft.proposers.Eagle3Proposer"
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the head drafts from the target's tapped hidden states
 

@@ -45,7 +45,7 @@ def draft_overrides(proposer: str, model: str, model_cache: Path) -> list[str]:
 
 
 CASES = [("ngram", "tiny"), ("model", "tiny"), ("ngram", "hybrid"), ("model", "hybrid"),
-         ("mtp", "hybrid"), ("mtp", "qwen")]
+         ("mtp", "hybrid"), ("mtp", "qwen"), ("eagle3", "tiny"), ("eagle3", "hybrid")]
 
 
 @pytest.mark.parametrize("scheduler", ["serial", "continuous"])
@@ -63,8 +63,8 @@ def test_greedy_equals_plain_decode(engine_factory, model_cache: Path, proposer:
     proposed = counter(spec, "spec_proposed", proposer)
     accepted = counter(spec, "spec_accepted", proposer)
     assert proposed > 0 and 0 <= accepted <= proposed
-    if proposer == "model" or model == "qwen":   # the bf16 draft / Qwen3.5 stand-in's head
-        assert accepted > 0                          # are right most of the time
+    if proposer in ("model", "eagle3") or model == "qwen":   # the bf16 draft, the generated
+        assert accepted > 0   # EAGLE-3 head and the Qwen3.5 stand-in's head are right at times
     wait_idle(spec)
 
 
@@ -243,7 +243,7 @@ def test_drafting_pauses_above_a_batch_size(engine_factory) -> None:
 
 @pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("model", "tiny"),
                                             ("model", "hybrid"), ("mtp", "hybrid"),
-                                            ("mtp", "qwen")])
+                                            ("mtp", "qwen"), ("eagle3", "tiny")])
 def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(
         engine_factory, model_cache: Path, tmp_path: Path, proposer: str, model: str) -> None:
     """A drafted request served from a hot prompt cache, then from the SSD tier after a
@@ -284,7 +284,8 @@ def test_mtp_on_recurrent_models_rolls_back_every_layout(engine_factory, model: 
     wait_idle(spec)
 
 
-@pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("mtp", "qwen")])
+@pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("mtp", "qwen"),
+                                            ("eagle3", "tiny")])
 def test_seeded_sampling_equals_plain_decode(engine_factory, proposer: str, model: str) -> None:
     """Verify picks each drafted position with the sample stage and rewinds the row's sampler
     to the last kept position, so a seeded sampled row draws the keys it draws without drafts:
@@ -298,7 +299,9 @@ def test_seeded_sampling_equals_plain_decode(engine_factory, proposer: str, mode
     expected = go(engine_factory(f"model={model}"))
     spec = engine_factory(f"model={model}", f"draft={proposer}")
     assert go(spec) == expected
-    assert counter(spec, "spec_accepted", proposer) > 0
+    assert counter(spec, "spec_proposed", proposer) > 0
+    if proposer != "eagle3":   # (the generated head's greedy drafts rarely meet T=0.8 picks)
+        assert counter(spec, "spec_accepted", proposer) > 0
 
 
 def length_counts(h: EngineHarness, proposer: str) -> dict[str, float]:
