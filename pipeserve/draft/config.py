@@ -20,7 +20,7 @@ class DraftConfig:
     _target_: str = MISSING
     num_draft_tokens: int = 3   # tokens proposed per step for the target to verify
     path: Optional[str] = None   # draft=model: the draft model (dir or local HF id);
-                                 # draft=eagle3: the head's checkpoint directory
+                                 # draft=eagle3 / dflash: the head's checkpoint directory
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
     adaptive: bool = True   # each row's draft length follows its recent acceptance (at most
@@ -57,9 +57,9 @@ class DraftConfig:
         if not 0 <= self.fast_forward <= 256:
             raise ConfigError(f"draft.fast_forward must be in [0, 256] (0: off), got "
                               f"{self.fast_forward}")
-        if self.path is not None and self.name not in ("model", "eagle3"):
+        if self.path is not None and self.name not in ("model", "eagle3", "dflash"):
             raise ConfigError(
-                f"draft.path={self.path!r} is only used by draft=model and eagle3; "
+                f"draft.path={self.path!r} is only used by draft=model, eagle3 and dflash; "
                 f"draft={self.name} does not load a draft model")
 
 
@@ -123,3 +123,16 @@ class Eagle3DraftConfig(DraftConfig):
     def keep_hidden(self) -> bool:
         return True   # the head drafts from the target's tapped hidden states
 
+
+@register("draft", "dflash")
+@dataclass
+class DFlashDraftConfig(DraftConfig):
+    """A DFlash block-diffusion drafter fed the target's hidden states (draft.path: its
+    checkpoint directory; unset on a generated model: a generated one)."""
+
+    _target_: str = "pipeserve.draft.dflash.DFlashProposer"
+    num_draft_tokens: int = 7   # at most the checkpoint's block_size - 1 are drafted
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the drafter's context is the target's tapped hidden states

@@ -1,11 +1,13 @@
-"""draft=eagle3 through the real server (`python serve.py model=tiny draft=eagle3`): the
-generated EAGLE-3 head drafts, OpenAI and Anthropic SDKs get draft=none's text, batched, with
-usage.speculation and the proposer's metrics."""
+"""Drafters fed the target's hidden states through the real server (`python serve.py
+model=tiny draft=eagle3`, `... draft=dflash`): the generated head drafts, the OpenAI and
+Anthropic SDKs get draft=none's text, batched, with usage.speculation and the proposer's
+metrics."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import pytest
 
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk
 
@@ -23,11 +25,18 @@ def all_chats(base: str) -> list:
         return list(pool.map(lambda t: chat(base, t), PROMPTS))
 
 
-def test_eagle3_serves_draft_none_output(server_factory) -> None:
+@pytest.fixture(scope="module")
+def expected(server_factory) -> list[str]:
     plain = server_factory("model=tiny", "scheduler=continuous")
-    expected = [r.choices[0].message.content for r in all_chats(plain.base_url)]
+    texts = [r.choices[0].message.content for r in all_chats(plain.base_url)]
     plain.stop()
-    s = server_factory("model=tiny", "draft=eagle3", "scheduler=continuous")
+    return texts
+
+
+@pytest.mark.parametrize("proposer", ["eagle3", "dflash"])
+def test_head_serves_draft_none_output(server_factory, expected: list[str],
+                                       proposer: str) -> None:
+    s = server_factory("model=tiny", f"draft={proposer}", "scheduler=continuous")
     got = all_chats(s.base_url)
     assert [r.choices[0].message.content for r in got] == expected
     spec = [r.usage.model_extra["speculation"] for r in got]
@@ -35,7 +44,7 @@ def test_eagle3_serves_draft_none_output(server_factory) -> None:
     fams = metric_families(s.base_url)
     assert sample_value(fams, "pipeserve_speculation_proposed_tokens",
                         "pipeserve_speculation_proposed_tokens_total",
-                        proposer="eagle3") == sum(x["proposed"] for x in spec)
+                        proposer=proposer) == sum(x["proposed"] for x in spec)
     msg = anthropic.Anthropic(base_url=s.base_url, api_key="x").messages.create(
         model="tiny", max_tokens=16, messages=[{"role": "user", "content": PROMPTS[0]}],
         extra_body={"temperature": 0, "logit_bias": NO_EOS})
