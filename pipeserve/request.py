@@ -130,7 +130,8 @@ class Request:
     last_token_s: float = 0.0
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
     spec_accepted: int = 0            # of those, accepted by the target
-    spec_rate: float = 1.0            # recent share of drafts accepted (sizes the next draft)
+    num_forwarded: int = 0            # output tokens its grammar forced, appended a step at a
+                                      # time (draft.fast_forward; usage.speculation.forwarded)
     queue_wait_s: float | None = None   # arrival until the scheduler gave it a row
     cache_miss: dict[str, Any] | None = None   # set by cache_lookup: why prompt tokens were
                                                # recomputed (pipeserve/prompt_cache/explain.py)
