@@ -3,15 +3,21 @@ one message per engine step for events. Pure functions, any thread; no mlx."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeserve import errors
+from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import Event, Failed, Finished, TokenDelta
 from pipeserve.core.scoring import Score
 from pipeserve.grammar.constraint import Constraint, ConstraintKind
+from pipeserve.memory import MemoryModel
 from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from pipeserve.config import ServeConfig
+    from pipeserve.model.loader import LoadedModel
 
 OPTS = orjson.OPT_NON_STR_KEYS   # logit_bias is keyed by token id
 
@@ -50,6 +56,22 @@ def decode_request(d: dict[str, Any]) -> Request:
                    output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"],
                    priority=d["priority"], checkpoints_at=tuple(d["checkpoints"]),
                    pins=tuple((int(at), float(ttl)) for at, ttl in d["pins"]))
+
+
+# -- the child's published limits (child → parent, once ready) ------------------------------
+def encode_limits(limits: EngineLimits) -> dict[str, Any]:
+    """What the parent cannot derive from the model's files: the engine's own facts."""
+    memory = limits.memory
+    return {"max_rows": limits.max_rows, "kv_pool_bytes": limits.kv_pool_bytes,
+            "memory": dataclasses.asdict(memory) if memory is not None else None,
+            "device": limits.device, "dimensions": limits.dimensions}
+
+
+def decode_limits(d: dict[str, Any], cfg: ServeConfig, loaded: LoadedModel) -> EngineLimits:
+    """The parent's limits: its own host-side model (tokenizer, config) and the child's facts."""
+    return EngineLimits.of(cfg, loaded, max_rows=d["max_rows"], kv_pool_bytes=d["kv_pool_bytes"],
+                           memory=MemoryModel(**d["memory"]) if d["memory"] else None,
+                           device=d["device"], dimensions=d["dimensions"])
 
 
 # -- events (child → parent) -----------------------------------------------------------------
