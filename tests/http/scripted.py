@@ -4,12 +4,13 @@ driven through ASGI, with an engine that answers each request from a script inst
 model. The tokenizer is the generated tiny model's, read from its files (no weights load)."""
 from __future__ import annotations
 
+import gc
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -94,8 +95,7 @@ class ScriptedEngine:
     def command(self, cmd: Any) -> None:
         raise NotImplementedError(f"the scripted engine runs no {type(cmd).__name__}")
 
-    def flush_cache(self) -> Any:
-        import threading
+    def flush_cache(self) -> threading.Event:
         done = threading.Event()
         done.set()
         return done
@@ -139,6 +139,32 @@ async def served(cfg: ServeConfig, engine: ScriptedEngine) -> AsyncIterator[http
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         Sanic._app_registry.pop(app.name, None)
+        gc.unfreeze()   # the app's startup froze the test process's objects (server.py)
+
+
+class InProcess:
+    """One app around one scripted engine for a module's tests, on an event loop of its own;
+    `run` resets the engine's script and records, then runs a scenario against the app."""
+
+    def __init__(self, cfg: ServeConfig, model: LoadedModel) -> None:
+        import asyncio
+
+        self.model = model
+        self.engine = ScriptedEngine(cfg, model)
+        self.loop = asyncio.new_event_loop()
+        self._served = served(cfg, self.engine)
+        self.client = self.loop.run_until_complete(self._served.__aenter__())
+
+    def run(self, scenario: Callable[[httpx.AsyncClient], Any],
+            script: Callable[[Request], Reply] = lambda _req: Reply(),
+            waiting: int = 0) -> tuple[Any, ScriptedEngine]:
+        e = self.engine
+        e.script, e.waiting, e.submitted, e.aborted = script, waiting, [], []
+        return self.loop.run_until_complete(scenario(self.client)), e
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self._served.__aexit__(None, None, None))
+        self.loop.close()
 
 
 def sse_frames(body: str) -> list[dict[str, str]]:
@@ -162,5 +188,4 @@ def data_of(frames: list[dict[str, str]]) -> list[Any]:
             for f in frames if "data" in f]
 
 
-__all__ = ["Reply", "ScriptedEngine", "data_of", "served", "sse_frames", "tokenizer_side",
-           "Path"]
+__all__ = ["InProcess", "Reply", "ScriptedEngine", "data_of", "served", "sse_frames", "tokenizer_side"]

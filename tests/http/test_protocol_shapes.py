@@ -4,40 +4,36 @@ errors in each protocol's shape — with no model and no server process. The rea
 (tests/serve/) keeps what only a process proves: the SDKs over a socket, kill -9, drain."""
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pipeserve.errors import EngineUnavailable
 from tests.conftest import make_config
-from tests.http.scripted import Reply, ScriptedEngine, data_of, served, sse_frames, tokenizer_side
+from tests.http.scripted import (InProcess, Reply, ScriptedEngine, data_of, sse_frames,
+                                 tokenizer_side)
 
 TEXT = "Hello there, friend."
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}]}
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
     cache = tmp_path_factory.mktemp("models")
     cfg = make_config(f"model.cache_dir={cache}")
-    return cfg, tokenizer_side(cfg)
+    app = InProcess(cfg, tokenizer_side(cfg))
+    yield app
+    app.close()
 
 
-def run(setup: tuple[Any, Any], scenario: Any, **engine: Any) -> tuple[Any, ScriptedEngine]:
-    """`scenario(client)` against a fresh app around a fresh scripted engine."""
-    cfg, model = setup
-    eng = ScriptedEngine(cfg, model, **engine)
-
-    async def go() -> Any:
-        async with served(cfg, eng) as client:
-            return await scenario(client)
-    return asyncio.run(go()), eng
+def run(setup: InProcess, scenario: Any, **engine: Any) -> tuple[Any, ScriptedEngine]:
+    """`scenario(client)` against the app, its engine scripted by `engine` (script, waiting)."""
+    return setup.run(scenario, **engine)
 
 
-def num_tokens(setup: tuple[Any, Any], text: str) -> int:
-    return len(setup[1].tokenizer.encode(text, add_special_tokens=False))
+def num_tokens(setup: InProcess, text: str) -> int:
+    return len(setup.model.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_chat_body_has_openai_shape_and_usage(setup) -> None:
@@ -130,7 +126,7 @@ def test_n_over_what_the_server_admits_is_refused_before_any_row(setup) -> None:
 
 
 def test_a_full_queue_is_429_with_retry_after(setup) -> None:
-    cap = setup[0].admission.max_queue
+    cap = setup.engine.cfg.admission.max_queue
 
     async def scenario(client):
         return await client.post("/v1/chat/completions", json=CHAT)
@@ -224,4 +220,16 @@ def test_models_lists_the_published_context(setup) -> None:
     assert body["loaded"] is True and body["state"] == "loaded"
 
 
-assert Path(__file__).parent.name == "http"
+
+def test_a_finished_stream_replays_after_last_event_id(setup) -> None:
+    async def scenario(client):
+        first = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        frames = [f for f in sse_frames(first.text) if "data" in f]
+        sid = data_of(frames[:1])[0]["id"]
+        cut = len(frames) // 2
+        last = frames[cut - 1]["id"]
+        again = await client.get(f"/v1/streams/{sid}", headers={"Last-Event-ID": last})
+        return frames, cut, again
+    (frames, cut, again), _ = run(setup, scenario)
+    assert again.status_code == 200
+    assert [f for f in sse_frames(again.text) if "data" in f] == frames[cut:]
