@@ -11,9 +11,9 @@ from pipeserve import errors
 from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import Event, Failed, Finished, TokenDelta
 from pipeserve.core.scoring import Score
-from pipeserve.grammar.constraint import Constraint, ConstraintKind
+from pipeserve.core.submission import EngineRequest
 from pipeserve.memory import MemoryModel
-from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
+from pipeserve.request import FinishReason, Request, TokenLogprob
 
 if TYPE_CHECKING:
     from pipeserve.config import ServeConfig
@@ -30,32 +30,13 @@ def loads(data: bytes) -> dict[str, Any]:
     return orjson.loads(data)
 
 
-# -- requests (parent → child) ---------------------------------------------------------------
+# -- requests (parent → child): EngineRequest's one encoding (pipeserve/core/submission.py) ----
 def encode_request(req: Request) -> dict[str, Any]:
-    """What the engine reads of a Request: prompt, resolved sampling, stops, constraint,
-    adapter, priority, cache positions, arrival (perf_counter is CLOCK_MONOTONIC: one clock for both processes)."""
-    sp = dataclasses.asdict(req.sampling)
-    c = req.constraint
-    return {"id": req.request_id, "endpoint": req.endpoint, "prompt": req.prompt_ids,
-            "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
-            "constraint": [c.kind.value, c.source, c.param] if c is not None else None,
-            "prefix": req.output_prefix, "adapter": req.adapter, "arrival": req.arrival_s,
-            # queue order, and the positions the prompt cache keeps / pins (docs/beyond.md)
-            "priority": req.priority, "checkpoints": list(req.checkpoints_at),
-            "pins": [list(p) for p in req.pins]}
+    return EngineRequest.of(req).encode()
 
 
 def decode_request(d: dict[str, Any]) -> Request:
-    sp = dict(d["sampling"])
-    sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
-    c = d["constraint"]
-    return Request(request_id=d["id"], endpoint=d["endpoint"],
-                   inputs=PromptInput(token_ids=list(d["prompt"])), prompt_ids=list(d["prompt"]),
-                   sampling=SamplingParams(**sp), stop_token_ids=frozenset(d["stop_ids"]),
-                   constraint=Constraint(ConstraintKind(c[0]), c[1], c[2]) if c else None,
-                   output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"],
-                   priority=d["priority"], checkpoints_at=tuple(d["checkpoints"]),
-                   pins=tuple((int(at), float(ttl)) for at, ttl in d["pins"]))
+    return EngineRequest.decode(d).to_request()
 
 
 # -- the child's published limits (child → parent, once ready) ------------------------------
