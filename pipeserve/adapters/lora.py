@@ -3,6 +3,7 @@
 load through mlx-lm's own LoRA layers. `check_id` runs anywhere; `mount` on the engine thread."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -212,6 +213,15 @@ class AdapterSet:
         self.default_slots = (self.slots[self.default],) if self.default is not None else ()
         self.adapters = {a.id: a for a in order if a.id not in self.retired}
         self.reset()
+
+    def snapshot(self) -> AdapterSet:
+        """A copy for the HTTP side (EngineLimits.adapters): the mounted ids, the default and
+        the retired as of now; the engine thread goes on changing this set, never the copy."""
+        snap = copy.copy(self)
+        snap.adapters, snap.slots, snap.retired = (dict(self.adapters), dict(self.slots),
+                                                   dict(self.retired))
+        snap.indices = snap.row_scales = None
+        return snap
 
     @property
     def ids(self) -> list[str]:

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from pipeserve.bench.config import BenchConfig, Row
 from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb

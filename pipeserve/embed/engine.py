@@ -5,8 +5,8 @@ attention mask), each forward's rows taken in turn from every command waiting (o
 command never holds the engine while a small one waits), and returns per input the library's
 own output in float32: an embedding's pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
 cross-encoder's scores (`pooler_output`: its classifier head, sigmoid for one label).
-The same interface as Engine where the server reads it (state, loaded, counts, command, stop),
-so it serves alone or as a pool member. Public methods: any thread."""
+An EngineClient (pipeserve/core/client.py) as Engine is, so it serves alone or as a pool
+member. Public methods: any thread."""
 from __future__ import annotations
 
 import logging
@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.limits import EngineLimits
 from pipeserve.errors import EngineUnavailable, InvalidRequest, ServeError
 from pipeserve.metrics import Metrics
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 16384   # padded tokens (rows x longest row) per forward
+BATCH_ROWS = 64   # the rows it publishes (EngineLimits.max_rows): n > 1 checks read it
 NOT_GENERATIVE = ("this is an embedding or reranking model (model.task=embed|rerank): use POST "
                   "/v1/embeddings or /v1/rerank")
 
@@ -61,23 +63,12 @@ class _Work:
         return self.next == len(self.order)
 
 
-class _Slots:
-    """What the HTTP side reads of a scheduler (the queue check of n > 1 choices)."""
-
-    def __init__(self, max_batch: int) -> None:
-        self.max_batch, self.running, self.waiting = max_batch, [], []
-
-
 class EmbedEngine:
     def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
         self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
-        self.loaded: Any = None
-        self.memory: Any = None
-        self.kv_pool_bytes: int | None = None
+        self.loaded: Any = None   # engine thread: the model it runs
+        self.limits: EngineLimits | None = None   # published at load
         self.startup_error: BaseException | None = None
-        self.device = ""
-        self.dimensions = 0   # the width of the model's embedding
-        self.scheduler = _Slots(64)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipeserve-embed", daemon=True)
@@ -91,15 +82,10 @@ class EmbedEngine:
         self._ready.wait(timeout)
         return self.state is EngineState.READY
 
-    @property
-    def num_inflight(self) -> int:
-        return self._num_submitted - self._num_done
-
-    @property
-    def num_waiting(self) -> int:
-        return self.num_inflight
-
-    num_queued = 0
+    def load(self) -> EngineLoad:
+        """Every Embed not yet answered waits (a batch runs them together)."""
+        inflight = self._num_submitted - self._num_done
+        return EngineLoad(num_waiting=inflight, num_inflight=inflight)
 
     def submit(self, request: Any, stream: Any) -> None:
         raise InvalidRequest(NOT_GENERATIVE, param="model")
@@ -193,7 +179,7 @@ class EmbedEngine:
         probe = model(mx.array([[0]]), attention_mask=mx.ones((1, 1)))
         vec = self._output(probe)
         mx.eval(vec)
-        self.dimensions = int(vec.shape[-1])
+        dimensions = int(vec.shape[-1])
         max_context = int(config.get("max_position_embeddings") or 512)
         if self.cfg.model.max_context:
             max_context = min(max_context, self.cfg.model.max_context)
@@ -203,9 +189,10 @@ class EmbedEngine:
             num_params=sum(int(v.size) for _, v in params),
             weight_bytes=sum(int(v.nbytes) for _, v in params),
             compute_dtype=str(params[0][1].dtype).removeprefix("mlx.core.") if params else "")
-        self.device = str(mx.default_device())
+        self.limits = EngineLimits.of(self.cfg, self.loaded, max_rows=BATCH_ROWS,
+                                      device=str(mx.default_device()), dimensions=dimensions)
         log.info("embedding model %s loaded in %.2f s: %d dimensions, context %d",
-                 path.name, time.perf_counter() - t0, self.dimensions, max_context)
+                 path.name, time.perf_counter() - t0, dimensions, max_context)
 
     def _forward(self, active: list[_Work]) -> None:
         """One forward of at most BATCH_TOKENS padded tokens, its rows taken in turn from every

@@ -33,7 +33,8 @@ from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.chat_page import add_chat_page
 from pipeserve.config import ServeConfig, config_hash
-from pipeserve.core.engine import Engine, EngineState
+from pipeserve.core.client import EngineClient, EngineState
+from pipeserve.core.engine import Engine
 from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
                              ServeError, Unauthorized)
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
@@ -80,10 +81,11 @@ def _key_ok(http: sanic.Request, key: str) -> bool:
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
               members: dict[str, ServeConfig] | None = None,
-              launch: list[str] | None = None) -> Sanic:
+              launch: list[str] | None = None, engine: EngineClient | None = None) -> Sanic:
     """`members` (pipeserve/pool/members.py): the models of a pool by id, each engine in its
     own process; None serves cfg's one model in-process. `launch`: the launch's overrides
-    (members found later by POST /v1/models/rescan compose over them)."""
+    (members found later by POST /v1/models/rescan compose over them). `engine`: the
+    EngineClient to serve (a test's scripted one); None builds the one cfg names."""
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
     app.config.RESPONSE_TIMEOUT = 24 * 3600
@@ -95,16 +97,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     metrics = Metrics(registry)
     app.ctx.pool = None
     if members:
-        from pipeserve.pool.pool import ModelPool, PoolEngine
+        from pipeserve.pool.pool import ModelPool
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
-    if app.ctx.pool is not None:
-        engine: Any = PoolEngine(app.ctx.pool, metrics)
-    elif embedder:
-        from pipeserve.embed.engine import EmbedEngine
-        engine = EmbedEngine(cfg, metrics)
-    else:
-        engine = Engine(cfg, metrics)
+    if engine is None:
+        engine = _engine(cfg, app.ctx.pool, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
     app.ctx.created = int(time.time())   # /v1/models' `created`
@@ -156,22 +153,23 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                 log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
                          cfg.server.host, cfg.server.port, page)
                 return
-            loaded = engine.loaded
+            limits = engine.limits
+            loaded = limits.model
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
             app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
-            app.ctx.front = None if embedder else Front(cfg, engine)
+            app.ctx.front = None if embedder else Front(cfg, engine, metrics)
             # what startup made lives as long as the process: out of the collector's view, a full
             # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
             gc.collect()
             gc.freeze()
             metrics.build.info({
                 "version": _version("pipeserve"), "mlx_version": _version("mlx"),
-                "device": engine.device, "model": cfg.model.name,
+                "device": limits.device, "model": cfg.model.name,
                 "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
                 "blas": blas.name or "bundled"})
             log.info("CPU BLAS: %s", blas.describe())
             log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
-                     cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
+                     cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
                      cfg.server.host, cfg.server.port, page)
         app.add_task(wait())
 
@@ -190,11 +188,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     async def _stopping(app: Sanic) -> None:
         if not app.ctx.draining:   # stopped without a signal (engine failed to start)
             app.ctx.draining = True
-            log.info("shutting down: %d request(s) in flight", engine.num_inflight)
+            log.info("shutting down: %d request(s) in flight", engine.load().num_inflight)
 
     @app.after_server_stop
     async def _stop(app: Sanic) -> None:
-        left = engine.num_inflight
+        left = engine.load().num_inflight
         if left:
             log.warning("shutdown timeout: %d request(s) were cut off", left)
         t0 = time.perf_counter()
@@ -211,11 +209,22 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     return app
 
 
+def _engine(cfg: ServeConfig, pool: Any, metrics: Metrics) -> EngineClient:
+    """The engine cfg names: a pool's, an embedding model's, or the generation engine."""
+    if pool is not None:
+        from pipeserve.pool.pool import PoolEngine
+        return PoolEngine(pool, metrics)
+    if cfg.model.encoder:
+        from pipeserve.embed.engine import EmbedEngine
+        return EmbedEngine(cfg, metrics)
+    return Engine(cfg, metrics)
+
+
 def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
     if app.ctx.draining:
         log.warning("%s again: stopping now, %d request(s) in flight are cut off",
-                    sig.name, app.ctx.engine.num_inflight)
+                    sig.name, app.ctx.engine.load().num_inflight)
         if app.ctx.drain_task is not None:
             app.ctx.drain_task.cancel()
         app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
@@ -224,7 +233,7 @@ def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
     timeout = app.ctx.cfg.server.shutdown_timeout_s
     log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
-             sig.name, app.ctx.engine.num_inflight, timeout)
+             sig.name, app.ctx.engine.load().num_inflight, timeout)
     app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
 
 
@@ -234,10 +243,10 @@ async def _drain(app: Sanic, timeout: float) -> None:
     still open (a stream's last chunks, a request that was still being tokenized)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while app.ctx.engine.num_inflight and loop.time() < deadline:
+    while app.ctx.engine.load().num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
-    left = app.ctx.engine.num_inflight
+    left = app.ctx.engine.load().num_inflight
     if left:
         log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
                     left, timeout)
@@ -363,7 +372,7 @@ def _add_routes(app: Sanic) -> None:
 
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
-        engine: Engine = app.ctx.engine
+        engine: EngineClient = app.ctx.engine
         draining = getattr(app.ctx, "draining", False)
         ready = (engine.state is EngineState.READY and not draining
                  and (app.ctx.front is not None or app.ctx.pool is not None
@@ -372,8 +381,9 @@ def _add_routes(app: Sanic) -> None:
         pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
         model = (app.ctx.cfg.model.name if pool is None
                  else {m["id"]: m["state"] for m in pool.models_body()["data"]})
+        load = engine.load()
         return json_response({"status": state, "model": model,
-                              "waiting": engine.num_waiting, "inflight": engine.num_inflight},
+                              "waiting": load.num_waiting, "inflight": load.num_inflight},
                              200 if ready else 503)
 
     @app.post("/admin/cache/flush")
@@ -404,10 +414,10 @@ def _add_routes(app: Sanic) -> None:
         """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
         POST /v1/adapters); the launch default (what requests naming none run with) has
         `default: true`."""
-        loaded = app.ctx.engine.loaded
-        if loaded is None and app.ctx.pool is None:   # a pool's members mount none
+        limits = app.ctx.engine.limits
+        if limits is None and app.ctx.pool is None:   # a pool's members mount none
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
-        set_ = loaded.adapters if loaded is not None else None
+        set_ = limits.adapters if limits is not None else None
         mounted = ([{**a.describe(), "default": a.id == set_.default}
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})

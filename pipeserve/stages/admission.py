@@ -5,18 +5,16 @@ when it cannot be met). Event loop, once per request; never touches MLX."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
 from pipeserve.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
 from pipeserve.grammar.constraint import GrammarBounds, GrammarCompiler, Matcher
 from pipeserve.eventloop.latency import LatencyEstimator, priority_of
-from pipeserve.model.loader import LoadedModel
+from pipeserve.metrics import Metrics
 from pipeserve.request import Request, SamplingParams
+from pipeserve.core.client import EngineLoad
 from pipeserve.core.limits import EngineLimits
-
-if TYPE_CHECKING:
-    from pipeserve.core.engine import Engine
 
 # field → (lowest, highest) inclusive; None = unbounded on that side. top_k is checked
 # against the vocabulary (see _top_k).
@@ -44,16 +42,21 @@ def prompt_field(request: Request) -> str:
 
 
 class Admission:
-    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
+    """Built once the engine has published its `limits`; `load` is the engine's (queue
+    checks read it per request), `metrics` the HTTP side's."""
+
+    def __init__(self, cfg: ServeConfig, limits: EngineLimits, load: Callable[[], EngineLoad],
+                 metrics: Metrics) -> None:
         self.cfg = cfg.admission
         self.strict = cfg.server.strict_fields   # a max_tokens past the context: 400, not clamped
         self.server_defaults = {k: v for k, v in vars(cfg.sampling).items() if v is not None}
+        loaded = limits.model
         self.model_defaults = loaded.generation_defaults
-        self.limits = EngineLimits.of(cfg, loaded)
+        self.limits = limits
         self.max_context = self.limits.max_context
         self.vocab_size = self.limits.vocab_size
-        self.engine = engine
-        self.metrics = engine.metrics
+        self.load = load
+        self.metrics = metrics
         self.latency = LatencyEstimator()   # Retry-After, deadline_ms (fed by the HTTP scope)
         self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size,
                                         loaded.tokenizer.eos_token_ids)
@@ -76,11 +79,12 @@ class Admission:
         except InvalidRequest as e:
             self.metrics.admission.labels("rejected", "invalid").inc()
             raise e
-        slots = self.engine.scheduler.max_batch
-        if self.engine.num_queued >= self.cfg.max_queue:
+        slots = self.limits.max_rows
+        queued = self.load().num_queued
+        if queued >= self.cfg.max_queue:
             self.metrics.admission.labels("rejected", "queue_full").inc()
             raise AdmissionRejected(
-                f"the queue is full ({self.engine.num_queued} waiting for a batch slot, "
+                f"the queue is full ({queued} waiting for a batch slot, "
                 f"admission.max_queue is "
                 f"{self.cfg.max_queue}); retry shortly",
                 retry_after_s=self.latency.retry_after_s(slots), code="queue_full")
@@ -100,7 +104,7 @@ class Admission:
     def _fit_pool(self, request: Request) -> None:
         """kv=paged: a request that cannot fit in the whole block pool is refused now (one
         that fits waits in the queue for blocks; it is never cut short)."""
-        pool, memory = self.engine.kv_pool_bytes, self.engine.memory
+        pool, memory = self.limits.kv_pool_bytes, self.limits.memory
         if pool is None or memory is None:
             return
         prompt, sp = len(request.prompt_ids), request.sampling
@@ -220,7 +224,7 @@ class BudgetAdmission(Admission):
 
     def resolve(self, request: Request) -> SamplingParams:
         sp = super().resolve(request)
-        memory = self.engine.memory
+        memory = self.limits.memory
         assert memory is not None
         prompt = len(request.prompt_ids)
         if memory.enforced:

@@ -390,7 +390,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
                       inputs=inputs, requested=requested,
                       constraint=structured.from_body(body, format_field=None),   # guided_*
-                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters))
         keep = resume.resumable(body)
         gen = await scope.start(req)
         model = ctx.cfg.model.name

@@ -18,7 +18,7 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
 from pipeserve.http.api.http import Scope, json_response, read_body, route
 from pipeserve.embed.engine import Embed
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import EngineUnavailable, InvalidRequest
 from pipeserve.eventloop.offload import off_loop
 from pipeserve.eventloop.token_bound import CharBound, char_bound
@@ -85,7 +85,7 @@ def check_lengths(loaded: Any, texts: list[tuple[str, str]], extra: int = 0) -> 
 
 
 def _tokenize(engine: Any, items: list[str | list[int]]) -> list[list[int]]:
-    loaded = engine.loaded
+    loaded = engine.limits.model
     vocab = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
     check_lengths(loaded, [(f"input[{i}]", t) for i, t in enumerate(items) if isinstance(t, str)])
     out = []
@@ -142,7 +142,7 @@ async def encoder(app: Sanic, scope: Scope, body: dict[str, Any], task: str, wro
     if ctx.cfg.model.task.value != task:
         raise InvalidRequest(f"model {ctx.cfg.model.name!r} {wrong}", param="model", code=code)
     engine = ctx.engine
-    if engine.state is not EngineState.READY or engine.loaded is None:
+    if engine.state is not EngineState.READY or engine.limits is None:
         raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
     return engine
 
@@ -160,7 +160,7 @@ async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
         engine = await encoder(app, scope, body, "embed", "generates text; /v1/embeddings needs "
                                "an embedding model (model.task=embed, e.g. model=tiny_embed)",
                                "not_an_embedding_model")
-        width = engine.dimensions
+        width = engine.limits.dimensions
         if dims is not None and not 1 <= dims <= width:
             raise InvalidRequest(f"dimensions is {dims}; this model's embeddings have {width} "
                                  f"(allowed range [1, {width}])", param="dimensions")

@@ -173,7 +173,7 @@ class Generation:
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
             self.batch_size_max = reported   # the engine saw every step; better than our samples
-        adapters = self.app_ctx.engine.loaded.adapters
+        adapters = self.app_ctx.engine.limits.adapters
         self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
             .with_batch_size(self.batch_size_max or None).with_media(self.request.media)
         self.usage.record = self.record.body()
@@ -187,8 +187,9 @@ class Generation:
         """Rows running now (left the queue, not done), sampled as this request's tokens
         arrive. Approximate; a Finished event's extras["batch_size_max"] replaces it."""
         engine = self.app_ctx.engine
-        rows = engine.num_inflight - engine.num_waiting
-        rows = min(max(rows, 1), engine.scheduler.max_batch)
+        load = engine.load()
+        rows = load.num_inflight - load.num_waiting
+        rows = min(max(rows, 1), engine.limits.max_rows)
         self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:

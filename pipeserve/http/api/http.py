@@ -14,7 +14,7 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeserve.http.api.generation import Generation
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import (AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound,
                              ServeError)
 from pipeserve.eventloop.offload import PAUSE_GC_BYTES, gc_paused

@@ -39,7 +39,7 @@ def _documents(body: dict[str, Any]) -> list[str]:
 
 def _pairs(engine: Any, query: str, docs: list[str]) -> list[list[int]]:
     """Each (query, document) as the model's tokenizer encodes a pair (its special tokens)."""
-    loaded = engine.loaded
+    loaded = engine.limits.model
     tokenizer = loaded.tokenizer   # Hugging Face's; a pool's parent holds mlx-lm's wrapper of it
     if type(tokenizer).__name__ == "TokenizerWrapper":
         tokenizer = tokenizer._tokenizer

@@ -251,7 +251,7 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
                       inputs=parsed.inputs, requested=parsed.requested,
                       constraint=parsed.constraint,
-                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters))
         dropped = parsed.tools.warning()
         if dropped is not None:
             req.warnings.append(dropped)
