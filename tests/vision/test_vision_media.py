@@ -158,6 +158,15 @@ def test_dns_rebinding_cannot_reach_a_private_host(monkeypatch: pytest.MonkeyPat
             return real(host, port, *args, **kw)
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers), port))]
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    connected: list[str] = []
+    real_connect = socket.create_connection
+
+    def connect(address: Any, *args: Any, **kw: Any) -> Any:   # no packet leaves this host
+        connected.append(address[0])
+        if address[0] != "127.0.0.1":
+            raise ConnectionRefusedError(f"{address[0]}: not contacted from a test")
+        return real_connect(address, *args, **kw)
+    monkeypatch.setattr(socket, "create_connection", connect)
     with local_server({"/cat.jpg": (200, {}, jpeg((30, 10)))}) as url:
         port = url.rsplit(":", 1)[1]
         part = from_url(f"http://rebind.example:{port}/cat.jpg", "messages[0].content[0]")
@@ -165,6 +174,7 @@ def test_dns_rebinding_cannot_reach_a_private_host(monkeypatch: pytest.MonkeyPat
             decode_all([part], limits(allow_remote=True, fetch_timeout_s=1.0))
         asked.append(next(answers))
     assert asked == ["127.0.0.1"]   # resolved once: the second answer was never taken
+    assert connected == ["8.8.8.8"]  # the checked address only, never the rebound loopback
 
 
 def test_the_fetch_deadline_holds_while_headers_trickle() -> None:
