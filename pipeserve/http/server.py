@@ -23,7 +23,7 @@ from sanic.exceptions import SanicException
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
 from pipeserve.http.api import openai as oa
-from pipeserve.http.api.http import json_response
+from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
 from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
@@ -39,6 +39,11 @@ from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
 from pipeserve.http.waits import wait_event
 from pipeserve.http.front import Front
+from pipeserve.adapters import swap as adapter_swap
+from pipeserve.core.events import AdapterSwap
+from pipeserve.embed.engine import EmbedEngine
+from pipeserve.errors import InvalidRequest
+from pipeserve.pool.pool import ModelPool, PoolEngine
 
 log = logging.getLogger("pipeserve")
 WARNING_HEADER = "x-pipeserve-warning"
@@ -93,13 +98,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     metrics = Metrics(registry)
     app.ctx.pool = None
     if members:
-        from pipeserve.pool.pool import ModelPool, PoolEngine
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
     if app.ctx.pool is not None:
         engine: Any = PoolEngine(app.ctx.pool, metrics)
     elif embedder:
-        from pipeserve.embed.engine import EmbedEngine
         engine = EmbedEngine(cfg, metrics)
     else:
         engine = Engine(cfg, metrics)
@@ -402,9 +405,6 @@ def _add_routes(app: Sanic) -> None:
     async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeserve/adapters/swap.py): the engine thread mounts or unmounts between
         steps; this handler only waits for its reply, in the executor."""
-        from pipeserve.adapters import swap as adapter_swap
-        from pipeserve.core.events import AdapterSwap
-
         cmd = AdapterSwap(adapter_id, mount)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, adapter_swap.request, app.ctx.engine, cmd)
@@ -416,9 +416,6 @@ def _add_routes(app: Sanic) -> None:
         """Mount model.adapter_dir/<id> at runtime: 200 with its /v1/adapters entry; 400 (not
         an id, a path out of the directory, files that do not fit the base model, DoRA), 404
         (no such subdirectory), 409 (already mounted). Needs server.admin_key when set."""
-        from pipeserve.http.api.http import read_body
-        from pipeserve.errors import InvalidRequest
-
         _admin(http)
         _no_pool_swap()
         body = read_body(http)

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import PromptTrie
 
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.codec import CorruptEntry, Staged, decode
-from pipeserve.prompt_cache.ram import TRIE_KEY, GhostIndex
+from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex
 
 log = logging.getLogger(__name__)
 

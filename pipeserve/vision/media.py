@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
+from pipeserve.vision.fetch import fetch
 
 FORMATS = "PNG, JPEG, WebP, AVIF, HEIC, GIF, BMP, TIFF"
 _HEIF: list[bool] = []   # pillow-heif's opener registered (once, at the first decode)
@@ -110,7 +111,6 @@ def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
     for part in parts:
         data = part.data
         if data is None:
-            from pipeserve.vision.fetch import fetch
             assert part.url is not None
             data = fetch(part.url, part.where, limits)
         total += len(data)

@@ -16,6 +16,7 @@ from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import SSE_HEADERS, json_response, read_body, sse_data
 from pipeserve.core.engine import EngineState
 from pipeserve.errors import InvalidRequest, NotFound, ServeError
+from pipeserve.core.limits import EngineLimits
 
 PROGRESS_S = 0.5   # seconds between load progress events
 
@@ -33,7 +34,6 @@ def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
     if loaded is None:
         return {"context_length": None, "modalities": ["text"], "tool_format": None,
                 "task": task}
-    from pipeserve.core.limits import EngineLimits
     vision = getattr(loaded, "vision", None)
     modalities = ["text", "image"] if vision is not None else ["text"]   # (model.vision)
     if vision is not None and not vision.takes_images:
