@@ -97,7 +97,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
     constraint: Constraint | None = None   # set by the adapter: structured output to enforce
     grammar: Matcher | None = None         # set by admission: the constraint compiled; advanced
-                                           # by the step (grammar.catch_up), engine thread
+                                           # by the step (grammar.rows.catch_up), engine thread
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
     # set by tokenize: prompt positions whose state the prompt cache should keep (the end of a

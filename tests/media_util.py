@@ -1,6 +1,7 @@
 """Shared by the media tests: a real HTTP server on 127.0.0.1 serving fixed responses (the
-remote-URL fetch tests), a video encoder (PyAV), and the "rows in one batch equal each alone"
-check that must see the rows share a step."""
+remote-URL fetch tests), a video encoder (PyAV), the "rows in one batch equal each alone"
+check that must see the rows share a step, and the client side of a tiny_vlm server: a greedy
+answer, its tokens' bytes, the reference's tokens spelt the same way, and a metric's value."""
 from __future__ import annotations
 
 import http.server
@@ -9,6 +10,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import httpx
+import openai
 
 Route = tuple[int, dict[str, str], bytes]   # status, headers, body
 
@@ -74,3 +78,42 @@ def assert_batched_equals_alone(run_round: Callable[[], list[Any]], alone: list[
         if max(r.usage.model_extra["pipeserve"]["batch_size"] for r in batched) > 1:
             return
     raise AssertionError(f"the rows never shared a step in {rounds} concurrent rounds")
+
+
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def async_client(server: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                              timeout=60)
+
+
+def greedy(server: Any, messages: list[dict[str, Any]], max_tokens: int = 16) -> Any:
+    return client(server).chat.completions.create(model="tiny_vlm", messages=messages,
+                                                  max_tokens=max_tokens, temperature=0,
+                                                  logprobs=True)
+
+
+def served_bytes(resp: Any) -> list[list[int]]:
+    return [list(t.bytes) for t in resp.choices[0].logprobs.content]
+
+
+def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
+    """Each token's bytes, as the OpenAI logprobs `bytes` field spells them (byte-level BPE)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):   # GPT-2's byte <-> printable-character table
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return [[table[c] for c in tokenizer.convert_ids_to_tokens(i)] for i in ids]
+
+
+def metric(server: Any, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))

@@ -4,11 +4,14 @@ HTTP side reaches the core only through the engine's face (EngineClient, its com
 events, the request streams, its published limits, prompt scoring) and reads nothing of an
 engine but that face; every `pipeserve.*` import names a
 module of this tree; and no two modules import each other, directly or through others, at any
-depth — a function-level import counts like a module-level one. Only `if TYPE_CHECKING:` blocks
-are left out: they never run."""
+depth. Every import is an edge: a function-level one and a type-only one (`if TYPE_CHECKING:`)
+count like a module-level one. A function-level import of a module of the tree is allowed only
+where LAZY says why it must stay lazy."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,25 @@ CORE_FACE = {"pipeserve.core.client", "pipeserve.core.engine", "pipeserve.core.e
              "pipeserve.core.stream", "pipeserve.core.limits", "pipeserve.core.scoring"}
 # the entry points: they build the app, so they sit above the HTTP side
 ENTRIES = ("pipeserve.launch.serve", "pipeserve.bench")
+# (importer, imported) → why the import stays inside a function. Each keeps mlx (and, for the
+# server, sanic) out of a process or a check that must not load it; nothing else is lazy.
+LAZY = {
+    ("pipeserve.launch.serve", "pipeserve.http.server"):
+        "the config is checked before anything loads: the app loads mlx and sanic",
+    ("pipeserve.launch.serve", "pipeserve.model.loader"):
+        "the config is checked before anything loads: the loader's LoRA layers load mlx",
+    ("pipeserve.launch.serve", "pipeserve.distributed.follower"):
+        "the config is checked before anything loads: a follower imports the engine",
+    ("pipeserve.model.config", "pipeserve.adapters.lora"):
+        "a schema, read by the config check: lora's layer class loads mlx",
+    ("pipeserve.memory", "pipeserve.kv.attention"):
+        "memory imports mlx only where it measures, so the scheduler that reads it loads none",
+    ("pipeserve.bench.run", "pipeserve.model.loader"):
+        "the bench's client process loads no mlx; the server process it starts does",
+    ("pipeserve.model.tiny.text", "pipeserve.draft.mtp"):
+        "the generator (and the bench workloads that read its corpus) loads mlx-lm only "
+        "when it builds an MTP head",
+}
 
 
 def schema(name: str) -> bool:
@@ -37,37 +59,54 @@ def modules(root: Path) -> dict[str, Path]:
 
 
 def imports(path: Path) -> set[str]:
-    """Every `pipeserve.*` name a file imports, at any depth but type-only blocks
+    """Every `pipeserve.*` name a file imports, at any depth, type-only ones included
     (`from a.b import c` gives a.b and a.b.c: c may be a module)."""
-    tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for stmt in node.body for n in ast.walk(stmt)}
     names: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names.update(imported(node))
     return {n for n in names if n.split(".")[0] == "pipeserve"}
+
+
+def imported(node: ast.AST) -> list[str]:
+    """The names one import statement imports (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def lazy_imports(root: Path) -> set[tuple[str, str]]:
+    """(importer, imported module) for every import of a module of the tree made inside a
+    function, at any depth."""
+    mods = modules(root)
+    found = set()
+    for name, path in mods.items():
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                # `from a import b`: the module a.b if there is one, else a
+                wanted = imported(node)[1:] if isinstance(node, ast.ImportFrom) else imported(node)
+                found.update((name, t) for n in wanted if n.split(".")[0] == "pipeserve"
+                             and (t := resolve(mods, n)) is not None and t != name)
+    return found
+
+
+def resolve(mods: dict[str, Path], name: str) -> str | None:
+    """The longest prefix of `name` that is a module of the tree."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 def graph(root: Path) -> dict[str, set[str]]:
     """Module → the modules of the tree it imports (a name resolves to its longest module
     prefix; a package's own name is an edge to its __init__)."""
     mods = modules(root)
-
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     edges: dict[str, set[str]] = {}
     for name, path in mods.items():
-        targets = {resolve(n) for n in imports(path)}
+        targets = {resolve(mods, n) for n in imports(path)}
         edges[name] = {t for t in targets if t is not None and t != name}
     return edges
 
@@ -165,25 +204,46 @@ def test_the_http_side_reaches_the_core_only_through_its_face() -> None:
     assert used and used <= CORE_FACE, sorted(used - CORE_FACE)
 
 
-def test_the_checks_see_function_level_cycles_and_stray_edges(tmp_path: Path) -> None:
-    """A cycle closed by an import inside a function, and a core module importing the HTTP
-    side, are both found; a type-only import is not an edge."""
+def test_function_level_imports_of_the_tree_are_only_those_on_the_allow_list() -> None:
+    """A new lazy import of a pipeserve module fails here (move it to the module's top, or
+    say in LAZY why it cannot be); an entry whose import went away fails too."""
+    assert sorted(lazy_imports(ROOT)) == sorted(LAZY)
+
+
+def test_the_config_check_loads_neither_mlx_nor_sanic() -> None:
+    """What LAZY keeps lazy for the launch holds: composing and checking the config (the
+    `pipeserve` command's module, the root schema and every group's) imports no mlx and no
+    sanic, so a bad override fails before anything loads."""
+    probe = ("import sys, pipeserve.launch.serve, pipeserve.config\n"
+             "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'sanic') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_checks_see_function_level_and_type_only_cycles_and_stray_edges(
+        tmp_path: Path) -> None:
+    """A cycle closed by an import inside a function, one closed by a type-only import, a
+    core module importing the HTTP side, and a function-level import are all found."""
     for rel, text in {
         "pipeserve/__init__.py": "",
         "pipeserve/core/__init__.py": "",
         "pipeserve/core/a.py": "def f():\n    from pipeserve.core import b\n",
         "pipeserve/core/b.py": "import pipeserve.core.a\nfrom pipeserve.http.c import X\n",
         "pipeserve/http/__init__.py": "",
-        "pipeserve/http/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    from pipeserve.core.a import f\nX = 1\n",
+        "pipeserve/http/c.py": "X = 1\n",
+        "pipeserve/http/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pipeserve.http.e import Y\nZ = 1\n",
+        "pipeserve/http/e.py": "from pipeserve.http.d import Z\nY = 1\n",
         "pipeserve/stages/__init__.py": "",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     edges = graph(tmp_path)
-    assert cycles(edges) == [["pipeserve.core.a", "pipeserve.core.b"]]
+    assert sorted(cycles(edges)) == [["pipeserve.core.a", "pipeserve.core.b"],
+                             ["pipeserve.http.d", "pipeserve.http.e"]]
     assert "pipeserve.http.c" in edges["pipeserve.core.b"]
-    assert edges["pipeserve.http.c"] == set()
+    assert lazy_imports(tmp_path) == {("pipeserve.core.a", "pipeserve.core.b")}
 
 
 # What an engine keeps to itself: the HTTP side reads its published EngineLimits and EngineLoad

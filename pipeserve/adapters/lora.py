@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeserve.errors import ConfigError
+from pipeserve.errors import ConfigError, InvalidRequest, NotFound
 
 FILES = ("adapter_config.json", "adapters.safetensors")
 STACK = "+"   # Request.adapter of a stack: its ids joined, in the request's order
@@ -253,8 +253,6 @@ class AdapterSet:
         """A request's choice as Request.adapter holds it: None when it is the launch default
         (so identical requests share prompt-cache entries), else the id, a stack's ids joined
         by '+', or "none". Raises NotFound naming the field, the value and the mounted ids."""
-        from pipeserve.errors import NotFound
-
         if choice is None:
             return None
         if isinstance(choice, list):
@@ -274,8 +272,6 @@ class AdapterSet:
 
     def _stack(self, ids: list[Any], param: str) -> str:
         """An `adapter` array: mounted LoRA ids, each once, at most MAX_STACK (one is that id)."""
-        from pipeserve.errors import InvalidRequest, NotFound
-
         if not ids or len(ids) > MAX_STACK or not all(isinstance(i, str) for i in ids):
             raise InvalidRequest(f"{param} is an array of {len(ids)} item(s); a stack is 1 to "
                                  f"{MAX_STACK} mounted adapter ids (strings)", param=param)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeserve.adapters.lora import (
     FILES,
@@ -32,10 +33,29 @@ from pipeserve.errors import (
     NotFound,
     ServeError,
 )
+from pipeserve.model import blas
+from pipeserve.model.config import ComputeDType
 
 if TYPE_CHECKING:
-    from pipeserve.core.engine import Engine
+    from pipeserve.config import ServeConfig
     from pipeserve.core.events import AdapterSwap
+    from pipeserve.core.scheduler import Scheduler
+    from pipeserve.model.loader import LoadedModel
+
+
+class Engine(Protocol):
+    """What the swap reads of the engine (pipeserve/core/engine.py, which runs the swap and
+    passes itself): named here, so the engine and this module do not import each other."""
+
+    cfg: ServeConfig
+    loaded: LoadedModel | None
+    scheduler: Scheduler
+    state: Enum
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def command(self, cmd: Any) -> None: ...
+
 
 RETIRE_S = 60.0   # an unmounted adapter's slot outlives its unmount this long (see above)
 WAIT_S = 600.0    # the most a handler waits for the engine to run its command
@@ -205,9 +225,6 @@ def _stack_dtype(engine: Engine, multi: dict[str, MultiLoRALinear], file_dtype: 
     """The dtype a launch mount ends in: the stacks' own, else what the loader's cast
     (`pipeserve.model.loader._cast_weights`) makes of the file's tensors."""
     import mlx.core as mx
-
-    from pipeserve.model import blas
-    from pipeserve.model.config import ComputeDType
 
     if multi:
         return next(iter(multi.values())).lora_a.dtype

@@ -41,6 +41,7 @@ from pipeserve.bench.server import (
 from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive
 from pipeserve.config import load_config, register_configs
+from pipeserve.bench import plots as bench_plots, vision as bench_vision
 
 
 def run_bench(raw: DictConfig) -> list[Row]:
@@ -59,7 +60,6 @@ def run_bench(raw: DictConfig) -> list[Row]:
     if b.workload == "steps":
         return _step_probe(b, cfg, model_dir, out)
     if b.workload == "vision":   # image requests, beside mlx-vlm's generate (pipeserve/bench/vision.py)
-        from pipeserve.bench import vision as bench_vision
         rows = bench_vision.run(b, cfg.model.name, overrides, model_dir, out, eos)
         _write(out, rows)
         return rows
@@ -181,7 +181,6 @@ def _plot_run(out: Path, target: str, m: dict[str, Any], ours: Row | None) -> No
     sweep, each job adds its pipeserve row to sweep.csv and sweep.png is redrawn from it."""
     from hydra.types import RunMode
 
-    from pipeserve.bench import plots as bench_plots
     try:
         import matplotlib  # noqa: F401
     except ImportError:

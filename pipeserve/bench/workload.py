@@ -17,6 +17,7 @@ except ImportError:   # the base install has no bench client
 import orjson
 
 from pipeserve.bench.config import BenchConfig
+from pipeserve.model.tiny.text import CORPUS
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box "
          "jumbled figures near the old river bank and count every small stone").split()
@@ -46,7 +47,6 @@ def _prompts(b: BenchConfig, salt: str = "") -> list[str]:
         if fixed is not None:
             text = fixed
         elif b.workload == "copy":            # a long passage to repeat verbatim
-            from pipeserve.model.tiny.text import CORPUS
             words = CORPUS.split()
             passage = " ".join(words[(i * 17 + j) % len(words)] for j in range(n))
             text = f"Repeat the following passage exactly, word for word.\n\n{passage}\n\nRepeated:\n"

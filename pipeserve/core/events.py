@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pipeserve.errors import ServeError
 from pipeserve.request import FinishReason, Request, TokenLogprob
 
-if TYPE_CHECKING:
-    from pipeserve.core.stream import RequestStream
+
+
+class Sink(Protocol):
+    """Where a request's events go: a RequestStream (pipeserve/core/stream.py, which imports
+    this module), or a pool child's stand-in for one (pipeserve/pool/child.py)."""
+
+    def post(self, event: Event) -> None: ...
 
 
 @dataclass(slots=True)
 class Submit:
     request: Request
-    stream: RequestStream
+    stream: Sink
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from pipeserve.config import ServeConfig, build
 from pipeserve.distributed.shard import sharding
 from pipeserve.core.forward import Forward
-from pipeserve.grammar.constraint import catch_up
+from pipeserve.grammar.rows import catch_up
 from pipeserve.kv.attention import install as install_attention
 from pipeserve.kv.attention import on_cuda
 from pipeserve.kv.layouts import build_layout

@@ -10,6 +10,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pipeserve.core.engine import Engine, EngineState
+from pipeserve.distributed.lifeline import FollowerExit
+from pipeserve.distributed.shard import world
+from pipeserve.metrics import Metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -29,16 +34,12 @@ class _RankFilter(logging.Filter):
 def follow(cfg: Any) -> int | None:
     """None on rank 0 (it goes on to serve HTTP); on any other rank, follow rank 0 and return
     the process's exit code: 0 once rank 0 stopped the group, 1 when this rank failed."""
-    from pipeserve.distributed.shard import world
     rank = world().rank()
     if rank == 0:
         return None
-    from pipeserve.core.engine import Engine, EngineState
-    from pipeserve.metrics import Metrics
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RankFilter(rank))
-    from pipeserve.distributed.lifeline import FollowerExit
     # SIGTERM (mlx.launch forwards it to every rank) or a lost launcher: rank 0 drains and
     # stops the group, and this rank leaves with it; after the drain's bound it leaves alone
     FollowerExit(cfg.server.shutdown_timeout_s + cfg.distributed.timeout_s, _exit_now).install()

@@ -22,6 +22,9 @@ from pipeserve.distributed import wire
 from pipeserve.distributed.shard import world
 from pipeserve.core.events import Submit
 from pipeserve.core.plan import StepPlan
+from pipeserve.core.engine import EngineState
+from pipeserve.core.limits import EngineLimits
+from pipeserve.grammar.constraint import GrammarCompiler
 
 if TYPE_CHECKING:
     from pipeserve.config import ServeConfig
@@ -92,7 +95,6 @@ class Group:
         backend does not surface) must not hang the server: past distributed.timeout_s
         without a sync, rank 0 fails what is in flight, answers 503 and stops after
         linger_s; another rank exits."""
-        from pipeserve.core.engine import EngineState
         while engine.state in (EngineState.LOADING, EngineState.READY):
             time.sleep(min(0.5, self.cfg.heartbeat_s))
             synced = self._synced_s
@@ -172,8 +174,6 @@ class Group:
 
     def _compile(self, engine: Engine, constraint: Any) -> Any:
         if self._grammars is None:
-            from pipeserve.grammar.constraint import GrammarCompiler
-            from pipeserve.core.limits import EngineLimits
             tok = engine.loaded.tokenizer
             vocab = EngineLimits.of(engine.cfg, engine.loaded).vocab_size
             self._grammars = GrammarCompiler(tok, vocab, tok.eos_token_ids)

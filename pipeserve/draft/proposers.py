@@ -17,6 +17,9 @@ from pipeserve.core.rows import RowStore
 from pipeserve.core.plan import PlannedRow
 from pipeserve.request import Request
 from pipeserve.core.stage import StageDeps
+from pipeserve.core.forward import Forward
+from pipeserve.draft.mtp import load_mtp
+from pipeserve.model.loader import load
 
 log = logging.getLogger("pipeserve")
 
@@ -98,8 +101,6 @@ class ModelProposer(NoDraft):
 
         from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-        from pipeserve.core.forward import Forward
-        from pipeserve.model.loader import load
         draft_cfg = replace(cfg.model, path=cfg.draft.path, name="draft", chat_template=None,
                             adapter=None, adapters=[])   # the draft runs without the adapter (verify uses it)
         self.draft = load(draft_cfg)
@@ -245,7 +246,6 @@ class MtpProposer(NoDraft):
     name = "mtp"
 
     def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
-        from pipeserve.draft.mtp import load_mtp
         try:
             self.head = load_mtp(ctx.loaded.path, ctx.model)
         except ValueError as e:

@@ -19,8 +19,10 @@ from typing import Any, Callable
 from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core.limits import EngineLimits
-from pipeserve.errors import EngineUnavailable, InvalidRequest, ServeError
+from pipeserve.errors import ConfigError, EngineUnavailable, InvalidRequest, ServeError
 from pipeserve.metrics import Metrics
+from pipeserve.model.loader import LoadedModel, _fingerprint, resolve_path
+from pipeserve.pool.codec import decode_error
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 16384   # padded tokens (rows x longest row) per forward
@@ -157,11 +159,8 @@ class EmbedEngine:
         try:
             from mlx_embeddings import load
         except ImportError as e:
-            from pipeserve.errors import ConfigError
             raise ConfigError("model.task=embed loads the model through mlx-embeddings, which is "
                               "not installed: pip install -e .[embed]") from e
-
-        from pipeserve.model.loader import LoadedModel, _fingerprint, resolve_path
 
         t0 = time.perf_counter()
         path = resolve_path(self.cfg.model)
@@ -170,7 +169,6 @@ class EmbedEngine:
         config = dict(getattr(model.config, "__dict__", {}))
         heads = [a for a in config.get("architectures") or [] if "SequenceClassification" in a]
         if self.cfg.model.task.value == "rerank" and not heads:
-            from pipeserve.errors import ConfigError
             raise ConfigError(f"model.task=rerank needs a cross-encoder (a sequence-"
                               f"classification head, e.g. ModernBertForSequenceClassification); "
                               f"{path.name} has architectures {config.get('architectures')}")
@@ -261,7 +259,6 @@ def _jsonable(config: dict[str, Any]) -> dict[str, Any]:
 
 def apply_reply(cmd: Embed, msg: dict[str, Any]) -> None:
     """A pool member's pipe reply (pipeserve/pool/proxy.py) back into the Embed; on_done."""
-    from pipeserve.pool.codec import decode_error
     if msg.get("error") is not None:
         cmd.error = decode_error(msg["error"])
     elif msg.get("vecs") is None:

@@ -14,16 +14,13 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance as llg
 import llguidance.numpy as lln
 import numpy as np
 
 from pipeserve.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from pipeserve.request import Request
 
 log = logging.getLogger("pipeserve.grammar")
 CACHE_SIZE = 64   # compiled grammars kept (LRU by constraint); failed compiles are kept too
@@ -216,37 +213,6 @@ class Matcher:
     @property
     def error(self) -> str:
         return self.ll.get_error()
-
-
-def catch_up(reqs: Iterable[Request]) -> dict[str, BaseException]:
-    """The one place matchers advance: each constrained row's matcher accepts the output
-    applied since the last step (engine thread, before a step's stages read the masks).
-    Returns the rows whose grammar could not go on, with the client error to fail them with."""
-    failed: dict[str, BaseException] = {}
-    for req in reqs:
-        m = req.grammar
-        if m is None:
-            continue
-        try:
-            ok = m.advance(req.output_ids)
-        except Exception as e:   # this row's grammar: fail it, keep the others
-            failed[req.request_id] = e
-            continue
-        if not ok:
-            failed[req.request_id] = grammar_failed(req)
-    return failed
-
-
-def grammar_failed(req: Request) -> InvalidRequest:
-    """The row's grammar could not go on (it hit a parser limit, or allows nothing): a
-    client error naming the constraint's field, with the grammar library's reason."""
-    c, m = req.constraint, req.grammar
-    assert m is not None
-    param = c.param if c is not None else "grammar"
-    lines = [ln.strip() for ln in (m.error or "").splitlines() if ln.strip()]
-    reason = lines[0][:300] if lines else "no token is allowed"   # the rest: parser state
-    return InvalidRequest(f"{param} could not be followed after {len(req.output_ids)} output "
-                          f"tokens: {reason}", param=param, code="constraint_failed")
 
 
 def fill_bitmask(matchers: Iterable[tuple[int, Matcher]], out: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from sanic.exceptions import SanicException
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
 from pipeserve.http.api import openai as oa
-from pipeserve.http.api.http import json_response
+from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
 from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
@@ -41,6 +41,11 @@ from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
 from pipeserve.http.waits import wait_event
 from pipeserve.http.front import Front
+from pipeserve.adapters import swap as adapter_swap
+from pipeserve.core.events import AdapterSwap
+from pipeserve.embed.engine import EmbedEngine
+from pipeserve.errors import InvalidRequest
+from pipeserve.pool.pool import ModelPool, PoolEngine
 
 log = logging.getLogger("pipeserve")
 WARNING_HEADER = "x-pipeserve-warning"
@@ -97,7 +102,6 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     metrics = Metrics(registry)
     app.ctx.pool = None
     if members:
-        from pipeserve.pool.pool import ModelPool
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
     if engine is None:
@@ -212,10 +216,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
 def _engine(cfg: ServeConfig, pool: Any, metrics: Metrics) -> EngineClient:
     """The engine cfg names: a pool's, an embedding model's, or the generation engine."""
     if pool is not None:
-        from pipeserve.pool.pool import PoolEngine
         return PoolEngine(pool, metrics)
     if cfg.model.encoder:
-        from pipeserve.embed.engine import EmbedEngine
         return EmbedEngine(cfg, metrics)
     return Engine(cfg, metrics)
 
@@ -434,9 +436,6 @@ def _add_routes(app: Sanic) -> None:
     async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeserve/adapters/swap.py): the engine thread mounts or unmounts between
         steps; this handler only waits for its reply, in the executor."""
-        from pipeserve.adapters import swap as adapter_swap
-        from pipeserve.core.events import AdapterSwap
-
         cmd = AdapterSwap(adapter_id, mount)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, adapter_swap.request, app.ctx.engine, cmd)
@@ -448,9 +447,6 @@ def _add_routes(app: Sanic) -> None:
         """Mount model.adapter_dir/<id> at runtime: 200 with its /v1/adapters entry; 400 (not
         an id, a path out of the directory, files that do not fit the base model, DoRA), 404
         (no such subdirectory), 409 (already mounted). Needs server.admin_key when set."""
-        from pipeserve.http.api.http import read_body
-        from pipeserve.errors import InvalidRequest
-
         _admin(http)
         _no_pool_swap()
         body = read_body(http)

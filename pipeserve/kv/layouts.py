@@ -18,8 +18,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from pipeserve.config import KvConfig
+from pipeserve.config import KvConfig, build
 from pipeserve.errors import ConfigError
+from pipeserve.kv.delayed import DelayedKVCache
+from pipeserve.kv.paged import BlockPool, PagedKVCache
+from pipeserve.kv.quantized import AffineKVCache
+from pipeserve.kv.turbo import TurboKVCache, check_turbo, turbo_bytes_per_token
+from pipeserve.memory import device_memory_bytes
 
 log = logging.getLogger("pipeserve")
 
@@ -138,13 +143,11 @@ class _Converting(DenseLayout, ABC):
             return dense
         # even at quantized_start=0 the first forward attends densely and converts after it,
         # which is exactly mlx-lm's quantized_kv_start timing (and its results)
-        from pipeserve.kv.delayed import DelayedKVCache
         return DelayedKVCache(getattr(self.cfg, "quantized_start", 0), cls,
                               on_convert=self._converted, **params)
 
     def adopt(self, caches: list[Any]) -> list[Any]:
         """Restored rows report their conversions too (a callback is not part of `state`)."""
-        from pipeserve.kv.delayed import DelayedKVCache
         for c in caches:
             if isinstance(c, DelayedKVCache):
                 c.on_convert = self._converted
@@ -169,7 +172,6 @@ class QuantizedLayout(_Converting):
     """kv=q4 / kv=q8: mlx-lm's affine KV quantization, group 64, same attention arithmetic."""
 
     def target(self, index: int) -> tuple[type, dict[str, Any]]:
-        from pipeserve.kv.quantized import AffineKVCache
         bits = self.cfg.bits
         return AffineKVCache, {"k_bits": bits, "v_bits": bits, "group_size": self.cfg.group_size}
 
@@ -186,7 +188,6 @@ class TurboLayout(_Converting):
     """kv=turbo: affine keys, Hadamard-rotated Lloyd-Max values (full-attention layers)."""
 
     def check(self) -> None:
-        from pipeserve.kv.turbo import check_turbo   # (pads keys of head_dim 16 to a group)
         for a in self.layers.values():
             try:
                 check_turbo(a.head_dim, self.cfg.k_bits, self.cfg.v_bits)
@@ -194,7 +195,6 @@ class TurboLayout(_Converting):
                 raise ConfigError(f"kv=turbo cannot serve layer {a.index}: {e}") from e
 
     def target(self, index: int) -> tuple[type, dict[str, Any]]:
-        from pipeserve.kv.turbo import TurboKVCache
         c = self.cfg
         return TurboKVCache, {"k_bits": c.k_bits, "v_bits": c.v_bits, "group_size": c.group_size}
 
@@ -204,7 +204,6 @@ class TurboLayout(_Converting):
         return f"kv=turbo:k{c.k_bits}v{c.v_bits}:g{c.group_size}:start{c.quantized_start}"
 
     def bytes_per_token(self, layer: AttentionLayer) -> float:
-        from pipeserve.kv.turbo import turbo_bytes_per_token
         c = self.cfg
         return turbo_bytes_per_token(layer.n_kv_heads, layer.head_dim, c.k_bits, c.v_bits,
                                      c.group_size)
@@ -281,7 +280,6 @@ class MixedLayout(_Converting):
             for i, b in sorted(self.table.items())))
 
     def target(self, index: int) -> tuple[type | None, dict[str, Any]]:
-        from pipeserve.kv.quantized import AffineKVCache
         b = self.table[index]
         if b.k_bits is None:
             return None, {}
@@ -309,7 +307,6 @@ class PagedLayout(DenseLayout):
 
     def prepare(self, model: Any) -> None:
         super().prepare(model)
-        from pipeserve.kv.paged import BlockPool
         c = self.cfg
         if c.pool_blocks is not None:
             blocks = c.pool_blocks
@@ -318,7 +315,6 @@ class PagedLayout(DenseLayout):
             if c.pool_gb is not None:
                 total = c.pool_gb * 2**30
             else:   # default: half of what the device can hold next to nothing else
-                from pipeserve.memory import device_memory_bytes
                 total = device_memory_bytes() * 0.5
             blocks = max(1, int(total // max(per_block, 1)))
         self.num_blocks = blocks
@@ -333,7 +329,6 @@ class PagedLayout(DenseLayout):
         return "kv=dense"   # blocks gather to exactly dense KV: stored entries are dense
 
     def layer_cache(self, index: int, dense: KVCache) -> Any:
-        from pipeserve.kv.paged import PagedKVCache
         return PagedKVCache(self.pools[index])
 
     def attach(self, prompt_cache: Any) -> None:
@@ -349,7 +344,6 @@ class PagedLayout(DenseLayout):
                    sum(self.bytes_per_token(a) for a in self.layers.values()))
 
     def adopt(self, caches: list[Any]) -> list[Any]:
-        from pipeserve.kv.paged import PagedKVCache
         return [PagedKVCache.from_portable(c, self.pools[i]) if type(c) is KVCache else c
                 for i, c in enumerate(caches)]
 
@@ -366,7 +360,6 @@ def build_layout(cfg: KvConfig, model: Any,
     """The layout `cfg` names, prepared for `model`. `on_convert(rows)` is called as rows
     convert to a quantized layout (see DenseLayout.on_convert; the calls for one row add up
     to 1), for every row whose caches the layout makes or adopts."""
-    from pipeserve.config import build
     layout = build(cfg._target_, cfg)
     layout.on_convert = on_convert
     layout.prepare(model)

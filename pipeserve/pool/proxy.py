@@ -17,13 +17,16 @@ from typing import Any, Callable
 from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core.limits import EngineLimits
-from pipeserve.errors import EngineUnavailable, ServeError
+from pipeserve.errors import EngineUnavailable, NotSupported, ServeError
 from pipeserve.core.events import Failed, Finished
-from pipeserve.model.loader import LoadedModel
+from pipeserve.model.loader import LoadedModel, _chat_template
 from pipeserve.metrics import Metrics
-from pipeserve.pool import codec
+from pipeserve.pool import child, codec
 from pipeserve.request import Request
 from pipeserve.core.stream import RequestStream, post_many
+from pipeserve.core.scoring import Score
+from pipeserve.embed import engine as embedding
+from pipeserve.embed.engine import Embed
 
 log = logging.getLogger("pipeserve.pool")
 SPAWN = mp.get_context("spawn")   # never fork: the parent may have imported MLX
@@ -52,7 +55,6 @@ class ChildEngine:
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = self._child_running = 0
         self._conn, child_conn = SPAWN.Pipe()
-        from pipeserve.pool import child
         self._proc = SPAWN.Process(target=child.main, args=(child_conn, cfg, model_id),
                                    name=f"pipeserve-{model_id}", daemon=True)
         self._child_conn = child_conn
@@ -132,8 +134,6 @@ class ChildEngine:
         """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
         adapter hot-swap is not carried over the pipe (pool members mount none); the HTTP
         routes answer 501 before they get here."""
-        from pipeserve.embed.engine import Embed
-        from pipeserve.core.scoring import Score
         if isinstance(cmd, (Score, Embed)):
             n = next(self._seq)
             self._scores[n] = cmd
@@ -146,7 +146,6 @@ class ChildEngine:
                     cmd.error = e
                     cmd.on_done(cmd)
             return
-        from pipeserve.errors import NotSupported
         cmd.error = NotSupported("adapter hot-swap is not supported for pool models",
                                  code="adapters_unsupported")
         cmd.done.set()
@@ -300,7 +299,6 @@ class ChildEngine:
 
 def _reply(cmd: Any, msg: dict[str, Any]) -> None:
     """The child's reply to a Score or an Embed (each module reads its own fields)."""
-    from pipeserve.embed import engine as embedding
     if isinstance(cmd, embedding.Embed):
         embedding.apply_reply(cmd, msg)
     else:
@@ -316,7 +314,6 @@ def parent_loaded(facts: dict[str, Any], cfg: ServeConfig,
     else:
         from mlx_lm.utils import load_tokenizer
 
-        from pipeserve.model.loader import _chat_template
         path = Path(facts["path"])
         tokenizer = load_tokenizer(path, eos_token_ids=facts["config"].get("eos_token_id"))
         if cfg.model.chat_template is not None:

@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeserve.prompt_cache.ram import MIN_EXPLAINED, RamPromptCache, model_key
+from pipeserve.prompt_cache.keys import model_key
+from pipeserve.prompt_cache.ram import MIN_EXPLAINED, RamPromptCache
 
 # cold: nothing cached shares the prompt; evicted: an entry that did was evicted (its age);
 # diverged_at: the prompt leaves the longest cached entry at this token (the spans around it);

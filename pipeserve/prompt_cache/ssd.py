@@ -18,7 +18,7 @@ import diskcache
 
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.codec import CorruptEntry, Staged, decode
-from pipeserve.prompt_cache.ram import TRIE_KEY, GhostIndex
+from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex
 from pipeserve.prompt_cache.trie import TokenTrie
 
 log = logging.getLogger(__name__)

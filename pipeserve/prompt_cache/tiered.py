@@ -16,7 +16,8 @@ from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.checkpoint import Checkpoints
 from pipeserve.prompt_cache.codec import stage
-from pipeserve.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache, model_key
+from pipeserve.prompt_cache.keys import model_key
+from pipeserve.prompt_cache.ram import MIN_EXPLAINED, Entry, Lookup, RamPromptCache
 from pipeserve.prompt_cache.ssd import SsdStore
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 from functools import lru_cache
+from os.path import commonprefix   # of any two sequences, not only paths
 from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
@@ -107,8 +108,8 @@ class TextStream:
             keep -= 1
             context = self._decode(ids[keep:end])
         self._ids, self._read, self._prefix_text = ids[keep:], end - keep, context
-        start = len(prefix_text) if full.startswith(prefix_text) else _common_prefix(
-            prefix_text, full)
+        start = len(prefix_text) if full.startswith(prefix_text) else len(commonprefix(
+            [prefix_text, full]))
         return full[start:]
 
     def _release(self, final: bool) -> str:
@@ -133,15 +134,6 @@ class TextStream:
             if any(s.startswith(tail) for s in self._stop):
                 return n
         return 0
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Detokenize:

@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 from pipeserve.config import ServeConfig
-from pipeserve.grammar.constraint import fill_bitmask, grammar_failed
+from pipeserve.grammar.constraint import fill_bitmask
+from pipeserve.grammar.rows import grammar_failed
 from pipeserve.core.plan import Logits, Sampled
 from pipeserve.request import Request
 from pipeserve.core.sampler_states import RowSampling, SamplerStates

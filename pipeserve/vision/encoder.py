@@ -18,7 +18,9 @@ import mlx.nn as nn
 import numpy as np
 
 from pipeserve.errors import ConfigError
-from pipeserve.vision import mixed
+from pipeserve.vision import audio as A, mixed, require_mlx_vlm
+from pipeserve.vision.audio import AudioProcessor
+from pipeserve.vision.processor import VisionProcessor
 
 # mlx-vlm families wired in: model_type -> whether its decoder uses M-RoPE positions
 FAMILIES = {"gemma3": False, "qwen2_5_vl": True, "qwen2_vl": True, "qwen3_vl": True,
@@ -113,7 +115,6 @@ class VisionEncoder:
 
     @classmethod
     def load(cls, path: Path, config: dict[str, Any], lm: Any) -> VisionEncoder:
-        from pipeserve.vision import require_mlx_vlm
         require_mlx_vlm(f"model.path '{path}'")
         from mlx.utils import tree_flatten, tree_map
         from mlx_vlm.utils import load_model
@@ -145,11 +146,9 @@ class VisionEncoder:
                                   else a, tower.parameters()))
             mx.eval(tower.parameters())
         encoder = cls(vlm, family, lm_dtype)
-        from pipeserve.vision.processor import VisionProcessor
         encoder.processor = VisionProcessor(path, family)
         if (family in AUDIO_FAMILIES and getattr(vlm, "audio_tower", None) is not None
                 and getattr(encoder.processor.proc, "feature_extractor", None) is not None):
-            from pipeserve.vision.audio import AudioProcessor
             encoder.audio = AudioProcessor(encoder.processor.proc)
         if rotary is not None:
             for layer in lm.layers:
@@ -171,7 +170,6 @@ class VisionEncoder:
         t0 = time.perf_counter()
         ids = mx.array([prompt_ids], dtype=mx.int32)
         if self.family in AUDIO_FAMILIES:
-            from pipeserve.vision import audio as A
             soft = None
             if audio is not None and not audio[2]:
                 soft = A.encode(self.vlm, audio[0], audio[1], self.dtype)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
+from pipeserve.vision.fetch import fetch
 
 FORMATS = "PNG, JPEG, WebP, AVIF, HEIC, GIF, BMP, TIFF"
 # Pillow's plugin names for FORMATS: no other opener is tried (EPS would start Ghostscript)
@@ -135,7 +136,6 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
         check_budget(started, limits.prepare_s, part.where)
         data = part.data
         if data is None:
-            from pipeserve.vision.fetch import fetch
             assert part.url is not None
             data = fetch(part.url, part.where, limits)
         total += len(data)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeserve.errors import InvalidRequest
+
 
 @dataclass
 class PromptMedia:
@@ -65,8 +67,6 @@ class PromptMedia:
     def check_tokens(self, prompt_ids: list[int]) -> None:
         """The encoded prompt holds exactly the image, video and audio tokens its media fill,
         and does not end in one (tokenize, after encoding); else a 400 saying which."""
-        from pipeserve.errors import InvalidRequest
-
         for token, count, need, noun, plural, article in (
                 (self.image_token_id, self.num_images, self.num_image_tokens, "image", "images",
                  "an image"),

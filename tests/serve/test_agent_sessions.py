@@ -6,6 +6,7 @@ reusable). From turn 2 on, >= 95% of the prefix a turn shares with the previous 
 served from the prompt cache (the state kept at the end of each turn's history)."""
 from __future__ import annotations
 
+from os.path import commonprefix   # of any two sequences, not only paths
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +55,6 @@ SYSTEM = ("You are a coding agent. You read files, run tools and edit code caref
 TURNS = 10
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def agent_script(base: str, tokenizer: Any, template: str, thinking: bool) -> list[float]:
     """10 turns of one session; per turn from 2 on: cached tokens / tokens shared with the
     previous turn's prompt."""
@@ -84,7 +76,7 @@ def agent_script(base: str, tokenizer: Any, template: str, thinking: bool) -> li
         assert len(prompt) == body["usage"]["prompt_tokens"]   # the server rendered the same
         if previous is not None:
             reuse.append(body["usage"]["prompt_tokens_details"]["cached_tokens"]
-                         / lcp(prompt, previous))
+                         / len(commonprefix([prompt, previous])))
         previous = prompt
         messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     return reuse

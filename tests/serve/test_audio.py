@@ -11,6 +11,7 @@ import base64
 import hashlib
 import io
 import wave
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import openai
 import pytest
 
 from pipeserve.model.tiny.vlm import ensure_model
+from tests import media_util
+from tests.media_util import async_client, client, metric, served_bytes, token_bytes
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
@@ -48,6 +51,9 @@ AUDIO_A, AUDIO_B, AUDIO_C = wav(1), wav(2, 0.8, 24000, 2), wav(3, 0.6)
 def audio_part(data: bytes) -> dict[str, Any]:
     return {"type": "input_audio",
             "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+
+
+greedy = partial(media_util.greedy, max_tokens=12)   # audio answers are compared at 12 tokens
 
 
 def audio_message(data: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
@@ -89,40 +95,6 @@ def mlx_vlm_greedy(path: Path, audio: bytes, text: str, max_tokens: int,
     return token_bytes(tok, ids[:max_tokens])   # its loop yields one token past max_tokens
 
 
-def client(server: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def greedy(server: Any, messages: list[dict[str, Any]], max_tokens: int = 12) -> Any:
-    return client(server).chat.completions.create(model="tiny_vlm", messages=messages,
-                                                  max_tokens=max_tokens, temperature=0,
-                                                  logprobs=True)
-
-
-def served_bytes(resp: Any) -> list[list[int]]:
-    return [list(t.bytes) for t in resp.choices[0].logprobs.content]
-
-
-def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
-    """Each token's bytes, as the OpenAI logprobs `bytes` field spells them (byte-level BPE)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):   # GPT-2's byte <-> printable-character table
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return [[table[c] for c in tokenizer.convert_ids_to_tokens(i)] for i in ids]
-
-
-def metric(server: Any, name: str) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 def test_greedy_equals_mlx_vlm_and_stream(omni: Any, tmp_path: Path) -> None:
     answers = []
     for audio in (AUDIO_A, AUDIO_B):
@@ -144,8 +116,7 @@ def test_audio_rows_beside_text_rows_equal_each_alone(omni: Any) -> None:
             audio_message(AUDIO_B, "Who speaks?"), audio_message(AUDIO_A, "In what language?"),
             [{"role": "user", "content": "And about the weather?"}]]
     alone = [served_bytes(greedy(omni, m)) for m in rows]
-    aclient = openai.AsyncOpenAI(base_url=f"{omni.base_url}/v1", api_key="x", max_retries=0,
-                                 timeout=60)
+    aclient = async_client(omni)
 
     async def together() -> list[Any]:
         return await asyncio.gather(*(aclient.chat.completions.create(

@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from pipeserve.model.tiny.vlm import ensure_model
-from tests.media_util import assert_batched_equals_alone, encode_video
+from tests.media_util import (assert_batched_equals_alone, async_client, client, encode_video, greedy,
+                              metric, served_bytes, token_bytes)
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 av = pytest.importorskip("av", reason="the vision extra: pip install -e '.[vision]'")
@@ -54,7 +55,6 @@ def mlx_vlm_greedy(path: Path, tmp: Path, video: bytes, text: str,
     video given as a file it decodes itself; each token as its bytes."""
     from mlx_vlm import load, stream_generate
 
-    from tests.serve.test_vision import token_bytes
     if str(path) not in _REFERENCE:
         _REFERENCE[str(path)] = load(str(path))
     model, processor = _REFERENCE[str(path)]
@@ -93,26 +93,6 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
     server.stop()   # one architecture's server at a time
 
 
-def client(server: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def greedy(server: Any, messages: list[dict[str, Any]], max_tokens: int = 16) -> Any:
-    return client(server).chat.completions.create(model="tiny_vlm", messages=messages,
-                                                  max_tokens=max_tokens, temperature=0,
-                                                  logprobs=True)
-
-
-def served_bytes(resp: Any) -> list[list[int]]:
-    return [list(t.bytes) for t in resp.choices[0].logprobs.content]
-
-
-def metric(server: Any, name: str) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
 def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
     answers = []
     for video in (VIDEO_A, VIDEO_B):
@@ -133,8 +113,7 @@ def test_batch_of_video_and_text_rows_equals_each_alone(vlm: Any) -> None:
     rows = [video_message(VIDEO_A), [{"role": "user", "content": "Tell me about trains."}],
             video_message(VIDEO_C, "Describe it.")]
     alone = [served_bytes(greedy(vlm, m)) for m in rows]
-    aclient = openai.AsyncOpenAI(base_url=f"{vlm.base_url}/v1", api_key="x", max_retries=0,
-                                 timeout=60)
+    aclient = async_client(vlm)
 
     async def together() -> list[Any]:
         return await asyncio.gather(*(aclient.chat.completions.create(
@@ -170,7 +149,6 @@ def model_forward_greedy(path: Path, tmp: Path, image: bytes, video: bytes,
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
 
-    from tests.serve.test_vision import token_bytes
     mlx_vlm_greedy(path, tmp, video, QUESTION, 1)   # loads the reference model
     model, processor = _REFERENCE[str(path)]
     tok = processor.tokenizer

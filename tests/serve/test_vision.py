@@ -20,7 +20,8 @@ import pytest
 from PIL import Image
 
 from pipeserve.model.tiny.vlm import ensure_model
-from tests.media_util import assert_batched_equals_alone
+from tests.media_util import (assert_batched_equals_alone, async_client, client, greedy, metric,
+                              served_bytes, token_bytes)
 
 pytest.importorskip("mlx_vlm", reason="the vision extra: pip install -e '.[vision]'")
 
@@ -50,22 +51,6 @@ def data_url(data: bytes) -> str:
 def image_message(data: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(data)}},
                                          {"type": "text", "text": text}]}]
-
-
-def token_bytes(tokenizer: Any, ids: list[int]) -> list[list[int]]:
-    """Each token's bytes, as the OpenAI logprobs `bytes` field spells them (byte-level BPE)."""
-    # GPT-2's byte <-> printable-character table, which byte-level BPE pieces are spelt in
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    table = {c: b for b, c in chars.items()}
-    return [[table[c] for c in tokenizer.convert_ids_to_tokens(i)] for i in ids]
 
 
 _REFERENCE: dict[str, Any] = {}
@@ -134,20 +119,6 @@ def vlm(request: pytest.FixtureRequest, server_factory: Any, model_cache: Path,
     server.stop()   # one architecture's server at a time
 
 
-def client(server: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def greedy(server: Any, messages: list[dict[str, Any]], max_tokens: int = 16) -> Any:
-    return client(server).chat.completions.create(model="tiny_vlm", messages=messages,
-                                                  max_tokens=max_tokens, temperature=0,
-                                                  logprobs=True)
-
-
-def served_bytes(resp: Any) -> list[list[int]]:
-    return [list(t.bytes) for t in resp.choices[0].logprobs.content]
-
-
 @WITH_MOE
 def test_greedy_equals_mlx_vlm_and_stream(vlm: Any) -> None:
     for image in (IMAGE_A, IMAGE_B):
@@ -188,8 +159,7 @@ def test_batch_of_images_and_text_equals_each_alone(vlm: Any) -> None:
     rows = [image_message(IMAGE_A), [{"role": "user", "content": "Tell me about trains."}],
             image_message(IMAGE_B, "Describe it."), image_message(IMAGE_A, "And the colours?")]
     alone = [served_bytes(greedy(vlm, m)) for m in rows]
-    aclient = openai.AsyncOpenAI(base_url=f"{vlm.base_url}/v1", api_key="x", max_retries=0,
-                                 timeout=60)
+    aclient = async_client(vlm)
 
     async def together() -> list[Any]:
         return await asyncio.gather(*(aclient.chat.completions.create(
@@ -293,12 +263,6 @@ def test_remote_urls_refused_by_default(vlm: Any) -> None:
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*remote"):
         greedy(vlm, messages)
-
-
-def metric(server: Any, name: str) -> float:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def test_ssd_tier_serves_an_image_prefix_after_ram_eviction(vlm: Any) -> None:

@@ -6,7 +6,9 @@ import reprlib
 from typing import Any
 
 
-from pipeserve.errors import InvalidRequest
+from pipeserve.errors import InvalidRequest, NotFound
+from pipeserve.adapters.lora import NONE
+from pipeserve.http.api import json_body
 
 # Nesting of arrays and objects a JSON schema, tool-call arguments or metadata may have. Far
 # past any real schema (OpenAI's strict mode allows 10 levels of objects), and far below what
@@ -80,7 +82,6 @@ def check_depth(value: Any, where: str, param: str, limit: int = MAX_DEPTH) -> A
 def json_text(text: str, where: str, param: str) -> Any:
     """A JSON document sent as a string (tool-call arguments, a schema): parsed (orjson: a
     document nested past its limit is an error, not a RecursionError) and depth-checked."""
-    from pipeserve.http.api import json_body
     try:
         value = json_body.loads(text)
     except json_body.JSONError as e:
@@ -201,9 +202,6 @@ def adapter(body: dict[str, Any], base: str, mounted: Any) -> str | None:
     "<base>:<id>" (vLLM-style; "<base>:latest" is the base model, as Ollama's tag); None
     when it names none, or names the launch default. `mounted` is the model's AdapterSet (or
     None: no adapters). An id that is not mounted is a 404 naming the field and the ids."""
-    from pipeserve.adapters.lora import NONE
-    from pipeserve.errors import NotFound
-
     value = body.get("adapter")
     if isinstance(value, list):   # a stack: the adapters' deltas add up on every row
         if mounted is None:

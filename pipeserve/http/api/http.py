@@ -20,6 +20,9 @@ from pipeserve.errors import (AdmissionRejected, EngineUnavailable, InvalidReque
 from pipeserve.eventloop.offload import PAUSE_GC_BYTES, gc_paused
 from pipeserve.request import Request
 from pipeserve.core.stream import RequestStream
+from pipeserve.embed.engine import NOT_GENERATIVE
+from pipeserve.http.api import json_body
+from pipeserve.http.api.fields import keep_alive
 
 log = logging.getLogger("pipeserve")
 
@@ -42,7 +45,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def read_body(http: sanic.Request) -> dict[str, Any]:
-    from pipeserve.http.api import json_body
     try:
         body = json_body.loads(http.body or b"")
     except json_body.JSONError as e:
@@ -62,7 +64,6 @@ def ready_front(app: Sanic, ctx: Any = None) -> Any:
     if getattr(app.ctx, "pool", None) is not None and ctx is app.ctx:
         raise EngineUnavailable("this request was not routed to a pool model")
     if ctx.cfg.model.encoder:
-        from pipeserve.embed.engine import NOT_GENERATIVE
         raise InvalidRequest(f"model {ctx.cfg.model.name!r}: {NOT_GENERATIVE}", param="model",
                              code="embedding_model")
     if engine.state is not EngineState.READY or ctx.front is None:
@@ -81,7 +82,6 @@ async def route(app: Sanic, body: dict[str, Any], pin: bool = False) -> Any:
     """The context a request runs in: the app's, or under pool=... the member its `model`
     names, loaded (a 404 listing the ids for an unknown one; waits while it loads). `pin`:
     the member stays loaded until its `release()` (a generation's Scope does that)."""
-    from pipeserve.http.api.fields import keep_alive
     pool = getattr(app.ctx, "pool", None)
     if pool is None:
         keep_alive(body)   # checked, so a bad value is a 400 here too; one model stays loaded

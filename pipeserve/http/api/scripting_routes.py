@@ -8,7 +8,7 @@ from typing import Callable
 import sanic
 from sanic import HTTPResponse, Sanic
 
-from pipeserve.http.api import models_http, tokenizer_http
+from pipeserve.http.api import embeddings_http, models_http, rerank_http, tokenizer_http
 from pipeserve.errors import NotFound
 
 
@@ -57,11 +57,9 @@ def add_routes(app: Sanic, admin: Callable[[sanic.Request], None]) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(http: sanic.Request) -> HTTPResponse:
-        from pipeserve.http.api import embeddings_http
         return await embeddings_http.handle(app, http)
 
     async def rerank(http: sanic.Request) -> HTTPResponse:
-        from pipeserve.http.api import rerank_http
         return await rerank_http.handle(app, http)
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):   # vLLM serves all three
         app.add_route(rerank, path, methods=["POST"], name=f"rerank{path.replace('/', '_')}")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import replace
+from os.path import commonprefix   # of any two sequences, not only paths
 from typing import Any
 
 from pipeserve.http.api.generation import Generation
@@ -56,7 +57,7 @@ class Warmup:
         except Exception as e:  # noqa: BLE001 — a template that cannot render the answer back
             log.debug("warm-up skipped: %s", e)
             return
-        shared = _lcp(ids, req.prompt_ids)
+        shared = len(commonprefix([ids, req.prompt_ids]))
         cost = len(ids) - shared
         if cost <= 1 or cost > self.budget or engine.load().num_inflight > 0:
             return   # nothing new, over the budget, or not idle
@@ -87,12 +88,3 @@ class Warmup:
     def _render(front: Any, inputs: PromptInput) -> list[int]:
         text = front.tokenize.render_text(inputs, add_generation_prompt=False)
         return list(front.tokenize.encode_rendered(text))
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeserve.model.tiny import text as tiny
+from pipeserve.model.tiny import audio as tiny_audio, text as tiny
 from pipeserve.model.cache import cache_root, publish
 
 ARCHS = ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
@@ -297,7 +297,6 @@ def ensure_model(arch: str = "gemma3", dtype: str = "float32",
     if arch == "gemma4":
         if size != "tiny":
             raise ValueError("the generated gemma4 (audio) model comes in size tiny only")
-        from pipeserve.model.tiny import audio as tiny_audio
         final = cache_root(cache_dir) / f"vlm-gemma4-tiny-{dtype}-v{tiny_audio.FORMAT_VERSION}"
         return publish(final, lambda tmp: tiny_audio.write(tmp, dtype))
     final = cache_root(cache_dir) / f"vlm-{arch}-{size}-{dtype}-v{FORMAT_VERSION}"
