@@ -29,6 +29,8 @@ LAZY = {
         "the config is checked before anything loads: the app loads mlx and sanic",
     ("pipeserve.launch.serve", "pipeserve.model.loader"):
         "the config is checked before anything loads: the loader's LoRA layers load mlx",
+    ("pipeserve.launch.serve", "pipeserve.launch.fit"):
+        "`pipeserve fit` reads a checkpoint's headers through the loader (mlx): only when asked",
     ("pipeserve.launch.serve", "pipeserve.distributed.follower"):
         "the config is checked before anything loads: a follower imports the engine",
     ("pipeserve.model.config", "pipeserve.adapters.lora"):

@@ -26,6 +26,11 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from pipeserve.draft.eagle3 import Eagle3Mlp
 from pipeserve.draft.taps import install_taps
+from pipeserve.draft.mtp import output_head
+from pipeserve.core.rows import RowStore
+from pipeserve.errors import ConfigError
+from pipeserve.model.config import ModelSource
+from pipeserve.model.tiny.dflash import ensure_dflash
 
 ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -131,7 +136,6 @@ def load_dflash(path: str | Path, model: Any) -> DFlashHead:
     """The DFlash drafter at `path`, bound to the loaded target `model` (taps installed on
     the outputs of its `target_layer_ids`), cast to the target's dtype and evaluated.
     Raises ValueError on a layout it cannot read."""
-    from pipeserve.draft.mtp import output_head
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -184,15 +188,11 @@ class DFlashProposer:
     name = "dflash"
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
-        from pipeserve.core.rows import RowStore
-        from pipeserve.errors import ConfigError
         path = cfg.draft.path
         if path is None:
-            from pipeserve.model.config import ModelSource
             if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
                 raise ConfigError("draft=dflash needs draft.path: the DFlash checkpoint "
                                   f"directory trained for the served model ({ctx.loaded.path})")
-            from pipeserve.model.tiny.dflash import ensure_dflash
             path = str(ensure_dflash(ctx.loaded.path))
         try:
             self.head = load_dflash(path, ctx.model)

@@ -20,6 +20,9 @@ from pipeserve.core.stage import StageDeps
 from pipeserve.core.forward import Forward
 from pipeserve.draft.mtp import load_mtp
 from pipeserve.model.loader import load
+from pipeserve.draft.eagle3 import load_eagle3
+from pipeserve.model.config import ModelSource
+from pipeserve.model.tiny.eagle3 import ensure_eagle3
 
 log = logging.getLogger("pipeserve")
 
@@ -333,14 +336,11 @@ class Eagle3Proposer(MtpProposer):
     name = "eagle3"
 
     def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
-        from pipeserve.draft.eagle3 import load_eagle3
         path = cfg.draft.path
         if path is None:
-            from pipeserve.model.config import ModelSource
             if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
                 raise ConfigError("draft=eagle3 needs draft.path: the EAGLE-3 checkpoint "
                                   f"directory trained for the served model ({ctx.loaded.path})")
-            from pipeserve.model.tiny.eagle3 import ensure_eagle3
             path = str(ensure_eagle3(ctx.loaded.path))
         try:
             self.head = load_eagle3(path, ctx.model)

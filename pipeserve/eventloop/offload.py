@@ -11,6 +11,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from pipeserve.errors import AdmissionRejected
+
 T = TypeVar("T")
 
 # Past this many bytes (or characters) of client input, preparing a request moves off the loop.
@@ -43,7 +45,6 @@ class MediaPool:
         self.pending = 0   # event loop only
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        from pipeserve.errors import AdmissionRejected
 
         if self.pending >= self.workers + self.max_queue:
             raise AdmissionRejected(

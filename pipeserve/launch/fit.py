@@ -8,6 +8,7 @@ import sys
 from pipeserve.launch import checks as launch
 from pipeserve.config import check_overrides, load_config
 from pipeserve.errors import ConfigError
+from pipeserve.model.fit import estimate
 
 
 def main(args: list[str]) -> None:
@@ -23,7 +24,6 @@ def main(args: list[str]) -> None:
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
             cfg = load_config(compose("serve", overrides=args))
-        from pipeserve.model.fit import estimate
         fit = estimate(cfg)
     except ConfigError as e:
         launch.fail(f"config error: {e}")

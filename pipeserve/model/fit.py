@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeserve.memory import MemoryModel, estimate as memory_estimate
+from pipeserve.model.loader import _cast_weights, resolve_path
+from pipeserve.model.gguf.plan import lazy_gguf_model
+from pipeserve.core.scheduler import Limits
+from pipeserve.kv.layouts import build_layout
 
 if TYPE_CHECKING:
     from pipeserve.config import ServeConfig
@@ -61,11 +65,9 @@ def lazy_model(cfg: ModelConfig) -> tuple[Any, dict[str, Any], str]:
     the loader would cast it: (model, config, served form)."""
     from mlx_lm.utils import load_model
 
-    from pipeserve.model.loader import _cast_weights, resolve_path
 
     local = Path(cfg.path).expanduser() if cfg.path is not None else None
     if local is not None and local.is_file():
-        from pipeserve.model.gguf.plan import lazy_gguf_model
         model, config = lazy_gguf_model(local, cfg.cache_dir)
     else:
         model, config = load_model(resolve_path(cfg), lazy=True,
@@ -91,8 +93,6 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     weight read."""
     import mlx.core as mx
 
-    from pipeserve.core.scheduler import Limits
-    from pipeserve.kv.layouts import build_layout
 
     model, config, compute = lazy_model(cfg.model)
     layout = build_layout(cfg.kv, model)

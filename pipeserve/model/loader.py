@@ -25,6 +25,8 @@ from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.tiny.vlm import ensure_model as ensure_vlm
 from pipeserve.vision import require_mlx_vlm
 from pipeserve.vision.encoder import VisionEncoder
+from pipeserve.model.gguf.convert import check_supported, read_header
+from pipeserve.memory import DEVICE_FRACTION, device_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,6 @@ def locate(cfg: ModelConfig) -> Path:
         if magic != b"GGUF":
             raise ConfigError(f"model.path '{cfg.path}' is a file but not a GGUF file; point it "
                               "at a .gguf file or a model directory")
-        from pipeserve.model.gguf.convert import check_supported, read_header
         check_supported(local, read_header(local))   # truncated, corrupt or unsupported: now
         return local
     if local.exists():
@@ -219,7 +220,6 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
 def _log_fit(weight_bytes: int, compute: str) -> None:
     """Before the weights are read: what they will take against the device's usable memory (a
     warning when they cannot fit); `pipeserve fit` (pipeserve/model/fit.py) gives KV and rows."""
-    from pipeserve.memory import DEVICE_FRACTION, device_memory_bytes
     usable = int(device_memory_bytes() * DEVICE_FRACTION)
     if weight_bytes > usable:
         log.warning("will it fit: no: the weights take %.1f MB as served (%s), more than the "
