@@ -60,19 +60,20 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
-def lazy_model(cfg: ModelConfig) -> tuple[Any, dict[str, Any], str]:
+def lazy_model(cfg: ModelConfig) -> tuple[Any, dict[str, Any], str, str]:
     """The model built from its config with its weights not read (MLX loads lazily), cast as
-    the loader would cast it: (model, config, served form)."""
+    the loader would cast it: (model, config, served form, what it was built from)."""
     from mlx_lm.utils import load_model
 
 
     local = Path(cfg.path).expanduser() if cfg.path is not None else None
     if local is not None and local.is_file():
-        model, config = lazy_gguf_model(local, cfg.cache_dir)
+        model, config, source = lazy_gguf_model(local, cfg.cache_dir)
     else:
         model, config = load_model(resolve_path(cfg), lazy=True,
                                    trust_remote_code=cfg.trust_remote_code)
-    return model, config, _cast_weights(model, cfg)
+        source = "config.json and the safetensors headers"
+    return model, config, _cast_weights(model, cfg), source
 
 
 def weight_bytes(model: Any) -> int:
@@ -94,14 +95,11 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     import mlx.core as mx
 
 
-    model, config, compute = lazy_model(cfg.model)
+    model, config, compute, source = lazy_model(cfg.model)
     layout = build_layout(cfg.kv, model)
     gpu = mx.default_device().type == mx.DeviceType.gpu if on_gpu is None else on_gpu
     chunk = Limits.fit(cfg, on_gpu=gpu).prefill_chunk
     memory = memory_estimate(model, config, weight_bytes(model), max_context(cfg.model, config),
                              chunk, cfg.admission.memory_budget_gb, layout)
-    path = Path(cfg.model.path).expanduser() if cfg.model.path else None
-    source = ("its GGUF header" if path is not None and path.is_file()
-              else "config.json and the safetensors headers")
     return Fit(memory, str(config.get("model_type", "model")), compute, source)
 

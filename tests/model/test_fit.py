@@ -61,6 +61,8 @@ def test_gguf_estimate_from_the_header_equals_the_converted_model(
     assert fit.source == "its GGUF header" and fit.compute_dtype.endswith("+q4+q8")
     loaded = engine_factory(*args).engine.memory
     assert fit.memory == loaded
+    again = estimate(make_config(*args))   # converted by now: sized from the converted copy
+    assert again.source == "its converted copy in the model cache" and again.memory == loaded
     q4_bytes = sum(int(np.prod(w.shape)) for n, (w, t) in kinds.items() if t is T.Q4_0) // 2
     assert fit.memory.weight_bytes < 2 * q4_bytes + vocab * 64 * 2   # quantized, not float
 

@@ -57,21 +57,21 @@ def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str,
     return out, gguf_convert.quantization(bits)
 
 
-def lazy_gguf_model(src: Path, cache_dir: str | None) -> tuple[Any, dict[str, Any]]:
-    """(model, config) of GGUF `src` with no weight read: its converted copy when the model
-    cache has one, else built from the header."""
+def lazy_gguf_model(src: Path, cache_dir: str | None) -> tuple[Any, dict[str, Any], str]:
+    """(model, config, what it was built from) of GGUF `src` with no weight read: its converted
+    copy when the model cache has one, else the header."""
     from mlx_lm.utils import load_model
 
     header = gguf_convert.read_header(src, gguf_convert.ARRAYS)   # the eos ids need the vocabulary
     gguf_convert.check_supported(src, header)
     converted = gguf_convert.converted_dir(src, header, cache_dir)
     if (converted / "config.json").is_file():
-        return load_model(converted, lazy=True)
+        return (*load_model(converted, lazy=True), "its converted copy in the model cache")
     config = gguf_convert.model_config(src, header)
     weights, quant = lazy_weights(header)
     if quant:
         config["quantization"] = quant
-    return _build(config, weights), config
+    return _build(config, weights), config, "its GGUF header"
 
 
 def _build(config: dict[str, Any], weights: dict[str, Any]) -> Any:
