@@ -210,6 +210,8 @@ def documented_launches() -> list[tuple[str, list[str]]]:
                 if not m:
                     continue
                 args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
+                if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
+                    args = args[1:]
                 if args and not any("..." in a or "<" in a or a.startswith("-") for a in args):
                     found.append((f"{page.name}: {line.strip()}", args))
     return found
