@@ -1,7 +1,9 @@
 """Fast-forward (draft.fast_forward): where a grammar admits exactly one continuation, a row
 appends those tokens in one forward, verified like drafts. On the real tiny model: output
-equals sampling them one step at a time (greedy and seeded), batched, with and without a
-proposer; usage counts the forwarded tokens; the forced stretch costs fewer steps."""
+equals sampling them one step at a time (greedy and seeded), batched, with no proposer and
+with proposers that keep per-row state (the heads fed the target's hidden states catch up on
+the forwarded positions); usage counts the forwarded tokens; the forced stretch costs fewer
+steps."""
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +40,9 @@ def steps(h: EngineHarness) -> float:
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 8}],
                          ids=["greedy", "seeded"])
-@pytest.mark.parametrize("draft", [["draft=none", "draft.fast_forward=16"], ["draft=ngram"]],
-                         ids=["none", "ngram"])
+@pytest.mark.parametrize("draft", [["draft=none", "draft.fast_forward=16"], ["draft=ngram"],
+                                   ["draft=eagle3"], ["draft=dflash"]],
+                         ids=["none", "ngram", "eagle3", "dflash"])
 def test_forwarded_output_equals_sampling_each_token(engine_factory, sampling: dict,
                                                      draft: list[str]) -> None:
     plain = engine_factory("model=tiny")
