@@ -114,8 +114,8 @@ def estimate(model: Any, config: dict[str, Any], weight_bytes: int, max_context:
 def buffer_cache_limit(configured_gb: float | None) -> int | None:
     """Bytes MLX may keep of freed buffers (None: leave MLX's default). MLX 0.32 on CUDA lets
     that cache grow to its whole memory limit (80% of the device); a batch whose rows join and
-    leave one by one frees a differently sized KV buffer at every change, so the cache filled
-    an H200 at 128 streams until allocation failed, and steps slowed to ~0.3 s on the way."""
+    leave one by one frees a differently sized KV buffer at every change, so at many streams
+    the cache fills the device until allocation fails, and steps slow down on the way."""
     if configured_gb is not None:
         return int(configured_gb * 1e9)
     from pipeserve.kv.attention import on_cuda

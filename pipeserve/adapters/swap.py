@@ -1,4 +1,4 @@
-"""Hot-swap (issue 16, increment 3): `POST /v1/adapters` mounts a subdirectory of
+"""Hot-swap: `POST /v1/adapters` mounts a subdirectory of
 model.adapter_dir and `DELETE /v1/adapters/{id}` unmounts one, at runtime. Handlers only build
 an AdapterSwap command and wait on it (`request`); the engine thread runs it between steps
 (`AdapterSwap.run` → `run`), the one place the AdapterSet's stacked A/B grow and shrink.

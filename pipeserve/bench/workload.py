@@ -139,9 +139,8 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
 
     url = f"{base_url}/v1/completions"
     # aiohttp, one kept-alive connection per stream. The client must not be what is measured:
-    # httpx's pool rescans every connection for every queued request, so at 128 streams it
-    # spent ~70% of this process's CPU there and issued one burst over 2.3 s on this 2-core
-    # CPU (TTFT p50 1.4 s, against 0.2 s with this client); its per-chunk stack also cost ~3×
+    # httpx's pool rescans every connection for every queued request, so at many streams the
+    # client itself was the bottleneck (docs/notes, the bench client: httpx against aiohttp)
     async with _session(b.streams, b.timeout_s) as client:
         if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
             warm = _prompts(b, salt="warm-up")

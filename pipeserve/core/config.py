@@ -22,8 +22,8 @@ class SchedulerConfig:
     # streams, not before: the event loop then writes them while this thread waits in
     # mx.async_eval (which releases the GIL) instead of competing with its Python. On MLX's CUDA
     # backend async_eval returns about when the device is done, so host work outside it is
-    # device idle time either way (docs/notes/2026-12-01-h200-engine-alone.md); off until an
-    # H200 A/B says otherwise (a CPU's device idles while it waits: keep it off there)
+    # device idle time either way (docs/notes, the engine-alone run on CUDA); off until an A/B
+    # on CUDA says otherwise (a CPU's device idles while it waits: keep it off there)
     dispatch_late: bool = False
     # seconds a waiting request may be overtaken by more urgent `priority` ones; past it, it
     # goes first (bounded starvation); None: strict priority

@@ -265,7 +265,8 @@ def cache_identity(loaded: LoadedModel, layout: Any) -> str:
 
 
 def _adapters_identity(loaded: LoadedModel) -> str:
-    """The launch default's id@digest (as increment 1 had it), then every other mounted one."""
+    """The launch default's id@digest (what a launch of one adapter keys by), then every other
+    mounted one."""
     default = loaded.adapter.identity if loaded.adapter is not None else ""
     if loaded.adapters is None:
         return default

@@ -163,7 +163,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
             app.ctx.front = None if embedder else Front(cfg, engine, metrics)
             # what startup made lives as long as the process: out of the collector's view, a full
-            # collection no longer walks it (~0.3 s holding the GIL, stalling the loop)
+            # collection no longer walks it (a long pause holding the GIL, stalling the loop)
             gc.collect()
             gc.freeze()
             metrics.build.info({

@@ -8,8 +8,8 @@ q4/q8 and recurrent layers keep mlx-lm's exact arithmetic. Engine thread, at loa
 
 On CUDA, MLX 0.32 runs attention with more than one query per row through cuDNN graphs cached
 by exact shape, key length included: every new (rows, prompt length) pair builds a graph,
-measured on an H200 at 0.2-8.5 s for a 128-row group of 75-token prompts, where the composed
-form takes 0.45 s every time, and a verify forward (a few queries per row, one more key every
+which costs far more than the composed form (docs/notes, the measurements behind the code),
+and a verify forward (a few queries per row, one more key every
 step) would build one every step. With `composed=True` such calls run as plain matmul + softmax
 instead whenever their float32 scores fit COMPOSED_MAX_SCORE_BYTES (verify, short and medium
 prompt chunks of many rows); long chunks, whose scores would not, keep the fused (flash)
@@ -35,8 +35,8 @@ def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scal
     A key/value head's query heads and positions are folded into one matrix (B, n_kv, rep·L, D),
     so both matmuls are plain batched GEMMs over the cache's own keys and values. Broadcasting
     the keys across the query heads instead (B, n_kv, 1, …) is the same arithmetic, but MLX's
-    CUDA matmul cannot express that batch layout as one strided GEMM: measured on an H200 at 128
-    padded decode rows it ran ~90 ms a step and its temporaries filled the device."""
+    CUDA matmul cannot express that batch layout as one strided GEMM: at many padded decode
+    rows it was slow and its temporaries filled the device."""
     B, n_q, L, D = queries.shape
     n_kv, n_keys = keys.shape[1], keys.shape[2]
     rep = n_q // n_kv
@@ -67,8 +67,8 @@ def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 
 def _composable(queries: mx.array, keys: mx.array, mask: Any) -> bool:
     """One query per row (decode) keeps MLX's fused kernel unless `composed_decode` and the
-    batch is padded (masked): on an H200 at 128 padded 8B rows the engine alone measured 17.4 ms
-    a step fused (its cuDNN graphs already built for those key lengths) against 20.8 composed.
+    batch is padded (masked): once its cuDNN graphs are built for those key lengths, the fused
+    kernel decodes faster than the composed form.
     Anything else (prompt chunks, verify) is composed while its scores fit the budget."""
     B, n_q, L, _ = queries.shape
     if L == 1 and not (composed_decode and mask is not None):

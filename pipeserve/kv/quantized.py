@@ -25,8 +25,8 @@ Quantized = tuple[mx.array, mx.array, mx.array]   # (packed uint32, scales, bias
 def qmatmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, transpose: bool,
             group_size: int, bits: int) -> mx.array:
     """mx.quantized_matmul, except on CUDA, where MLX 0.32 has no kernel for attention's shapes
-    (measured on the H200: none for a 2k-row prefill chunk nor for a one-row decode step against
-    8k quantized keys): there the operand is dequantized and multiplied in the activations'
+    (neither for a long prefill chunk nor for a one-row decode step against long quantized
+    keys): there the operand is dequantized and multiplied in the activations'
     dtype. CPU and Metal take quantized_matmul (mlx-lm's arithmetic)."""
     if on_cuda():
         full = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)

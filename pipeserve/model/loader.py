@@ -299,7 +299,7 @@ def _dequantize(model: Any) -> None:
         log.info("keeping quantized weights: float32 would take %.1f GB of %.1f GB RAM",
                  elems * 4 / 1e9, ram / 1e9)
         return
-    # float32 scales make MLX's CPU dequantize ~5x faster than float16 ones, and the result float32
+    # float32 scales make MLX's CPU dequantize much faster than float16 ones, and the result float32
     model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating)
                           else a, model.parameters()))
     dequantize_model(model)

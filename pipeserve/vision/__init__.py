@@ -42,10 +42,9 @@ def check_vision(cfg: Any, keep_hidden: bool) -> None:
                           "only with model.vision=false")
 
 
-# Towers that do not run on MLX's CUDA backend (measured on an H200 with MLX 0.32.4: a
-# floating-point exception kills the process in the tower's forward, in mlx-vlm's own generate
-# too; docs/bench/h200-2026-12-02/qwen2_5_vl-sigfpe.txt). Refused at launch, rather than dying
-# with every in-flight request at the first image.
+# Towers that do not run on MLX's CUDA backend (a floating-point exception kills the process in
+# the tower's forward, in mlx-vlm's own generate too; the log is under docs/bench/). Refused at
+# launch, rather than dying with every in-flight request at the first image.
 CUDA_BROKEN = ("qwen2_vl", "qwen2_5_vl")
 
 

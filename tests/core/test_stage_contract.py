@@ -176,7 +176,7 @@ def test_a_sample_class_with_the_wrong_call_fails_its_request(engine_factory, ca
 
 def test_a_failing_persist_costs_only_its_cache_entries(engine_factory, caplog) -> None:
     """Persist runs after a row's last token went out; when it fails (as an out-of-memory
-    device did on an H200) the row still finishes with its whole output, its KV is freed, the
+    device did) the row still finishes with its whole output, its KV is freed, the
     error is logged, and the engine serves the next request exactly as before."""
     plain = engine_factory("scheduler=serial")
     want = [plain.generate(p, max_tokens=8)["ids"] for p in PROMPTS]

@@ -320,6 +320,6 @@ def test_quantized_moe_experts_load_as_quantized_switch_layers(tmp_path: Path,
                           compute_dtype=ComputeDType.checkpoint))
     assert isinstance(lm.model.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
     got = np.array(lm.model(mx.array([PROMPT]))[0].astype(mx.float32))
-    # measured 5e-4 of the largest logit: float16 activations through the quantized matmuls
+    # float16 activations through the quantized matmuls: a tenth of this bound in practice
     assert np.abs(got - want).max() < 5e-3 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -216,7 +216,7 @@ def test_kquant_llama_logits_match_mlx_lm_on_the_reference_weights(tmp_path: Pat
     lm = load(ModelConfig(name="k", path=str(src), cache_dir=str(tmp_path / "cache"),
                           compute_dtype=ComputeDType.float32))
     got = np.array(lm.model(mx.array([ids]))[0].astype(mx.float32))
-    # measured: 1.3% and 11 of 12; the seven re-quantized tensors each add up to MAX_ERROR
+    # the seven re-quantized tensors each add up to MAX_ERROR; the bounds leave room above it
     assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
     cfg = json.loads((lm.path / "config.json").read_text())

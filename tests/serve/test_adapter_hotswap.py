@@ -1,4 +1,4 @@
-"""Hot-swap over HTTP (issue 16, increment 3), through a real `serve.py` and the openai SDK:
+"""Hot-swap over HTTP, through a real `serve.py` and the openai SDK:
 POST /v1/adapters mounts a subdirectory of model.adapter_dir at runtime — its greedy output
 equals a server launched with that adapter — and DELETE /v1/adapters/{id} unmounts it (404
 for it afterwards); a mount while another request streams leaves that stream's tokens as

@@ -1,4 +1,4 @@
-"""Audio in (issue 27), end to end: `model=tiny_vlm model.arch=gemma4` (a generated Gemma 4
+"""Audio in, end to end: `model=tiny_vlm model.arch=gemma4` (a generated Gemma 4
 checkpoint with an audio tower) served by a real serve.py on 127.0.0.1 and called with the real
 openai SDK and raw SSE. Greedy output with an input_audio part equals mlx-vlm's own generate on
 the same weights, prompt and WAV file, token for token; audio rows batch with text rows without

@@ -86,7 +86,7 @@ def test_page_streams_text_in_several_steps(browser: Any, page_server: Any, tmp_
 
 @pytest.fixture(scope="module")
 def slow_server(server_factory: Any) -> Any:
-    """The 32M generated model (~70 tok/s here, the tiny one ~700): its 3000 tokens outlast
+    """The 32M generated model (about ten times slower than the tiny one): its 3000 tokens outlast
     any lag of a page busy rendering a fast stream, so Stop always lands mid-generation."""
     return server_factory("model.size=small")
 

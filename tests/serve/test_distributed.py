@@ -318,7 +318,7 @@ def _all_gone(pids: list[int], timeout_s: float) -> bool:
 
 
 def test_a_killed_launcher_ends_every_rank(launch: Any) -> None:
-    """A supervisor that kills mlx.launch's PID leaves no server behind (issue 34)."""
+    """A supervisor that kills mlx.launch's PID leaves no server behind."""
     group = launch("model=tiny", "distributed=tensor")
     ranks = group.ranks()
     assert set(ranks) == {0, 1}

@@ -1,4 +1,4 @@
-"""Nothing a client sends stalls the event loop (issue 15 items 2-3), on a real serve.py on
+"""Nothing a client sends stalls the event loop, on a real serve.py on
 127.0.0.1: 10 MB bodies to every endpoint while a second client polls /health every 20 ms, a
 stream that keeps its pace beside a long tokenization, and client templates (refused unless
 server.allow_request_templates; then sandboxed, time-bounded, their errors 400s)."""

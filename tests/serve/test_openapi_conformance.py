@@ -87,7 +87,7 @@ def event_conforms(event: dict[str, Any]) -> None:
 
 
 def test_the_vendored_schemas_catch_what_this_server_once_got_wrong() -> None:
-    """The checks have teeth: the shapes issue 13 found off fail validation."""
+    """The checks have teeth: the shapes this server once got wrong fail validation."""
     message = {"role": "assistant", "content": "hi"}   # no refusal
     chat = {"id": "c", "object": "chat.completion", "created": 1, "model": MODEL,
             "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -366,8 +366,8 @@ def test_logit_bias_out_of_range_and_fractional_values_are_clamped(client: opena
 # -- streams that stream ---------------------------------------------------------------------
 def test_random_byte_output_streams_text_in_most_chunks(srv: Any, detok: Detokenize) -> None:
     """logit_bias confines the random model to the single-byte tokens 0x80-0xFF, so it writes
-    random non-ASCII bytes, mostly invalid UTF-8 (the case of issue 13: one invalid byte
-    used to hold back the rest of the stream). Text still flows chunk by chunk — a chunk
+    random non-ASCII bytes, mostly invalid UTF-8 (one invalid byte used to hold back the rest
+    of the stream). Text still flows chunk by chunk — a chunk
     waits only behind a lead byte whose continuation may still come — and the stream joins
     to the non-streamed text of the same seeded request."""
     high = {str(i): 100 for i in range(len(detok.tokenizer))

@@ -1,4 +1,4 @@
-"""Video in (issue 27), end to end: `model=tiny_vlm model.arch=qwen2_5_vl` served by a real
+"""Video in, end to end: `model=tiny_vlm model.arch=qwen2_5_vl` served by a real
 serve.py on 127.0.0.1, sent videos made here with PyAV. Greedy output equals mlx-vlm's own
 stream_generate on the same weights, prompt and video file (mlx-vlm decodes it with OpenCV and
 samples its own frames), token for token; video rows batch beside text rows without changing

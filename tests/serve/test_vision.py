@@ -1,4 +1,4 @@
-"""Images in (issue 27), end to end: `model=tiny_vlm` (a generated mlx-vlm checkpoint) served
+"""Images in, end to end: `model=tiny_vlm` (a generated mlx-vlm checkpoint) served
 by a real serve.py on 127.0.0.1 and called with the real openai and anthropic SDKs. Greedy
 output equals mlx_vlm's own generate on the same weights, prompt and image, token for token;
 image rows batch with text rows and another image's rows without changing any of them; the

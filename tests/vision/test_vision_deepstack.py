@@ -1,4 +1,4 @@
-"""Qwen3-VL's deepstack (issue 27): the served decoder (mlx-lm's qwen3_vl, in the step core)
+"""Qwen3-VL's deepstack: the served decoder (mlx-lm's qwen3_vl, in the step core)
 adds the tower's deepstack features at the visual tokens of its first layers, chunk by chunk,
 as mlx-vlm's own language model does over the whole prompt. Real models: the generated
 `model=tiny_vlm model.arch=qwen3_vl` checkpoint through mlx-lm's loader and mlx-vlm's."""

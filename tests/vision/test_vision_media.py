@@ -89,9 +89,9 @@ def test_remote_fetch_policy(local_images: str) -> None:
 
 
 def test_a_tower_that_crashes_the_cuda_backend_is_refused_at_launch_there_only() -> None:
-    """Qwen2-VL / Qwen2.5-VL towers die with SIGFPE on MLX's CUDA backend (measured on an
-    H200): on CUDA that family is a launch error naming the backend and the way out; on the
-    CPU backend, and for Gemma 3 on CUDA, nothing is refused."""
+    """Qwen2-VL / Qwen2.5-VL towers die with SIGFPE on MLX's CUDA backend: on CUDA that family
+    is a launch error naming the backend and the way out; on the CPU backend, and for Gemma 3
+    on CUDA, nothing is refused."""
     from pipeserve.errors import ConfigError
     from pipeserve.vision import check_backend
 

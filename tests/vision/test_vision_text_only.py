@@ -1,4 +1,4 @@
-"""model.vision=false (issue 27): a vision-language checkpoint — every released Qwen3.5 is one —
+"""model.vision=false: a vision-language checkpoint — every released Qwen3.5 is one —
 served text only, its towers not loaded, so what does not compose with image rows composes
 again: here Qwen3.5's MTP head drafting (draft=mtp), lossless against the plain decode of the
 same weights served as a VLM. Real models: the generated `model=tiny_vlm model.arch=qwen3_5`

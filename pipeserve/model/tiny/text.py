@@ -222,7 +222,7 @@ EMBED_SCALE = 4.0  # tied logits are norm(h) @ E.T: std EMBED_SCALE/sqrt(hidden)
 # Residual branches outweigh the token embedding, so greedy text does not just repeat the last token.
 # qwen3_5's output head maps a token to its successor instead (below), so its branches only need
 # to pull the target off that successor some of the time: at 0.6 about one greedy step in five
-# (its MTP head's first draft is accepted ~80% of the time; 0.5 gives ~90%, 1.0 ~35%).
+# (a larger gain lowers how often its MTP head's first draft is accepted).
 BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0, "qwen3_5": 0.6}
 _BRANCH_OUT = ("o_proj", "down_proj", "out_proj")
 # The Qwen3.5 stand-in's MTP head: fc passes the next token's embedding through (plus a little
