@@ -32,6 +32,7 @@ class Reply:
 
     text: str = "Hello there, friend."
     error: ServeError | None = None
+    cached: int = 0   # prompt tokens the prompt cache supplied (Finished.num_cached_tokens)
 
 
 def tokenizer_side(cfg: ServeConfig) -> LoadedModel:
@@ -86,7 +87,7 @@ class ScriptedEngine:
         for token in out:
             stream.post(TokenDelta(rid, [token]))
         reason = FinishReason.STOP if len(out) == len(ids) else FinishReason.LENGTH
-        stream.post(Finished(rid, reason, len(request.prompt_ids), len(out),
+        stream.post(Finished(rid, reason, len(request.prompt_ids), len(out), reply.cached,
                              extras={"batch_size_max": 1}))
 
     def abort(self, request_id: str) -> None:

@@ -233,3 +233,42 @@ def test_a_finished_stream_replays_after_last_event_id(setup) -> None:
     (frames, cut, again), _ = run(setup, scenario)
     assert again.status_code == 200
     assert [f for f in sse_frames(again.text) if "data" in f] == frames[cut:]
+
+
+def test_cached_prompt_tokens_reach_each_protocols_usage(setup) -> None:
+    async def scenario(client):
+        oa = await client.post("/v1/chat/completions", json=CHAT)
+        an = await client.post("/v1/messages", json={
+            "model": "tiny", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi."}]})
+        return oa, an
+    (oa, an), eng = run(setup, scenario, script=lambda _req: Reply(cached=3))
+    usage = oa.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 3
+    assert usage["prompt_tokens"] == len(eng.submitted[0].prompt_ids)
+    a = an.json()["usage"]
+    assert a["cache_read_input_tokens"] == 3
+    assert a["input_tokens"] + a["cache_read_input_tokens"] + a["cache_creation_input_tokens"] \
+        == len(eng.submitted[1].prompt_ids)
+
+
+def test_responses_stream_events_and_body(setup) -> None:
+    body = {"model": "tiny", "input": "Say hi."}
+
+    async def scenario(client):
+        plain = await client.post("/v1/responses", json=body)
+        stream = await client.post("/v1/responses", json={**body, "stream": True})
+        return plain, stream
+    (plain, stream), eng = run(setup, scenario)
+    r = plain.json()
+    assert r["object"] == "response" and r["status"] == "completed"
+    (item,) = r["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == TEXT
+    assert r["usage"]["output_tokens"] == num_tokens(setup, TEXT)
+    assert r["usage"]["input_tokens"] == len(eng.submitted[0].prompt_ids)
+    events = [e for e in data_of(sse_frames(stream.text)) if isinstance(e, dict)]
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == TEXT and events[-1]["response"]["output"][0]["content"][0]["text"] == TEXT
