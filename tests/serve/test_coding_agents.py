@@ -335,3 +335,15 @@ def test_responses_truncation_auto_drops_the_oldest_turns(srv: Any) -> None:
     assert r.truncation == "auto" and r.usage.input_tokens < 4096
     assert "truncation auto: the " in raw.headers["x-pipeserve-warning"]
     assert "oldest turn(s) of the input were dropped" in raw.headers["x-pipeserve-warning"]
+
+
+def test_reasoning_summary_is_echoed_and_named_as_not_produced(srv: Any) -> None:
+    raw = oa(srv).responses.with_raw_response.create(
+        model="tiny", input="Hi", max_output_tokens=2,
+        reasoning={"effort": "low", "summary": "auto"})
+    assert raw.parse().reasoning.summary == "auto"
+    assert "reasoning.summary: this server writes no summary" in raw.headers["x-pipeserve-warning"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oa(srv).responses.create(model="tiny", input="Hi", max_output_tokens=2,
+                                 reasoning={"summary": "brief"})
+    assert info.value.response.json()["error"]["param"] == "reasoning.summary"

@@ -85,7 +85,8 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
-            "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
+            "reasoning": {"effort": effort, "summary": _summary(reasoning)},
+            "text": {"format": fmt}}
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
@@ -94,6 +95,20 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
                          parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served)
+
+
+SUMMARIES = ("auto", "concise", "detailed")
+NO_SUMMARY = ("reasoning.summary: this server writes no summary; the reasoning comes whole as "
+              "the reasoning item's reasoning_text")
+
+
+def _summary(reasoning: dict[str, Any]) -> str | None:
+    """reasoning.summary, checked and echoed as sent (the handler names it as not produced)."""
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidRequest(f"reasoning.summary is {F.short(summary)}; allowed: "
+                             f"{', '.join(SUMMARIES)}", param="reasoning.summary")
+    return summary
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -262,6 +277,8 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
             dropped = parsed.tools.warning()
             if dropped is not None:
                 req.warnings.append(dropped)
+            if parsed.echo["reasoning"]["summary"] is not None:
+                req.warnings.append(NO_SUMMARY)
             return req
         keep = resume.resumable(body)
         gen = await _start(scope, make, parsed)
