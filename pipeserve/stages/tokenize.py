@@ -5,6 +5,7 @@ preparation pool (pipeserve.eventloop.offload), a client's own template in the s
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import time
 from collections.abc import Iterator
@@ -27,6 +28,8 @@ from pipeserve.vision.media import MediaLimits, decode_each
 from pipeserve.vision.rows import PromptMedia
 from pipeserve.vision.audio import AudioLimits, check_modalities, prepare_audio
 from pipeserve.grammar.turn import TurnGrammars
+
+log = logging.getLogger("pipeserve")
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -67,6 +70,7 @@ class Tokenize:
         self.bound = char_bound(self.backend) if self.backend is not None else None
         self.vision = loaded.vision
         self.model_name = cfg.model.name
+        self._told_no_tools = False
         self.media_limits = MediaLimits.of(cfg.media)
         self.video_limits = video.VideoLimits.of(cfg.media)
         self.audio_limits = AudioLimits.of(cfg.media)
@@ -106,6 +110,12 @@ class Tokenize:
                 request.warnings.append(
                     "tools ignored: this model's chat template does not render tools, so the "
                     "model never sees them; set model.chat_template to a template that does")
+                if not self._told_no_tools:   # the log says it once, where an operator looks
+                    self._told_no_tools = True
+                    log.warning("model %s: request %s sent tools, but the chat template does not "
+                                "render tools, so they are ignored (every such response's "
+                                "x-pipeserve-warning header says so); set model.chat_template "
+                                "to a template that does", self.model_name, request.request_id)
             if request.constraint is not None:   # structured output: the answer starts at once
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)

@@ -6,10 +6,13 @@ the cache stops at the line."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
 import anthropic
+import httpx
+import openai
 import pytest
 
 from tests.serve.test_anthropic import NO_EOS
@@ -111,7 +114,6 @@ def test_off_with_one_key_the_line_breaks_the_prefix(server_factory: Any) -> Non
 
 
 def srv_metrics(srv: Any) -> str:
-    import httpx
     return httpx.get(srv.base_url + "/metrics", timeout=TIMEOUT).text
 
 
@@ -135,8 +137,7 @@ DROPPED = ("tools[3] (web_search), tools[4] (local_shell), tools[5] (image_gener
            "tools[6] (namespace)")
 
 
-def oa(srv: Any) -> Any:
-    import openai
+def oa(srv: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
                          timeout=TIMEOUT)
 
@@ -158,7 +159,6 @@ def test_codex_tools_hosted_ones_dropped_and_named(srv: Any) -> None:
 
 
 def test_custom_tool_call_under_its_regex(srv: Any) -> None:
-    import re
     choice = {"type": "custom", "name": "ticket"}
     r = codex(srv, tool_choice=choice, parallel_tool_calls=False).parse()
     [call] = r.output
@@ -187,7 +187,6 @@ def strict(server_factory: Any) -> Any:
 
 
 def test_strict_fields_refuses_hosted_tools_by_name(strict: Any) -> None:
-    import openai
     with pytest.raises(openai.BadRequestError) as info:
         codex(strict)
     err = info.value.response.json()["error"]
@@ -206,7 +205,6 @@ def no_markup(text: str | None) -> bool:
 
 
 def test_a_forced_call_cut_by_max_tokens_never_leaks_markup(srv: Any) -> None:
-    import httpx
     # Anthropic, tool_choice any: the whole call, then one cut short and dropped
     m = client_of(srv).messages.create(
         model="tiny", max_tokens=CUT, messages=ASK, tool_choice={"type": "any"},
@@ -292,7 +290,6 @@ def test_max_tokens_past_the_context_is_clamped_and_said(srv: Any, strict: Any) 
 
 
 def test_anthropic_errors_are_worded_and_typed_as_anthropic_words_them(srv: Any) -> None:
-    import httpx
     long = [{"role": "user", "content": "word " * 5000}]
     with pytest.raises(anthropic.BadRequestError) as info:
         client_of(srv).messages.create(model="tiny", max_tokens=8, messages=long)
@@ -304,7 +301,6 @@ def test_anthropic_errors_are_worded_and_typed_as_anthropic_words_them(srv: Any)
 
 
 def test_head_on_the_root_and_the_api_root(srv: Any) -> None:
-    import httpx
     for path in ("/", "/v1", "/v1/"):
         r = httpx.head(srv.base_url + path, timeout=TIMEOUT)
         assert r.status_code == 200, path
@@ -321,3 +317,33 @@ def test_responses_input_tokens_counts_what_create_reports(srv: Any) -> None:
     assert counted.input_tokens == made.usage.input_tokens
     assert oa(srv).responses.input_tokens.count(model="tiny", input="Hi").input_tokens \
         < counted.input_tokens
+
+
+def test_responses_truncation_auto_drops_the_oldest_turns(srv: Any) -> None:
+    items: list[dict[str, Any]] = []
+    for turn in range(6):   # about 6 x 900 tokens: past tiny's 4096-token context
+        items += [{"role": "user", "content": f"turn {turn}: " + "word " * 450},
+                  {"role": "assistant", "content": "noted " * 450}]
+    items.append({"role": "user", "content": "Summarise."})
+    with pytest.raises(openai.BadRequestError) as info:
+        oa(srv).responses.create(model="tiny", input=items, max_output_tokens=2)
+    assert info.value.response.json()["error"]["code"] == "context_length_exceeded"
+    raw = oa(srv).responses.with_raw_response.create(
+        model="tiny", instructions="You are Codex.", input=items, max_output_tokens=2,
+        truncation="auto")
+    r = raw.parse()
+    assert r.truncation == "auto" and r.usage.input_tokens < 4096
+    assert "truncation auto: the " in raw.headers["x-pipeserve-warning"]
+    assert "oldest turn(s) of the input were dropped" in raw.headers["x-pipeserve-warning"]
+
+
+def test_reasoning_summary_is_echoed_and_named_as_not_produced(srv: Any) -> None:
+    raw = oa(srv).responses.with_raw_response.create(
+        model="tiny", input="Hi", max_output_tokens=2,
+        reasoning={"effort": "low", "summary": "auto"})
+    assert raw.parse().reasoning.summary == "auto"
+    assert "reasoning.summary: this server writes no summary" in raw.headers["x-pipeserve-warning"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oa(srv).responses.create(model="tiny", input="Hi", max_output_tokens=2,
+                                 reasoning={"summary": "brief"})
+    assert info.value.response.json()["error"]["param"] == "reasoning.summary"

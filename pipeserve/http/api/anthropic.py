@@ -15,6 +15,7 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import resume
 from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Delta, Generation, Usage
+from pipeserve.http.api.tools import ToolCall
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body,
                                ready_front, route, sse_event)
 from pipeserve.http.api.openai import incomplete_fields, miss_fields, sampling_fields
@@ -317,12 +318,16 @@ def usage_body(usage: Usage, output: bool = True, written: int = 0) -> dict[str,
 
 def message_body(message_id: str, model: str, gen: Generation) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
-    if gen.reasoning:
-        content.append({"type": "thinking", "thinking": gen.reasoning, "signature": ""})
-    if gen.content or not (gen.tool_calls or gen.reasoning):   # as the stream's blocks
-        content.append({"type": "text", "text": gen.content})
-    content.extend({"type": "tool_use", "id": f"toolu_{c.id}", "name": c.name,
-                    "input": c.arguments} for c in gen.tool_calls)
+    for kind, part in gen.parts:   # in the order the model wrote them, as the stream's blocks
+        if isinstance(part, ToolCall):
+            content.append({"type": "tool_use", "id": f"toolu_{part.id}", "name": part.name,
+                            "input": part.arguments})
+        elif kind == "reasoning":
+            content.append({"type": "thinking", "thinking": part, "signature": ""})
+        else:
+            content.append({"type": "text", "text": part})
+    if not content:
+        content.append({"type": "text", "text": ""})
     reason, sequence = stop_reason(gen)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,

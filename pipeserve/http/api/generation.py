@@ -151,6 +151,8 @@ class Generation:
         self.content = ""
         self.reasoning = ""
         self.tool_calls: list[ToolCall] = []
+        # the output in the order it came: ("reasoning" | "text", text) runs and ("call", call)
+        self.parts: list[tuple[str, str | ToolCall]] = []
         self.first_token_s: float | None = None   # perf_counter when the first token arrived
         self.batch_size_max = 0
         self.record: Record | None = None
@@ -165,6 +167,12 @@ class Generation:
         self.content += delta.content
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
+        for kind, text in (("reasoning", delta.reasoning), ("text", delta.content)):
+            if text and self.parts and self.parts[-1][0] == kind:
+                self.parts[-1] = (kind, str(self.parts[-1][1]) + text)
+            elif text:
+                self.parts.append((kind, text))
+        self.parts.extend(("call", call) for call in delta.tool_calls)
         return delta
 
     def _settle(self, reason: str, event: Finished | None = None) -> None:

@@ -37,7 +37,7 @@ HONOURED: dict[str, frozenset[str]] = {
     "responses": _SAMPLING | {"input", "instructions", "previous_response_id", "tools",
                               "tool_choice", "chat_template_kwargs", "reasoning", "text",
                               "max_output_tokens", "metadata", "store", "stop",
-                              "parallel_tool_calls"},
+                              "parallel_tool_calls", "truncation"},
     "messages": _SAMPLING | {"messages", "system", "max_tokens", "stop_sequences", "tools",
                              "tool_choice", "thinking", "chat_template_kwargs", "metadata"},
     "count_tokens": frozenset({"model", "messages", "system", "tools", "tool_choice",

@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import sanic
 from sanic import HTTPResponse, Sanic
@@ -76,11 +76,17 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
     requested = sampling_fields(body)
     requested["max_tokens"] = F.get(body, "max_output_tokens", int)
     parallel = F.get(body, "parallel_tool_calls", bool, True)
-    echo = {"instructions": instructions, "parallel_tool_calls": parallel, "max_output_tokens": requested["max_tokens"],
+    truncation = F.get(body, "truncation", str, "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise InvalidRequest(f"truncation is {F.short(truncation)}; allowed: auto, disabled",
+                             param="truncation")
+    echo = {"instructions": instructions, "parallel_tool_calls": parallel,
+            "truncation": truncation, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
-            "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
+            "reasoning": {"effort": effort, "summary": _summary(reasoning)},
+            "text": {"format": fmt}}
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
@@ -89,6 +95,20 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
                          parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served)
+
+
+SUMMARIES = ("auto", "concise", "detailed")
+NO_SUMMARY = ("reasoning.summary: this server writes no summary; the reasoning comes whole as "
+              "the reasoning item's reasoning_text")
+
+
+def _summary(reasoning: dict[str, Any]) -> str | None:
+    """reasoning.summary, checked and echoed as sent (the handler names it as not produced)."""
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidRequest(f"reasoning.summary is {F.short(summary)}; allowed: "
+                             f"{', '.join(SUMMARIES)}", param="reasoning.summary")
+    return summary
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -248,15 +268,21 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
                                 app.ctx.cfg.server.strict_fields)
         await scope.route(body)
         ctx = scope.ctx
-        req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
-                      inputs=parsed.inputs, requested=parsed.requested,
-                      constraint=parsed.constraint,
-                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters))
-        dropped = parsed.tools.warning()
-        if dropped is not None:
-            req.warnings.append(dropped)
+        adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
+
+        def make() -> Request:
+            req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
+                          inputs=parsed.inputs, requested=dict(parsed.requested),
+                          constraint=parsed.constraint, adapter=adapter)
+            dropped = parsed.tools.warning()
+            if dropped is not None:
+                req.warnings.append(dropped)
+            if parsed.echo["reasoning"]["summary"] is not None:
+                req.warnings.append(NO_SUMMARY)
+            return req
         keep = resume.resumable(body)
-        gen = await scope.start(req)
+        gen = await _start(scope, make, parsed)
+        req = gen.request
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store, parsed.tools.custom)
         if parsed.stream:
@@ -290,6 +316,46 @@ async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
         constraint=parsed.constraint)))
     return json_response({"object": "response.input_tokens",
                           "input_tokens": req.num_prompt_tokens})
+
+
+MAX_TRUNCATIONS = 256   # oldest turns truncation "auto" drops at most
+
+
+async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed) -> Generation:
+    """Start a request built by `make()`. truncation "auto": while its prompt is past the
+    context, drop the conversation's oldest turn and try again, and say so."""
+    dropped = 0
+    for _ in range(MAX_TRUNCATIONS):
+        try:
+            gen = await scope.start(make())
+        except InvalidRequest as e:
+            if (e.code != "context_length_exceeded" or parsed.echo["truncation"] != "auto"
+                    or not _drop_oldest(parsed.inputs)):
+                raise
+            dropped += 1
+            continue
+        if dropped:
+            gen.request.warnings.append(f"truncation auto: the {dropped} oldest turn(s) of the "
+                                        "input were dropped to fit the context")
+        return gen
+    raise InvalidRequest(f"truncation auto dropped {MAX_TRUNCATIONS} turns and the input is "
+                         "still past the context; shorten it", param="input",
+                         code="context_length_exceeded")
+
+
+def _drop_oldest(inputs: PromptInput) -> bool:
+    """Drop the first turn after the system messages, and what answers it, up to the next user
+    message; False when only the last user turn is left."""
+    messages = inputs.messages or []
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    end = first + 1
+    while end < len(messages) and messages[end]["role"] != "user":
+        end += 1
+    if end >= len(messages):
+        return False
+    inputs.messages = messages[:first] + messages[end:]
+    inputs.media = _media(inputs.messages)
+    return True
 
 
 def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],

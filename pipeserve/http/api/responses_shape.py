@@ -93,14 +93,18 @@ class ResponseShape:
         return out
 
     def output(self, gen: Generation) -> list[dict[str, Any]]:
-        """All output items of a finished generation: reasoning, message, function calls."""
+        """All output items of a finished generation (reasoning, messages, calls) in order."""
         status = "incomplete" if gen.finish_reason == "length" else "completed"
         out = []
-        if gen.reasoning:
-            out.append(reasoning_item(_id("rs"), gen.reasoning, "completed"))
-        if gen.content or not (gen.tool_calls or gen.reasoning):   # as the stream's items
-            out.append(message_item(_id("msg"), gen.content, status))
-        out.extend(self.call(c) for c in gen.tool_calls)
+        for kind, part in gen.parts:   # in the order the model wrote them, as the stream's items
+            if isinstance(part, ToolCall):
+                out.append(self.call(part))
+            elif kind == "reasoning":
+                out.append(reasoning_item(_id("rs"), part, "completed"))
+            else:
+                out.append(message_item(_id("msg"), part, status))
+        if not out:   # nothing said: one empty message, as the stream sends
+            out.append(message_item(_id("msg"), "", status))
         return out
 
 
