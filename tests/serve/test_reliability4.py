@@ -318,3 +318,17 @@ def test_an_urgent_priority_needs_the_admin_key(keyed: Any) -> None:
     r = httpx.post(base + "/v1/chat/completions", json={**body, "priority": 0},
                    headers={"Authorization": f"Bearer {ADMIN}"}, timeout=TIMEOUT)
     assert r.status_code == 200, r.text   # the admin key is granted every class
+
+
+def test_tokenize_counts_image_tokens_as_the_chat_does(vlm: Any) -> None:
+    body = _image_chat([_png((64, 48)), _png((40, 40), 3)], "Which is larger?")
+    chat = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert chat.status_code == 200, chat.text
+    counted = httpx.post(vlm.base_url + "/tokenize", json={"model": "tiny_vlm",
+                                                          "messages": body["messages"]},
+                         timeout=TIMEOUT)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    bad = httpx.post(vlm.base_url + "/tokenize", timeout=TIMEOUT, json={
+        "model": "tiny_vlm", "messages": _image_chat(["data:image/png;base64,AAAA"])["messages"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[0]"
