@@ -18,6 +18,7 @@ import numpy as np
 
 from pipeserve.errors import InvalidRequest
 from pipeserve.vision.media import MediaLimits, MediaPart, check_budget, from_url as media_url
+from pipeserve.vision.fetch import fetch
 
 KINDS = ("video_url", "input_video", "video")   # the part types that carry a video
 INSTALL = "pip install 'pipeserve[vision]'   (or: pip install av)"
@@ -95,7 +96,6 @@ def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_fra
         check_budget(started, limits.media.prepare_s, part.where)
         data = part.data
         if data is None:
-            from pipeserve.vision.fetch import fetch
             assert part.url is not None
             data = fetch(part.url, part.where, limits.media, what="video",
                          max_bytes=limits.max_bytes, key="media.max_video_mb")
