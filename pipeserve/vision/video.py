@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from pipeserve.errors import InvalidRequest
-from pipeserve.vision.media import MediaLimits, MediaPart, check_budget, from_url as media_url
+from pipeserve.vision.media import MediaLimits, MediaPart, from_url as media_url
 from pipeserve.vision.fetch import fetch
+from pipeserve.vision.media import check_budget
 
 KINDS = ("video_url", "input_video", "video")   # the part types that carry a video
 INSTALL = "pip install 'pipeserve[vision]'   (or: pip install av)"
