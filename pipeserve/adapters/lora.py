@@ -246,8 +246,12 @@ class AdapterSet:
         ids = self.members(choice)
         if not ids:
             return None
-        return STACK.join((self.adapters[i] if i in self.adapters else self.retired[i][0]).identity
-                          for i in ids)
+        adapters, retired = self.adapters, dict(self.retired)   # the engine may swap meanwhile
+
+        def one(i: str) -> str:
+            found = adapters.get(i) or (retired[i][0] if i in retired else None)
+            return found.identity if found is not None else i   # unmounted and its slot gone
+        return STACK.join(one(i) for i in ids)
 
     def canonical(self, choice: str | list[str] | None, param: str) -> str | None:
         """A request's choice as Request.adapter holds it: None when it is the launch default

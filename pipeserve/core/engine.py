@@ -229,6 +229,7 @@ class Engine:
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+        self.metrics.active_rows.set(len(self.scheduler.running))   # aborts leave it too
 
     def _fail_plan(self, plan: StepPlan, cause: Exception) -> None:
         """The step itself failed (the forward, or work shared by its rows): none of its rows,

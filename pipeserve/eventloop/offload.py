@@ -9,7 +9,7 @@ import gc
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pipeserve.errors import AdmissionRejected
 
@@ -54,12 +54,41 @@ class MediaPool:
                 code="media_queue_full")
         self.pending += 1
         future = asyncio.get_running_loop().run_in_executor(
-            self._pool, functools.partial(_paused_call, fn, *args))
+            self._pool, functools.partial(_media_call, fn, *args))
         future.add_done_callback(self._done)
         return await future
 
     def _done(self, _: object) -> None:
         self.pending -= 1
+
+
+def _media_call(fn: Callable[..., T], *args: object) -> T:
+    """`fn` with the GC paused; then the C heap's free pages go back to the system (decoded
+    images are large; glibc keeps freed arenas of worker threads otherwise)."""
+    try:
+        return _paused_call(fn, *args)
+    finally:
+        _trim()
+
+
+def _trim() -> None:
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    """glibc, for malloc_trim (None elsewhere: macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC: Any = _libc()
 
 
 def _call(fn: Callable[..., T], *args: object) -> T:

@@ -286,8 +286,11 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
                 and (path == "/v1/adapters" or path.startswith("/v1/adapters/")
                      or (http.method == "POST" and path.startswith("/v1/models/"))))
+        # priorities more urgent than the default class are granted to the admin key only,
+        # when one is set (pipeserve/http/api/http.py checks the request's)
+        http.ctx.urgent_ok = bool(cfg.server.admin_key) and _key_ok(http, cfg.server.admin_key)
         if key and _api_path(path) and not swap:
-            if not _key_ok(http, key):
+            if not _key_ok(http, key) and not http.ctx.urgent_ok:   # the admin key: all of it
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
         if app.ctx.draining and _api_path(path):

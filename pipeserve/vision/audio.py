@@ -114,7 +114,8 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
         audio, sample_rate = read(io.BytesIO(data), dtype="float32")
     except InvalidRequest:
         raise
-    except (miniaudio.MiniaudioError, RuntimeError, ValueError, KeyError, OSError) as e:
+    except (miniaudio.MiniaudioError, RuntimeError, ValueError, KeyError, OSError,
+            ZeroDivisionError, IndexError, TypeError, OverflowError, MemoryError) as e:
         raise InvalidRequest(f"{where}: the {fmt.upper()} audio could not be decoded "
                              f"({type(e).__name__}: {str(e)[:160]})", param=where) from e
     audio = np.asarray(audio, dtype=np.float32)

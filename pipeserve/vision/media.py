@@ -24,6 +24,10 @@ OPENERS = ("PNG", "JPEG", "WEBP", "AVIF", "HEIF", "GIF", "BMP", "TIFF")
 SUBTYPES = {"PNG": {"png", "apng"}, "JPEG": {"jpeg", "jpg", "pjpeg"}, "WEBP": {"webp"},
             "AVIF": {"avif"}, "HEIF": {"heic", "heif", "heic-sequence", "heif-sequence"},
             "GIF": {"gif"}, "BMP": {"bmp", "x-bmp", "x-ms-bmp"}, "TIFF": {"tiff", "tif"}}
+# what Pillow's openers raise on bad bytes (UnidentifiedImageError is an OSError), besides
+# Image.DecompressionBombError
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError,
+                 struct.error, ZeroDivisionError, MemoryError, RuntimeError)
 _HEIF: list[bool] = []   # pillow-heif's opener registered (once, at the first decode)
 
 
@@ -131,6 +135,7 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
                              f"{limits.max_images} per request (media.max_images)",
                              param=parts[limits.max_images].where)
     started = time.monotonic() if started is None else started
+    _check_sizes(parts, limits)
     total = pixels = 0
     for part in parts:
         check_budget(started, limits.prepare_s, part.where)
@@ -149,6 +154,25 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
         del decoded, data   # not held while the next image decodes
 
 
+def _check_sizes(parts: list[MediaPart], limits: MediaLimits) -> None:
+    """The request's inline images' sizes, read from their headers only, against the decoded
+    pixel budget: a request past it is refused before any image is decoded. (Unreadable
+    headers are left to decode, which names the error.)"""
+    from PIL import Image
+
+    _register_heif()
+    pixels = 0
+    for part in parts:
+        if part.data is None or len(part.data) > limits.max_image_bytes:
+            continue
+        try:
+            with Image.open(io.BytesIO(part.data), formats=OPENERS) as img:
+                _check_size(img, part.where, limits, pixels)
+                pixels += img.size[0] * img.size[1]
+        except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it, in order
+            continue
+
+
 def check_budget(started: float, budget_s: float, where: str) -> None:
     """Refuse a request whose media preparation has run past media.max_media_prepare_s."""
     spent = time.monotonic() - started
@@ -163,7 +187,7 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
     """One image, RGB, EXIF orientation applied; its size checked (alone and with the request's
     `used_pixels`) before its pixels are decoded, its format against the listed ones and
     against the data URL's declared type."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
     _register_heif()
     if len(data) > limits.max_image_bytes:
@@ -178,9 +202,7 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
             rgb = ImageOps.exif_transpose(img).convert("RGB")
     except InvalidRequest:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
-            SyntaxError, EOFError, IndexError, KeyError, TypeError, struct.error,
-            ZeroDivisionError, MemoryError, RuntimeError) as e:
+    except (*DECODE_ERRORS, Image.DecompressionBombError) as e:
         raise InvalidRequest(f"{where}: the image could not be decoded ({type(e).__name__}: "
                              f"{str(e)[:160]}); send {FORMATS}", param=where) from e
     return Decoded(rgb, hashlib.sha256(data).hexdigest(), len(data))

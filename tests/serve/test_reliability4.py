@@ -17,13 +17,14 @@ from tests.conftest import make_config
 TIMEOUT = 30.0
 KEY = "round4-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = "round4-admin"
 # routes anyone may read: liveness, the chat page and its icons (metrics_auth is off here)
 PUBLIC = {"/health", "/metrics", "/", "/favicon.ico", "/favicon.svg"}
 
 
 @pytest.fixture(scope="module")
 def keyed(server_factory: Any) -> Any:
-    return server_factory(f"server.api_key={KEY}")
+    return server_factory(f"server.api_key={KEY}", f"server.admin_key={ADMIN}")
 
 
 def _route_table() -> list[tuple[str, str]]:
@@ -181,7 +182,7 @@ def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
     assert ok.status_code == 200, ok.text
     before = _rss_bytes(vlm.proc.pid)
     # 16 images of 6300x6300, each under media.max_image_pixels, 635 M pixels in all
-    body = _image_chat([_png((6300, 6300), i) for i in range(16)])
+    body = _image_chat([_png((6300, 6300))] * 16)
     r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
@@ -237,3 +238,97 @@ def test_a_text_chat_never_waits_behind_two_media_requests(vlm: Any) -> None:
     assert chat.status_code == 200, chat.text[:300]
     assert [r.status_code for r in results] == [200, 200], [r.text[:200] for r in results]
     assert order[0] == "text", order
+
+
+def test_mutated_images_through_the_server_are_never_5xx(vlm: Any) -> None:
+    """A slice of the media fuzz (tests/vision/test_media_fuzz.py) end to end: each answer is
+    a 200 or a 400 naming the part, and a valid request beside them is served."""
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+
+    from tests.vision.test_media_fuzz import IMAGE_FORMATS, mutations
+    rng = random.Random(44)
+    statuses: dict[int, int] = {}
+    for fmt in IMAGE_FORMATS:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 24), (rng.randrange(256), 40, 90)).save(buf, format=fmt)
+        for data in mutations(buf.getvalue(), rng, 8):
+            url = "data:image/*;base64," + base64.b64encode(data).decode()
+            r = httpx.post(vlm.base_url + "/v1/chat/completions", json=_image_chat([url]),
+                           timeout=TIMEOUT)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if r.status_code == 400:
+                assert r.json()["error"]["param"] == "messages[0].content[0]", r.text
+    assert set(statuses) <= {200, 400} and sum(statuses.values()) == 8 * len(IMAGE_FORMATS)
+    ok = httpx.post(vlm.base_url + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
+                    timeout=TIMEOUT)
+    assert ok.status_code == 200, ok.text
+
+
+# -- the active-rows gauge follows aborts ---------------------------------------------------
+def _gauge(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=TIMEOUT).text
+    return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))
+
+
+def test_active_rows_falls_to_zero_when_every_row_is_cancelled(keyed: Any) -> None:
+    from tests.serve.test_openai import NO_EOS
+    base = keyed.base_url
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on."}],
+            "max_tokens": 2000, "logit_bias": NO_EOS, "stream": True}
+
+    def cut() -> None:
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=AUTH,
+                          timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    return
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda _: cut(), range(4)))
+    for _ in range(300):   # bounded: until the engine has let every row go
+        if httpx.get(base + "/health", timeout=TIMEOUT).json()["inflight"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(base + "/health", timeout=TIMEOUT).json()["inflight"] == 0
+    for _ in range(20):   # the gauge is set on the engine thread just after the last abort
+        if _gauge(base, "pipeserve_active_rows") == 0:
+            break
+        time.sleep(0.05)
+    assert _gauge(base, "pipeserve_active_rows") == 0   # it kept 4 until the next step
+
+
+# -- priority above the default is granted, not self-asserted --------------------------------
+def test_an_urgent_priority_needs_the_admin_key(keyed: Any) -> None:
+    base = keyed.base_url
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    for priority in (0, "interactive", 4):
+        r = httpx.post(base + "/v1/chat/completions", json={**body, "priority": priority},
+                       headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "priority" and err["code"] == "priority_not_granted"
+        assert "only requests with server.admin_key may ask for it" in err["message"]
+    for priority in (5, "default", "batch", 9):   # the default class and later: anyone
+        r = httpx.post(base + "/v1/chat/completions", json={**body, "priority": priority},
+                       headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+    r = httpx.post(base + "/v1/chat/completions", json={**body, "priority": 0},
+                   headers={"Authorization": f"Bearer {ADMIN}"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text   # the admin key is granted every class
+
+
+def test_tokenize_counts_image_tokens_as_the_chat_does(vlm: Any) -> None:
+    body = _image_chat([_png((64, 48)), _png((40, 40), 3)], "Which is larger?")
+    chat = httpx.post(vlm.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert chat.status_code == 200, chat.text
+    counted = httpx.post(vlm.base_url + "/tokenize", json={"model": "tiny_vlm",
+                                                          "messages": body["messages"]},
+                         timeout=TIMEOUT)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    bad = httpx.post(vlm.base_url + "/tokenize", timeout=TIMEOUT, json={
+        "model": "tiny_vlm", "messages": _image_chat(["data:image/png;base64,AAAA"])["messages"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[0]"

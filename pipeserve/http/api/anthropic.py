@@ -72,8 +72,9 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
         ttl = _marked(m.get("content") if isinstance(m, dict) else None, f"messages[{i}]")
         if ttl is not None:
             breakpoints.append((len(turns) - 1, ttl))
-    if len(breakpoints) > MAX_BREAKPOINTS:
-        raise InvalidRequest(f"{len(breakpoints)} blocks have cache_control; at most "
+    marks = _num_marked(body)   # blocks, not breakpoints: several in one message count each
+    if marks > MAX_BREAKPOINTS:
+        raise InvalidRequest(f"{marks} blocks have cache_control; at most "
                              f"{MAX_BREAKPOINTS} may", param="cache_control")
     tools = [F.anthropic_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]
@@ -134,6 +135,14 @@ def _marked(blocks: Any, where: str) -> float | None:
             for j, b in enumerate(blocks) if isinstance(b, dict)]
     marked = [t for t in ttls if t is not None]
     return max(marked) if marked else None
+
+
+def _num_marked(body: dict[str, Any]) -> int:
+    """How many blocks (tools, system blocks, message content blocks) carry cache_control."""
+    lists = [body.get("tools"), body.get("system")]
+    lists += [m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)]
+    return sum(1 for blocks in lists if isinstance(blocks, list) for b in blocks
+               if isinstance(b, dict) and b.get("cache_control") is not None)
 
 
 def _breakpoints(body: dict[str, Any], system: list[dict[str, Any]]) -> list[tuple[int, float]]:

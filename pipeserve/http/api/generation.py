@@ -4,6 +4,7 @@ and come out as protocol-neutral Deltas, with finish reason and usage. Event loo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -16,6 +17,9 @@ from pipeserve.core.events import Failed, Finished, TokenDelta
 from pipeserve.markup.output import OutputMarkup
 from pipeserve.request import FinishReason, Request, TokenLogprob
 from pipeserve.core.stream import RequestStream
+from pipeserve.errors import ServeError
+
+log = logging.getLogger("pipeserve")
 
 
 @dataclass
@@ -201,6 +205,20 @@ class Generation:
         self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """The output, delta by delta. A fault of the output path itself (not a ServeError) is
+        logged once and raised as one, so every stream ends with its error event and [DONE]."""
+        try:
+            async for delta in self._deltas():
+                yield delta
+        except ServeError:
+            raise
+        except Exception as e:   # the output path's boundary, as the handler's is before it
+            rid = self.request.request_id
+            log.exception("output path failed for request %s", rid)
+            raise ServeError(f"internal error (request {rid}); the server log has the "
+                             "details") from e
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
         ctx, req = self.app_ctx, self.request
         text = ctx.front.detokenize.open(req.sampling.stop)
         chain = self._chain()
