@@ -35,7 +35,7 @@ class Front:
         self.admission = build(cfg.admission._target_, cfg, limits, engine.load, metrics)
         self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
         self.volatile = VolatileSpans(cfg.server.volatile_spans)
-        self.metrics = engine.metrics
+        self.metrics = metrics
 
     def normalise(self, request: Request) -> Request:
         """Remove the volatile spans from the chat (before tokenize: the prompt cache keys
