@@ -30,8 +30,6 @@ LAZY = {
         "the config is checked before anything loads: the loader's LoRA layers load mlx",
     ("pipeserve.launch.serve", "pipeserve.distributed.follower"):
         "the config is checked before anything loads: a follower imports the engine",
-    ("pipeserve.model.config", "pipeserve.adapters.lora"):
-        "a schema, read by the config check: lora's layer class loads mlx",
     ("pipeserve.memory", "pipeserve.kv.attention"):
         "memory imports mlx only where it measures, so the scheduler that reads it loads none",
     ("pipeserve.bench.run", "pipeserve.model.loader"):
