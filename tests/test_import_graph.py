@@ -1,7 +1,7 @@
 """The import graph of pipeserve/: the engine core (pipeserve/core/) and the stages never reach
 the HTTP side (pipeserve/http/, and the model pool that serves several engines behind it); the
 HTTP side reaches the core only through the engine's face (engine, its commands and events, the
-request streams, its published limits, prompt scoring); every `pipeserve.*` import names a
+request streams, its limits, prompt scoring); every `pipeserve.*` import names a
 module of this tree; and no two modules import each other, directly or through others, at any
 depth. Every import is an edge: a function-level one and a type-only one (`if TYPE_CHECKING:`)
 count like a module-level one. A function-level import of a module of the tree is allowed only
@@ -207,12 +207,19 @@ def test_function_level_imports_of_the_tree_are_only_those_on_the_allow_list() -
     assert sorted(lazy_imports(ROOT)) == sorted(LAZY)
 
 
-def test_the_config_check_loads_neither_mlx_nor_sanic() -> None:
-    """What LAZY keeps lazy for the launch holds: composing and checking the config (the
-    `pipeserve` command's module, the root schema and every group's) imports no mlx and no
-    sanic, so a bad override fails before anything loads."""
-    probe = ("import sys, pipeserve.launch.serve, pipeserve.config\n"
-             "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'sanic') if m in sys.modules))")
+@pytest.mark.parametrize(("module", "unloaded"), [
+    ("pipeserve.launch.serve", ("mlx", "mlx_lm", "sanic")),   # with every group's schema
+    ("pipeserve.core.scheduler", ("mlx",)),
+    ("pipeserve.bench.run", ("mlx",)),
+    ("pipeserve.model.tiny.text", ("mlx_lm",)),
+])
+def test_what_the_lazy_imports_keep_unloaded_stays_unloaded(module: str,
+                                                            unloaded: tuple[str, ...]) -> None:
+    """LAZY's reasons hold: importing the launch (the config check: a bad override fails
+    before anything loads), the scheduler, the bench's client or the tiny-model generator
+    loads none of what its lazy imports keep out."""
+    probe = (f"import sys, {module}\n"
+             f"print(sorted(m for m in {unloaded!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
