@@ -33,8 +33,6 @@ LAZY = {
         "`pipeserve fit` reads a checkpoint's headers through the loader (mlx): only when asked",
     ("pipeserve.launch.serve", "pipeserve.distributed.follower"):
         "the config is checked before anything loads: a follower imports the engine",
-    ("pipeserve.model.config", "pipeserve.adapters.lora"):
-        "a schema, read by the config check: lora's layer class loads mlx",
     ("pipeserve.memory", "pipeserve.kv.attention"):
         "memory imports mlx only where it measures, so the scheduler that reads it loads none",
     ("pipeserve.bench.run", "pipeserve.model.loader"):
@@ -212,12 +210,19 @@ def test_function_level_imports_of_the_tree_are_only_those_on_the_allow_list() -
     assert sorted(lazy_imports(ROOT)) == sorted(LAZY)
 
 
-def test_the_config_check_loads_neither_mlx_nor_sanic() -> None:
-    """What LAZY keeps lazy for the launch holds: composing and checking the config (the
-    `pipeserve` command's module, the root schema and every group's) imports no mlx and no
-    sanic, so a bad override fails before anything loads."""
-    probe = ("import sys, pipeserve.launch.serve, pipeserve.config\n"
-             "print(sorted(m for m in ('mlx', 'mlx.core', 'mlx_lm', 'sanic') if m in sys.modules))")
+@pytest.mark.parametrize(("module", "unloaded"), [
+    ("pipeserve.launch.serve", ("mlx", "mlx_lm", "sanic")),   # with every group's schema
+    ("pipeserve.core.scheduler", ("mlx",)),
+    ("pipeserve.bench.run", ("mlx",)),
+    ("pipeserve.model.tiny.text", ("mlx_lm",)),
+])
+def test_what_the_lazy_imports_keep_unloaded_stays_unloaded(module: str,
+                                                            unloaded: tuple[str, ...]) -> None:
+    """LAZY's reasons hold: importing the launch (the config check: a bad override fails
+    before anything loads), the scheduler, the bench's client or the tiny-model generator
+    loads none of what its lazy imports keep out."""
+    probe = (f"import sys, {module}\n"
+             f"print(sorted(m for m in {unloaded!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,6 +1,7 @@
 """LoRA and DoRA adapters in mlx-lm's format (adapter_config.json + adapters.safetensors, as
 `mlx_lm.lora` writes them), read only from model.adapter_dir and mounted into the model at
-load through mlx-lm's own LoRA layers. `check_id` runs anywhere; `mount` on the engine thread."""
+load through mlx-lm's own LoRA layers (ids.py: what an id may be). `mount` runs on the engine
+thread."""
 from __future__ import annotations
 
 import copy
@@ -11,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeserve.adapters.ids import NONE, STACK, check_id
 from pipeserve.errors import ConfigError, InvalidRequest, NotFound
 
 FILES = ("adapter_config.json", "adapters.safetensors")
-STACK = "+"   # Request.adapter of a stack: its ids joined, in the request's order
 LEAVES = ("lora_a", "lora_b", "m")          # the parameters a LoRA / DoRA layer adds
 TYPES = ("lora", "dora")
-MAX_ID_BYTES = 255   # NAME_MAX of Linux and macOS file systems: one path component
 _LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.")
 
 
@@ -44,22 +44,6 @@ class Adapter:
                 "rank": self.rank, "scale": self.scale, "num_layers": self.num_layers,
                 "target_modules": list(self.target_modules), "bytes": self.nbytes,
                 "digest": self.digest}
-
-
-def check_id(adapter_id: str) -> None:
-    """An id names one subdirectory of model.adapter_dir, nothing else ('+' joins the ids of
-    a stack, so no id holds one), and fits in one file name (MAX_ID_BYTES)."""
-    size = len(adapter_id.encode("utf-8", "surrogatepass"))
-    if size > MAX_ID_BYTES:
-        raise ConfigError(
-            f"model.adapter '{adapter_id[:40]}…' is {size} bytes long; an adapter id is the "
-            f"name of one subdirectory of model.adapter_dir, at most {MAX_ID_BYTES} bytes "
-            "(a file name's limit)")
-    if (not adapter_id or adapter_id in (".", "..") or ".." in adapter_id
-            or any(c in adapter_id for c in "/\\\0" + STACK)):
-        raise ConfigError(
-            f"model.adapter '{adapter_id}' is not an adapter id: an id is the name of one "
-            "subdirectory of model.adapter_dir, without '/', '\\', '+' or '..'")
 
 
 def resolve(adapter_dir: str, adapter_id: str) -> Path:
@@ -177,7 +161,6 @@ def _check_tensors(adapter_id: str, weights: dict[str, Any], slots: dict[str, An
 
 
 # -- several adapters in one batch (model.adapters) ----------------------------------------
-NONE = "none"   # the request field's value for the base model, no adapter
 MAX_STACK = 8   # adapters one request may stack
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+from pipeserve.adapters.ids import NONE as NONE_ADAPTER, check_id
 from pipeserve.errors import ConfigError, check_positive as _positive
 
 
@@ -153,8 +154,6 @@ class ModelConfig:
                                   + list(self.adapters)))
 
     def __post_init__(self) -> None:
-        from pipeserve.adapters.lora import NONE as NONE_ADAPTER, check_id
-
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
