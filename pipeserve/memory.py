@@ -67,15 +67,22 @@ def device_memory_bytes() -> int:
 
 def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
           layout: Any = None) -> MemoryModel:
-    """Run one token through a fresh dense cache and read each layer's bytes per token; the
-    full-attention layers are then billed at the served layout's true bytes per token."""
+    """The memory model of a loaded model (see `estimate`)."""
+    return estimate(loaded.model, loaded.config, loaded.weight_bytes, loaded.max_context,
+                    prefill_chunk, budget_gb, layout)
+
+
+def estimate(model: Any, config: dict[str, Any], weight_bytes: int, max_context: int,
+             prefill_chunk: int, budget_gb: float | None, layout: Any = None) -> MemoryModel:
+    """Build one token's forward through a fresh dense cache and read each layer's bytes per
+    token from the cache's shapes; the full-attention layers are then billed at the served
+    layout's true bytes per token. Nothing is evaluated, so a lazily built model (weights not
+    yet read: `pipeserve fit`) gives the same figures as the loaded one."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    model = loaded.model
     cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-    mx.eval([c.state for c in cache])
     per_token = windowed = state = 0
     window: int | None = None
     for i, c in enumerate(cache):
@@ -89,17 +96,17 @@ def probe(loaded: Any, prefill_chunk: int, budget_gb: float | None,
                 window = c.max_size if window is None else max(window, c.max_size)
         else:
             state += c.nbytes
-    cfg = loaded.config.get("text_config", loaded.config)
+    cfg = config.get("text_config", config)
     hidden = int(cfg.get("hidden_size", 0) or 0)
     inter = int(cfg.get("intermediate_size", 0) or 4 * hidden)
     vocab = int(cfg.get("vocab_size", 0) or 0)
     act = 4  # bytes; activations may be float32 on the CPU path
     temp = prefill_chunk * (vocab * 4 + (6 * hidden + 3 * inter) * act)
     device = int(budget_gb * 1e9) if budget_gb else int(device_memory_bytes() * DEVICE_FRACTION)
-    return MemoryModel(weight_bytes=loaded.weight_bytes, kv_bytes_per_token=per_token,
+    return MemoryModel(weight_bytes=weight_bytes, kv_bytes_per_token=per_token,
                        window_tokens=window, windowed_bytes_per_token=windowed,
                        state_bytes_per_row=state, prefill_temp_bytes=temp,
-                       device_bytes=device, max_context=loaded.max_context,
+                       device_bytes=device, max_context=max_context,
                        enforced=budget_gb is not None,
                        kv_granularity=getattr(getattr(layout, "cfg", None), "block_size", 1))
 

@@ -49,6 +49,12 @@ class Metrics:
             f"{PREFIX}_ignored_fields", "Request fields the endpoint does not implement, accepted "
             "and ignored (server.strict_fields=false), by endpoint and field (unlisted names: "
             "other)", ["endpoint", "field"], registry=r)
+        self.volatile_spans = Counter(
+            f"{PREFIX}_volatile_spans", "Requests whose prompt had a volatile span removed "
+            "before tokenize (server.volatile_spans), by span name", ["span"], registry=r)
+        self.incomplete_calls = Counter(
+            f"{PREFIX}_incomplete_tool_calls", "Tool calls cut by max_tokens and dropped from "
+            "the output (the response says incomplete_tool_call)", registry=r)
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests admitted and waiting for the engine", registry=r)
         self.active_rows = Gauge(
@@ -250,6 +256,15 @@ class Metrics:
             f"{PREFIX}_speculation_tokens_per_verify",
             "Tokens one row emits per verify forward (accepted drafts + the target's own)",
             proposer, buckets=(1, 2, 3, 4, 5, 6, 8, 11, 16, 24, 33, 65), registry=r)
+        self.spec_draft_length = Histogram(
+            f"{PREFIX}_speculation_draft_length_tokens",
+            "Draft length chosen for one decoding row in one step (0: the row paused drafting "
+            "after its drafts kept failing; draft.adaptive)",
+            proposer, buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.fast_forward_tokens = Counter(
+            f"{PREFIX}_fast_forward_tokens",
+            "Output tokens a grammar forced that rows appended without sampling one step each "
+            "(draft.fast_forward)", registry=r)
 
     def _add_kv(self, r: CollectorRegistry) -> None:
         """KV layouts (SPEC §7)."""
@@ -308,7 +323,7 @@ class Metrics:
         for outcome in ("done", "cancelled", "failed"):
             self.warmups.labels(outcome)
         for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies,
-                       self.spec_emitted):
+                       self.spec_emitted, self.spec_draft_length):
             for name in registry.labels("draft"):
                 family.labels(name)
         for state in ("used", "free", "shared"):

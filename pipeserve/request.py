@@ -112,6 +112,8 @@ class Request:
     # set by tokenize: what the request asked for that the server could not honour and ignored
     # (the response's x-pipeserve-warning header says so)
     warnings: list[str] = field(default_factory=list)
+    # set by the front: the volatile spans removed from the prompt (server.volatile_spans)
+    volatile: list[str] = field(default_factory=list)
     priority: int = 5   # set by admission: 0 (most urgent) .. 9; the scheduler's queue order
     priority_class: str = "default"   # set by admission: the label of `priority` in metrics
     # engine state
@@ -128,7 +130,8 @@ class Request:
     last_token_s: float = 0.0
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)
     spec_accepted: int = 0            # of those, accepted by the target
-    spec_rate: float = 1.0            # recent share of drafts accepted (sizes the next draft)
+    num_forwarded: int = 0            # output tokens its grammar forced, appended a step at a
+                                      # time (draft.fast_forward; usage.speculation.forwarded)
     queue_wait_s: float | None = None   # arrival until the scheduler gave it a row
     cache_miss: dict[str, Any] | None = None   # set by cache_lookup: why prompt tokens were
                                                # recomputed (pipeserve/prompt_cache/explain.py)

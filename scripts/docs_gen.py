@@ -18,7 +18,6 @@ import enum
 import inspect
 import json
 import re
-import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -254,7 +253,6 @@ def metrics_table() -> str:
 BENCH_COLUMNS = ["target", "workload", "streams", "requests", "output_tokens", "agg_tok_s",
                  "stream_tok_s_p50", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "itl_p95_ms",
                  "peak_rss_mb", "overrides"]
-MEASURED = ["pipeserve/", "pipeserve/stages/", "serve.py", "bench.py", "pipeserve/conf/"]   # what a result measures
 
 
 def _read_results(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:
@@ -278,33 +276,6 @@ def _read_results(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:
     return meta, rows
 
 
-def _stale(commit: str) -> str | None:
-    """The newest commit after `commit` that touched what benchmarks measure, if any (a change
-    not yet committed counts too)."""
-    try:
-        done = subprocess.run(["git", "log", "-1", "--format=%h %cs", f"{commit}..HEAD", "--",
-                               *MEASURED], cwd=ROOT, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:   # not a git checkout, or the commit is unknown here
-        return None
-    if done.stdout.strip():
-        return done.stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED], cwd=ROOT,
-                           capture_output=True, text=True, timeout=30)
-    return "uncommitted changes" if dirty.stdout.strip() else None
-
-
-def stale_note(commit: str) -> str:
-    """The warning a result file gets when the code it measures changed after it ('' if not)."""
-    newer = _stale(commit)
-    if not newer:
-        return ""
-    return ('!!! warning "Older than the code it measures"\n'
-            f"    The serving code changed after `{commit}` (latest change: {newer}); re-run the "
-            "command above to refresh these figures.\n")
-
-
 def bench_tables() -> str:
     out = []
     for path in sorted((DOCS / "bench").glob("*.csv")) + sorted((DOCS / "bench").glob("*.jsonl")):
@@ -317,9 +288,6 @@ def bench_tables() -> str:
         if meta.get("note"):
             out += [meta["note"], ""]
         out += ["```sh", meta["command"], "```", ""]
-        # the site build (scripts/docs_hooks.py) turns this into a warning when the serving
-        # code changed after the commit; the page's text stays the same from commit to commit
-        out += [f"<!-- measured-at: {meta['commit']} -->", ""]
         if meta.get("plot"):   # the plot bench.py drew for this run, committed beside it
             out += [f"![{meta.get('title', path.stem)}](bench/{meta['plot']})", ""]
         out += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]

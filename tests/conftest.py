@@ -85,7 +85,7 @@ class EngineHarness:
                     logprobs.extend(event.logprobs or [])
                 elif isinstance(event, Finished):
                     return {"ids": ids, "finish": event.reason.value, "logprobs": logprobs,
-                            "cached": event.num_cached_tokens}
+                            "cached": event.num_cached_tokens, "extras": event.extras}
                 else:
                     assert isinstance(event, Failed)
                     raise event.error

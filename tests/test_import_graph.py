@@ -1,7 +1,8 @@
 """The import graph of pipeserve/: the engine core (pipeserve/core/) and the stages never reach
 the HTTP side (pipeserve/http/, and the model pool that serves several engines behind it); the
-HTTP side reaches the core only through the engine's face (engine, its commands and events, the
-request streams, its limits, prompt scoring); every `pipeserve.*` import names a
+HTTP side reaches the core only through the engine's face (EngineClient, its commands and
+events, the request streams, its published limits, prompt scoring) and reads nothing of an
+engine but that face; every `pipeserve.*` import names a
 module of this tree; and no two modules import each other, directly or through others, at any
 depth. Every import is an edge: a function-level one and a type-only one (`if TYPE_CHECKING:`)
 count like a module-level one. A function-level import of a module of the tree is allowed only
@@ -17,8 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HTTP_SIDE = ("pipeserve.http", "pipeserve.pool")
-CORE_FACE = {"pipeserve.core.engine", "pipeserve.core.events", "pipeserve.core.stream",
-             "pipeserve.core.limits", "pipeserve.core.scoring"}
+CORE_FACE = {"pipeserve.core.client", "pipeserve.core.engine", "pipeserve.core.events",
+             "pipeserve.core.stream", "pipeserve.core.limits", "pipeserve.core.scoring"}
 # the entry points: they build the app, so they sit above the HTTP side
 ENTRIES = ("pipeserve.launch.serve", "pipeserve.bench")
 # (importer, imported) → why the import stays inside a function. Each keeps mlx (and, for the
@@ -28,6 +29,8 @@ LAZY = {
         "the config is checked before anything loads: the app loads mlx and sanic",
     ("pipeserve.launch.serve", "pipeserve.model.loader"):
         "the config is checked before anything loads: the loader's LoRA layers load mlx",
+    ("pipeserve.launch.serve", "pipeserve.launch.fit"):
+        "`pipeserve fit` reads a checkpoint's headers through the loader (mlx): only when asked",
     ("pipeserve.launch.serve", "pipeserve.distributed.follower"):
         "the config is checked before anything loads: a follower imports the engine",
     ("pipeserve.memory", "pipeserve.kv.attention"):
@@ -248,3 +251,71 @@ def test_the_checks_see_function_level_and_type_only_cycles_and_stray_edges(
                              ["pipeserve.http.d", "pipeserve.http.e"]]
     assert "pipeserve.http.c" in edges["pipeserve.core.b"]
     assert lazy_imports(tmp_path) == {("pipeserve.core.a", "pipeserve.core.b")}
+
+
+# What an engine keeps to itself: the HTTP side reads its published EngineLimits and EngineLoad
+# (pipeserve/core/client.py) instead.
+ENGINE_INTERNALS = {"scheduler", "memory", "kv_pool_bytes", "loaded"}
+# the HTTP side: the server, the pool, and the request stages that run on the event loop
+FACE_READERS = ("pipeserve/http", "pipeserve/pool", "pipeserve/eventloop",
+                "pipeserve/stages/tokenize.py", "pipeserve/stages/admission.py",
+                "pipeserve/stages/detokenize.py")
+
+
+def _names_an_engine(node: ast.expr) -> bool:
+    """`engine`, `ctx.engine`, `self._engine`, `m.engine`: an expression ending in an engine."""
+    last = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return "engine" in last.lower()
+
+
+def internal_reads(path: Path, rel: str) -> list[str]:
+    """`<an engine>.scheduler` (and the other internals) anywhere in the file, and
+    `self.<internal>` inside a class named *Engine (a client that keeps them is one the HTTP
+    side could read them of). A method call (`pool.loaded(m)`) is no read."""
+    tree = ast.parse(path.read_text(), str(path))
+    calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+                and id(node) not in calls and _names_an_engine(node.value)):
+            found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if cls.name.endswith("Engine"):
+            found += [f"{rel}:{n.lineno}: {cls.name} keeps {ast.unparse(n)}"
+                      for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+                      and n.attr in ENGINE_INTERNALS and isinstance(n.value, ast.Name)
+                      and n.value.id == "self"]
+    return found
+
+
+def face_readers(root: Path) -> list[tuple[Path, str]]:
+    files = []
+    for where in FACE_READERS:
+        path = root / where
+        files += [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+    return [(f, str(f.relative_to(root))) for f in files if f.exists()]
+
+
+def test_the_http_side_reads_nothing_of_an_engine_but_its_client() -> None:
+    bad = [hit for path, rel in face_readers(ROOT) for hit in internal_reads(path, rel)]
+    assert bad == []
+
+
+def test_the_face_check_sees_internal_reads(tmp_path: Path) -> None:
+    """The check fails on each kind of read it exists for, and passes the published values."""
+    (tmp_path / "pipeserve/http").mkdir(parents=True)
+    (tmp_path / "pipeserve/http/a.py").write_text(
+        "def f(ctx, engine, limits, pool, m):\n"
+        "    ctx.engine.scheduler.max_batch\n"
+        "    engine.memory\n"
+        "    m.engine.kv_pool_bytes\n"
+        "    ctx.engine.loaded.adapters\n"
+        "    engine.limits.memory, limits.model, engine.load().num_queued\n"
+        "    pool.loaded(m)\n"
+        "class ChildEngine:\n"
+        "    def __init__(self):\n"
+        "        self.loaded = None\n")
+    hits = [h for p, rel in face_readers(tmp_path) for h in internal_reads(p, rel)]
+    assert sorted(h.split(": ", 1)[1] for h in hits) == sorted([
+        "ctx.engine.scheduler", "engine.memory", "m.engine.kv_pool_bytes", "ctx.engine.loaded",
+        "ChildEngine keeps self.loaded"])

@@ -4,6 +4,7 @@ load through mlx-lm's own LoRA layers (ids.py: what an id may be). `mount` runs 
 thread."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -196,6 +197,15 @@ class AdapterSet:
         self.adapters = {a.id: a for a in order if a.id not in self.retired}
         self.reset()
 
+    def snapshot(self) -> AdapterSet:
+        """A copy for the HTTP side (EngineLimits.adapters): the mounted ids, the default and
+        the retired as of now; the engine thread goes on changing this set, never the copy."""
+        snap = copy.copy(self)
+        snap.adapters, snap.slots, snap.retired = (dict(self.adapters), dict(self.slots),
+                                                   dict(self.retired))
+        snap.indices = snap.row_scales = None
+        return snap
+
     @property
     def ids(self) -> list[str]:
         return list(self.adapters)
@@ -219,8 +229,12 @@ class AdapterSet:
         ids = self.members(choice)
         if not ids:
             return None
-        return STACK.join((self.adapters[i] if i in self.adapters else self.retired[i][0]).identity
-                          for i in ids)
+        adapters, retired = self.adapters, dict(self.retired)   # the engine may swap meanwhile
+
+        def one(i: str) -> str:
+            found = adapters.get(i) or (retired[i][0] if i in retired else None)
+            return found.identity if found is not None else i   # unmounted and its slot gone
+        return STACK.join(one(i) for i in ids)
 
     def canonical(self, choice: str | list[str] | None, param: str) -> str | None:
         """A request's choice as Request.adapter holds it: None when it is the launch default

@@ -71,7 +71,7 @@ class AdapterConflict(ServeError):
 def request(engine: Engine, cmd: AdapterSwap) -> AdapterSwap:
     """Any thread (a handler's executor): hand `cmd` to the engine inbox and wait for its
     reply (the engine runs it between steps, STYLE §5)."""
-    if not engine.wait_ready(0) or engine.loaded is None:   # (ready: returns at once)
+    if not engine.wait_ready(0) or engine.limits is None:   # (ready: returns at once)
         raise EngineUnavailable(f"engine is {engine.state.value}; retry when /health answers 200")
     engine.command(cmd)
     if not cmd.done.wait(WAIT_S):
@@ -97,6 +97,7 @@ def run(engine: Engine, cmd: AdapterSwap) -> None:
         cmd.error = ServeError(f"adapter {cmd.adapter_id!r}: internal error "
                                f"({type(e).__name__}); the server log has the details")
     finally:
+        engine.publish()   # handlers read the new set from the limits before the reply
         cmd.done.set()
 
 

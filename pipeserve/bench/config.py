@@ -14,7 +14,9 @@ class BenchConfig:
     #                                 repetitive (one short sentence repeated: n-gram lookup hits) |
     #                                 steps (no server: one forward per step shape, timed) |
     #                                 vision (chat requests, an image per stream; model=tiny_vlm
-    #                                 or a VLM's model.path; bench.mlx_lm=true: mlx-vlm's generate)
+    #                                 or a VLM's model.path; bench.mlx_lm=true: mlx-vlm's generate) |
+    #                                 ttft (cold long prompts in a row, bursts with and without
+    #                                 logit_bias, a first burst after launch; pipeserve/bench/ttft.py)
     streams: int = 1                # concurrent client streams
     requests_per_stream: int = 1    # requests each stream sends back to back
     prompt_words: int = 48          # words per prompt (≈ 64 tokens); concurrent mixes 0.5×–2×
@@ -31,6 +33,12 @@ class BenchConfig:
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
     prompt_file: str | None = None  # use this file's text as every prompt (overrides workload text)
+    # workload=ttft: cold prompt lengths, sent in order (bench.ttft_cold=[16384,4096])
+    ttft_cold: list[int] = field(default_factory=lambda: [16384, 16384, 16384, 16384, 4096])
+    ttft_prefix: int = 16           # workload=ttft: tokens every cold prompt shares (a template's)
+    ttft_bursts: list[int] = field(default_factory=lambda: [32, 128])   # workload=ttft:
+    #                                 simultaneous 76-token arrivals
+    ttft_first_burst: int = 0       # workload=ttft: arrivals right after launch (0: none)
     step_context: int = 1024        # workload=steps: tokens already in the cache
     step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
     adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted

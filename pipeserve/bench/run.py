@@ -42,6 +42,7 @@ from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive
 from pipeserve.config import load_config, register_configs
 from pipeserve.bench import plots as bench_plots, vision as bench_vision
+from pipeserve.bench import ttft
 
 
 def run_bench(raw: DictConfig) -> list[Row]:
@@ -61,6 +62,12 @@ def run_bench(raw: DictConfig) -> list[Row]:
         return _step_probe(b, cfg, model_dir, out)
     if b.workload == "vision":   # image requests, beside mlx-vlm's generate (pipeserve/bench/vision.py)
         rows = bench_vision.run(b, cfg.model.name, overrides, model_dir, out, eos)
+        _write(out, rows)
+        return rows
+    if b.workload == "ttft":
+        vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size", 500)
+        rows = ttft.run(b, cfg.model.name, vocab, cfg.scheduler.prefill_chunk, overrides,
+                        model_dir, out, eos_bias)
         _write(out, rows)
         return rows
     if b.workload == "cache_ttft":

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from enum import Enum
 from typing import Any
 
 from pipeserve.adapters import swap as adapter_swap
 from pipeserve.config import ServeConfig, build
 from pipeserve.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
+from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core.inbox import Inbox
+from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
 from pipeserve.model.loader import LoadedModel
 from pipeserve.memory import MemoryModel
@@ -27,16 +28,15 @@ from pipeserve.core.stream import RequestStream
 log = logging.getLogger(__name__)
 
 
-class EngineState(Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DEAD = "dead"
-    STOPPED = "stopped"
+__all__ = ["Engine", "EngineState"]
 
 
 class Engine:
+    """An EngineClient (core/client.py) whose engine thread runs in this process."""
+
     def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
         self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
+        self.limits: EngineLimits | None = None   # published at load, again after a swap
         self.loaded: LoadedModel | None = None
         self.memory: MemoryModel | None = None
         self.kv_pool_bytes: int | None = None   # kv=paged: what the block pool holds
@@ -65,14 +65,12 @@ class Engine:
         return self._inbox.num_waiting
 
     @property
-    def num_queued(self) -> int:
-        """Waiting requests beyond the free batch slots: those that will really queue."""
-        free = self.scheduler.max_batch - len(self.scheduler.running)
-        return max(0, self.num_waiting - max(0, free))
-
-    @property
     def num_inflight(self) -> int:
         return self._inbox.num_submitted - self._out.num_done
+
+    def load(self) -> EngineLoad:
+        return EngineLoad.of(self.num_waiting, len(self.scheduler.running), self.num_inflight,
+                             self.scheduler.max_batch)
 
     def submit(self, request: Request, stream: RequestStream) -> None:
         if self.state is not EngineState.READY:
@@ -133,6 +131,15 @@ class Engine:
         p = load_parts(self.cfg, self.metrics, self.scheduler)
         self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
+        self.publish()
+
+    def publish(self) -> None:
+        """Engine thread: the limits the HTTP side reads, replaced whole (at load, and after
+        an adapter swap changed the mounted set)."""
+        assert self.loaded is not None
+        self.limits = EngineLimits.of(self.cfg, self.loaded, max_rows=self.scheduler.max_batch,
+                                      memory=self.memory, kv_pool_bytes=self.kv_pool_bytes,
+                                      device=self.device)
 
     def _loop(self) -> None:
         sched = self.scheduler
@@ -222,6 +229,7 @@ class Engine:
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))
         self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+        self.metrics.active_rows.set(len(self.scheduler.running))   # aborts leave it too
 
     def _fail_plan(self, plan: StepPlan, cause: Exception) -> None:
         """The step itself failed (the forward, or work shared by its rows): none of its rows,

@@ -22,6 +22,7 @@ class PlannedRow:
     num_tokens: int
     drafts: tuple[int, ...] = ()
     max_drafts: int = 0   # drafts the budget leaves room for (draft≠none, decode rows only)
+    num_forced: int = 0   # of `drafts`, the leading ones its grammar forces (fast-forward)
 
     @property
     def request_id(self) -> str:
@@ -95,7 +96,9 @@ class StepPlan:
         got = drafts.tokens
         if not got:
             return self
-        rows = tuple(replace(r, drafts=tuple(got[r.request_id]))
+        forced = drafts.forced
+        rows = tuple(replace(r, drafts=tuple(got[r.request_id]),
+                             num_forced=forced.get(r.request_id, 0))
                      if got.get(r.request_id) else r for r in self.rows)
         return replace(self, rows=rows)
 
@@ -142,8 +145,9 @@ class RowOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
-    num_drafts: int = 0
-    num_accepted: int = 0
+    num_drafts: int = 0     # drafts a proposer offered (not counting forced ones)
+    num_accepted: int = 0   # drafts kept, forced ones included
+    num_forced: int = 0     # of those kept, the ones its grammar forced (fast-forward)
 
 
 @dataclass(slots=True)
@@ -162,6 +166,7 @@ class Drafts:
 
     tokens: Mapping[str, Sequence[int]] = field(default_factory=dict)
     sync: bool = False
+    forced: Mapping[str, int] = field(default_factory=dict)   # leading drafts a grammar forces
 
 
 NO_DRAFTS = Drafts()

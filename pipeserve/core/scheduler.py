@@ -49,7 +49,9 @@ class Scheduler:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.limits = Limits.fit(cfg, on_gpu=False)
-        self.num_drafts = cfg.draft.num_draft_tokens if cfg.draft.enabled else 0
+        self.num_drafts = cfg.draft.num_draft_tokens if cfg.draft.proposes else 0
+        # a grammar row may also append the tokens its grammar forces (draft.fast_forward)
+        self.num_forced = cfg.draft.fast_forward if cfg.draft.enabled else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.memory: MemoryModel | None = None
@@ -149,7 +151,9 @@ class Scheduler:
             outputs = len(req.output_ids) + self._outputs_ahead.get(req.request_id, 0)
             if outputs >= req.sampling.max_tokens:
                 continue
-            room = min(self.num_drafts, req.sampling.max_tokens - outputs - 1)
+            room = self.num_drafts if req.grammar is None else max(self.num_drafts,
+                                                                   self.num_forced)
+            room = min(room, req.sampling.max_tokens - outputs - 1)
             rows.append(PlannedRow(req, pos, 1, max_drafts=max(0, room)))
         budget -= len(rows)
         rows = self._draft_room(rows, budget)
@@ -157,7 +161,10 @@ class Scheduler:
         if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
             prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
-            n = min(lim.prefill_chunk, budget, req.num_prompt_tokens - 1 - pos)
+            # chunks end on multiples of prefill_chunk (after a cache hit too): the attention
+            # shapes of a prompt's chunks recur across prompts, so a GPU builds each kernel once
+            n = min(lim.prefill_chunk - pos % lim.prefill_chunk, budget,
+                    req.num_prompt_tokens - 1 - pos)
             for at in req.checkpoints_at:   # a chunk ends where persist keeps the state
                 if at > pos:
                     n = min(n, at - pos)
@@ -247,10 +254,10 @@ class Scheduler:
             if out is None:
                 continue
             req.num_computed_tokens += 1 + out.num_accepted
+            req.num_forwarded += out.num_forced
             if out.num_drafts:
                 req.spec_proposed += out.num_drafts
-                req.spec_accepted += out.num_accepted
-                req.spec_rate = 0.7 * req.spec_rate + 0.3 * (out.num_accepted / out.num_drafts)
+                req.spec_accepted += out.num_accepted - out.num_forced
             yield from self._emit(req, out)
 
     def _settle_ahead(self, rid: str, row: PlannedRow) -> None:
@@ -301,7 +308,7 @@ class Scheduler:
         """Room for drafts counts against the budget: none past draft.disable_by_batch_size
         decoding rows; shared evenly when the budget cannot hold every row's full draft."""
         off = self.cfg.draft.disable_by_batch_size
-        if not rows or not self.num_drafts:
+        if not rows or not (self.num_drafts or self.num_forced):
             return rows
         if off is not None and len(rows) > off:
             each = 0
@@ -315,8 +322,9 @@ class Scheduler:
 def finished_event(req: Request) -> Finished:
     assert req.finish_reason is not None
     extras: dict[str, object] = {"batch_size_max": req.batch_size_max}
-    if req.spec_proposed:
-        extras["speculation"] = {"proposed": req.spec_proposed, "accepted": req.spec_accepted}
+    if req.spec_proposed or req.num_forwarded:
+        extras["speculation"] = {"proposed": req.spec_proposed, "accepted": req.spec_accepted,
+                                 "forwarded": req.num_forwarded}
     if req.cache_miss is not None:
         extras["cache_miss"] = req.cache_miss
     if req.queue_wait_s is not None:

@@ -99,11 +99,11 @@ class Step:
         logits = self._timed("prefill", lambda: self.prefill(plan, kv))
         for rid, cause in logits.failed.items():   # a row whose own prompt chunk raised
             failed.setdefault(rid, cause)
-        self._timed("persist", lambda: self.persist.prompts(plan, kv))
         self._count(plan)
         by_id = {r.request_id: r.request for r in plan.rows}
         rows = [by_id[rid] for rid in logits.order]
         if plan.has_drafts:
+            self._timed("persist", lambda: self.persist.prompts(plan, kv))
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
             kv.set_next(logits.order, mx.array([output.rows[rid].token_ids[-1]
                                                 for rid in logits.order], dtype=mx.uint32))
@@ -116,6 +116,9 @@ class Step:
             launched.queued = sampled.arrays()
             if not self.dispatch_late:
                 self.dispatch(launched)
+        # the finished prompts' cache copies queue behind the step's own work: the first
+        # tokens never wait for them (sampling reads the caches, never writes them)
+        self._timed("persist", lambda: self.persist.prompts(plan, kv))
         return launched
 
     @staticmethod

@@ -72,9 +72,12 @@ def check_combination(cfg: Any) -> None:
                           "of a prefix's KV, and the SSD tier (and its checkpoints) keep one "
                           "process's entries; use cache=ram (every rank keeps its shard) or "
                           "cache=off")
-    if cfg.draft.name != "none":
-        raise ConfigError(f"draft={cfg.draft.name} with {why} is not supported yet: proposers "
-                          "and verify's rollback run on one process's state; use draft=none")
+    if cfg.draft.enabled:
+        what = (f"draft={cfg.draft.name}" if cfg.draft.proposes
+                else f"draft.fast_forward={cfg.draft.fast_forward}")
+        raise ConfigError(f"{what} with {why} is not supported yet: proposers "
+                          "and verify's rollback run on one process's state; use draft=none "
+                          "with draft.fast_forward=0")
     m = cfg.model
     if m.adapter_dir is not None or m.adapter is not None or m.adapters:
         raise ConfigError(f"LoRA adapters (model.adapter_dir / model.adapter / model.adapters) "

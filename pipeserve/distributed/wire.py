@@ -8,18 +8,19 @@ arrays are numpy; pipeserve/distributed/group.py moves them. Engine thread."""
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
 from pipeserve.core.events import Abort, Command, Submit
-from pipeserve.grammar.constraint import Constraint, ConstraintKind
 from pipeserve.core.plan import StepPlan
-from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams
+from pipeserve.core.submission import EngineRequest
+from pipeserve.request import FinishReason, Request
 
 MAGIC = 0x50535631      # "PSV1": a header that does not start with it is not ours
 HEADER_INTS = 4         # magic, kind, payload bytes, sequence number
@@ -154,34 +155,15 @@ def plan_hits(plan: StepPlan | None) -> list[tuple[str, int]]:
     return [] if plan is None else [(rid, hit.num_tokens) for rid, hit in plan.hits]
 
 
-_SAMPLING = [f.name for f in fields(SamplingParams)]
-
-
 def encode_request(req: Request) -> dict[str, Any]:
-    """What another rank needs to run a request's rows exactly as rank 0 does: its token ids,
-    resolved sampling (a seed is always set by then), stop ids, constraint, adapter."""
-    sp = {name: getattr(req.sampling, name) for name in _SAMPLING}
-    sp["logit_bias"] = [[int(k), float(v)] for k, v in req.sampling.logit_bias.items()]
-    c = req.constraint
-    return {"id": req.request_id, "endpoint": req.endpoint, "prompt": list(req.prompt_ids),
-            "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
-            "constraint": None if c is None else [c.kind.value, c.source, c.param],
-            "prefix": req.output_prefix, "adapter": req.adapter,
-            # every rank's scheduler orders and chunks alike: queue priority, checkpoint positions
-            "priority": req.priority, "checkpoints": list(req.checkpoints_at)}
+    """What another rank needs to run a request's rows exactly as rank 0 does: EngineRequest's
+    one encoding (pipeserve/core/submission.py), as the pool's pipe sends it."""
+    return EngineRequest.of(req).encode()
 
 
 def decode_request(raw: dict[str, Any]) -> Request:
-    sp = dict(raw["sampling"])
-    sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"]}
-    c = raw["constraint"]
-    return Request(request_id=raw["id"], endpoint=raw["endpoint"],
-                   inputs=PromptInput(token_ids=list(raw["prompt"])),
-                   prompt_ids=list(raw["prompt"]), sampling=SamplingParams(**sp),
-                   stop_token_ids=frozenset(raw["stop_ids"]),
-                   constraint=None if c is None else Constraint(ConstraintKind(c[0]), c[1], c[2]),
-                   output_prefix=raw["prefix"], adapter=raw["adapter"],
-                   priority=raw["priority"], checkpoints_at=tuple(raw["checkpoints"]))
+    """Arrival by this rank's clock: another host's monotonic clock means nothing here."""
+    return EngineRequest.decode(raw).to_request(arrival_s=time.perf_counter())
 
 
 def state_digest(requests: Sequence[Request]) -> int:

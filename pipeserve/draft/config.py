@@ -19,9 +19,14 @@ class DraftConfig:
 
     _target_: str = MISSING
     num_draft_tokens: int = 3   # tokens proposed per step for the target to verify
-    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id)
+    path: Optional[str] = None   # draft=model: the draft model (dir or local HF id);
+                                 # draft=eagle3 / dflash: the head's checkpoint directory
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
+    adaptive: bool = True   # each row's draft length follows its recent acceptance (at most
+                            # num_draft_tokens); rows whose drafts keep failing pause drafting
+    fast_forward: int = 16   # tokens a grammar forces that a row appends in one step, verified
+                             # like drafts (0: off)
 
     @property
     def name(self) -> str:
@@ -30,7 +35,12 @@ class DraftConfig:
 
     @property
     def enabled(self) -> bool:
-        """Rows draft and verify (every option but draft=none)."""
+        """Rows draft and verify (every option but draft=none; that one with fast_forward)."""
+        return True
+
+    @property
+    def proposes(self) -> bool:
+        """A proposer offers drafts (every option but draft=none)."""
         return True
 
     @property
@@ -44,19 +54,28 @@ class DraftConfig:
             raise ConfigError(
                 f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
         _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
-        if self.path is not None and self.name != "model":
+        if not 0 <= self.fast_forward <= 256:
+            raise ConfigError(f"draft.fast_forward must be in [0, 256] (0: off), got "
+                              f"{self.fast_forward}")
+        if self.path is not None and self.name not in ("model", "eagle3", "dflash"):
             raise ConfigError(
-                f"draft.path={self.path!r} is only used by draft=model; draft={self.name} "
-                "does not load a draft model")
+                f"draft.path={self.path!r} is only used by draft=model, eagle3 and dflash; "
+                f"draft={self.name} does not load a draft model")
 
 
 @register("draft", "none", labelled=False)
 @dataclass
 class NoDraftConfig(DraftConfig):
     _target_: str = "pipeserve.draft.proposers.NoDraft"
+    fast_forward: int = 0   # draft=none draft.fast_forward=16: grammar rows fast-forward,
+                            # nothing else drafts (needs KV that can be rolled back)
 
     @property
     def enabled(self) -> bool:
+        return self.fast_forward > 0
+
+    @property
+    def proposes(self) -> bool:
         return False
 
 
@@ -90,3 +109,30 @@ class MtpDraftConfig(DraftConfig):
     @property
     def keep_hidden(self) -> bool:
         return True   # the MTP head drafts from the trunk's hidden states
+
+
+@register("draft", "eagle3")
+@dataclass
+class Eagle3DraftConfig(DraftConfig):
+    """An EAGLE-3 head reading three of the target's layers (draft.path: its checkpoint
+    directory; unset on a generated model: a generated head)."""
+
+    _target_: str = "pipeserve.draft.proposers.Eagle3Proposer"
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the head drafts from the target's tapped hidden states
+
+
+@register("draft", "dflash")
+@dataclass
+class DFlashDraftConfig(DraftConfig):
+    """A DFlash block-diffusion drafter fed the target's hidden states (draft.path: its
+    checkpoint directory; unset on a generated model: a generated one)."""
+
+    _target_: str = "pipeserve.draft.dflash.DFlashProposer"
+    num_draft_tokens: int = 7   # at most the checkpoint's block_size - 1 are drafted
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # the drafter's context is the target's tapped hidden states

@@ -38,6 +38,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextDecoderLayer
 
+from pipeserve.draft.taps import taps_of
+
 PREFIX = "mtp."
 MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
@@ -104,6 +106,10 @@ class MtpHead:
         """A fresh per-row cache: one mlx-lm KVCache per MTP layer."""
         return [KVCache() for _ in self.block.layers]
 
+    def pick(self, logits: mx.array) -> mx.array:
+        """Greedy draft ids from (B, V) logits."""
+        return mx.argmax(logits, axis=-1)
+
     def __call__(self, hidden: mx.array, next_ids: mx.array, cache: list[Any],
                  step: int = 0) -> tuple[mx.array, mx.array]:
         """hidden (B, L, H): target post-norm hidden states (or the previous step's hidden_out)
@@ -126,9 +132,19 @@ def target_forward(model: Any, inputs: mx.array, cache: list[Any] | None = None,
                    ) -> tuple[mx.array, mx.array]:
     """(logits, hidden) of an mlx-lm qwen3_next or qwen3_5 Model without changing mlx-lm: hidden is
     `model.model(...)`, the trunk output after the final norm (what the MTP head consumes);
-    logits are bit-identical to `model(inputs, cache=cache)`."""
-    hidden = model.model(inputs, cache)
-    return output_head(model)(hidden), hidden
+    logits are bit-identical to `model(inputs, cache=cache)`. A model with taps (draft=eagle3)
+    gives the taps' fused hidden states instead."""
+    taps = taps_of(model)
+    if taps is None:
+        hidden = model.model(inputs, cache)
+        return output_head(model)(hidden), hidden
+    taps.active = True   # draft=eagle3: the hidden states are the fused taps instead
+    try:
+        out = model.model(inputs, cache)
+    finally:
+        taps.active = False
+    fused, taps.seen = taps.fused(), {}
+    return output_head(model)(out), fused
 
 
 def _index(model_path: Path) -> dict[str, str] | None:

@@ -20,6 +20,9 @@ from pipeserve.core.stage import StageDeps
 from pipeserve.core.forward import Forward
 from pipeserve.draft.mtp import load_mtp
 from pipeserve.model.loader import load
+from pipeserve.draft.eagle3 import load_eagle3
+from pipeserve.model.config import ModelSource
+from pipeserve.model.tiny.eagle3 import ensure_eagle3
 
 log = logging.getLogger("pipeserve")
 
@@ -280,12 +283,12 @@ class MtpProposer(NoDraft):
             if logits is None or k <= 0:
                 out.append([])
                 continue
-            token = mx.argmax(logits[:, -1, :], axis=-1)
+            token = self.head.pick(logits[:, -1, :])
             drafts = [token]
             for step in range(1, k):
                 logits, g = self.head(g[:, -1:, :], token[:, None], cache, step)
                 row.extra += 1
-                token = mx.argmax(logits[:, -1, :], axis=-1)
+                token = self.head.pick(logits[:, -1, :])
                 drafts.append(token)
             out.append(mx.concatenate(drafts).tolist())
         return out
@@ -322,3 +325,27 @@ class MtpProposer(NoDraft):
             if row is not None and row.extra:
                 self.kv.trim_own(req.request_id, row.extra)
                 row.extra = 0
+
+
+class Eagle3Proposer(MtpProposer):
+    """draft=eagle3: an EAGLE-3 head (pipeserve/draft/eagle3.py) drafts from the target's
+    hidden states at three layers, which the target's forwards return in place of its final
+    hidden state. Its bookkeeping is draft=mtp's: one head entry per target position, fed the
+    kept positions' hidden states and chained over its own output while drafting."""
+
+    name = "eagle3"
+
+    def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
+        path = cfg.draft.path
+        if path is None:
+            if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
+                raise ConfigError("draft=eagle3 needs draft.path: the EAGLE-3 checkpoint "
+                                  f"directory trained for the served model ({ctx.loaded.path})")
+            path = str(ensure_eagle3(ctx.loaded.path))
+        try:
+            self.head = load_eagle3(path, ctx.model)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"draft=eagle3 draft.path={path}: {e}") from e
+        self.rows: dict[str, _MtpRow] = {}
+        self.kv = RowStore(self.head.make_cache)
+        log.info("draft=eagle3: head %s loaded", path)

@@ -1,11 +1,12 @@
 """EmbedEngine: the engine of an embedding model (model.task=embed) or a cross-encoder
 (model.task=rerank). One thread owns MLX: it loads the model through mlx-embeddings and runs
-Embed commands, every command waiting when a batch starts joining it (right-padded, with the
-attention mask), and returns per input the library's own output in float32: an embedding's
-pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
+Embed commands in forwards of at most BATCH_TOKENS padded tokens (right-padded, with the
+attention mask), each forward's rows taken in turn from every command waiting (one large
+command never holds the engine while a small one waits), and returns per input the library's
+own output in float32: an embedding's pooled vector (`text_embeds`: the pooling its model card defines, L2-normalised), or a
 cross-encoder's scores (`pooler_output`: its classifier head, sigmoid for one label).
-The same interface as Engine where the server reads it (state, loaded, counts, command, stop),
-so it serves alone or as a pool member. Public methods: any thread."""
+An EngineClient (pipeserve/core/client.py) as Engine is, so it serves alone or as a pool
+member. Public methods: any thread."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.limits import EngineLimits
 from pipeserve.errors import ConfigError, EngineUnavailable, InvalidRequest, ServeError
 from pipeserve.metrics import Metrics
 from pipeserve.model.loader import LoadedModel, _fingerprint, resolve_path
@@ -24,6 +26,7 @@ from pipeserve.pool.codec import decode_error
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 16384   # padded tokens (rows x longest row) per forward
+BATCH_ROWS = 64   # the rows it publishes (EngineLimits.max_rows): n > 1 checks read it
 NOT_GENERATIVE = ("this is an embedding or reranking model (model.task=embed|rerank): use POST "
                   "/v1/embeddings or /v1/rerank")
 
@@ -39,23 +42,35 @@ class Embed:
     error: ServeError | None = None
 
 
-class _Slots:
-    """What the HTTP side reads of a scheduler (the queue check of n > 1 choices)."""
+class _Work:
+    """An Embed in progress: its rows shortest first, the vectors done so far."""
 
-    def __init__(self, max_batch: int) -> None:
-        self.max_batch, self.running, self.waiting = max_batch, [], []
+    def __init__(self, cmd: Embed) -> None:
+        self.cmd = cmd
+        self.order = sorted(range(len(cmd.inputs)), key=lambda i: len(cmd.inputs[i]))
+        self.vectors: list[list[float]] = [[] for _ in cmd.inputs]
+        self.next = 0   # rows of `order` already run
+
+    def peek(self, ahead: int) -> int | None:
+        """The row `ahead` places after the next one still to run, or None."""
+        at = self.next + ahead
+        return self.order[at] if at < len(self.order) else None
+
+    def put(self, row: int, vector: list[float]) -> None:
+        self.vectors[row] = vector
+        self.next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self.next == len(self.order)
 
 
 class EmbedEngine:
     def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
         self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
-        self.loaded: Any = None
-        self.memory: Any = None
-        self.kv_pool_bytes: int | None = None
+        self.loaded: Any = None   # engine thread: the model it runs
+        self.limits: EngineLimits | None = None   # published at load
         self.startup_error: BaseException | None = None
-        self.device = ""
-        self.dimensions = 0   # the width of the model's embedding
-        self.scheduler = _Slots(64)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipeserve-embed", daemon=True)
@@ -69,15 +84,10 @@ class EmbedEngine:
         self._ready.wait(timeout)
         return self.state is EngineState.READY
 
-    @property
-    def num_inflight(self) -> int:
-        return self._num_submitted - self._num_done
-
-    @property
-    def num_waiting(self) -> int:
-        return self.num_inflight
-
-    num_queued = 0
+    def load(self) -> EngineLoad:
+        """Every Embed not yet answered waits (a batch runs them together)."""
+        inflight = self._num_submitted - self._num_done
+        return EngineLoad(num_waiting=inflight, num_inflight=inflight)
 
     def submit(self, request: Any, stream: Any) -> None:
         raise InvalidRequest(NOT_GENERATIVE, param="model")
@@ -125,19 +135,24 @@ class EmbedEngine:
         self.metrics.engine_up.set(1)
         self._ready.set()
         try:
-            while (first := self._queue.get()) is not None:
-                batch, stop = [first], False
-                while not self._queue.empty():   # everything that arrived meanwhile joins
-                    cmd = self._queue.get_nowait()
-                    if cmd is None:
-                        stop = True
-                        break
-                    batch.append(cmd)
-                self._embed(batch)
-                if stop:
-                    break
+            active: list[_Work] = []
+            stopping = False
+            while active or not stopping:
+                stopping = self._take(active, block=not active) or stopping
+                if active:
+                    self._forward(active)
         finally:
             self.metrics.engine_up.set(0)
+
+    def _take(self, active: list[_Work], block: bool) -> bool:
+        """Move what arrived into `active` (waiting for one when `block`); True at stop."""
+        while block or not self._queue.empty():
+            cmd = self._queue.get()
+            if cmd is None:
+                return True
+            active.append(_Work(cmd))
+            block = False
+        return False
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -162,7 +177,7 @@ class EmbedEngine:
         probe = model(mx.array([[0]]), attention_mask=mx.ones((1, 1)))
         vec = self._output(probe)
         mx.eval(vec)
-        self.dimensions = int(vec.shape[-1])
+        dimensions = int(vec.shape[-1])
         max_context = int(config.get("max_position_embeddings") or 512)
         if self.cfg.model.max_context:
             max_context = min(max_context, self.cfg.model.max_context)
@@ -172,34 +187,50 @@ class EmbedEngine:
             num_params=sum(int(v.size) for _, v in params),
             weight_bytes=sum(int(v.nbytes) for _, v in params),
             compute_dtype=str(params[0][1].dtype).removeprefix("mlx.core.") if params else "")
-        self.device = str(mx.default_device())
+        self.limits = EngineLimits.of(self.cfg, self.loaded, max_rows=BATCH_ROWS,
+                                      device=str(mx.default_device()), dimensions=dimensions)
         log.info("embedding model %s loaded in %.2f s: %d dimensions, context %d",
-                 path.name, time.perf_counter() - t0, self.dimensions, max_context)
+                 path.name, time.perf_counter() - t0, dimensions, max_context)
 
-    def _embed(self, batch: list[Embed]) -> None:
-        """Each command's vectors; the rows of all of them share forwards of BATCH_TOKENS."""
-        rows = [(c, i, ids) for c in batch for i, ids in enumerate(c.inputs)]
-        results: dict[int, list[list[float]]] = {id(c): [[] for _ in c.inputs] for c in batch}
+    def _forward(self, active: list[_Work]) -> None:
+        """One forward of at most BATCH_TOKENS padded tokens, its rows taken in turn from every
+        command in `active` (each command's shortest first), so a large command shares the
+        engine with those that arrive while it runs; finished commands leave `active`."""
+        picks: list[tuple[_Work, int]] = []
+        ahead = dict.fromkeys(map(id, active), 0)   # rows of each command in this forward
+        width, taken = 0, True
+        while taken:
+            taken = False
+            for work in active:
+                row = work.peek(ahead[id(work)])
+                if row is None:
+                    continue
+                longest = max(width, len(work.cmd.inputs[row]))
+                if picks and longest * (len(picks) + 1) > BATCH_TOKENS:
+                    taken = False
+                    break
+                picks.append((work, row))
+                ahead[id(work)] += 1
+                width, taken = longest, True
         try:
-            rows.sort(key=lambda r: len(r[2]))   # similar lengths pad less
-            start = 0
-            while start < len(rows):
-                end = start + 1
-                while end < len(rows) and len(rows[end][2]) * (end + 1 - start) <= BATCH_TOKENS:
-                    end += 1
-                for (c, i, _), vec in zip(rows[start:end], self.vectors([r[2] for r in rows[start:end]])):
-                    results[id(c)][i] = vec
-                start = end
-            for c in batch:
-                c.result = results[id(c)]
-        except Exception as e:  # the boundary: this batch fails, the engine goes on
-            log.exception("embedding a batch of %d input(s) failed", len(rows))
-            for c in batch:
-                c.error = ServeError(f"embedding failed ({type(e).__name__}); the server log "
-                                     "has the details")
-        for c in batch:
-            self._num_done += 1
-            c.on_done(c)
+            vectors = self.vectors([w.cmd.inputs[row] for w, row in picks])
+        except Exception as e:  # the boundary: these rows' commands fail, the engine goes on
+            log.exception("embedding a batch of %d input(s) failed", len(picks))
+            for work in {id(w): w for w, _ in picks}.values():
+                work.cmd.error = ServeError(f"embedding failed ({type(e).__name__}); the server "
+                                            "log has the details")
+                self._finish(active, work)
+            return
+        for (work, row), vec in zip(picks, vectors):
+            work.put(row, vec)
+        for work in [w for w in active if w.complete]:
+            work.cmd.result = work.vectors
+            self._finish(active, work)
+
+    def _finish(self, active: list[_Work], work: _Work) -> None:
+        active.remove(work)
+        self._num_done += 1
+        work.cmd.on_done(work.cmd)
 
     def vectors(self, inputs: list[list[int]]) -> list[list[float]]:
         """Engine thread. One padded forward: the library's pooled vector of each row."""

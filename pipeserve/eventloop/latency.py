@@ -39,6 +39,7 @@ class LatencyEstimator:
         self.decode_tps: float | None = None    # output tokens a second of one row
         self.request_s: float | None = None     # how long a request holds its row
         self.ahead: dict[str, float | None] = {}   # admitted, unfinished → its estimate (s)
+        self.work: dict[str, float] = {}   # admitted, unfinished → its prefill + decode (s)
 
     @property
     def measured(self) -> bool:
@@ -48,19 +49,27 @@ class LatencyEstimator:
         """None until a request has been measured (nothing to estimate from)."""
         if self.prefill_tps is None or self.decode_tps is None or self.request_s is None:
             return None
-        over = len(self.ahead) - slots + 1   # requests ahead that wait for a row too, and it
-        queue_s = max(0, over) / max(slots, 1) * self.request_s
         prefill_s = self.first_token_s + prompt_tokens / self.prefill_tps
-        return Estimate(queue_s, prefill_s, max_tokens / self.decode_tps)
+        return Estimate(self.queue_s(slots), prefill_s, max_tokens / self.decode_tps)
+
+    def queue_s(self, slots: int) -> float:
+        """Until a row is free: nothing while one is; else the work of the requests admitted
+        ahead (each its own estimate, a typical request's when it had none) over the rows."""
+        if len(self.ahead) < slots:
+            return 0.0
+        typical = self.request_s or 0.0
+        return sum(self.work.get(rid, typical) for rid in self.ahead) / max(slots, 1)
 
     def retry_after_s(self, slots: int) -> int:
-        """Seconds until a queued request takes a row (one queue place frees): 1 unmeasured."""
+        """Seconds until a queued request would take a row (the estimated wait): 1 unmeasured."""
         if self.request_s is None:
             return 1
-        return min(600, max(1, math.ceil(self.request_s / max(slots, 1))))
+        return min(600, max(1, math.ceil(self.queue_s(slots) or self.request_s / max(slots, 1))))
 
     def admit(self, request_id: str, estimate: Estimate | None) -> None:
         self.ahead[request_id] = estimate.total_s if estimate is not None else None
+        if estimate is not None:
+            self.work[request_id] = estimate.prefill_s + estimate.decode_s
 
     def finish(self, request_id: str, computed_prompt: int, num_output: int,
                prefill_s: float | None, decode_s: float | None, queue_s: float,
@@ -69,6 +78,7 @@ class LatencyEstimator:
         had an estimate. `prefill_s`: from taking a row to its first token; `decode_s`: first
         token to last; `queue_s`: arrival to a row; `e2e_s`: arrival to the end."""
         estimate = self.ahead.pop(request_id, None)
+        self.work.pop(request_id, None)
         if prefill_s is not None and prefill_s > 0:
             if computed_prompt >= MIN_RATE_TOKENS:
                 rest = max(prefill_s - self.first_token_s, prefill_s / 2)
@@ -85,6 +95,7 @@ class LatencyEstimator:
 
     def forget(self, request_id: str) -> None:
         self.ahead.pop(request_id, None)
+        self.work.pop(request_id, None)
 
 
 def priority_of(value: object, classes: dict[str, int], default: str) -> tuple[int, str]:

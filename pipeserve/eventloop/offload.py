@@ -9,7 +9,9 @@ import gc
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from pipeserve.errors import AdmissionRejected
 
 T = TypeVar("T")
 
@@ -29,6 +31,64 @@ async def off_loop(size: int, fn: Callable[..., T], *args: object) -> T:
         return fn(*args)
     call = functools.partial(_paused_call if size > PAUSE_GC_BYTES else _call, fn, *args)
     return await asyncio.get_running_loop().run_in_executor(POOL, call)
+
+
+class MediaPool:
+    """Media preparation (fetch, decode, the image/video/audio processors) on threads of its
+    own, so a request's text preparation never queues behind another's media; at most
+    `workers` run and `max_queue` wait, more are refused (429). A request counts until its
+    thread finishes, even when its client has gone."""
+
+    def __init__(self, workers: int, max_queue: int) -> None:
+        self.workers, self.max_queue = workers, max_queue
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="media")
+        self.pending = 0   # event loop only
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+
+        if self.pending >= self.workers + self.max_queue:
+            raise AdmissionRejected(
+                f"{self.pending} requests with media are being prepared or waiting; the limit is "
+                f"{self.workers} running + {self.max_queue} waiting (media.media_workers, "
+                "media.max_media_queue); retry after Retry-After seconds", retry_after_s=2,
+                code="media_queue_full")
+        self.pending += 1
+        future = asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(_media_call, fn, *args))
+        future.add_done_callback(self._done)
+        return await future
+
+    def _done(self, _: object) -> None:
+        self.pending -= 1
+
+
+def _media_call(fn: Callable[..., T], *args: object) -> T:
+    """`fn` with the GC paused; then the C heap's free pages go back to the system (decoded
+    images are large; glibc keeps freed arenas of worker threads otherwise)."""
+    try:
+        return _paused_call(fn, *args)
+    finally:
+        _trim()
+
+
+def _trim() -> None:
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    """glibc, for malloc_trim (None elsewhere: macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC: Any = _libc()
 
 
 def _call(fn: Callable[..., T], *args: object) -> T:

@@ -191,6 +191,14 @@ class Matcher:
         if num_tokens:
             self.ll.rollback(num_tokens)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar admits next whatever the model says (a forced tool
+        call's scaffolding, a JSON key, a closing tag): llguidance's fast-forward tokens, the
+        canonical tokenization of the bytes it forces. The matcher is unchanged."""
+        if limit <= 0 or self.ll.is_stopped():
+            return []
+        return list(self.ll.compute_ff_tokens()[:limit])
+
     def valid_prefix(self, drafts: Sequence[int]) -> int:
         """How many of `drafts` the grammar would accept from here, in order."""
         return self.ll.validate_tokens(list(drafts)) if drafts else 0

@@ -5,9 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+import re
 from typing import Optional
 
 from pipeserve.errors import ConfigError, check_positive as _positive
+
+
+# The spans removed by default: per-request metadata a client writes into the prompt, never an
+# instruction to the model. Claude Code (2.1.36 on) sends `x-anthropic-billing-header:
+# cc_version=...; cc_entrypoint=cli; cch=<random>;` as its first system block.
+VOLATILE_SPANS = {"claude_code_billing": r"(?m)^x-anthropic-billing-header:[^\n]*(?:\n|$)"}
 
 
 class LogFormat(Enum):
@@ -47,7 +54,18 @@ class ServerConfig:
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
     # detokenize); None: on for a pool, off for a single model (pipeserve/pool/)
     isolate: Optional[bool] = None
+    # per-request noise removed from a chat's messages before tokenize, so a session's turns
+    # share their prefix in the prompt cache: name → regular expression (null turns them off;
+    # pipeserve/http/api/volatile.py)
+    volatile_spans: Optional[dict[str, str]] = field(default_factory=lambda: dict(VOLATILE_SPANS))
+
     def __post_init__(self) -> None:
+        for name, pattern in (self.volatile_spans or {}).items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"server.volatile_spans.{name} is not a regular expression "
+                                  f"({e}): {pattern!r}") from None
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         _positive("server.responses_ttl_s", self.responses_ttl_s, allow_none=False)

@@ -8,11 +8,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from pipeserve.config import ServeConfig, build
+from pipeserve.http.api.volatile import VolatileSpans
 from pipeserve.markup.output import OutputMarkup
+from pipeserve.metrics import Metrics
 from pipeserve.request import Request
 
 if TYPE_CHECKING:
-    from pipeserve.core.engine import Engine
+    from pipeserve.core.client import EngineClient
 
 log = logging.getLogger("pipeserve")
 
@@ -22,18 +24,29 @@ class Front:
     model's output markup, inferred here once and handed to tokenize, detokenize and the
     output path (pipeserve/http/api/generation.py reads `front.markup`)."""
 
-    def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
-        assert engine.loaded is not None
-        loaded = engine.loaded
+    def __init__(self, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
+        limits = engine.limits
+        assert limits is not None
+        loaded = limits.model
         self.markup = OutputMarkup.infer(loaded.tokenizer, cfg.model.tool_call_format.value,
                                          cfg.model.reasoning_format.value)
         log.info("output markup: %s", self.markup.describe())
         self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
-        self.admission = build(cfg.admission._target_, cfg, loaded, engine)
+        self.admission = build(cfg.admission._target_, cfg, limits, engine.load, metrics)
         self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
+        self.volatile = VolatileSpans(cfg.server.volatile_spans)
+        self.metrics = metrics
+
+    def normalise(self, request: Request) -> Request:
+        """Remove the volatile spans from the chat (before tokenize: the prompt cache keys
+        the text without them) and count each kind removed."""
+        request.volatile = self.volatile.strip(request.inputs)
+        for name in request.volatile:
+            self.metrics.volatile_spans.labels(name).inc()
+        return request
 
     async def prepare(self, request: Request) -> Request:
-        request = await self.tokenize(request)
+        request = await self.tokenize(self.normalise(request))
         return await self.admission(request)
 
     def token_info(self, token_id: int) -> tuple[str, bytes]:

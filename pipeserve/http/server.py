@@ -28,11 +28,13 @@ from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
 from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
 from pipeserve.http.api.resume import StreamStore
+from pipeserve.http.api.volatile import HEADER as VOLATILE_HEADER
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.chat_page import add_chat_page
 from pipeserve.config import ServeConfig, config_hash
-from pipeserve.core.engine import Engine, EngineState
+from pipeserve.core.client import EngineClient, EngineState
+from pipeserve.core.engine import Engine
 from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
                              ServeError, Unauthorized)
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
@@ -61,7 +63,8 @@ def _error(http: sanic.Request, message: str, error_type: str, param: str | None
            code: str | None, status: int, headers: dict[str, str] | None = None) -> HTTPResponse:
     """An error in the shape of the protocol the route speaks (Anthropic under /v1/messages)."""
     if http.path.startswith("/v1/messages"):
-        return json_response(anthropic.error_body(message, error_type, status), status, headers)
+        return json_response(anthropic.error_body(message, error_type, status, code), status,
+                             headers)
     return json_response(oa.error_body(message, error_type, param, code), status, headers)
 
 
@@ -83,10 +86,11 @@ def _key_ok(http: sanic.Request, key: str) -> bool:
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
               members: dict[str, ServeConfig] | None = None,
-              launch: list[str] | None = None) -> Sanic:
+              launch: list[str] | None = None, engine: EngineClient | None = None) -> Sanic:
     """`members` (pipeserve/pool/members.py): the models of a pool by id, each engine in its
     own process; None serves cfg's one model in-process. `launch`: the launch's overrides
-    (members found later by POST /v1/models/rescan compose over them)."""
+    (members found later by POST /v1/models/rescan compose over them). `engine`: the
+    EngineClient to serve (a test's scripted one); None builds the one cfg names."""
     app = Sanic(name, configure_logging=False)
     app.config.REQUEST_MAX_SIZE = int(cfg.server.max_body_mb * 1_000_000)
     app.config.RESPONSE_TIMEOUT = 24 * 3600
@@ -100,12 +104,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if members:
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
-    if app.ctx.pool is not None:
-        engine: Any = PoolEngine(app.ctx.pool, metrics)
-    elif embedder:
-        engine = EmbedEngine(cfg, metrics)
-    else:
-        engine = Engine(cfg, metrics)
+    if engine is None:
+        engine = _engine(cfg, app.ctx.pool, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
     app.ctx.front = None
     app.ctx.created = int(time.time())   # /v1/models' `created`
@@ -138,10 +138,14 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
             ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
             if not ok:
                 err = engine.startup_error
-                if isinstance(err, ConfigError):   # reported by serve.py as a launch error
-                    app.ctx.launch_error = str(err)
+                # reported by serve.py as the launch error, one line on stderr
+                if isinstance(err, ConfigError):
+                    app.ctx.launch_error = f"config error: {err}"
                 else:
                     log.error("engine failed to start: %r; stopping", err)
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                    app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
+                                            f"{first}); the log above has the details")
                 app.ctx.exit_code = LAUNCH_ERROR
                 app.stop()
                 return
@@ -153,22 +157,23 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                 log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
                          cfg.server.host, cfg.server.port, page)
                 return
-            loaded = engine.loaded
+            limits = engine.limits
+            loaded = limits.model
             adapter = loaded.adapter.identity if loaded.adapter is not None else None
             app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
-            app.ctx.front = None if embedder else Front(cfg, engine)
+            app.ctx.front = None if embedder else Front(cfg, engine, metrics)
             # what startup made lives as long as the process: out of the collector's view, a full
             # collection no longer walks it (a long pause holding the GIL, stalling the loop)
             gc.collect()
             gc.freeze()
             metrics.build.info({
                 "version": _version("pipeserve"), "mlx_version": _version("mlx"),
-                "device": engine.device, "model": cfg.model.name,
+                "device": limits.device, "model": cfg.model.name,
                 "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
                 "blas": blas.name or "bundled"})
             log.info("CPU BLAS: %s", blas.describe())
             log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
-                     cfg.model.name, loaded.path.name, loaded.num_params, engine.device,
+                     cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
                      cfg.server.host, cfg.server.port, page)
         app.add_task(wait())
 
@@ -187,11 +192,11 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     async def _stopping(app: Sanic) -> None:
         if not app.ctx.draining:   # stopped without a signal (engine failed to start)
             app.ctx.draining = True
-            log.info("shutting down: %d request(s) in flight", engine.num_inflight)
+            log.info("shutting down: %d request(s) in flight", engine.load().num_inflight)
 
     @app.after_server_stop
     async def _stop(app: Sanic) -> None:
-        left = engine.num_inflight
+        left = engine.load().num_inflight
         if left:
             log.warning("shutdown timeout: %d request(s) were cut off", left)
         t0 = time.perf_counter()
@@ -208,11 +213,20 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     return app
 
 
+def _engine(cfg: ServeConfig, pool: Any, metrics: Metrics) -> EngineClient:
+    """The engine cfg names: a pool's, an embedding model's, or the generation engine."""
+    if pool is not None:
+        return PoolEngine(pool, metrics)
+    if cfg.model.encoder:
+        return EmbedEngine(cfg, metrics)
+    return Engine(cfg, metrics)
+
+
 def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
     if app.ctx.draining:
         log.warning("%s again: stopping now, %d request(s) in flight are cut off",
-                    sig.name, app.ctx.engine.num_inflight)
+                    sig.name, app.ctx.engine.load().num_inflight)
         if app.ctx.drain_task is not None:
             app.ctx.drain_task.cancel()
         app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
@@ -221,7 +235,7 @@ def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
     timeout = app.ctx.cfg.server.shutdown_timeout_s
     log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
-             sig.name, app.ctx.engine.num_inflight, timeout)
+             sig.name, app.ctx.engine.load().num_inflight, timeout)
     app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
 
 
@@ -231,10 +245,10 @@ async def _drain(app: Sanic, timeout: float) -> None:
     still open (a stream's last chunks, a request that was still being tokenized)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while app.ctx.engine.num_inflight and loop.time() < deadline:
+    while app.ctx.engine.load().num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
-    left = app.ctx.engine.num_inflight
+    left = app.ctx.engine.load().num_inflight
     if left:
         log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
                     left, timeout)
@@ -251,6 +265,13 @@ def _api_path(path: str) -> bool:
     return path.startswith("/v1/") or path in API_PATHS
 
 
+def route_path(http: sanic.Request) -> str:
+    """The path of the route a request matched, as declared ("/tokenize", "/v1/models/<target:path>"):
+    one rule whatever slashes the client sent (Sanic routes "/tokenize/" to "/tokenize")."""
+    route = http.route
+    return "/" + route.path.strip("/") if route is not None else http.path
+
+
 def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
     origins = cfg.server.cors_origins
 
@@ -259,16 +280,20 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
         if origins and http.method == "OPTIONS":
             return HTTPResponse(status=204)
         key = cfg.server.api_key
+        path = route_path(http)
         # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
         # admin key instead, when one is set (their handlers check it)
         swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
-                and (http.path == "/v1/adapters" or http.path.startswith("/v1/adapters/")
-                     or (http.method == "POST" and http.path.startswith("/v1/models/"))))
-        if key and _api_path(http.path) and not swap:
-            if not _key_ok(http, key):
+                and (path == "/v1/adapters" or path.startswith("/v1/adapters/")
+                     or (http.method == "POST" and path.startswith("/v1/models/"))))
+        # priorities more urgent than the default class are granted to the admin key only,
+        # when one is set (pipeserve/http/api/http.py checks the request's)
+        http.ctx.urgent_ok = bool(cfg.server.admin_key) and _key_ok(http, cfg.server.admin_key)
+        if key and _api_path(path) and not swap:
+            if not _key_ok(http, key) and not http.ctx.urgent_ok:   # the admin key: all of it
                 raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
                                    "or x-api-key: <key>")
-        if app.ctx.draining and _api_path(http.path):
+        if app.ctx.draining and _api_path(path):
             if http.stream is not None:
                 http.stream.keep_alive = False
             raise EngineUnavailable("the server is shutting down; retry after Retry-After "
@@ -285,6 +310,8 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
             response.headers[RECORD_HEADER] = record.header()
             if gen is not None and gen.request.warnings:   # what the request asked and was ignored
                 response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
+            if gen is not None and gen.request.volatile:   # spans removed before tokenize
+                response.headers[VOLATILE_HEADER] = ", ".join(gen.request.volatile)
 
     @app.on_response
     async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
@@ -302,7 +329,7 @@ def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
                 response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
                 response.headers["Access-Control-Expose-Headers"] = (
-                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}")
+                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}, {VOLATILE_HEADER}")
 
     @app.exception(ServeError)
     async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
@@ -342,9 +369,15 @@ def _add_routes(app: Sanic) -> None:
             raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
                                f"Authorization: Bearer <server.{name}>")
 
+    async def head(http: sanic.Request) -> HTTPResponse:
+        """Agents probe the root and the API root with HEAD before their first request."""
+        return HTTPResponse(status=200)
+    app.add_route(head, "/", methods=["HEAD"], name="head_root")
+    app.add_route(head, "/v1", methods=["HEAD"], name="head_v1", strict_slashes=False)
+
     @app.get("/health")
     async def health(http: sanic.Request) -> HTTPResponse:
-        engine: Engine = app.ctx.engine
+        engine: EngineClient = app.ctx.engine
         draining = getattr(app.ctx, "draining", False)
         ready = (engine.state is EngineState.READY and not draining
                  and (app.ctx.front is not None or app.ctx.pool is not None
@@ -353,8 +386,9 @@ def _add_routes(app: Sanic) -> None:
         pool = app.ctx.pool   # a pool: its models by id and their state (loaded, loading, …)
         model = (app.ctx.cfg.model.name if pool is None
                  else {m["id"]: m["state"] for m in pool.models_body()["data"]})
+        load = engine.load()
         return json_response({"status": state, "model": model,
-                              "waiting": engine.num_waiting, "inflight": engine.num_inflight},
+                              "waiting": load.num_waiting, "inflight": load.num_inflight},
                              200 if ready else 503)
 
     @app.post("/admin/cache/flush")
@@ -385,10 +419,10 @@ def _add_routes(app: Sanic) -> None:
         """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
         POST /v1/adapters); the launch default (what requests naming none run with) has
         `default: true`."""
-        loaded = app.ctx.engine.loaded
-        if loaded is None and app.ctx.pool is None:   # a pool's members mount none
+        limits = app.ctx.engine.limits
+        if limits is None and app.ctx.pool is None:   # a pool's members mount none
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
-        set_ = loaded.adapters if loaded is not None else None
+        set_ = limits.adapters if limits is not None else None
         mounted = ([{**a.describe(), "default": a.id == set_.default}
                     for a in set_.adapters.values()] if set_ is not None else [])
         return json_response({"object": "list", "data": mounted})
@@ -451,6 +485,10 @@ def _add_routes(app: Sanic) -> None:
     @app.post("/v1/responses")
     async def create_response(http: sanic.Request) -> HTTPResponse | None:
         return await responses.handle_create(app, http)
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(http: sanic.Request) -> HTTPResponse:
+        return await responses.handle_input_tokens(app, http)
 
     @app.get("/v1/streams/<stream_id:str>")
     async def resume_stream(http: sanic.Request, stream_id: str) -> None:

@@ -41,10 +41,10 @@ class AttentionLayer:
 
 def attention_layers(model: Any) -> tuple[list[AttentionLayer], int]:
     """The model's full-attention layers (dense KVCache in mlx-lm's cache list) with their
-    shapes, learnt by running one token; and how many sliding-window layers it has."""
+    shapes, learnt by building one token's forward (never evaluated: shapes are known without
+    it, and a lazily built model's weights stay unread); and how many sliding-window layers."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-    mx.eval([c.state for c in cache])
     layers, sliding = [], 0
     for i, c in enumerate(cache):
         if type(c) is KVCache and c.keys is not None:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.http.config import SECRET_FIELDS
 from pipeserve.errors import ConfigError
+from pipeserve.launch.overrides import grammar_message
 
 LAUNCH_ERROR = 2   # every launch error: bad config, model not found, port in use, load failed
 HIDDEN_GROUPS = {"hydra", "bench", "schema"}   # Hydra's own, bench.py's, the schema store
@@ -29,9 +30,17 @@ def conf_dir() -> Path:
 
 def fail(message: str) -> None:
     """Print a launch error (no traceback) and exit with LAUNCH_ERROR."""
-    print(f"pipeserve: {message}", file=sys.stderr)
+    print(f"pipeserve: {one_line(message)}", file=sys.stderr)
     sys.stderr.flush()
     raise SystemExit(LAUNCH_ERROR)
+
+
+def one_line(message: str) -> str:
+    """A launch error on one line: OmegaConf's multi-line errors joined with '; ', without its
+    reference_type / object_type lines (the key is already named)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()
+             and not line.strip().startswith(("reference_type=", "object_type="))]
+    return "; ".join(lines)
 
 
 def groups(conf: Path) -> dict[str, list[str]]:
@@ -57,6 +66,9 @@ def help_text(conf: Path) -> str:
              "  pipeserve model.path=~/models/q.gguf server.port=9000",
              "  pipeserve model=qwen kv=turbo draft=mtp",
              "  pipeserve model=tiny                       # generated random weights, no download",
+             "  pipeserve fit model.path=~/models/q.gguf   # will it fit? the estimate, no load",
+             "  (~ in a path value is your home directory; a value with ( ) [ ] { } = , or quotes",
+             "   needs quoting: \"model.path='/data/run=3/model'\")",
              "", "config groups (group=option; default marked *):"]
     for group, options in groups(conf).items():
         default = defaults.get(group)
@@ -73,7 +85,7 @@ def check_overrides_compose(conf: Path, overrides: list[str]) -> None:
     one line with what is valid instead of Hydra's `use +key=value` hint."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import MissingConfigException
+    from hydra.errors import MissingConfigException, OverrideParseException
 
     mine = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     GlobalHydra.instance().clear()
@@ -83,6 +95,8 @@ def check_overrides_compose(conf: Path, overrides: list[str]) -> None:
                 compose("serve", overrides=mine)
             except MissingConfigException as e:
                 raise ConfigError(_missing_option(str(e), overrides)) from None
+            except OverrideParseException as e:
+                raise ConfigError(_unparsable(e.override or "", str(e))) from None
             except Exception as e:   # Hydra's ConfigCompositionException and OmegaConf's errors
                 raise ConfigError(_bad_override(e, mine, compose)) from None
     finally:
@@ -101,6 +115,14 @@ def _missing_option(msg: str, overrides: list[str]) -> str:
         return (f"{group}={option} is not an option of {group}{hint}; "
                 f"options: {', '.join(options)}")
     return first
+
+
+def _unparsable(override: str, error: str) -> str:
+    key = override.partition("=")[0]
+    if any(name in key for name in SECRET_FIELDS):   # never echo a key's value
+        return (f"{key}: Hydra's override grammar cannot read its value; quote the value "
+                f"(with the shell's quotes around it): \"{key}='...'\"")
+    return grammar_message(override, error)
 
 
 def _bad_override(e: Exception, overrides: list[str], compose: object) -> str:

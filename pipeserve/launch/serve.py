@@ -1,8 +1,9 @@
 """pipeserve entry point: compose the config with Hydra, build the app, serve it.
 
     pipeserve                                # SmolLM2-135M demo model on 127.0.0.1:8080
-    pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000
+    pipeserve model=qwen model.path=~/models/Qwen3-8B-4bit server.port=9000   # ~: home
     python serve.py ...                      # the same, from a checkout
+    pipeserve fit model.path=~/models/q.gguf # will it fit? the estimate, before any load
 
 Every launch error (a bad override, a model that is not there, a port in use, a model that
 fails to load) is one or two lines on stderr and exit code 2 (pipeserve/launch/checks.py).
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeserve.launch import checks as launch
 from pipeserve.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeserve.errors import ConfigError
+from pipeserve.launch.overrides import expand_home
 from pipeserve.launch.run_files import write_run_files
 from pipeserve.distributed.lifeline import stop_self, watch_launcher
 from pipeserve.pool.members import compose_members
@@ -32,12 +34,19 @@ CONF = launch.conf_dir()
 def main() -> None:
     """The `pipeserve` command and `python serve.py`: our --help and override check, then
     Hydra's main (which owns the run dir and logging)."""
-    args = sys.argv[1:]
+    args = sys.argv[1:] = expand_home(sys.argv[1:])   # `model.path=~/x` as in a shell
+    if args[:1] == ["fit"]:   # `pipeserve fit ...`: the memory estimate, no server, no load
+        from pipeserve.launch.fit import main as fit
+        fit(args[1:])
+        _exit(0)
     if any(a in ("-h", "--help") for a in args):
         print(launch.help_text(CONF))
         return
     overrides = [a for a in args if not a.startswith("-")]
     if len(overrides) == len(args):   # Hydra's own flags (--cfg, -m, ...) get Hydra's handling
+        if sys.stdout.isatty():   # a person waiting: words at once, before seconds of imports
+            print("pipeserve: starting: config, then MLX and the server, then the model "
+                  "(a first use fetches or converts it); the log follows", flush=True)
         try:
             check_overrides(overrides)
             launch.check_overrides_compose(CONF, overrides)
@@ -60,6 +69,10 @@ def hydra_main(raw: DictConfig) -> None:
 
 def serve(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
+    # the imports (load_config imports every stage, and MLX with them) take seconds
+    log.info("starting: importing MLX and the server, then loading the model %s",
+             OmegaConf.select(raw, "model.path", throw_on_resolution_failure=False)
+             or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
@@ -86,8 +99,8 @@ def serve(raw: DictConfig) -> None:
                 access_log=False, motd=False)
     except OSError as e:   # lost the port between check_port and the bind
         _fail(f"config error: {launch.port_message(cfg.server.host, cfg.server.port, e)}")
-    if app.ctx.launch_error:   # a ConfigError while the engine loaded the model
-        _fail(f"config error: {app.ctx.launch_error}")
+    if app.ctx.launch_error:   # the engine could not load the model
+        _fail(app.ctx.launch_error)
     # The engine has stopped and the prompt cache is flushed and closed by now.
     _exit(app.ctx.exit_code)
 
@@ -101,7 +114,7 @@ def _check_models(cfg: ServeConfig, members: dict[str, ServeConfig] | None) -> N
 
 
 def _fail(message: str) -> None:
-    print(f"pipeserve: {message}", file=sys.stderr)
+    print(f"pipeserve: {launch.one_line(message)}", file=sys.stderr)
     _exit(launch.LAUNCH_ERROR)
 
 

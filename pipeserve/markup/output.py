@@ -19,6 +19,7 @@ THINK_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"),
 # when the model uses that format: harmony's <|end|> is another model's end-of-turn.)
 KNOWN_MARKERS = frozenset({m for f in FORMATS.values() for m in f.markers}
                           | {m for pair in THINK_PAIRS for m in pair})
+XTML_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")   # Kimi-K3's vocabulary
 REASONING_FORMATS = ("auto", "none", "think", "harmony")
 
 
@@ -106,11 +107,14 @@ _INFERENCE: tuple[tuple[str, Any], ...] = (
     ("minimax_m2", lambda t: "<minimax:tool_call>" in t),
     ("gemma4", lambda t: "<|tool_call>" in t and "<tool_call|>" in t),
     ("function_gemma", lambda t: "<start_function_call>" in t),
+    ("longcat", lambda t: "<longcat_tool_call>" in t),
+    ("muse_spark", lambda t: "<atem:function_calls>" in t),
     ("glm", lambda t: "<arg_key>" in t),
     ("qwen3_coder", lambda t: "<tool_call>\n<function=" in t or "<tool_call>\\n<function=" in t),
     ("kimi_k2", lambda t: "<|tool_calls_section_begin|>" in t),
     ("deepseek_v3", lambda t: "tool▁sep" in t and "```json" in t),
     ("deepseek_v31", lambda t: "tool▁sep" in t),
+    ("minicpm5", lambda t: '<function name="' in t and '<param name="' in t),
     ("mistral", lambda t: "[TOOL_CALLS]" in t and "[ARGS]" in t),
     ("mistral_v3", lambda t: "[TOOL_CALLS]" in t),
     ("hermes", lambda t: "<tool_call>" in t),
@@ -123,7 +127,10 @@ _INFERENCE: tuple[tuple[str, Any], ...] = (
 def infer_tool_format(chat_template: Any, vocab: dict[str, int]) -> str | None:
     """The format a chat template renders tool calls in (mirrors mlx-lm's inference)."""
     text = _template_text(chat_template)
-    return next((name for name, test in _INFERENCE if test(text)), None)
+    found = next((name for name, test in _INFERENCE if test(text)), None)
+    if found is None and all(t in vocab for t in XTML_TOKENS):
+        return "kimi_k3"   # its templates build the markers from parts; its vocabulary has them
+    return found
 
 
 def resolve_tool_format(setting: str, tokenizer: Any) -> ToolFormat | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeserve.adapters.lora import Adapter, AdapterSet, mount_all
 from pipeserve.model.config import ComputeDType, ModelConfig, ModelSource
+from pipeserve.model.files import check_safetensors
 from pipeserve.errors import ConfigError
 from pipeserve.model import blas
 from pipeserve.model.embedded.gemma3 import ensure_gemma3
@@ -24,6 +25,8 @@ from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.tiny.vlm import ensure_model as ensure_vlm
 from pipeserve.vision import require_mlx_vlm
 from pipeserve.vision.encoder import VisionEncoder
+from pipeserve.model.gguf.convert import check_supported, read_header
+from pipeserve.memory import DEVICE_FRACTION, device_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +96,12 @@ def locate(cfg: ModelConfig) -> Path:
         if magic != b"GGUF":
             raise ConfigError(f"model.path '{cfg.path}' is a file but not a GGUF file; point it "
                               "at a .gguf file or a model directory")
+        check_supported(local, read_header(local))   # truncated, corrupt or unsupported: now
         return local
     if local.exists():
         if not (local / "config.json").exists():
             raise ConfigError(f"model.path '{cfg.path}' has no config.json; point it at a model directory")
+        check_safetensors(local, cfg.path)
         return local
     if cfg.path.startswith(("/", ".", "~")) or cfg.path.count("/") > 1 or cfg.path.endswith(".gguf"):
         raise ConfigError(f"model.path '{cfg.path}' does not exist; point it at a model "
@@ -105,12 +110,14 @@ def locate(cfg: ModelConfig) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        return Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
+        found = Path(snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError):
         raise ConfigError(
             f"model.path '{cfg.path}' is not a local path and not in the local Hugging Face "
             f"cache (pipeserve never downloads); download it first: `hf download {cfg.path}`, "
             "or point model.path at a model directory or a .gguf file") from None
+    check_safetensors(found, cfg.path)
+    return found
 
 
 def _fingerprint(path: Path) -> str:
@@ -162,15 +169,15 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
     path = resolve_path(cfg)
     progress.step("%s %s", _origin(cfg, path, made=path.stat().st_mtime >= t0), path)
     try:
-        model, config = load_model(path, lazy=shard is not None,
-                                   trust_remote_code=cfg.trust_remote_code)
+        # lazily: nothing is read until the weights are evaluated below, after the fit line
+        model, config = load_model(path, lazy=True, trust_remote_code=cfg.trust_remote_code)
     except (FileNotFoundError, ValueError) as e:   # no weights; a model_type mlx-lm lacks
         raise ConfigError(f"model.path '{cfg.path or path}' cannot be loaded by mlx-lm: {e}; "
                           "point it at an MLX checkpoint (config.json + *.safetensors) or a "
                           ".gguf file") from e
     if shard is not None:
         shard(model, config)
-    progress.step("built %s with its weights", config.get("model_type", "model"))
+    progress.step("built %s (weights not read yet)", config.get("model_type", "model"))
     adapter, adapters = None, None
     if ids:   # before the cast: mlx_lm.load's order, one dtype for all
         assert cfg.adapter_dir is not None   # ModelConfig refuses an adapter without a dir
@@ -193,6 +200,7 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         progress.stages += 1
         progress.step("vision tower (%s, through mlx-vlm)", vision.family)
     params = tree_flatten(model.parameters())
+    _log_fit(sum(v.nbytes for _, v in params), compute)
     mx.eval(model.parameters())
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
     return LoadedModel(
@@ -207,6 +215,20 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         adapters=adapters,
         vision=vision,
     )
+
+
+def _log_fit(weight_bytes: int, compute: str) -> None:
+    """Before the weights are read: what they will take against the device's usable memory (a
+    warning when they cannot fit); `pipeserve fit` (pipeserve/model/fit.py) gives KV and rows."""
+    usable = int(device_memory_bytes() * DEVICE_FRACTION)
+    if weight_bytes > usable:
+        log.warning("will it fit: no: the weights take %.1f MB as served (%s), more than the "
+                    "%.1f MB of device memory usable; loading them anyway", weight_bytes / 1e6,
+                    compute, usable / 1e6)
+    else:
+        log.info("will it fit: the weights take %.1f MB as served (%s) of %.1f MB usable device "
+                 "memory (`pipeserve fit` with these overrides adds KV and rows)",
+                 weight_bytes / 1e6, compute, usable / 1e6)
 
 
 def _cast_weights(model: Any, cfg: ModelConfig) -> str:

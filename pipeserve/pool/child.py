@@ -3,7 +3,6 @@ the Engine thread and the prompt cache; its main thread reads commands from the 
 engine thread's outbox writes each step's events as one message (PipeLoop)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -17,7 +16,6 @@ from pipeserve.config import ServeConfig
 from pipeserve.pool import codec
 from pipeserve.core.engine import Engine
 from pipeserve.core.events import Failed
-from pipeserve.core.limits import EngineLimits
 from pipeserve.core.scoring import Score
 from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
@@ -36,8 +34,9 @@ class PipeLoop:
         self.send, self.engine = send, engine
 
     def call_soon_threadsafe(self, _deliver: Any, batch: list[tuple[Any, Any]]) -> None:
+        load = self.engine.load()
         self.send({"op": "ev", "ev": [codec.encode_event(e) for _, e in batch],
-                   "w": self.engine.num_waiting, "r": len(self.engine.scheduler.running)})
+                   "w": load.num_waiting, "r": load.num_running})
 
 
 class ChildStream:
@@ -53,16 +52,15 @@ class ChildStream:
 
 
 def _facts(engine: Any, load_s: float) -> dict[str, Any]:
-    """What the parent needs to tokenize, admit and detokenize for this model."""
-    loaded = engine.loaded
+    """What the parent needs to tokenize, admit and detokenize for this model: the model's
+    files and facts, and the engine's published limits."""
+    limits = engine.limits
+    loaded = limits.model
     return {"path": str(loaded.path), "config": loaded.config, "fingerprint": loaded.fingerprint,
             "max_context": loaded.max_context, "generation_defaults": loaded.generation_defaults,
             "num_params": loaded.num_params, "weight_bytes": loaded.weight_bytes,
-            "compute_dtype": loaded.compute_dtype, "device": engine.device,
-            "memory": dataclasses.asdict(engine.memory) if engine.memory is not None else None,
-            "kv_pool_bytes": engine.kv_pool_bytes, "max_batch": engine.scheduler.max_batch,
-            "pid": os.getpid(), "load_s": load_s,
-            "dimensions": getattr(engine, "dimensions", 0)}
+            "compute_dtype": loaded.compute_dtype, "limits": codec.encode_limits(limits),
+            "pid": os.getpid(), "load_s": load_s}
 
 
 def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
@@ -216,10 +214,10 @@ class _Grammars:
 
     def matcher(self, constraint: Any) -> Any:
         if self._compiler is None:
-            loaded = self.engine.loaded
-            limits = EngineLimits.of(self.engine.cfg, loaded)
-            self._compiler = GrammarCompiler(loaded.tokenizer, limits.vocab_size,
-                                             loaded.tokenizer.eos_token_ids)
+            limits = self.engine.limits
+            tokenizer = limits.model.tokenizer
+            self._compiler = GrammarCompiler(tokenizer, limits.vocab_size,
+                                             tokenizer.eos_token_ids)
         return self._compiler.matcher(constraint)
 
 

@@ -3,15 +3,21 @@ one message per engine step for events. Pure functions, any thread; no mlx."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeserve import errors
+from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import Event, Failed, Finished, TokenDelta
 from pipeserve.core.scoring import Score
-from pipeserve.grammar.constraint import Constraint, ConstraintKind
-from pipeserve.request import FinishReason, PromptInput, Request, SamplingParams, TokenLogprob
+from pipeserve.core.submission import EngineRequest
+from pipeserve.memory import MemoryModel
+from pipeserve.request import FinishReason, Request, TokenLogprob
+
+if TYPE_CHECKING:
+    from pipeserve.config import ServeConfig
+    from pipeserve.model.loader import LoadedModel
 
 OPTS = orjson.OPT_NON_STR_KEYS   # logit_bias is keyed by token id
 
@@ -24,32 +30,29 @@ def loads(data: bytes) -> dict[str, Any]:
     return orjson.loads(data)
 
 
-# -- requests (parent → child) ---------------------------------------------------------------
+# -- requests (parent → child): EngineRequest's one encoding (pipeserve/core/submission.py) ----
 def encode_request(req: Request) -> dict[str, Any]:
-    """What the engine reads of a Request: prompt, resolved sampling, stops, constraint,
-    adapter, priority, cache positions, arrival (perf_counter is CLOCK_MONOTONIC: one clock for both processes)."""
-    sp = dataclasses.asdict(req.sampling)
-    c = req.constraint
-    return {"id": req.request_id, "endpoint": req.endpoint, "prompt": req.prompt_ids,
-            "sampling": sp, "stop_ids": sorted(req.stop_token_ids),
-            "constraint": [c.kind.value, c.source, c.param] if c is not None else None,
-            "prefix": req.output_prefix, "adapter": req.adapter, "arrival": req.arrival_s,
-            # queue order, and the positions the prompt cache keeps / pins (docs/beyond.md)
-            "priority": req.priority, "checkpoints": list(req.checkpoints_at),
-            "pins": [list(p) for p in req.pins]}
+    return EngineRequest.of(req).encode()
 
 
 def decode_request(d: dict[str, Any]) -> Request:
-    sp = dict(d["sampling"])
-    sp["logit_bias"] = {int(k): float(v) for k, v in sp["logit_bias"].items()}
-    c = d["constraint"]
-    return Request(request_id=d["id"], endpoint=d["endpoint"],
-                   inputs=PromptInput(token_ids=list(d["prompt"])), prompt_ids=list(d["prompt"]),
-                   sampling=SamplingParams(**sp), stop_token_ids=frozenset(d["stop_ids"]),
-                   constraint=Constraint(ConstraintKind(c[0]), c[1], c[2]) if c else None,
-                   output_prefix=d["prefix"], adapter=d["adapter"], arrival_s=d["arrival"],
-                   priority=d["priority"], checkpoints_at=tuple(d["checkpoints"]),
-                   pins=tuple((int(at), float(ttl)) for at, ttl in d["pins"]))
+    return EngineRequest.decode(d).to_request()
+
+
+# -- the child's published limits (child → parent, once ready) ------------------------------
+def encode_limits(limits: EngineLimits) -> dict[str, Any]:
+    """What the parent cannot derive from the model's files: the engine's own facts."""
+    memory = limits.memory
+    return {"max_rows": limits.max_rows, "kv_pool_bytes": limits.kv_pool_bytes,
+            "memory": dataclasses.asdict(memory) if memory is not None else None,
+            "device": limits.device, "dimensions": limits.dimensions}
+
+
+def decode_limits(d: dict[str, Any], cfg: ServeConfig, loaded: LoadedModel) -> EngineLimits:
+    """The parent's limits: its own host-side model (tokenizer, config) and the child's facts."""
+    return EngineLimits.of(cfg, loaded, max_rows=d["max_rows"], kv_pool_bytes=d["kv_pool_bytes"],
+                           memory=MemoryModel(**d["memory"]) if d["memory"] else None,
+                           device=d["device"], dimensions=d["dimensions"])
 
 
 # -- events (child → parent) -----------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pipeserve.config import ServeConfig, config_hash
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.errors import EngineUnavailable, NotFound
 from pipeserve.http.front import Front
 from pipeserve.metrics import Metrics
@@ -76,7 +76,7 @@ class Member:
 
     @property
     def num_inflight(self) -> int:
-        return self.engine.num_inflight if self.engine is not None else 0
+        return self.engine.load().num_inflight if self.engine is not None else 0
 
     def idle_s(self, now: float) -> float:
         last = max(self.last_used, self.engine.last_event_s if self.engine is not None else 0)
@@ -181,7 +181,8 @@ class ModelPool:
             except EngineUnavailable:
                 outcome = "busy"   # traffic, not the model: it never started loading
                 raise
-            previous = m.engine.loaded if m.engine is not None else None
+            previous = (m.engine.limits.model if m.engine is not None
+                        and m.engine.limits is not None else None)
             engine = ChildEngine(m.id, m.cfg, m.metrics, previous, self._exited)
             m.engine = engine
             log.info("model %s: loading (load %d; resident: %s)", m.id, m.num_loads + 1,
@@ -207,8 +208,9 @@ class ModelPool:
                                         "has the details", code="model_load_failed")
             m.weight_bytes = int(engine.facts.get("weight_bytes") or m.weight_bytes)
             await self._fit_memory(m)
-            m.front = None if m.cfg.model.encoder else Front(m.cfg, engine)
-            m.record = base_record(m.cfg, m.config_hash, engine.loaded.fingerprint, None)
+            m.front = None if m.cfg.model.encoder else Front(m.cfg, engine, m.metrics)
+            assert engine.limits is not None
+            m.record = base_record(m.cfg, m.config_hash, engine.limits.model.fingerprint, None)
             outcome = "ok"
             m.num_loads += 1
             self.metrics.resident.labels(m.id).set(1)
@@ -300,7 +302,7 @@ class ModelPool:
 
     def _exited(self, engine: ChildEngine) -> None:
         """Reader thread: a child's pipe closed. One that was not asked to stop died."""
-        if engine.state is EngineState.DEAD and engine.loaded is not None:
+        if engine.state is EngineState.DEAD and engine.limits is not None:
             self.metrics.resident.labels(engine.model_id).set(0)
             self.metrics.unloads.labels(engine.model_id, "exited").inc()
 
@@ -377,15 +379,16 @@ def _weight_files_bytes(cfg: ServeConfig) -> int:
 
 
 class PoolEngine:
-    """`app.ctx.engine` of a pool: what the server asks of "the engine" as a whole (state,
-    requests in flight for the drain, the flush at shutdown, stop)."""
+    """`app.ctx.engine` of a pool, an EngineClient (pipeserve/core/client.py) for what the server
+    asks of "the engine" as a whole (state, the load for the drain and /health, the flush at
+    shutdown, stop). It has no limits (each member's engine publishes its own) and runs no
+    request: requests go to their member's engine."""
 
     def __init__(self, pool: ModelPool, metrics: Metrics) -> None:
         self.pool, self.metrics = pool, metrics
         self.state = EngineState.READY
-        self.loaded = None
+        self.limits = None
         self.startup_error: BaseException | None = None
-        self.device = "pool"
 
     def start(self) -> None:
         pass
@@ -393,13 +396,19 @@ class PoolEngine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return True
 
-    @property
-    def num_inflight(self) -> int:
-        return sum(m.num_inflight for m in self.pool.members.values())
+    def load(self) -> EngineLoad:
+        loads = [m.engine.load() for m in self.pool.members.values() if m.engine is not None]
+        return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
+                          sum(x.num_inflight for x in loads), sum(x.num_queued for x in loads))
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(m.engine.num_waiting for m in self.pool.members.values() if m.engine)
+    def submit(self, request: Any, stream: Any) -> None:
+        raise EngineUnavailable("a pool runs requests on its members' engines")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def command(self, cmd: Any) -> None:
+        raise EngineUnavailable("a pool runs commands on its members' engines")
 
     def flush_cache(self) -> threading.Event:
         done = threading.Event()

@@ -1,6 +1,6 @@
 """ChildEngine: the parent's stand-in for an Engine that runs in a child process — the same
-interface the server, the request stages and the output path use (submit, abort, state,
-counters, flush), over a pipe. Its reader thread turns each step's message into one wake-up
+EngineClient (pipeserve/core/client.py) the server, the request stages and the output path
+use (limits, load, submit, abort, state, flush), over a pipe. Its reader thread turns each step's message into one wake-up
 of the event loop; a child that dies fails the requests it held. Any thread."""
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.limits import EngineLimits
 from pipeserve.errors import EngineUnavailable, NotSupported, ServeError
 from pipeserve.core.events import Failed, Finished
 from pipeserve.model.loader import LoadedModel, _chat_template
-from pipeserve.memory import MemoryModel
 from pipeserve.metrics import Metrics
 from pipeserve.pool import child, codec
 from pipeserve.request import Request
@@ -32,30 +32,14 @@ log = logging.getLogger("pipeserve.pool")
 SPAWN = mp.get_context("spawn")   # never fork: the parent may have imported MLX
 
 
-class SchedulerView:
-    """What the HTTP side reads of the scheduler: the batch cap and how many rows run."""
-
-    def __init__(self) -> None:
-        self.max_batch = 1
-        self.num_running = 0
-
-    @property
-    def running(self) -> list[None]:
-        return [None] * self.num_running
-
-
 class ChildEngine:
     def __init__(self, model_id: str, cfg: ServeConfig, metrics: Metrics,
                  previous: LoadedModel | None = None,
                  on_exit: Callable[[ChildEngine], None] | None = None) -> None:
         self.model_id, self.cfg, self.metrics = model_id, cfg, metrics
         self.state = EngineState.LOADING
-        self.loaded: LoadedModel | None = None
-        self.memory: MemoryModel | None = None
-        self.kv_pool_bytes: int | None = None
-        self.device = ""
+        self.limits: EngineLimits | None = None   # from the child's facts once it is ready
         self.startup_error: BaseException | None = None
-        self.scheduler = SchedulerView()
         self.facts: dict[str, Any] = {}
         self.exitcode: int | None = None
         self.last_event_s = time.monotonic()
@@ -67,10 +51,9 @@ class ChildEngine:
         self._replies: dict[int, tuple[str, threading.Event, list[Any]]] = {}
         # Score (pipeserve/core/scoring.py) and Embed (pipeserve/embed/engine.py) awaiting the child's reply
         self._scores: dict[int, Any] = {}
-        self.dimensions = 0   # an embedding model's width
         self._seq = itertools.count()
         self._stopping = False
-        self._num_submitted = self._num_done = self._child_waiting = 0
+        self._num_submitted = self._num_done = self._child_waiting = self._child_running = 0
         self._conn, child_conn = SPAWN.Pipe()
         self._proc = SPAWN.Process(target=child.main, args=(child_conn, cfg, model_id),
                                    name=f"pipeserve-{model_id}", daemon=True)
@@ -124,18 +107,12 @@ class ChildEngine:
             self._reader.join(10)
 
     # -- the Engine interface ------------------------------------------------------------
-    @property
-    def num_inflight(self) -> int:
-        return self._num_submitted - self._num_done
-
-    @property
-    def num_waiting(self) -> int:
-        return min(self._child_waiting, self.num_inflight)
-
-    @property
-    def num_queued(self) -> int:
-        free = self.scheduler.max_batch - self.scheduler.num_running
-        return max(0, self.num_waiting - max(0, free))
+    def load(self) -> EngineLoad:
+        """As of the child's last step message (its waiting and running counts)."""
+        inflight = self._num_submitted - self._num_done
+        rows = self.limits.max_rows if self.limits is not None else 1
+        return EngineLoad.of(min(self._child_waiting, inflight), self._child_running, inflight,
+                             rows)
 
     def submit(self, request: Request, stream: RequestStream) -> None:
         with self._lock:   # against _exited: a stream registered here is failed there
@@ -265,13 +242,13 @@ class ChildEngine:
                     self._num_done += 1
                 if stream is not None:
                     items.append((stream, event))
-            self._child_waiting, self.scheduler.num_running = msgs[-1]["w"], msgs[-1]["r"]
+            self._child_waiting, self._child_running = msgs[-1]["w"], msgs[-1]["r"]
         self.last_event_s = time.monotonic()
         post_many(items)   # the step's events: one wake-up of the event loop
 
     def _became_ready(self, facts: dict[str, Any]) -> None:
         try:
-            self.loaded = parent_loaded(facts, self.cfg, self._previous)
+            loaded = parent_loaded(facts, self.cfg, self._previous)
         except Exception as e:  # the tokenizer did not load here: the model cannot serve
             log.exception("model %s: tokenizer failed to load in the server process",
                           self.model_id)
@@ -279,10 +256,7 @@ class ChildEngine:
             self.kill()
             return
         self.facts = facts
-        self.memory = MemoryModel(**facts["memory"]) if facts["memory"] else None
-        self.kv_pool_bytes, self.device = facts["kv_pool_bytes"], facts["device"]
-        self.scheduler.max_batch = facts["max_batch"]
-        self.dimensions = int(facts.get("dimensions") or 0)
+        self.limits = codec.decode_limits(facts["limits"], self.cfg, loaded)
         self.state = EngineState.READY
         self._ready.set()
 
@@ -296,7 +270,7 @@ class ChildEngine:
         with self._lock:
             was_ready = self.state is EngineState.READY
             self.state = EngineState.STOPPED if self._stopping else EngineState.DEAD
-        if self.startup_error is None and not was_ready and self.loaded is None:
+        if self.startup_error is None and not was_ready and self.limits is None:
             self.startup_error = RuntimeError(f"the engine process exited while loading ({how})")
         err: ServeError = EngineUnavailable(
             f"the engine process of model {self.model_id} exited ({how}) while this request "

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from mlx_lm.models.cache import PromptTrie
+from pipeserve.prompt_cache.trie import TokenTrie
 
 TRIE_KEY = "model"   # the trie root of requests on the launch default (Request.adapter None)
 
 
 def model_key(adapter: str | None) -> str:
-    """The trie root (mlx-lm's PromptTrie model key) of a request's adapter choice
+    """The trie root (TokenTrie's model key) of a request's adapter choice
     (Request.adapter): entries never serve a request of another adapter."""
     return TRIE_KEY if adapter is None else "adapter:" + adapter
 
@@ -22,7 +22,7 @@ class GhostIndex:
 
     def __init__(self, limit: int = 512) -> None:
         self.limit = limit
-        self.trie = PromptTrie()
+        self.trie = TokenTrie()
         self.keys: OrderedDict[tuple[str, tuple[int, ...]], Any] = OrderedDict()
 
     def add(self, tokens: tuple[int, ...], model: str = TRIE_KEY, note: Any = None) -> None:

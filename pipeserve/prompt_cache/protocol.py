@@ -46,6 +46,17 @@ def lend(layer: Any) -> Any:
     return rebuild(layer, lambda a: a[...])
 
 
+def shrink(layer: Any) -> Any:
+    """`layer` over exactly its content (views of its first `offset` tokens): after a trim,
+    its first write copies those tokens, not the longer entry behind them, and the row it
+    serves holds no more than it uses."""
+    if isinstance(layer, CacheList):
+        return CacheList(*(shrink(c) for c in layer.caches))
+    if type(layer) not in PREFIX_LAYOUTS:
+        return layer
+    return type(layer).from_state(content_state(layer))
+
+
 def content_state(layer: Any) -> Any:
     """`layer.state` without preallocated capacity (PREFIX_LAYOUTS: every 4-D array cut to
     `offset` tokens); other layouts' state as it is."""

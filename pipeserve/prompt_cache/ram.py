@@ -1,4 +1,4 @@
-"""RamPromptCache: KV prefixes in a token trie (mlx-lm's PromptTrie) with a byte-capped LRU.
+"""RamPromptCache: KV prefixes in a token trie (trie.py) with a byte-capped LRU.
 An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
 keep a running batch's or a preallocated buffer alive), and counts their bytes. A hit lends the
 entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, PromptTrie, can_trim_prompt_cache
+from mlx_lm.models.cache import CacheList, can_trim_prompt_cache
 
 from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex, model_key
-from pipeserve.prompt_cache.protocol import content_state, lend, rebuild
+from pipeserve.prompt_cache.protocol import content_state, lend, rebuild, shrink
+from pipeserve.prompt_cache.trie import TokenTrie
 
 if TYPE_CHECKING:
     from pipeserve.prompt_cache.checkpoint import Checkpoints
@@ -106,7 +107,7 @@ class RamPromptCache:
         self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
         self.metrics = metrics
         self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
-        self.trie = PromptTrie()
+        self.trie = TokenTrie()
         self.entries: OrderedDict[tuple[str, tuple[int, ...]], Entry] = OrderedDict()  # LRU
         # order, keyed by Entry.key (adapter root, tokens)
         self.nbytes = 0
@@ -149,6 +150,7 @@ class RamPromptCache:
         if n < len(entry.tokens):
             for c in caches:
                 c.trim(len(entry.tokens) - n)
+            caches = [shrink(c) for c in caches]
         entry.last_used_s = time.monotonic()
         self.entries.move_to_end(entry.key)
         return caches

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import diskcache
-from mlx_lm.models.cache import PromptTrie
 
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.codec import CorruptEntry, Staged, decode
 from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex
+from pipeserve.prompt_cache.trie import TokenTrie
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SsdStore:
         limit = max_bytes if max_bytes > 0 else 1 << 62
         self.disk = diskcache.Cache(str(self.dir), size_limit=limit,
                                     eviction_policy="least-recently-stored")
-        self.trie = PromptTrie()
+        self.trie = TokenTrie()
         self.index: dict[tuple[str, tuple[int, ...]], str] = {}   # (root, tokens) -> key
         for key in list(self.disk.iterkeys()):
             if isinstance(key, str) and key.startswith("t:"):

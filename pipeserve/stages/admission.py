@@ -5,18 +5,16 @@ when it cannot be met). Event loop, once per request; never touches MLX."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from pipeserve.config import ServeConfig
 from pipeserve.errors import AdmissionRejected, InvalidRequest, MemoryAdmissionError
 from pipeserve.grammar.constraint import GrammarBounds, GrammarCompiler, Matcher
 from pipeserve.eventloop.latency import LatencyEstimator, priority_of
-from pipeserve.model.loader import LoadedModel
+from pipeserve.metrics import Metrics
 from pipeserve.request import Request, SamplingParams
+from pipeserve.core.client import EngineLoad
 from pipeserve.core.limits import EngineLimits
-
-if TYPE_CHECKING:
-    from pipeserve.core.engine import Engine
 
 # field → (lowest, highest) inclusive; None = unbounded on that side. top_k is checked
 # against the vocabulary (see _top_k).
@@ -36,16 +34,29 @@ MIN_TEMPERATURE = 1e-5
 PROTOCOL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
+def prompt_field(request: Request) -> str:
+    """The request's own field that holds its prompt (an error names it)."""
+    if request.inputs.messages is None:
+        return "prompt"
+    return "input" if request.endpoint == "responses" else "messages"
+
+
 class Admission:
-    def __init__(self, cfg: ServeConfig, loaded: LoadedModel, engine: Engine) -> None:
+    """Built once the engine has published its `limits`; `load` is the engine's (queue
+    checks read it per request), `metrics` the HTTP side's."""
+
+    def __init__(self, cfg: ServeConfig, limits: EngineLimits, load: Callable[[], EngineLoad],
+                 metrics: Metrics) -> None:
         self.cfg = cfg.admission
+        self.strict = cfg.server.strict_fields   # a max_tokens past the context: 400, not clamped
         self.server_defaults = {k: v for k, v in vars(cfg.sampling).items() if v is not None}
+        loaded = limits.model
         self.model_defaults = loaded.generation_defaults
-        self.limits = EngineLimits.of(cfg, loaded)
+        self.limits = limits
         self.max_context = self.limits.max_context
         self.vocab_size = self.limits.vocab_size
-        self.engine = engine
-        self.metrics = engine.metrics
+        self.load = load
+        self.metrics = metrics
         self.latency = LatencyEstimator()   # Retry-After, deadline_ms (fed by the HTTP scope)
         self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size,
                                         loaded.tokenizer.eos_token_ids)
@@ -68,11 +79,12 @@ class Admission:
         except InvalidRequest as e:
             self.metrics.admission.labels("rejected", "invalid").inc()
             raise e
-        slots = self.engine.scheduler.max_batch
-        if self.engine.num_queued >= self.cfg.max_queue:
+        slots = self.limits.max_rows
+        queued = self.load().num_queued
+        if queued >= self.cfg.max_queue:
             self.metrics.admission.labels("rejected", "queue_full").inc()
             raise AdmissionRejected(
-                f"the queue is full ({self.engine.num_queued} waiting for a batch slot, "
+                f"the queue is full ({queued} waiting for a batch slot, "
                 f"admission.max_queue is "
                 f"{self.cfg.max_queue}); retry shortly",
                 retry_after_s=self.latency.retry_after_s(slots), code="queue_full")
@@ -92,7 +104,7 @@ class Admission:
     def _fit_pool(self, request: Request) -> None:
         """kv=paged: a request that cannot fit in the whole block pool is refused now (one
         that fits waits in the queue for blocks; it is never cut short)."""
-        pool, memory = self.engine.kv_pool_bytes, self.engine.memory
+        pool, memory = self.limits.kv_pool_bytes, self.limits.memory
         if pool is None or memory is None:
             return
         prompt, sp = len(request.prompt_ids), request.sampling
@@ -127,13 +139,17 @@ class Admission:
         if room < 1:
             raise InvalidRequest(
                 f"prompt has {len(request.prompt_ids)} tokens; the context limit is "
-                f"{self.max_context} — shorten the prompt", param="messages", code="context_length_exceeded")
+                f"{self.max_context} — shorten the prompt", param=prompt_field(request),
+                code="context_length_exceeded")
         max_tokens = merged.get("max_tokens") or self.cfg.max_tokens_default or room
         if given.get("max_tokens") is not None and max_tokens > room:
-            raise InvalidRequest(
-                f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} tokens) "
-                f"leaves {room} of the {self.max_context}-token context; lower max_tokens",
-                param="max_tokens", code="context_length_exceeded")
+            said = (f"max_tokens is {max_tokens} but the prompt ({len(request.prompt_ids)} "
+                    f"tokens) leaves {room} of the {self.max_context}-token context")
+            if self.strict:
+                raise InvalidRequest(f"{said}; lower max_tokens", param="max_tokens",
+                                     code="context_length_exceeded")
+            # as llama-server and Ollama do: agents ask for more than a local context holds
+            request.warnings.append(f"{said}: clamped to {room}")
         merged["max_tokens"] = min(max_tokens, room)
         stop = merged.get("stop") or []
         if len(stop) > self.cfg.max_stop:
@@ -208,7 +224,7 @@ class BudgetAdmission(Admission):
 
     def resolve(self, request: Request) -> SamplingParams:
         sp = super().resolve(request)
-        memory = self.engine.memory
+        memory = self.limits.memory
         assert memory is not None
         prompt = len(request.prompt_ids)
         if memory.enforced:
@@ -219,7 +235,7 @@ class BudgetAdmission(Admission):
                     f"prompt has {prompt} tokens but admission.memory_budget_gb="
                     f"{self.cfg.memory_budget_gb} leaves room for {cap} tokens of context "
                     "(weights + KV + prefill temporaries); shorten the prompt or raise the budget",
-                    param="messages", code="context_over_budget")
+                    param=prompt_field(request), code="context_over_budget")
             if prompt + sp.max_tokens > cap:
                 sp.max_tokens = cap - prompt
                 self.metrics.admission.labels("clamped", "context_over_budget").inc()

@@ -2,13 +2,16 @@
 room (`PlannedRow.max_drafts`, counted against the step's token budget) so the target verifies
 them in the same forward it decodes with. Rows whose next token depends on host state per
 position (repetition/presence/frequency penalties) decode one token as usual in the same batch;
-grammar rows draft what their grammar accepts. Engine thread."""
+grammar rows draft what their grammar accepts, and append what it forces (fast-forward:
+llguidance's forced tokens, verified like drafts, so the output is what sampling gives).
+Engine thread."""
 from __future__ import annotations
 
 import logging
 from typing import ClassVar
 
 from pipeserve.config import ServeConfig, build
+from pipeserve.draft.adaptive import DraftLengths
 from pipeserve.core.rows import RowStore
 from pipeserve.core.plan import Drafts, Logits, PlannedRow, StepOutput, StepPlan
 from pipeserve.request import Request
@@ -29,32 +32,46 @@ class Draft:
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         self.k = cfg.draft.num_draft_tokens
+        self.proposes = cfg.draft.proposes
+        self.fast_forward = cfg.draft.fast_forward
         self.proposer = build(cfg.draft._target_, cfg, deps)
         self.max_context = deps.loaded.max_context
+        # a row whose drafts keep failing proposes fewer, then none for a while (a verify
+        # forward is as wide as its longest draft, and a verify step is never pipelined)
+        self.lengths = DraftLengths(self.k, cfg.draft.adaptive)
+        self._length_metric = (deps.metrics.spec_draft_length.labels(cfg.draft.name)
+                               if self.proposes else None)
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Drafts:
         rows: list[PlannedRow] = []
         limits: list[int] = []
         contexts: list[list[int]] = []
+        forced: dict[str, list[int]] = {}
         decoding = plan.decode
         if not any(r.max_drafts for r in decoding):
             return Drafts(sync=False)   # a busy batch decodes plainly (and pipelined)
+        sync = False   # whether a row may draft next step (it then needs this step's tokens)
         for row in decoding:
             req = row.request
-            if not can_draft(req) or row.known_input() is None:
+            if not can_draft(req):
+                continue
+            room = min(row.max_drafts, self.max_context - row.start - 2)
+            if row.known_input() is not None and (got := self._forced(row, room)):
+                forced[row.request_id] = got   # the grammar decides: no proposal needed
+                continue
+            if not self.proposes:
+                continue
+            chosen = self.lengths.length(row.request_id)   # (a pause counts down every step)
+            sync = sync or self.lengths.drafts_next(row.request_id)
+            if row.known_input() is None:
                 continue   # its input is still on the device: no proposal continues it
-            # a row whose drafts keep failing proposes fewer (a verify forward is as wide as
-            # its longest draft, and on a compute-bound device every drafted position costs)
-            adaptive = max(1, min(self.k, round(self.k * req.spec_rate) + 1))
-            limit = min(adaptive, row.max_drafts, self.max_context - row.start - 2)
+            self._length_metric.observe(chosen)
+            limit = min(chosen, self.k, room)
             if limit > 0:
                 rows.append(row)
                 limits.append(limit)
                 contexts.append((req.prompt_ids + req.output_ids)[:row.start + 1])
-        # proposals continue the rows' host tokens: no step may run ahead of them
-        if not rows:
-            return Drafts(sync=True)
-        proposals = self._propose(rows, contexts, limits)
+        proposals = self._propose(rows, contexts, limits) if rows else []
         for i, row in enumerate(rows):
             grammar = row.request.grammar
             if grammar is not None and proposals[i]:
@@ -64,7 +81,24 @@ class Draft:
                     log.warning("grammar could not check drafts of %s: %s",
                                 row.request_id, e)
                     proposals[i] = []
-        return Drafts({r.request_id: d for r, d in zip(rows, proposals) if d}, sync=True)
+        tokens = {r.request_id: d for r, d in zip(rows, proposals) if d}
+        if not tokens and not forced:   # rows that pause drafting decode pipelined until
+            return Drafts(sync=sync)    # they may draft again
+        tokens.update(forced)
+        # proposals continue the rows' host tokens: no step may run ahead of them
+        return Drafts(tokens, sync=True, forced={rid: len(d) for rid, d in forced.items()})
+
+    def _forced(self, row: PlannedRow, room: int) -> list[int]:
+        """Fast-forward: the tokens the row's grammar forces next (at most draft.fast_forward),
+        fed as drafts so verify keeps exactly those the target would pick."""
+        grammar = row.request.grammar
+        if grammar is None or not self.fast_forward:
+            return []
+        try:   # (the step advanced the matcher to the row's output)
+            return grammar.forced(min(self.fast_forward, room))
+        except Exception as e:   # only a shortcut: the row samples as usual
+            log.warning("grammar could not fast-forward %s: %s", row.request_id, e)
+            return []
 
     def _propose(self, rows: list[PlannedRow], contexts: list[list[int]],
                  limits: list[int]) -> list[list[int]]:
@@ -96,6 +130,9 @@ class Draft:
             req = row.request
             if row.samples:
                 sampled.append(req)
+                out = kept.get(row.request_id)
+                if out is not None:
+                    self.lengths.record(row.request_id, out.num_drafts, out.num_accepted)
             got = logits.hidden.get(row.request_id)
             if got is None:
                 continue
@@ -118,4 +155,5 @@ class Draft:
                 self.proposer.release(req)
 
     def release(self, req: Request) -> None:
+        self.lengths.release(req.request_id)
         self.proposer.release(req)

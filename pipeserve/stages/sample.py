@@ -91,6 +91,9 @@ class Sample:
                 cols += state.bias_ids
                 vals += state.bias_values
             self._bias_key = key
+            if rows:   # padded to a power of two with +0.0 at (0, 0): one scatter kernel per
+                pad = _bucket(len(rows)) - len(rows)   # size class, not one per entry count
+                rows, cols, vals = rows + [0] * pad, cols + [0] * pad, vals + [0.0] * pad
             self._bias = ((mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32),
                            mx.array(vals, dtype=mx.float32)) if rows else None)
         if self._bias is None:
@@ -151,3 +154,8 @@ def top_k(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
     vals = mx.take_along_axis(logprobs, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+def _bucket(n: int) -> int:
+    """The size class of `n` scatter entries: the next power of two, at least 64."""
+    return max(64, 1 << (n - 1).bit_length())

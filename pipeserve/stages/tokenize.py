@@ -5,7 +5,10 @@ preparation pool (pipeserve.eventloop.offload), a client's own template in the s
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -16,15 +19,17 @@ from pipeserve.config import ServeConfig
 from pipeserve.errors import InvalidRequest
 from pipeserve.model.loader import LoadedModel
 from pipeserve.markup.output import OutputMarkup
-from pipeserve.eventloop.offload import INLINE_LIMIT, off_loop
+from pipeserve.eventloop.offload import INLINE_LIMIT, MediaPool, off_loop
 from pipeserve.prompt_cache.protocol import rewinds
 from pipeserve.request import PromptInput, Request
 from pipeserve.eventloop.token_bound import char_bound
 from pipeserve.vision import video
-from pipeserve.vision.media import MediaLimits, decode_all
+from pipeserve.vision.media import MediaLimits, decode_each
 from pipeserve.vision.rows import PromptMedia
 from pipeserve.vision.audio import AudioLimits, check_modalities, prepare_audio
 from pipeserve.grammar.turn import TurnGrammars
+
+log = logging.getLogger("pipeserve")
 
 # apply_chat_template's own parameters (and `messages`, which the server fills): they change the
 # call, not what the template sees, so they are not template variables. (`chat_template`, the
@@ -65,9 +70,11 @@ class Tokenize:
         self.bound = char_bound(self.backend) if self.backend is not None else None
         self.vision = loaded.vision
         self.model_name = cfg.model.name
+        self._told_no_tools = False
         self.media_limits = MediaLimits.of(cfg.media)
         self.video_limits = video.VideoLimits.of(cfg.media)
         self.audio_limits = AudioLimits.of(cfg.media)
+        self.media_pool = MediaPool(cfg.media.media_workers, cfg.media.max_media_queue)
         template = getattr(self.tokenizer, "chat_template", None)
         self._thinking_var = isinstance(template, str) and "thinking is defined" in template
         self.turns = TurnGrammars(markup, self.tokenizer,
@@ -83,8 +90,11 @@ class Tokenize:
             if inputs.media:
                 check_modalities(inputs.media, self.vision, self.model_name)
                 video.refuse_unserved(inputs.media, self.vision, self.model_name)
-            small = template is None and not inputs.media and _small(inputs)
-            await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
+            if inputs.media:   # on media's own threads: text preparation never waits for it
+                await self.media_pool.run(self._prepare, request, template)
+            else:
+                small = template is None and _small(inputs)
+                await off_loop(0 if small else INLINE_LIMIT + 1, self._prepare, request, template)
         if not request.prompt_ids:
             raise InvalidRequest("prompt is empty after tokenization; send at least one token",
                                  param="prompt" if inputs.messages is None else "messages")
@@ -100,6 +110,12 @@ class Tokenize:
                 request.warnings.append(
                     "tools ignored: this model's chat template does not render tools, so the "
                     "model never sees them; set model.chat_template to a template that does")
+                if not self._told_no_tools:   # the log says it once, where an operator looks
+                    self._told_no_tools = True
+                    log.warning("model %s: request %s sent tools, but the chat template does not "
+                                "render tools, so they are ignored (every such response's "
+                                "x-pipeserve-warning header says so); set model.chat_template "
+                                "to a template that does", self.model_name, request.request_id)
             if request.constraint is not None:   # structured output: the answer starts at once
                 inputs.template_kwargs.setdefault("enable_thinking", False)
             text = self.render_text(inputs, template)
@@ -136,15 +152,22 @@ class Tokenize:
         images = [p for p in inputs.media if p.kind == "image"]
         videos = [p for p in inputs.media if p.kind == "video"]
         clips = [p for p in inputs.media if p.kind == "audio"]
-        decoded = decode_all(images, self.media_limits)
-        media = PromptMedia(self.vision, {}, [d.digest for d in decoded],
-                            self.vision.processor.image_token_id)
+        media = PromptMedia(self.vision, {}, [], self.vision.processor.image_token_id)
+        used = 0
+
+        def each_image() -> Iterator[Any]:   # one full-size image alive at a time
+            nonlocal used
+            for decoded in decode_each(images, self.media_limits, started):
+                media.digests.append(decoded.digest)
+                used += decoded.nbytes
+                yield decoded.image
+                del decoded
+        started = time.monotonic()
         if images:
-            prepared = self.vision.processor.prepare(text, [d.image for d in decoded],
+            prepared = self.vision.processor.prepare(text, each_image(),
                                                      [p.where for p in images])
             text, media.pixels = prepared.text, prepared.pixels
             media.tokens_per_image = prepared.tokens_per_image
-        used = sum(d.nbytes for d in decoded)
         if videos:
             text = video.attach(media, self.vision.processor, text, videos, self.video_limits,
                                 used)

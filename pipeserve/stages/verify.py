@@ -49,6 +49,7 @@ class Verify:
         self._accepted = m.spec_accepted.labels(label)
         self._verifies = m.spec_verifies.labels(label)
         self._emitted = m.spec_emitted.labels(label)
+        self._forwarded = m.fast_forward_tokens
         for c in deps.layout.make_cache(deps.model):
             if isinstance(c, RotatingKVCache) or not (c.is_trimmable() or
                                                       isinstance(c, ArraysCache)):
@@ -74,17 +75,21 @@ class Verify:
                 n += 1
             rid = req.request_id
             kept[rid] = n
+            forced = planned[rid].num_forced   # (a grammar's tokens: not a proposer's)
             out.rows[rid] = RowOutput(p.token_ids[:n + 1],
                                       p.logprobs[:n + 1] if p.logprobs is not None else None,
-                                      p.top[:n + 1] if p.top is not None else None, len(d), n)
+                                      p.top[:n + 1] if p.top is not None else None,
+                                      len(d) - forced, n, min(n, forced))
             for j, e in p.failed:   # a failure counts where the row really got to
                 if j <= n:
                     out.failed.setdefault(rid, e)
             if self.samplers is not None and n < len(p.marks) - 1:
                 self.samplers.rewind(rid, p.marks[n])
-            if d:
-                self._proposed.inc(len(d))
-                self._accepted.inc(n)
+            if forced:
+                self._forwarded.inc(min(n, forced))
+            if len(d) > forced:
+                self._proposed.inc(len(d) - forced)
+                self._accepted.inc(max(0, n - forced))
                 self._verifies.inc()
                 self._emitted.observe(n + 1)
         kv.rollback(decode, kept)

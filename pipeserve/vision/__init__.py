@@ -25,8 +25,9 @@ def check_vision(cfg: Any, keep_hidden: bool) -> None:
     """Refuse at launch what does not compose with image rows (their prompt chunks run on
     input embeddings, which only the target's own prefill passes)."""
     if keep_hidden:
-        raise ConfigError(f"draft={cfg.draft.name} with a vision-language model: the MTP head "
-                          "learns from prompt chunks fed as token ids, and image rows' chunks are "
+        raise ConfigError(f"draft={cfg.draft.name} with a vision-language model: its head "
+                          "reads the target's hidden states of prompt chunks fed as token ids, and "
+                          "image rows' chunks are "
                           "embeddings; use draft=none, ngram or model, or serve the checkpoint "
                           "text only with model.vision=false")
     if cfg.server.isolate:

@@ -85,7 +85,6 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
     shorter clip no frame). Blocking: off the event loop."""
     import miniaudio
     from mlx_audio.audio_io import read
-    from mlx_audio.resample import resample_audio_array
 
     if len(data) > limits.max_clip_bytes:
         raise InvalidRequest(f"{where}: the audio is {len(data)} bytes; the limit is "
@@ -115,16 +114,39 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
         audio, sample_rate = read(io.BytesIO(data), dtype="float32")
     except InvalidRequest:
         raise
-    except (miniaudio.MiniaudioError, RuntimeError, ValueError, KeyError, OSError) as e:
+    except (miniaudio.MiniaudioError, RuntimeError, ValueError, KeyError, OSError,
+            ZeroDivisionError, IndexError, TypeError, OverflowError, MemoryError) as e:
         raise InvalidRequest(f"{where}: the {fmt.upper()} audio could not be decoded "
                              f"({type(e).__name__}: {str(e)[:160]})", param=where) from e
     audio = np.asarray(audio, dtype=np.float32)
     if audio.ndim > 1:   # mix down before resampling, as mlx-vlm's load_audio does
         audio = audio.mean(axis=1)
-    if sample_rate != rate:
-        audio = resample_audio_array(audio, sample_rate, rate, axis=-1)
+    if audio.size == 0:
+        raise InvalidRequest(f"{where}: the {fmt.upper()} audio decodes to no samples",
+                             param=where)
+    audio = resample(audio, int(sample_rate), rate)
     return DecodedAudio(np.asarray(audio, dtype=np.float32), hashlib.sha256(data).hexdigest(),
                         seconds)
+
+
+# The most up/down steps a polyphase filter is built for: its taps grow with the reduced rate
+# ratio (128 per step), which every common rate keeps small (44100 -> 16000 is 160/441) and an
+# odd one makes huge (383999 -> 16000: 384 million steps).
+MAX_POLYPHASE_STEPS = 4096
+
+
+def resample(audio: np.ndarray, orig: int, rate: int) -> np.ndarray:
+    """`audio` from `orig` Hz to `rate` Hz: mlx-vlm's polyphase resampler (mlx-audio's) at
+    every common rate; FFT resampling (cost n log n, whatever the ratio) at an odd one."""
+    if orig == rate:
+        return audio
+    g = math.gcd(orig, rate)
+    if max(orig // g, rate // g) <= MAX_POLYPHASE_STEPS:
+        from mlx_audio.resample import resample_audio_array
+        return resample_audio_array(audio, orig, rate, axis=-1)
+    from scipy.signal import resample as fft_resample
+    num = max(1, round(len(audio) * rate / orig))
+    return np.asarray(fft_resample(audio, num), dtype=np.float32)
 
 
 def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_seconds: float,

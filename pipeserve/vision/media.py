@@ -8,6 +8,9 @@ import base64
 import binascii
 import hashlib
 import io
+import struct
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +18,16 @@ from pipeserve.errors import InvalidRequest
 from pipeserve.vision.fetch import fetch
 
 FORMATS = "PNG, JPEG, WebP, AVIF, HEIC, GIF, BMP, TIFF"
+# Pillow's plugin names for FORMATS: no other opener is tried (EPS would start Ghostscript)
+OPENERS = ("PNG", "JPEG", "WEBP", "AVIF", "HEIF", "GIF", "BMP", "TIFF")
+# data: URL subtypes each Pillow format answers to
+SUBTYPES = {"PNG": {"png", "apng"}, "JPEG": {"jpeg", "jpg", "pjpeg"}, "WEBP": {"webp"},
+            "AVIF": {"avif"}, "HEIF": {"heic", "heif", "heic-sequence", "heif-sequence"},
+            "GIF": {"gif"}, "BMP": {"bmp", "x-bmp", "x-ms-bmp"}, "TIFF": {"tiff", "tif"}}
+# what Pillow's openers raise on bad bytes (UnidentifiedImageError is an OSError), besides
+# Image.DecompressionBombError
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError,
+                 struct.error, ZeroDivisionError, MemoryError, RuntimeError)
 _HEIF: list[bool] = []   # pillow-heif's opener registered (once, at the first decode)
 
 
@@ -39,6 +52,7 @@ class MediaPart:
     data: bytes | None = None
     url: str | None = None      # http(s), fetched only when media.allow_remote_media
     kind: str = "image"         # or "video" (pipeserve/vision/video.py), "audio" (audio.py)
+    mime: str | None = None     # the type a data: URL (or an Anthropic block) declares
 
 
 @dataclass(slots=True)
@@ -50,13 +64,16 @@ class MediaLimits:
     allow_remote: bool
     allow_private: bool
     fetch_timeout_s: float
+    max_request_pixels: int = 100_000_000
+    prepare_s: float = 60.0
 
     @classmethod
     def of(cls, media: Any) -> MediaLimits:
         return cls(int(media.max_image_mb * 1e6), int(media.max_image_pixels),
                    int(media.max_images), int(media.max_media_mb * 1e6),
                    media.allow_remote_media, media.allow_private_media,
-                   media.media_fetch_timeout_s)
+                   media.media_fetch_timeout_s, int(media.max_request_pixels),
+                   float(media.max_media_prepare_s))
 
 
 def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
@@ -71,7 +88,8 @@ def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
         if not sep or ";base64" not in head:
             raise InvalidRequest(f"{where} is a data URL that is not base64 "
                                  f"(expected data:{kind}/<type>;base64,<data>)", param=where)
-        return MediaPart(where, data=_b64(payload, where, kind), kind=kind)
+        mime = head[5:].split(";", 1)[0].strip().lower() or None
+        return MediaPart(where, data=_b64(payload, where, kind), kind=kind, mime=mime)
     if url.startswith(("http://", "https://")):
         return MediaPart(where, url=url, kind=kind)
     raise InvalidRequest(f"{where} has URL scheme {url.split(':', 1)[0]!r:.20}; {kind}s come as "
@@ -79,10 +97,11 @@ def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
                          param=where)
 
 
-def from_base64(data: Any, where: str) -> MediaPart:
+def from_base64(data: Any, where: str, mime: Any = None) -> MediaPart:
     if not isinstance(data, str) or not data:
         raise InvalidRequest(f"{where}.source.data must be a non-empty base64 string", param=where)
-    return MediaPart(where, data=_b64(data, where))
+    return MediaPart(where, data=_b64(data, where),
+                     mime=mime.strip().lower() if isinstance(mime, str) and mime else None)
 
 
 def _b64(payload: str, where: str, kind: str = "image") -> bytes:
@@ -103,12 +122,23 @@ class Decoded:
 def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
     """Every part's image (fetching remote ones when allowed), caps checked. Blocking: call it
     off the event loop."""
+    return list(decode_each(parts, limits))
+
+
+def decode_each(parts: list[MediaPart], limits: MediaLimits,
+                started: float | None = None) -> Iterator[Decoded]:
+    """Each part's image in turn (a caller that lets go of one before taking the next holds one
+    full-size image at a time), under the per-request caps: images, bytes, decoded pixels, and
+    the preparation budget since `started` (checked between images)."""
     if len(parts) > limits.max_images:
         raise InvalidRequest(f"the request has {len(parts)} images; the limit is "
                              f"{limits.max_images} per request (media.max_images)",
                              param=parts[limits.max_images].where)
-    out, total = [], 0
+    started = time.monotonic() if started is None else started
+    _check_sizes(parts, limits)
+    total = pixels = 0
     for part in parts:
+        check_budget(started, limits.prepare_s, part.where)
         data = part.data
         if data is None:
             assert part.url is not None
@@ -118,12 +148,46 @@ def decode_all(parts: list[MediaPart], limits: MediaLimits) -> list[Decoded]:
             raise InvalidRequest(f"{part.where}: the request's images add up to more than "
                                  f"{limits.max_request_bytes} bytes (media.max_media_mb)",
                                  param=part.where)
-        out.append(decode(data, part.where, limits))
-    return out
+        decoded = decode(data, part.where, limits, pixels, part.mime)
+        pixels += decoded.image.width * decoded.image.height
+        yield decoded
+        del decoded, data   # not held while the next image decodes
 
 
-def decode(data: bytes, where: str, limits: MediaLimits) -> Decoded:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+def _check_sizes(parts: list[MediaPart], limits: MediaLimits) -> None:
+    """The request's inline images' sizes, read from their headers only, against the decoded
+    pixel budget: a request past it is refused before any image is decoded. (Unreadable
+    headers are left to decode, which names the error.)"""
+    from PIL import Image
+
+    _register_heif()
+    pixels = 0
+    for part in parts:
+        if part.data is None or len(part.data) > limits.max_image_bytes:
+            continue
+        try:
+            with Image.open(io.BytesIO(part.data), formats=OPENERS) as img:
+                _check_size(img, part.where, limits, pixels)
+                pixels += img.size[0] * img.size[1]
+        except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it, in order
+            continue
+
+
+def check_budget(started: float, budget_s: float, where: str) -> None:
+    """Refuse a request whose media preparation has run past media.max_media_prepare_s."""
+    spent = time.monotonic() - started
+    if spent > budget_s:
+        raise InvalidRequest(f"{where}: preparing this request's media took {spent:.1f} s; the "
+                             f"budget is {budget_s:g} s per request (media.max_media_prepare_s) "
+                             "— send fewer or smaller media", param=where)
+
+
+def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
+           mime: str | None = None) -> Decoded:
+    """One image, RGB, EXIF orientation applied; its size checked (alone and with the request's
+    `used_pixels`) before its pixels are decoded, its format against the listed ones and
+    against the data URL's declared type."""
+    from PIL import Image, ImageOps
 
     _register_heif()
     if len(data) > limits.max_image_bytes:
@@ -131,19 +195,38 @@ def decode(data: bytes, where: str, limits: MediaLimits) -> Decoded:
                              f"{limits.max_image_bytes} bytes per image (media.max_image_mb)",
                              param=where)
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if width * height > limits.max_image_pixels:
-                raise InvalidRequest(
-                    f"{where}: the image is {width}x{height} = {width * height} pixels; the "
-                    f"limit is {limits.max_image_pixels} pixels per image "
-                    "(media.max_image_pixels)", param=where)
+        with Image.open(io.BytesIO(data), formats=OPENERS) as img:
+            _check_size(img, where, limits, used_pixels)
+            _check_mime(img.format, mime, where)
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")
     except InvalidRequest:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
-            SyntaxError, EOFError) as e:
+    except (*DECODE_ERRORS, Image.DecompressionBombError) as e:
         raise InvalidRequest(f"{where}: the image could not be decoded ({type(e).__name__}: "
                              f"{str(e)[:160]}); send {FORMATS}", param=where) from e
     return Decoded(rgb, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def _check_size(img: Any, where: str, limits: MediaLimits, used_pixels: int) -> None:
+    width, height = img.size
+    if width * height > limits.max_image_pixels:
+        raise InvalidRequest(
+            f"{where}: the image is {width}x{height} = {width * height} pixels; the "
+            f"limit is {limits.max_image_pixels} pixels per image "
+            "(media.max_image_pixels)", param=where)
+    if used_pixels + width * height > limits.max_request_pixels:
+        raise InvalidRequest(
+            f"{where}: the image is {width}x{height} = {width * height} pixels, which "
+            f"brings the request's images to {used_pixels + width * height} decoded "
+            f"pixels; the limit is {limits.max_request_pixels} per request "
+            "(media.max_request_pixels)", param=where)
+
+
+def _check_mime(fmt: str | None, mime: str | None, where: str) -> None:
+    """A declared image type must name the format the bytes are in."""
+    if mime is None or not mime.startswith("image/") or fmt not in SUBTYPES:
+        return
+    if mime.removeprefix("image/") not in SUBTYPES[fmt]:
+        raise InvalidRequest(f"{where} declares {mime[:40]} but its bytes are a {fmt} image; "
+                             "send the image's own type", param=where)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -44,19 +45,26 @@ class VisionProcessor:
         self.video_token_id = (int(tok.convert_tokens_to_ids(self.video_token))
                                if self.video_processor is not None else -1)
 
-    def prepare(self, text: str, images: list[Any], where: list[str]) -> Prepared:
+    def prepare(self, text: str, images: Iterable[Any], where: list[str]) -> Prepared:
+        """`images` (one per entry of `where`, possibly a generator) through the image
+        processor one at a time: each image's copies are freed before the next is taken."""
         found = text.count(self.placeholder)
-        if found != len(images):
+        if found != len(where):
             raise InvalidRequest(
-                f"the chat template wrote {found} image placeholders for {len(images)} images; "
+                f"the chat template wrote {found} image placeholders for {len(where)} images; "
                 "each image part must be inside a message the template renders",
                 param=where[0] if where else "messages")
-        out = self.image_processor(images=images, return_tensors="np")
+        outs = []
+        for image in images:
+            outs.append(self.image_processor(images=[image], return_tensors="np"))
+            del image   # let go before the generator decodes the next one
+        out = {key: np.concatenate([np.asarray(o[key]) for o in outs])
+               for key in ("pixel_values", "image_grid_thw") if key in outs[0]}
         if self.family == "gemma3":
-            pixels = {"pixel_values": np.asarray(out["pixel_values"])}
+            pixels = {"pixel_values": out["pixel_values"]}
             count = self.expansion.count(self.image_token)
             return Prepared(text.replace(self.placeholder, self.expansion), pixels,
-                            [count] * len(images))
+                            [count] * len(outs))
         grid = np.asarray(out["image_grid_thw"])
         counts = [int(np.prod(g)) // (self.merge ** 2) for g in grid]
         pieces = text.split(self.placeholder)

@@ -19,6 +19,7 @@ import numpy as np
 from pipeserve.errors import InvalidRequest
 from pipeserve.vision.media import MediaLimits, MediaPart, from_url as media_url
 from pipeserve.vision.fetch import fetch
+from pipeserve.vision.media import check_budget
 
 KINDS = ("video_url", "input_video", "video")   # the part types that carry a video
 INSTALL = "pip install 'pipeserve[vision]'   (or: pip install av)"
@@ -82,7 +83,7 @@ def sample_indices(total: int, source_fps: float, fps: float, max_frames: int,
 
 
 def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_frames: int,
-               other_bytes: int) -> list[DecodedVideo]:
+               other_bytes: int, started: float | None = None) -> list[DecodedVideo]:
     """Every video part decoded and sampled (fetching remote ones when allowed). `other_bytes`:
     what the request's images already count against media.max_media_mb. Blocking: call it
     off the event loop."""
@@ -90,8 +91,10 @@ def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_fra
         raise InvalidRequest(f"the request has {len(parts)} videos; the limit is "
                              f"{limits.max_videos} per request (media.max_videos)",
                              param=parts[limits.max_videos].where)
-    out, total = [], other_bytes
+    out, total, pixels = [], other_bytes, 0
+    started = time.monotonic() if started is None else started
     for part in parts:
+        check_budget(started, limits.media.prepare_s, part.where)
         data = part.data
         if data is None:
             assert part.url is not None
@@ -102,12 +105,19 @@ def decode_all(parts: list[MediaPart], limits: VideoLimits, factor: int, min_fra
             raise InvalidRequest(f"{part.where}: the request's images and videos add up to more "
                                  f"than {limits.media.max_request_bytes} bytes "
                                  "(media.max_media_mb)", param=part.where)
-        out.append(decode(data, part.where, limits, factor, min_frames))
+        out.append(decode(data, part.where, limits, factor, min_frames,
+                          started + limits.media.prepare_s))
+        pixels += out[-1].frames.size // 3   # the sampled frames, decoded
+        if pixels > limits.media.max_request_pixels:
+            raise InvalidRequest(f"{part.where}: the request's sampled video frames add up to "
+                                 f"{pixels} decoded pixels; the limit is "
+                                 f"{limits.media.max_request_pixels} per request "
+                                 "(media.max_request_pixels)", param=part.where)
     return out
 
 
 def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
-           min_frames: int) -> DecodedVideo:
+           min_frames: int, budget_end: float = math.inf) -> DecodedVideo:
     if len(data) > limits.max_bytes:
         raise InvalidRequest(f"{where}: the video is {len(data)} bytes; the limit is "
                              f"{limits.max_bytes} bytes per video (media.max_video_mb)",
@@ -117,7 +127,7 @@ def decode(data: bytes, where: str, limits: VideoLimits, factor: int,
     except ImportError as e:
         raise InvalidRequest(f"{where} is a video, but this server has no video decoder "
                              f"installed (PyAV); install it with: {INSTALL}", param=where) from e
-    deadline = time.monotonic() + limits.max_decode_s
+    deadline = min(time.monotonic() + limits.max_decode_s, budget_end)
     try:
         total, source_fps = _probe(data, where, limits, deadline)
         keep = sample_indices(total, source_fps, limits.fps, limits.max_frames, factor,
@@ -144,7 +154,9 @@ def _overdue(where: str, limits: VideoLimits, deadline: float) -> None:
     if time.monotonic() > deadline:
         raise InvalidRequest(
             f"{where}: decoding the video took longer than {limits.max_decode_s:g} s, the limit "
-            "per video (media.max_video_decode_s); send a shorter or smaller video",
+            "per video (media.max_video_decode_s), or ran past the request's "
+            f"{limits.media.prepare_s:g} s (media.max_media_prepare_s); send a shorter or "
+            "smaller video",
             param=where)
 
 

@@ -230,6 +230,10 @@ def test_bad_stacks_are_refused_naming_the_field() -> None:
             shared.canonical(bad, "adapter")
         assert info.value.param == "adapter"
     assert shared.identity("b+a") == "b@" + "0" * 16 + "+a@" + "0" * 16
+    # a request that finishes after its adapter was unmounted and the slot reused (a remount
+    # under way): its record names the id, and settling its stream does not raise
+    shared.adapters = {"b": shared.adapters["b"]}
+    assert shared.identity("b+a") == "b@" + "0" * 16 + "+a"
 
 
 # -- adapters compose with every KV layout and with speculative decoding --------------------

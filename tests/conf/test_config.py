@@ -182,6 +182,8 @@ BAD = [
      ["model.tool_call_format", "xml", "auto", "none", "hermes", "qwen3_coder", "llama3"]),
     (["server.responses_ttl_s=0"], ConfigError, ["server.responses_ttl_s", "got 0", "> 0"]),
     (["server.responses_store_mb=-1"], ConfigError, ["server.responses_store_mb", "-1", ">= 0"]),
+    (["+server.volatile_spans.mine='a('"], ConfigError,
+     ["server.volatile_spans.mine", "a(", "not a regular expression"]),
     (["scheduler.prefill_chunk=0"], ConfigError, ["scheduler.prefill_chunk", "got 0", "> 0"]),
     (["sampling.temperature=3"], ConfigError, ["sampling.temperature", "got 3", "[0, 2]"]),
     (["sampling.top_p=0"], ConfigError, ["sampling.top_p", "got 0", "(0, 1]"]),

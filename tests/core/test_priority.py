@@ -4,6 +4,7 @@ ahead of every priority, the prompt budget goes to the most urgent prefill; the 
 turns measured rates into queue / prefill / decode time; `priority` values are checked."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -86,9 +87,16 @@ def test_estimate_from_measured_rates() -> None:
     assert e is not None and e.queue_s == 0
     assert e.prefill_s == pytest.approx(0.01 + 2000 / est.prefill_tps)
     assert e.decode_s == pytest.approx(2.0)
-    est.admit("c", e)   # one running: the next waits for it
+    est.admit("c", e)   # one running: the next waits for it, as long as its estimate says
     behind = est.estimate(10, 10, slots=1)
-    assert behind is not None and behind.queue_s == pytest.approx(est.request_s)
+    assert behind is not None and behind.queue_s == pytest.approx(e.prefill_s + e.decode_s)
+    assert behind.queue_s > 2 * est.request_s   # not a typical request's time
+    assert est.retry_after_s(1) == math.ceil(behind.queue_s)   # Retry-After: the wait
+    est.admit("d", behind)   # two ahead: their estimates add up
+    assert est.estimate(10, 10, slots=1).queue_s == pytest.approx(
+        e.prefill_s + e.decode_s + behind.prefill_s + behind.decode_s)
+    assert est.estimate(10, 10, slots=4).queue_s == 0   # a row is free
+    est.forget("d")
     ratio = est.finish("c", 2000, 198, prefill_s=1.0, decode_s=2.0, queue_s=0.0,
                        e2e_s=e.total_s * 1.5)
     assert ratio == pytest.approx(1.5)

@@ -192,7 +192,7 @@ def test_paged_rows_and_cache_share_one_pool(engine_factory) -> None:
     # larger than the whole pool (24 blocks × 16 tokens = 384 tokens): refused, not cut short
     from pipeserve.errors import MemoryAdmissionError
     from pipeserve.stages.admission import Admission
-    adm = Admission(h.cfg, h.loaded, h.engine)
+    adm = Admission(h.cfg, h.engine.limits, h.engine.load, h.metrics)
     req = h.request(ids * 3, max_tokens=8)
     req.requested = {"max_tokens": 8}
     with pytest.raises(MemoryAdmissionError, match=r"whole paged pool holds \(384 tokens\)"):

@@ -118,3 +118,32 @@ def test_chain_with_a_forced_call_prefix() -> None:
 def test_chain_without_parsers_is_the_text() -> None:
     text = "<think>kept</think> <tool_call>{}</tool_call>"
     assert run_chain(OutputChain(None, None), list(text)).content == text
+
+
+# a call written inside a think span the model never closes (Qwen3.5 does this)
+UNCLOSED = {
+    "hermes": '<think>\nThe user wants the time.\n<tool_call>\n{"name": "now", "arguments": {}}\n'
+              '</tool_call>',
+    "qwen3_coder": "<think>\nThe user wants the time.\n<tool_call>\n<function=now>\n</function>\n"
+                   "</tool_call>",
+}
+
+
+@pytest.mark.parametrize("family", sorted(UNCLOSED))
+def test_a_call_inside_an_unclosed_think_span_is_a_call(family: str) -> None:
+    from pipeserve.request import PromptInput, Request
+    markup = OutputMarkup(think=THINK, tool_format=FORMATS[family])
+    request = Request(request_id="r", endpoint="chat",
+                      inputs=PromptInput(messages=[], tools=TOOLS))
+    for chunks in splits(UNCLOSED[family]):
+        d = run_chain(OutputChain.for_request(request, markup), chunks)
+        assert d.reasoning == "The user wants the time.", chunks
+        assert d.content == "" and [c.name for c in d.tool_calls] == ["now"], chunks
+    # the reasoning streams live up to the call; no markup reaches it
+    chain = OutputChain.for_request(request, markup)
+    streamed = [chain.feed(c).reasoning for c in UNCLOSED[family]]
+    assert "".join(streamed) == "The user wants the time.\n"[:len("".join(streamed))]
+    # without tools the span is reasoning to the end, as before
+    plain = Request(request_id="r", endpoint="chat", inputs=PromptInput(messages=[]))
+    d = run_chain(OutputChain.for_request(plain, markup), [UNCLOSED[family]])
+    assert "<tool_call>" in d.reasoning and not d.tool_calls

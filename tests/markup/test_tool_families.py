@@ -1,5 +1,6 @@
 """The families added beside Hermes/Qwen/Llama/Gemma: gpt-oss harmony, Mistral (v3, v11+), GLM,
-DeepSeek (V3/R1, V3.1), Kimi-K2, MiniMax-M2 and pythonic (Llama 4). Scripted model outputs of
+DeepSeek (V3/R1, V3.1), Kimi-K2, MiniMax-M2, pythonic (Llama 4), MiniCPM5, Kimi-K3, LongCat
+and Muse Spark. Scripted model outputs of
 real calls, cut at every position, parse to the same calls and content as the whole text;
 malformed calls stay content; no marker ever reaches streamed content. No model."""
 from __future__ import annotations
@@ -31,6 +32,9 @@ NOW = ("now", {})
 H = "<|channel|>commentary to=functions."
 K_BEGIN, K_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 K_CALL, K_ARGS, K_CEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+O, S, C = "<|open|>", "<|sep|>", "<|close|>"   # Kimi-K3's XTML tokens
+LC_K, LC_KE = "<longcat_arg_key>", "</longcat_arg_key>"
+LC_V, LC_VE = "<longcat_arg_value>", "</longcat_arg_value>"
 
 
 def splits(text: str) -> list[list[str]]:
@@ -97,6 +101,32 @@ CASES: list[tuple[str, str, str, str, Calls]] = [
                  "<|python_end|>", "", "",
      [("get_weather", {"city": "Paris", "days": 3, "hourly": True})]),
     ("pythonic", "[1] is a citation, not a call.", "", "[1] is a citation, not a call.", []),
+    ("minicpm5", 'Checking.<function name="get_weather"><param name="city">Paris</param>'
+                 '<param name="days">3</param></function>\n<function name="now"></function>',
+     "", "Checking.", [PARIS, NOW]),
+    ("minicpm5", '<function name="get_weather"><param name="city"><![CDATA[Paris <north>\n'
+                 '& co]]></param><param name="tags">["a", "b"]</param></function>', "", "",
+     [("get_weather", {"city": "Paris <north>\n& co", "tags": ["a", "b"]})]),
+    ("kimi_k3", f'{O}tools{S}{O}call tool="get_weather" index="1"{S}{O}argument key="city" '
+                f'type="string"{S}Paris{C}argument{S}{O}argument key="days" type="integer"{S}3'
+                f'{C}argument{S}{C}call{S}{O}call tool="now" index="2"{S}{C}call{S}{C}tools{S}',
+     "", "", [PARIS, NOW]),
+    ("kimi_k3", f'<think>Look.</think>On it.{O}tools{S}\n{O}call tool="get_weather" index="1"'
+                f'{S}{O}json type="object"{S}{{"city": "Paris", "days": 3}}{C}json{S}{C}call{S}'
+                f"\n{C}tools{S}", "Look.", "On it.", [PARIS]),
+    ("longcat", f"<longcat_tool_call>get_weather\n{LC_K}city{LC_KE}\n{LC_V}Paris{LC_VE}\n"
+                f"{LC_K}days{LC_KE}\n{LC_V}3{LC_VE}\n</longcat_tool_call>"
+                "<longcat_tool_call>now</longcat_tool_call>", "", "", [PARIS, NOW]),
+    ("longcat", 'Sure.<longcat_tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 3}}</longcat_tool_call>', "", "Sure.", [PARIS]),
+    ("muse_spark", '<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter '
+                   'name="city">Paris</atem:parameter>\n<atem:parameter name="days">3'
+                   '</atem:parameter>\n</atem:invoke>\n<atem:invoke name="now">\n</atem:invoke>'
+                   "\n</atem:function_calls>", "", "", [PARIS, NOW]),
+    ("muse_spark", 'Let me look.<atem:function_calls><atem:invoke name="get_weather"><atem:parameter'
+                   ' name="city" string="true">"Paris"</atem:parameter><atem:parameter name='
+                   '"hourly">true</atem:parameter></atem:invoke></atem:function_calls>', "",
+     "Let me look.", [("get_weather", {"city": "Paris", "hourly": True})]),
 ]
 
 
@@ -133,6 +163,22 @@ def test_family_outputs_parse_identically_at_every_chunk_boundary(
                    "</minimax:tool_call>", "outside <parameter"),
     ("pythonic", "[get_weather(city=Paris)]", "not a literal"),
     ("pythonic", "[launch(x=1)]", "launch"),
+    ("minicpm5", '<function name="get_weather">Paris</function>', "expected <param name="),
+    ("minicpm5", '<function name="get_weather"><param name="days">two</param></function>',
+     "'days'"),
+    ("kimi_k3", f'{O}tools{S}{O}call tool="now" index="1"{S}{O}json type="object"{S}{{oops'
+                f"{C}json{S}{C}call{S}{C}tools{S}", "not JSON"),
+    ("kimi_k3", f'{O}tools{S}{O}call index="1"{S}{C}call{S}{C}tools{S}', "tool="),
+    ("kimi_k3", f'{O}tools{S}stray{O}call tool="now" index="1"{S}{C}call{S}{C}tools{S}',
+     "outside"),
+    ("longcat", f"<longcat_tool_call>get_weather{LC_K}city{LC_KE}Paris</longcat_tool_call>",
+     "expected <longcat_arg_key>"),
+    ("longcat", '<longcat_tool_call>{"name": "now", "arguments": </longcat_tool_call>',
+     "not JSON"),
+    ("muse_spark", '<atem:function_calls><atem:invoke name="now">hello</atem:invoke>'
+                   "</atem:function_calls>", "outside <atem:parameter"),
+    ("muse_spark", '<atem:function_calls><atem:invoke name="launch"></atem:invoke>'
+                   "</atem:function_calls>", "launch"),
 ])
 def test_malformed_family_calls_stay_content(fmt: str, text: str, reason: str,
                                              caplog: pytest.LogCaptureFixture) -> None:
@@ -168,3 +214,4 @@ def test_parallel_calls_off_keeps_the_first_call_only(caplog: pytest.LogCaptureF
             calls = [c for ch in chunks for c in p.feed(ch)[1]] + p.finish()[1]
         assert [(c.name, c.arguments) for c in calls] == [NOW]
         assert "get_weather dropped: parallel_tool_calls is false" in caplog.text
+

@@ -196,10 +196,20 @@ def test_arguments_that_do_not_fit_the_schema_are_refused(prop: dict[str, Any], 
     ("<|tool_calls_section_begin|><|tool_call_begin|>", "kimi_k2"),
     ("<minimax:tool_call><invoke name=", "minimax_m2"),
     ("{{ '<|python_start|>' }}[func(a=1)]", "pythonic"),
+    ("{{ '<function name=\"' ~ name ~ '\"><param name=\"' }}", "minicpm5"),
+    ("{{ '<longcat_tool_call>' }}{{ '<longcat_arg_key>' }}", "longcat"),
+    ("{{ '<atem:function_calls>' }}", "muse_spark"),
     ("{{ messages[0].content }}", None),
 ])
 def test_format_is_inferred_from_the_chat_template(template: str, want: str | None) -> None:
     assert infer_tool_format(template, {}) == want
+
+
+def test_kimi_k3_is_inferred_from_its_vocabulary() -> None:
+    """Its templates assemble the XTML markers from parts; mlx-lm falls back to the tokens."""
+    xtml = {t: i for i, t in enumerate(("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))}
+    assert infer_tool_format("{{ open ~ 'tools' ~ sep }}", xtml) == "kimi_k3"
+    assert infer_tool_format("{{ open ~ 'tools' ~ sep }}", {"<|open|>": 0}) is None
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -222,7 +232,14 @@ def test_forced_prefix_opens_a_call_the_parser_then_closes(fmt: str) -> None:
             "kimi_k2": '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
             "minimax_m2": '<parameter name="city">Paris</parameter>\n</invoke>\n'
                           "</minimax:tool_call>",
-            "pythonic": 'city="Paris")]'}[fmt]
+            "pythonic": 'city="Paris")]',
+            "minicpm5": '<param name="city">Paris</param></function>',
+            "kimi_k3": '<|open|>json type="object"<|sep|>{"city": "Paris"}<|close|>json<|sep|>'
+                       "<|close|>call<|sep|><|close|>tools<|sep|>",
+            "longcat": "<longcat_arg_key>city</longcat_arg_key>\n<longcat_arg_value>Paris"
+                       "</longcat_arg_value>\n</longcat_tool_call>",
+            "muse_spark": '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n'
+                          "</atem:function_calls>"}[fmt]
     p = ToolCallParser(f, TOOLS)
     assert p.feed(f.forced("get_weather")) == ("", [])
     text, calls = p.feed(rest)

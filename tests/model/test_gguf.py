@@ -299,7 +299,7 @@ def test_unsupported_architecture_is_refused_at_launch(tmp_path: Path, model_cac
     src = save_mlx_gguf(tmp_path / "falcon.gguf", tensors, meta)
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
     assert "architecture 'falcon' is not supported" in msg
-    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3" in msg
+    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, gpt-oss, glm4moe, deepseek2" in msg
 
 
 def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,
@@ -316,16 +316,16 @@ def test_unsupported_tokenizer_is_refused(tmp_path: Path, model_cache: Path,
 
 def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, model_cache: Path,
                                                              tok_meta: dict[str, Any]) -> None:
-    """Types with no conversion (MXFP4, Q8_1, Q8_K, integer tensors) are refused, naming a
-    tensor and the supported types."""
+    """Types with no conversion (Q8_1, Q8_K, integer tensors) are refused, naming a tensor and
+    the supported types."""
     tensors, meta = _small(tok_meta)
-    src = tmp_path / "mxfp4.gguf"
+    src = tmp_path / "q8_1.gguf"
     w = ggufpy.GGUFWriter(str(src), "llama")
     w.add_string("tokenizer.ggml.model", "gpt2")
     for name, arr in tensors.items():
-        if name == "blk.1.ffn_up.weight":   # two MXFP4 blocks (32 values, 17 bytes) per row
-            block = ggufpy.GGML_QUANT_SIZES[T.MXFP4][1]
-            w.add_tensor(name, np.zeros((INTER, 2 * block), np.uint8), raw_dtype=T.MXFP4)
+        if name == "blk.1.ffn_up.weight":   # two Q8_1 blocks (32 values, 36 bytes) per row
+            block = ggufpy.GGML_QUANT_SIZES[T.Q8_1][1]
+            w.add_tensor(name, np.zeros((INTER, 2 * block), np.uint8), raw_dtype=T.Q8_1)
         else:
             w.add_tensor(name, arr, raw_dtype=T.F32)
     w.write_header_to_file()
@@ -333,7 +333,7 @@ def test_unsupported_quantization_is_refused_naming_the_type(tmp_path: Path, mod
     w.write_tensors_to_file()
     w.close()
     msg = startup_error(model_cache, "model=llama", f"model.path={src}")
-    assert "tensor type MXFP4 is not supported" in msg and "blk.1.ffn_up.weight is MXFP4" in msg
+    assert "tensor type Q8_1 is not supported" in msg and "blk.1.ffn_up.weight is Q8_1" in msg
     assert ("supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, "
             "Q6_K, IQ4_NL, IQ4_XS, IQ3_S") in msg
 

@@ -128,3 +128,39 @@ def test_sentencepiece_without_scores_is_refused(tmp_path: Path) -> None:
                         {**gguf_metadata("llama", cfg), **meta})
     with pytest.raises(ConfigError, match="has no tokenizer.ggml.scores"):
         gguf.ensure_converted(src, tmp_path / "cache")
+
+
+def test_glm4_and_deepseek_v3_pre_tokenizers_split_as_llama_cpp() -> None:
+    """Pre-tokenizers transformers' table lacks, from llama.cpp's llama-vocab.cpp: GLM-4's is
+    llama3's split (and llama.cpp drops its BOS); DeepSeek-V3 applies three splits in turn
+    (digits in threes, then CJK runs, then the rest)."""
+    from tests.model.test_gguf import tokenizer_metadata
+    text = "Hi 12345 日本語!x (a)\n\nb  c"
+
+    def pieces(pre: str) -> list[str]:
+        tok = gguf_tokenizer.build({**tokenizer_metadata(pre)}, "x")
+        return [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+    space, cjk = "Ġ", "日本語".encode().decode("latin-1")   # as ByteLevel writes them
+    byte = {chr(c): ch for c, ch in zip(range(256), _byte_chars())}
+    cjk = "".join(byte[ch] for ch in cjk)
+    assert pieces("deepseek-v3") == ["Hi", space, "123", "45", space, cjk, "!x", space + "(",
+                                     "a", ")ĊĊ", "b", space, space + "c"]
+    assert pieces("glm4") == ["Hi", space, "123", "45", space + cjk, "!x", space + "(", "a",
+                              ")ĊĊ", "b", space, space + "c"]
+    assert not gguf_tokenizer.add_bos({**tokenizer_metadata("glm4"),
+                                       "tokenizer.ggml.add_bos_token": True})
+    supported = gguf_tokenizer.pre_tokenizers_supported()
+    assert {"glm4", "chatglm-bpe", "deepseek-v3"} <= set(supported) and "kimi-k2" not in supported
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (ByteLevel's)."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]

@@ -46,6 +46,7 @@ def test_budget_rejects_a_prompt_with_no_room_and_clamps_max_tokens(budget: Any)
         client.completions.create(model="tiny", prompt=list(range(3, 3 + 500)), max_tokens=4)
     err = e.value.response.json()["error"]
     assert err["type"] == "memory_admission" and err["code"] == "context_over_budget"
+    assert err["param"] == "prompt"   # the completions request's own field
     assert "500" in err["message"] and "478" in err["message"]
     out = client.completions.create(model="tiny", prompt=list(range(3, 3 + 400)),
                                     max_tokens=1000, logit_bias=NO_EOS, temperature=0)

@@ -170,7 +170,7 @@ def test_thinking_param_and_sampling_extensions_are_accepted(client: anthropic.A
 @pytest.mark.parametrize("body, words", [
     ({"messages": USER}, ["max_tokens", "required"]),
     ({"max_tokens": 4, "messages": []}, ["messages"]),
-    ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, ["role", "system"]),
+    ({"max_tokens": 4, "messages": [{"role": "robot", "content": "x"}]}, ["role", "robot"]),
     ({"max_tokens": 4, "messages": USER, "temperature": 5}, ["temperature", "2.0"]),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      ["image", "text"]),

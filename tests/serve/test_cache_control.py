@@ -68,3 +68,15 @@ def test_one_hour_ttl_and_bad_cache_control(client: anthropic.Anthropic) -> None
     assert usage.cache_creation_input_tokens > 100
     with pytest.raises(anthropic.BadRequestError, match="cache_control.ttl is '2h'"):
         ask(client, system_text(3), "Hi", pin=True, ttl="2h")
+
+
+def test_five_marked_blocks_in_one_message_are_a_400(client: anthropic.Anthropic) -> None:
+    """Anthropic's limit counts blocks: five marked blocks of one message are five, not one."""
+    mark = {"type": "ephemeral"}
+    blocks = [{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError, match="5 blocks have cache_control; at most 4"):
+        client.messages.create(model="tiny", max_tokens=2,
+                               messages=[{"role": "user", "content": blocks}])
+    out = client.messages.create(model="tiny", max_tokens=2,
+                                 messages=[{"role": "user", "content": blocks[:4]}])
+    assert out.usage.output_tokens >= 1

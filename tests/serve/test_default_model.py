@@ -5,6 +5,7 @@ decoding, its greedy output through the server equals mlx_lm.generate on the sam
 directory, streaming agrees with non-streaming, and every KV layout serves a correct answer."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,19 @@ def test_answers_factual_questions(default_server: ServerProcess, question: str,
     text = out.choices[0].message.content
     assert answer in text, text
     assert out.model == "smollm2"
+
+
+def test_a_request_without_sampling_fields_is_answered_greedily(default_server: ServerProcess,
+                                                                smollm2_dir: Path) -> None:
+    """The demo's default sampling (a request, the chat page or curl that sets none) is greedy:
+    each standard question answered right, and the same way every time."""
+    gen = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert gen["temperature"] == 0.0 and "top_p" not in gen
+    for question, answer in QUESTIONS:
+        texts = {client(default_server).chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": question}],
+            max_tokens=32).choices[0].message.content for _ in range(3)}
+        assert len(texts) == 1 and answer in texts.pop(), (question, texts)
 
 
 def test_served_model_is_smollm2_in_the_chosen_compute_form(default_server: ServerProcess) -> None:

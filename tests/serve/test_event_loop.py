@@ -20,7 +20,11 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from pipeserve.eventloop.token_bound import NFC_SHRINK, NFKC_SHRINK, byte_chars, char_bound
 
 NO_EOS = {"0": -100, "2": -100}   # <|endoftext|>, <|im_end|> of the tiny tokenizer
-WORST_HEALTH_S = 0.25   # generous for a shared 2-core CI box; the p99 printed is the real figure
+# A blocked loop delays /health by the whole blocking call (tokenizing 10 MB: seconds). The bound
+# is relative to /health on the same server just before, on the same (possibly busy) machine,
+# with a floor far above scheduler noise and far below such a stall.
+STALL_FLOOR_S = 1.0
+BASELINE_POLLS = 25
 TEXT = "hello world "
 TEN_MB = 10_000_000
 TEMPLATE_FIELD = "chat_template_kwargs.chat_template"
@@ -30,31 +34,39 @@ POLLER = """
 import json, sys, threading, time, httpx
 stop, lat, errors = threading.Event(), [], []
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(timeout=10) as c:
-    print("polling", flush=True)
-    while not stop.is_set():
+with httpx.Client(timeout=30) as c:
+    def poll():
         t0 = time.perf_counter()
         try:
             c.get(sys.argv[1] + "/health")
         except httpx.HTTPError as e:
             errors.append(repr(e))
-        lat.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+    baseline = []
+    for _ in range(int(sys.argv[2])):   # the idle server, before the block runs
+        baseline.append(poll())
+        time.sleep(0.02)
+    print("polling", flush=True)
+    while not stop.is_set():
+        lat.append(poll())
         stop.wait(0.02)
-print(json.dumps({"latencies": lat, "errors": errors}), flush=True)
+print(json.dumps({"baseline": baseline, "latencies": lat, "errors": errors}), flush=True)
 """
 
 
 class HealthPoller:
     """GET /health every 20 ms from another process (so this one's GIL and collector never
-    delay it) while the block runs; `latencies` in seconds."""
+    delay it): first BASELINE_POLLS on the idle server, then while the block runs; seconds."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url
+        self.baseline: list[float] = []
         self.latencies: list[float] = []
         self.errors: list[str] = []
 
     def __enter__(self) -> HealthPoller:
-        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, self.base_url],
+        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, self.base_url,
+                                      str(BASELINE_POLLS)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "polling"
         time.sleep(0.1)
@@ -62,18 +74,27 @@ class HealthPoller:
 
     def __exit__(self, *exc: Any) -> None:
         time.sleep(0.1)
-        out, _ = self.proc.communicate("", timeout=30)
+        out, _ = self.proc.communicate("", timeout=60)
         result = json.loads(out.strip().splitlines()[-1])
-        self.latencies, self.errors = result["latencies"], result["errors"]
+        self.baseline, self.latencies = result["baseline"], result["latencies"]
+        self.errors = result["errors"]
 
     def check(self, what: str) -> None:
-        lat = sorted(self.latencies)
-        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-        print(f"\n/health during {what}: n={len(lat)} p99={p99 * 1e3:.1f} ms "
-              f"worst={lat[-1] * 1e3:.1f} ms")
+        lat, base = sorted(self.latencies), sorted(self.baseline)
+        bound = stall_bound(base)
+        print(f"\n/health during {what}: n={len(lat)} worst={lat[-1] * 1e3:.1f} ms; idle: "
+              f"median {base[len(base) // 2] * 1e3:.1f} ms, worst {base[-1] * 1e3:.1f} ms; "
+              f"bound {bound * 1e3:.0f} ms")
         assert not self.errors, self.errors[:3]
         assert len(lat) >= 5, "the poller hardly ran"
-        assert lat[-1] < WORST_HEALTH_S, f"/health took {lat[-1] * 1e3:.0f} ms during {what}"
+        assert lat[-1] < bound, f"/health took {lat[-1] * 1e3:.0f} ms during {what}"
+
+
+def stall_bound(idle: list[float]) -> float:
+    """What counts as a stall, from samples of the same thing unloaded moments before: on a busy
+    machine those are slower too, and the bound grows with them."""
+    idle = sorted(idle)
+    return max(STALL_FLOOR_S, 50 * idle[len(idle) // 2], 4 * idle[-1])
 
 
 def post(base_url: str, path: str, body: bytes | dict[str, Any],
@@ -119,17 +140,15 @@ def test_ten_mb_bodies_are_refused_before_tokenizing_and_health_stays_fast(srv: 
     with HealthPoller(srv.base_url) as poller:
         for name, (path, data) in bodies.items():
             assert len(data) >= TEN_MB
-            t0 = time.perf_counter()
             r = post(srv.base_url, path, data)
-            took = time.perf_counter() - t0
             assert r.status_code == 400, (name, r.text[:300])
             err = error_of(r)
+            # "at least": refused by the character bound, before any tokenizing (a count would
+            # give the exact number, after 5-20 s of tokenizer time here)
             assert "at least" in err["message"] and "context limit is 4096" in err["message"], err
             if not path.startswith("/v1/messages"):
                 assert err["param"] == ("prompt" if name == "completions" else "messages"), err
                 assert err["code"] == "context_length_exceeded"
-            # tokenizing 10 MB takes 5-20 s here; the character bound refuses it at once
-            assert took < 8, f"{name}: {took:.1f} s"
     poller.check("five 10 MB bodies")
     assert httpx.get(srv.base_url + "/health").status_code == 200
 
@@ -156,6 +175,11 @@ def test_long_tokenization_runs_off_the_loop_beside_a_stream(open_srv: Any) -> N
         th = threading.Thread(target=stream, daemon=True)
         th.start()
         assert streamed.wait(60), "the stream never started"
+        for _ in range(600):   # its pace alone, before the prompts (bounded: 60 s)
+            if len(arrivals) > 20:
+                break
+            time.sleep(0.1)
+        alone = list(arrivals)
         t0 = time.perf_counter()
         for name in ("chat", "completions", "count_tokens"):
             path, data = bodies[name]
@@ -169,10 +193,11 @@ def test_long_tokenization_runs_off_the_loop_beside_a_stream(open_srv: Any) -> N
     poller.check(f"tokenizing three 1.5 MB prompts ({t1 - t0:.1f} s)")
     during = [t for t in arrivals if t0 <= t <= t1]
     gaps = [b - a for a, b in zip(during, during[1:])] or [t1 - t0]
+    bound = stall_bound([b - a for a, b in zip(alone, alone[1:])])
     print(f"stream: {len(during)} tokens while the prompts were prepared ({t1 - t0:.1f} s), "
-          f"worst gap {max(gaps) * 1e3:.0f} ms")
+          f"worst gap {max(gaps) * 1e3:.0f} ms (bound {bound * 1e3:.0f} ms)")
     assert len(during) >= 20, "the stream hardly moved while the big prompts were prepared"
-    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s"
+    assert max(gaps) < bound, f"the stream stalled {max(gaps):.2f} s"
 
 
 def test_count_tokens_of_a_large_prompt_within_the_context(open_srv: Any,
@@ -263,17 +288,14 @@ def test_request_template_errors_are_400s_naming_the_field(open_srv: Any, templa
 def test_slow_request_template_is_cut_off_and_health_stays_fast(open_srv: Any) -> None:
     slow = ("{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}"
             "{{ messages[0].content }}")
-    with HealthPoller(open_srv.base_url) as poller:
-        t0 = time.perf_counter()
+    with HealthPoller(open_srv.base_url) as poller:   # 4e8 loop steps: hours, uncut
         r = post(open_srv.base_url, "/v1/chat/completions",
                  {"model": "tiny", "messages": CHAT, "max_tokens": 2,
                   "chat_template_kwargs": {"chat_template": slow}})
-        took = time.perf_counter() - t0
     poller.check("a slow request template")
     assert r.status_code == 400, r.text
     err = error_of(r)
     assert err["param"] == TEMPLATE_FIELD and "within 1 s" in err["message"], err
-    assert took < 1 + 10, f"cut off after {took:.1f} s"   # the bound plus the sandbox's start
     ok = post(open_srv.base_url, "/v1/chat/completions",
               {"model": "tiny", "messages": CHAT, "max_tokens": 2})
     assert ok.status_code == 200

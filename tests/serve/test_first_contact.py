@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import re
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,12 +19,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
 from pipeserve.core.config import SchedulerConfig
 
 from pipeserve.errors import ConfigError
+from pipeserve.launch.overrides import expand_home
+from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.loader import locate
-from tests.conftest import make_config, startup_error
+from tests.conftest import make_config, pinned, startup_error
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -54,8 +59,14 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
                 "unknown config key 'scheduler.max_batchh' (did you mean scheduler.max_batch?); "
                 f"'scheduler' has: {_keys(SchedulerConfig)}",
             ("kv=turb",): "kv=turb is not an option of kv (did you mean kv=turbo?); options: dense",
+            ("model.path=/models/a(b)",):   # Hydra's grammar: the character and the quoting fix
+                "model.path=/models/a(b): Hydra's override grammar cannot read '(' in an unquoted "
+                "value; quote the value (with the shell's quotes around it): "
+                "\"model.path='/models/a(b)'\"",
             ("model=tiny", f"server.port={port}"):
                 f"server.port {port} on 127.0.0.1 is already in use",
+            ("model.path=${oc.env:PIPESERVE_NOT_SET_X}",):   # OmegaConf's error, on one line
+                "Environment variable 'PIPESERVE_NOT_SET_X' not found\"; full_key: model.name",
         }
         procs = {args: _launch(tmp_path / str(i), *args) for i, args in enumerate(cases)}
         outputs = {args: (p.wait(60), *p.communicate()) for args, p in procs.items()}
@@ -65,7 +76,7 @@ def test_launch_errors_are_short_and_share_one_exit_code(tmp_path: Path) -> None
         assert len(lines) <= 2 and "Traceback" not in out + err, (args, out + err)
         assert cases[args] in err, (args, err)
         assert "huggingface-cli" not in err and "+scheduler" not in err
-    assert not (tmp_path / "3" / "models").exists(), "a model was generated before the port check"
+    assert not (tmp_path / "4" / "models").exists(), "a model was generated before the port check"
 
 
 @pytest.mark.parametrize("path, message", [
@@ -85,6 +96,185 @@ def test_model_path_is_checked_before_anything_loads(tmp_path: Path, path: str, 
     with pytest.raises(ConfigError) as e:
         locate(cfg.model)
     assert message in str(e.value)
+
+
+def test_paths_as_a_shell_user_types_them(server_factory: Any, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.path=~/models/X` unquoted (bash leaves a `~` after `=` alone and Hydra's grammar
+    rejects it): the launch reads `~` as the home directory, for the model, the SSD cache
+    directory and a pool's model directory alike."""
+    home = tmp_path / "home"
+    model = ensure_model(cache_dir=home / "models")
+    monkeypatch.setenv("HOME", str(home))
+    one = server_factory(f"model.path=~/models/{model.name}", "cache=ssd",
+                         "cache.ssd.dir=~/prompt-cache", wait=False)
+    pool = server_factory("pool=dir", "pool.model_dir=~/models", wait=False)
+    one.wait_ready()
+    pool.wait_ready()
+    client = openai.OpenAI(base_url=one.base_url + "/v1", api_key="x")
+    reply = client.chat.completions.create(model=model.name, max_tokens=4, messages=[
+        {"role": "user", "content": "hi"}])
+    assert reply.model == model.name and reply.choices[0].message.content
+    assert (home / "prompt-cache").is_dir() and not (ROOT / "~").exists()
+    served = openai.OpenAI(base_url=pool.base_url + "/v1", api_key="x").models.list()
+    assert model.name in [m.id for m in served.data]
+
+
+def test_home_is_expanded_only_in_path_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    monkeypatch.setenv("HOME", "/home/a b,c'd")   # Hydra would split on ',' and stop at "'"
+    args = ["model.path=~/m", "+pool.models.x.path=~", "server.api_key_file=~/k",
+            "model.chat_template=~/t.jinja", "server.api_key=~secret", "~model.adapter_dir",
+            "--cfg", "server.port=8080"]
+    out = expand_home(args)
+    parser = OverridesParser.create()
+    values = [parser.parse_override(a).value() for a in out[:4]]
+    assert values == ["/home/a b,c'd/m", "/home/a b,c'd", "/home/a b,c'd/k",
+                      "/home/a b,c'd/t.jinja"]
+    assert out[4:] == args[4:]   # a key's value, a deletion, a flag: as typed
+    sweep = parser.parse_override(expand_home(["model.path=~/a,~/b"])[0]).value()   # bench -m
+    assert [x.text for x in sweep.list] == ["/home/a b,c'd/a", "/home/a b,c'd/b"]
+
+
+def _broken_model_files(tmp: Path) -> dict[str, str]:
+    """Damaged GGUF files (written by llama.cpp's `gguf` package, then cut or overwritten) and
+    damaged safetensors checkpoints → what the launch's one line must say of each."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.model.test_gguf import _small, save_ggml_gguf, tokenizer_metadata
+
+    tensors, meta = _small(tokenizer_metadata())
+    whole = save_ggml_gguf(tmp / "whole.gguf", {n: (w, T.F32) for n, w in tensors.items()}, meta)
+    data = whole.read_bytes()
+    cut = len(data) - 4096
+    at = data.index(b"llama.block_count") - 8   # that key's 8-byte length
+    name = data.index(b"output_norm.weight") + len(b"output_norm.weight")
+    ttype = name + 4 + 8 * int.from_bytes(data[name:name + 4], "little")   # after ndim, dims
+    files = {
+        "cut-in-tensors.gguf": (data[:cut], f"is truncated at byte {cut} of "),
+        "cut-in-header.gguf": (data[:300], "is truncated at byte 300, inside its GGUF header"),
+        "bad-length.gguf": (data[:at] + b"\xff" * 8 + data[at + 8:],
+                            "is corrupt: its GGUF header does not parse (a string of "
+                            f"{2**64 - 1} bytes runs past the end of the file"),
+        "bad-type.gguf": (data[:ttype] + (200).to_bytes(4, "little") + data[ttype + 4:],
+                          "tensor type unknown type 200 is not supported"),
+    }
+    out = {}
+    for fname, (blob, message) in files.items():
+        (tmp / fname).write_bytes(blob)
+        out[str(tmp / fname)] = message
+    falcon = save_ggml_gguf(tmp / "falcon.gguf", {n: (w, T.F32) for n, w in tensors.items()},
+                            meta, arch="falcon")
+    out[str(falcon)] = "GGUF architecture 'falcon' is not supported; supported: llama"
+    model = ensure_model(cache_dir=tmp / "models")
+    weights = (model / "model.safetensors").read_bytes()
+    for dname, blob, message in [
+            ("cut-checkpoint", weights[:len(weights) // 2],
+             f"model.safetensors is truncated at byte {len(weights) // 2} of {len(weights)}"),
+            ("bad-checkpoint", b"\xff" * 8 + weights[8:],
+             "model.safetensors is corrupt (header too large")]:
+        shutil.copytree(model, tmp / dname)
+        (tmp / dname / "model.safetensors").write_bytes(blob)
+        out[str(tmp / dname)] = message
+    return out
+
+
+def test_a_broken_model_file_is_one_line_naming_it_and_the_fix(tmp_path: Path) -> None:
+    cases = _broken_model_files(tmp_path)
+    procs = {path: _launch(tmp_path / str(i), f"model.path={path}", "server.port=0")
+             for i, path in enumerate(cases)}
+    for path, p in procs.items():   # seven launches at once: generous for a loaded machine
+        out, err = p.communicate(timeout=600)
+        rc = p.returncode
+        assert rc == 2 and "Traceback" not in out + err, (path, rc, out, err)
+        assert err.count("\n") == 1 and err.startswith(f"pipeserve: config error: model.path "
+                                                         f"'{path}"), (path, err)
+        assert cases[path] in err, (path, err)
+        assert "download" in err or "supported:" in err, err   # the fix
+
+
+LAUNCH = re.compile(r"(?:^|&& |; |\$ )(?:pipeserve|python serve\.py) +(.*)$")
+ERROR_EXAMPLES = {"kv=turb", "scheduler.max_batchh=4", "model.path=/data/run=3/model"}
+
+
+def documented_launches() -> list[tuple[str, list[str]]]:
+    """Every `pipeserve ...` / `python serve.py ...` in the README's and docs' code (inline spans
+    and fenced blocks), as its arguments; placeholders (`...`, `<dir>`) and flags left out."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")
+        code = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
+        for chunk in code:
+            for line in chunk.splitlines():
+                m = LAUNCH.search(line.strip())
+                if not m:
+                    continue
+                args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
+                if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
+                    args = args[1:]
+                if args and not any("..." in a or "<" in a or a.startswith("-") for a in args):
+                    found.append((f"{page.name}: {line.strip()}", args))
+    return found
+
+
+def test_every_documented_launch_composes_as_bash_passes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a newcomer copies into bash gets past Hydra's grammar and the config checks (the
+    weights are not here: a missing model.path is the one-line launch error tested above); the
+    documented error examples fail with one line instead."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeserve.config import check_overrides, load_config
+    from pipeserve.launch.checks import _unparsable
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PIPESERVE_API_KEY", "k" * 32)
+    launches = documented_launches()
+    assert len(launches) >= 40 and any("model.path=~/" in w for w, _ in launches)
+    seen = set()
+    with initialize_config_dir(config_dir=str(ROOT / "pipeserve" / "conf"), version_base="1.3"):
+        for where, args in launches:   # a key file the docs name (/etc/...) is not here
+            args = expand_home([a for a in args if not a.startswith("server.admin_key_file=")])
+            if tuple(args) in seen:
+                continue
+            seen.add(tuple(args))
+            try:
+                check_overrides(args)
+                load_config(compose("serve", overrides=pinned(args)))
+            except OverrideParseException as e:   # serve.py's one line for it
+                assert " ".join(args) in ERROR_EXAMPLES, (where, _unparsable(e.override, str(e)))
+            except (ConfigError, ConfigCompositionException, MissingConfigException) as e:
+                assert " ".join(args) in ERROR_EXAMPLES, (where, str(e))
+            else:
+                assert " ".join(args) not in ERROR_EXAMPLES, where
+
+
+def test_a_launch_on_a_terminal_says_it_is_starting_before_the_imports(tmp_path: Path) -> None:
+    """On a terminal the first words come before seconds of imports and config checks (here
+    the launch then fails: its one error line follows); piped, stdout stays the log alone."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "model.path=/nonexistent/m",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=slave,
+                            stderr=slave, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    out = b""
+    for _ in range(10_000):   # until the process closes its end (EIO), bounded
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(60) == 2
+    lines = [x for x in out.decode().splitlines() if x.strip()]
+    assert lines[0].startswith("pipeserve: starting: config, then MLX and the server, then the "
+                               "model"), lines
+    assert lines[-1].startswith("pipeserve: config error: model.path '/nonexistent/m' does not "
+                                "exist"), lines
 
 
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:

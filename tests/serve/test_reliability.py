@@ -336,6 +336,11 @@ def test_tools_a_template_cannot_render_are_named_in_a_header(single: Any, pool:
     assert r.status_code == 200
     assert "tools ignored" in r.headers["x-pipeserve-warning"]
     assert "model.chat_template" in r.headers["x-pipeserve-warning"]
+    r = _chat(single.base_url, "tiny", headers=AUTH, tools=TOOLS)
+    assert "tools ignored" in r.headers["x-pipeserve-warning"]
+    # and the log says it once, naming the model
+    assert single.log().count("model tiny: request ") == 1
+    assert "sent tools, but the chat template does not render tools" in single.log()
     r = _chat(single.base_url, "tiny", headers=AUTH, tools=TOOLS, tool_choice="none")
     assert "x-pipeserve-warning" not in r.headers   # not asked to render them
     r = _chat(single.base_url, "tiny", headers=AUTH)

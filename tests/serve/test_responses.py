@@ -152,7 +152,8 @@ def test_tool_items_round_trip(client: openai.OpenAI) -> None:
     ({"temperature": 9}, "temperature"),
     ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "custom", "name": "x", "format": {"type": "grammar",
+                                                           "syntax": "ebnf"}}]}, "tools"),
 ])
 def test_bad_requests_are_openai_shaped_400s(client: openai.OpenAI, fields: dict[str, Any],
                                              param: str) -> None:

@@ -139,6 +139,26 @@ def test_resumable_stream_outlives_its_client(srv: Any) -> None:
                         "pipeserve_stream_resume_bytes") > 0
 
 
+def test_a_reader_past_the_end_never_renumbers_a_live_stream(srv: Any) -> None:
+    """A resume that claims a frame the live stream has not sent is a 400, and leaves the log
+    as it was: the owner's resume then reads every frame, numbered without a gap."""
+    path, body = body_of("chat", 600, stream_options={"resumable": True})
+    head = post(srv.base_url, path, body, limit=1)
+    sid = stream_id(head[0])
+    far = resume(srv.base_url, sid, last=10**17)
+    assert far.status_code == 400, far.text
+    assert "has sent up to frame" in far.json()["error"]["message"] or "ended at frame" in far.text
+    r = resume(srv.base_url, sid, last=0)
+    assert r.status_code == 200, r.text
+    ids = [frame_id(f) for f in frames_of(r.content)]
+    assert ids == list(range(1, len(ids) + 1)) and len(ids) > 600 // 8
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    return [f + b"\n\n" for f in data.split(b"\n\n") if f and not f.startswith(b":")]
+
+
 def test_plain_stream_is_cancelled_when_its_client_leaves(srv: Any) -> None:
     path, body = body_of("completions", 4000)
     before = sample_value(metric_families(srv.base_url), "pipeserve_requests",
@@ -169,6 +189,10 @@ def test_sdks_read_streams_with_ids(srv: Any) -> None:
 @pytest.mark.parametrize("query,status,needle", [
     ({"after": "x"}, 400, "after is 'x'"),
     ({"after": "-5"}, 400, "frame ids start at 0"),
+    ({"after": "+2"}, 400, "after is '+2'"),      # int() takes these: ids are parsed strictly
+    ({"after": "2_0"}, 400, "after is '2_0'"),
+    ({"after": "10000000000000000000"}, 400, "decimal digits"),
+    ({"after": "999999999999999999"}, 400, "ended at frame"),
 ])
 def test_bad_resume_requests_name_the_field(srv: Any, query: dict[str, str], status: int,
                                             needle: str) -> None:

@@ -25,12 +25,11 @@ CASES = [
     ("/v1/chat/completions", CHAT, "priority", 5),
     ("/v1/chat/completions", CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", CHAT, "prediction", {"type": "content", "content": "x"}),
-    ("/v1/chat/completions", CHAT, "parallel_tool_calls", False),
     ("/v1/chat/completions", CHAT, "min_tokens", 3),
     ("/v1/chat/completions", CHAT, "web_search_options", {}),
     ("/v1/completions", COMPLETION, "prompt_logprobs", 2),
     ("/v1/completions", COMPLETION, "ignore_eos", True),
-    ("/v1/responses", RESPONSE, "truncation", "auto"),
+    ("/v1/responses", RESPONSE, "include", ["reasoning.encrypted_content"]),
     ("/v1/responses", RESPONSE, "background", True),
     ("/v1/messages", MESSAGE, "service_tier", "standard_only"),
     ("/v1/messages", MESSAGE, "made_up_field", 1),
@@ -83,6 +82,24 @@ def test_supported_fields_and_default_values_pass_strict_mode(strict: Any) -> No
                                metadata={"user_id": "u"}, stop_sequences=["\n\n"],
                                extra_body={"top_k": 5})
     assert m.type == "message"
+
+
+@pytest.mark.parametrize("kind", ["lax", "strict"])
+def test_parallel_tool_calls_false_is_honoured_and_reported_so(kind: str, request: Any) -> None:
+    """It limits a turn to one call (tests/serve/test_tools_reasoning.py), so it is neither
+    named as ignored nor refused in strict mode, and Responses echoes it as sent."""
+    srv = request.getfixturevalue(kind)
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=2, parallel_tool_calls=False)
+    assert chat.http_response.status_code == 200
+    assert "x-pipeserve-ignored" not in chat.headers
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input="hi", max_output_tokens=2, parallel_tool_calls=False)
+    assert "x-pipeserve-ignored" not in raw.headers
+    assert raw.parse().parallel_tool_calls is False
+    assert client.responses.create(model=MODEL, input="hi",
+                                   max_output_tokens=2).parallel_tool_calls is True
 
 
 def test_ignored_fields_are_counted_by_endpoint_and_name(lax: Any) -> None:

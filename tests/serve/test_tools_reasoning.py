@@ -124,13 +124,15 @@ def test_required_is_enforced_and_broken_markup_stays_text(coder: Any,
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and args_ok(call.function.arguments)
-    # auto: markup the model writes that never forms a call comes back as text, not a 500
+    # auto: markup the model opens and max_tokens cuts is dropped and flagged, never leaked
+    # as text, nor a 500
     r = client.chat.completions.create(tools=CHAT_TOOLS, max_tokens=3, logit_bias=open_call,
                                        **base)
     assert r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == "<tool_call><tool_call><tool_call>"
+    assert not r.choices[0].message.content
     assert r.choices[0].finish_reason == "length"
-    assert "kept as text" in coder.log()
+    assert r.usage.model_extra["incomplete_tool_call"] is True
+    assert "cut by max_tokens, dropped" in coder.log()
 
 
 def test_tools_render_and_round_trip_and_none(coder: Any) -> None:
@@ -375,14 +377,15 @@ def test_assistant_prefill_continues_the_turn(coder: Any, thinker: Any) -> None:
 def test_strict_tools_in_auto_mode_finish_the_call_the_model_opens(
         coder: Any, open_call: dict[str, int]) -> None:
     """logit_bias makes the model open a call at every step. Without strict the markup is
-    garbage and comes back as text; with a strict tool the grammar finishes the opened call
-    schema-valid, and with parallel calls off no second call opens."""
+    garbage cut by max_tokens: dropped and flagged, never text; with a strict tool the grammar
+    finishes the opened call schema-valid, and with parallel calls off no second call opens."""
     client = oa(coder)
     kw = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 48,
           "logit_bias": open_call, "parallel_tool_calls": False}
     loose = client.chat.completions.create(tools=CHAT_TOOLS, **kw)
     assert loose.choices[0].message.tool_calls is None
-    assert loose.choices[0].message.content.startswith("<tool_call><tool_call>")
+    assert not loose.choices[0].message.content
+    assert loose.usage.model_extra["incomplete_tool_call"] is True
     strict = [{"type": "function", "function": {**CHAT_TOOLS[0]["function"], "strict": True}}]
     r = client.chat.completions.create(tools=strict, **kw)
     [call] = r.choices[0].message.tool_calls

@@ -95,3 +95,19 @@ def test_input_audio_parts_parsed_or_refused() -> None:
         with pytest.raises(InvalidRequest) as e:
             from_input_audio(obj, where)
         assert str(e.value).startswith(where) and reason in str(e.value), str(e.value)
+
+
+def test_an_odd_sample_rate_resamples_in_bounded_memory() -> None:
+    """A 50 ms WAV at 383,999 Hz: its reduced rate ratio would size a polyphase filter of tens
+    of millions of taps (gigabytes); it comes out at 16 kHz, the tone kept, in a few MB."""
+    import tracemalloc
+    rate = 383_999
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(rate // 20) / rate)
+    tracemalloc.start()
+    clip = decode(wav(tone, rate), "messages[0].content[0]", LIMITS, 16000, 30.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 20_000_000, peak
+    assert clip.waveform.shape == (800,) and clip.waveform.dtype == np.float32
+    reference = 0.3 * np.sin(2 * np.pi * 440 * np.arange(800) / 16000)
+    assert np.abs(clip.waveform[50:-50] - reference[50:-50]).max() < 0.01

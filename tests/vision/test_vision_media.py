@@ -4,6 +4,7 @@ on 127.0.0.1 — refused unless enabled, refused for loopback unless private hos
 from __future__ import annotations
 
 import io
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,3 +142,72 @@ def test_a_family_not_wired_in_is_refused_at_launch_naming_it(tmp_path: Path) ->
                                               r"pipeserve serves the mlx-vlm families .*qwen3_5, "
                                               r"qwen3_5_moe, qwen3_vl, qwen3_vl_moe so far"):
             VisionEncoder.load(tmp_path, {"model_type": family}, lm=None)
+
+
+def test_dns_rebinding_cannot_reach_a_private_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that resolves to a public address for the check and to 127.0.0.1 afterwards:
+    the fetch connects to the checked address only, so the private server is never asked."""
+    import socket
+
+    asked: list[str] = []
+    real = socket.getaddrinfo
+    answers = iter(["8.8.8.8"] + ["127.0.0.1"] * 10)   # public (unreachable here), then loopback
+
+    def rebinding(host: str, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != "rebind.example":
+            return real(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers), port))]
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    connected: list[str] = []
+    real_connect = socket.create_connection
+
+    def connect(address: Any, *args: Any, **kw: Any) -> Any:   # no packet leaves this host
+        connected.append(address[0])
+        if address[0] != "127.0.0.1":
+            raise ConnectionRefusedError(f"{address[0]}: not contacted from a test")
+        return real_connect(address, *args, **kw)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    with local_server({"/cat.jpg": (200, {}, jpeg((30, 10)))}) as url:
+        port = url.rsplit(":", 1)[1]
+        part = from_url(f"http://rebind.example:{port}/cat.jpg", "messages[0].content[0]")
+        with pytest.raises(InvalidRequest, match=r"content\[0\]: fetching the image"):
+            decode_all([part], limits(allow_remote=True, fetch_timeout_s=1.0))
+        asked.append(next(answers))
+    assert asked == ["127.0.0.1"]   # resolved once: the second answer was never taken
+    assert connected == ["8.8.8.8"]  # the checked address only, never the rebound loopback
+
+
+def test_the_fetch_deadline_holds_while_headers_trickle() -> None:
+    """A server that sends its status line, then one header byte every 0.1 s: each read is
+    under the socket timeout, the whole fetch is not."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+                for _ in range(100):   # bounded: 10 s at most
+                    conn.sendall(b"a")
+                    threading.Event().wait(0.1)
+            except OSError:
+                pass
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    part = from_url(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png", "p")
+    with pytest.raises(InvalidRequest, match=r"longer than 1\.0 s \(media\.media_fetch_timeout_s\)"):
+        decode_all([part], limits(allow_remote=True, allow_private=True, fetch_timeout_s=1.0))
+    listener.close()
+    thread.join(15)
+
+
+def test_a_url_with_a_port_out_of_range_is_a_400() -> None:
+    part = from_url("http://example.com:99999/a.png", "messages[0].content[0]")
+    with pytest.raises(InvalidRequest, match=r"content\[0\] has an invalid URL \(Port out of range"):
+        decode_all([part], limits(allow_remote=True))

@@ -5,6 +5,7 @@ fetched from a real HTTP server on 127.0.0.1 only when remote and private media 
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,9 @@ def limits(**kw) -> VideoLimits:
     media = MediaLimits(max_image_bytes=1_000_000, max_image_pixels=1_000_000, max_images=4,
                         max_request_bytes=kw.pop("max_request_bytes", 10_000_000),
                         allow_remote=kw.pop("allow_remote", False),
-                        allow_private=kw.pop("allow_private", False), fetch_timeout_s=5.0)
+                        allow_private=kw.pop("allow_private", False), fetch_timeout_s=5.0,
+                        max_request_pixels=kw.pop("max_request_pixels", 100_000_000),
+                        prepare_s=kw.pop("prepare_s", 60.0))
     base = dict(fps=2.0, max_frames=32, max_bytes=5_000_000, max_seconds=60.0, max_videos=2,
                 max_frame_pixels=1_000_000)
     return VideoLimits(**{**base, **kw}, media=media)
@@ -84,6 +87,14 @@ def test_caps_and_corrupt_videos_name_the_part() -> None:
         decode_all(parts[:2], limits(max_request_bytes=len(clip) + 10), FACTOR, MIN_FRAMES, 0)
     with pytest.raises(InvalidRequest, match=r"m\[0\]: the request's images and videos add up"):
         decode_all(parts[:1], limits(max_request_bytes=len(clip) + 10), FACTOR, MIN_FRAMES, 20)
+    # 6 sampled frames of 64x48 per video: the second brings the request to 36864 pixels
+    with pytest.raises(InvalidRequest, match=r"m\[1\]: the request's sampled video frames add "
+                                             r"up to 36864 decoded pixels; the limit is 30000 "
+                                             r"per request \(media\.max_request_pixels\)"):
+        decode_all(parts[:2], limits(max_request_pixels=30_000), FACTOR, MIN_FRAMES, 0)
+    with pytest.raises(InvalidRequest, match=r"m\[0\]: preparing this request's media took "
+                                             r".*media\.max_media_prepare_s"):
+        decode_all(parts[:1], limits(), FACTOR, MIN_FRAMES, 0, started=time.monotonic() - 61)
     with pytest.raises(InvalidRequest, match="scheme 'file'"):
         from_url("file:///etc/passwd", "p")
     with pytest.raises(InvalidRequest, match=r"p: the video data is not valid base64"):

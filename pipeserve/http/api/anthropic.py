@@ -3,6 +3,7 @@ Generation output → Message bodies and the streaming event sequence (message_s
 content_block_*, message_delta, message_stop), errors in Anthropic's shape. Event loop."""
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -14,22 +15,45 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import resume
 from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Delta, Generation, Usage
+from pipeserve.http.api.tools import ToolCall
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body,
                                ready_front, route, sse_event)
-from pipeserve.http.api.openai import miss_fields, sampling_fields
+from pipeserve.http.api.openai import incomplete_fields, miss_fields, sampling_fields
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.errors import InvalidRequest, ServeError
 from pipeserve.eventloop.offload import off_loop
 from pipeserve.vision.media import MediaPart, from_base64, from_url
 from pipeserve.request import PromptInput, Request
 
-# our error types → Anthropic's (the rest are shared names)
-ERROR_TYPES = {"service_unavailable": "overloaded_error", "server_error": "api_error"}
+# HTTP status → Anthropic's error type: clients (Claude Code) pick their recovery by it
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 501: "invalid_request_error",
+               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+# our context-limit messages (pipeserve/stages/tokenize.py, admission.py) and Anthropic's own
+# wording of the same, which Claude Code parses to compact or to retry with a smaller max_tokens
+_PROMPT = re.compile(r"prompt has (\d+) tokens; the context limit is (\d+)")
+_ROOM = re.compile(r"max_tokens is (\d+) but the prompt \((\d+) tokens\) leaves \d+ of the "
+                   r"(\d+)-token context")
 
 
-def error_body(message: str, error_type: str, status: int = 400) -> dict[str, Any]:
-    kind = "request_too_large" if status == 413 else ERROR_TYPES.get(error_type, error_type)
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def error_body(message: str, error_type: str, status: int = 400,
+               code: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": _worded(message, code)}}
+
+
+def _worded(message: str, code: str | None) -> str:
+    """A context-limit error as Anthropic's API words it, ours after it."""
+    if code != "context_length_exceeded":
+        return message
+    if m := _ROOM.search(message):
+        asked, prompt, limit = m.groups()
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > "
+                f"{limit}, decrease input length or `max_tokens` and try again ({message})")
+    if m := _PROMPT.search(message):
+        return f"prompt is too long: {m[1]} tokens > {m[2]} maximum ({message})"
+    return message
 
 
 # -- request -------------------------------------------------------------------------------
@@ -38,16 +62,19 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
     if not messages:
         raise InvalidRequest("messages must be a non-empty array of {role, content} turns",
                              param="messages")
-    turns = _system(body.get("system"))
+    turns = _system(body.get("system"), _folded(messages))
     media: list[MediaPart] = []
     breakpoints = _breakpoints(body, turns)
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            continue   # folded into the system prompt above
         turns.extend(_turn(m, f"messages[{i}]", media))
         ttl = _marked(m.get("content") if isinstance(m, dict) else None, f"messages[{i}]")
         if ttl is not None:
             breakpoints.append((len(turns) - 1, ttl))
-    if len(breakpoints) > MAX_BREAKPOINTS:
-        raise InvalidRequest(f"{len(breakpoints)} blocks have cache_control; at most "
+    marks = _num_marked(body)   # blocks, not breakpoints: several in one message count each
+    if marks > MAX_BREAKPOINTS:
+        raise InvalidRequest(f"{marks} blocks have cache_control; at most "
                              f"{MAX_BREAKPOINTS} may", param="cache_control")
     tools = [F.anthropic_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]
@@ -110,6 +137,14 @@ def _marked(blocks: Any, where: str) -> float | None:
     return max(marked) if marked else None
 
 
+def _num_marked(body: dict[str, Any]) -> int:
+    """How many blocks (tools, system blocks, message content blocks) carry cache_control."""
+    lists = [body.get("tools"), body.get("system")]
+    lists += [m.get("content") for m in body.get("messages") or [] if isinstance(m, dict)]
+    return sum(1 for blocks in lists if isinstance(blocks, list) for b in blocks
+               if isinstance(b, dict) and b.get("cache_control") is not None)
+
+
 def _breakpoints(body: dict[str, Any], system: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """cache_control on tools or system blocks: a breakpoint at the system message's end
     (tools are rendered with the system prompt). Tools without a system prompt: none."""
@@ -118,15 +153,31 @@ def _breakpoints(body: dict[str, Any], system: list[dict[str, Any]]) -> list[tup
     return [(0, max(ttls))] if ttls and system else []
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, folded: list[str]) -> list[dict[str, Any]]:
+    """The system prompt: `system` (a string or text blocks), then the `folded` texts of
+    system entries sent inside `messages`."""
     if system is None or system == "":
-        return []
-    if isinstance(system, str):
-        return [{"role": "system", "content": system}]
-    if not isinstance(system, list):
+        texts = []
+    elif isinstance(system, str):
+        texts = [system]
+    elif isinstance(system, list):
+        texts = ["\n".join(_text(b, f"system[{i}]", "system") for i, b in enumerate(system))]
+    else:
         raise InvalidRequest("system must be a string or an array of text blocks", param="system")
-    return [{"role": "system", "content": "\n".join(_text(b, f"system[{i}]", "system")
-                                                     for i, b in enumerate(system))}]
+    texts = [t for t in texts + folded if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
+
+
+def _folded(messages: list[Any]) -> list[str]:
+    """The texts of `role: system` entries inside `messages` (Claude Code sends them for a
+    model it does not know): they join the system prompt, which templates render first."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "system":
+            blocks = _blocks(m.get("content"), f"messages[{i}]")
+            out.append("".join(_text(b, f"messages[{i}].content[{j}]", "messages")
+                               for j, b in enumerate(blocks)))
+    return out
 
 
 def _text(block: Any, where: str, param: str) -> str:
@@ -152,7 +203,7 @@ def _turn(m: Any, where: str, media: list[MediaPart]) -> list[dict[str, Any]]:
     tool_use blocks the assistant's tool_calls; thinking blocks are dropped."""
     role = m.get("role") if isinstance(m, dict) else None
     if role not in ("user", "assistant"):
-        raise InvalidRequest(f"{where}.role is {role!r}; allowed: user, assistant",
+        raise InvalidRequest(f"{where}.role is {role!r}; allowed: user, assistant, system",
                              param="messages")
     out: list[dict[str, Any]] = []
     texts: list[str] = []
@@ -197,7 +248,7 @@ def _image(block: dict[str, Any], where: str) -> MediaPart:
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64":
-        return from_base64(source.get("data"), where)
+        return from_base64(source.get("data"), where, source.get("media_type"))
     if kind == "url":
         return from_url(source.get("url"), where)
     raise InvalidRequest(f"{where} is an image block with source.type {kind!r}; allowed: base64, "
@@ -269,17 +320,23 @@ def usage_body(usage: Usage, output: bool = True, written: int = 0) -> dict[str,
         out["speculation"] = usage.speculation
     if output and usage.record is not None:
         out["pipeserve"] = usage.record
+    if output:
+        out.update(incomplete_fields(usage))
     return out
 
 
 def message_body(message_id: str, model: str, gen: Generation) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
-    if gen.reasoning:
-        content.append({"type": "thinking", "thinking": gen.reasoning, "signature": ""})
-    if gen.content or not (gen.tool_calls or gen.reasoning):   # as the stream's blocks
-        content.append({"type": "text", "text": gen.content})
-    content.extend({"type": "tool_use", "id": f"toolu_{c.id}", "name": c.name,
-                    "input": c.arguments} for c in gen.tool_calls)
+    for kind, part in gen.parts:   # in the order the model wrote them, as the stream's blocks
+        if isinstance(part, ToolCall):
+            content.append({"type": "tool_use", "id": f"toolu_{part.id}", "name": part.name,
+                            "input": part.arguments})
+        elif kind == "reasoning":
+            content.append({"type": "thinking", "thinking": part, "signature": ""})
+        else:
+            content.append({"type": "text", "text": part})
+    if not content:
+        content.append({"type": "text", "text": ""})
     reason, sequence = stop_reason(gen)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -347,7 +404,7 @@ async def handle_messages(app: Sanic, http: sanic.Request) -> HTTPResponse | Non
         req = Request(request_id=f"msg_{uuid.uuid4().hex}", endpoint="messages",
                       inputs=inputs, requested=requested,
                       constraint=structured.from_body(body, format_field=None),   # guided_*
-                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters))
         keep = resume.resumable(body)
         gen = await scope.start(req)
         model = ctx.cfg.model.name
@@ -367,8 +424,8 @@ async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     known_fields.check(app.ctx, http, "count_tokens", body)
     inputs, _ = await off_loop(len(http.body or b""), lambda: parse(body, True))
     front = ready_front(app, await route(app, body))
-    req = await front.tokenize(Request(request_id=f"count-{uuid.uuid4().hex}",
-                                       endpoint="count_tokens", inputs=inputs))
+    req = await front.tokenize(front.normalise(Request(
+        request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=inputs)))
     return json_response({"input_tokens": req.num_prompt_tokens})
 
 
@@ -388,7 +445,7 @@ async def _stream(log: StreamLog, gen: Generation, model: str) -> bool:
         async for delta in gen.deltas():
             await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
     except ServeError as e:
-        await send([("error", error_body(e.message, e.error_type, e.status))])
+        await send([("error", error_body(e.message, e.error_type, e.status, e.code))])
         return False
     reason, sequence = stop_reason(gen)
     await send(blocks.close(ensure_one=True) + [

@@ -18,9 +18,10 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
 from pipeserve.http.api.http import Scope, json_response, read_body, route
 from pipeserve.embed.engine import Embed
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import EngineUnavailable, InvalidRequest
 from pipeserve.eventloop.offload import off_loop
+from pipeserve.eventloop.token_bound import CharBound, char_bound
 
 MAX_INPUTS = 2048   # OpenAI's bound on the array
 WAIT_S = 600.0
@@ -52,9 +53,41 @@ def _ids(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
+_BOUNDS: dict[int, CharBound | None] = {}   # by tokenizer: built once, on first use
+
+
+def text_bound(loaded: Any) -> CharBound | None:
+    """The least tokens a text can take with this model's tokenizer, from its length alone
+    (pipeserve/eventloop/token_bound.py); None when the tokenizer's length bounds nothing."""
+    tokenizer = loaded.tokenizer   # Hugging Face's; a pool's parent holds mlx-lm's wrapper of it
+    key = id(tokenizer)
+    if key not in _BOUNDS:
+        backend = (getattr(tokenizer, "backend_tokenizer", None)
+                   or getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None))
+        _BOUNDS[key] = char_bound(backend) if backend is not None else None
+    return _BOUNDS[key]
+
+
+def check_lengths(loaded: Any, texts: list[tuple[str, str]], extra: int = 0) -> None:
+    """Refuse, before any is tokenized, a text (`where`, text) that cannot fit the context
+    (`extra`: tokens every row adds, a rerank query's)."""
+    bound = text_bound(loaded)
+    if bound is None:
+        return
+    for where, text in texts:
+        least = bound.min_tokens(text) + extra
+        if least > loaded.max_context:
+            raise InvalidRequest(
+                f"{where} is {len(text)} characters: at least {least} tokens (no token of this "
+                f"tokenizer spells more than {bound.max_token_chars} characters); this model "
+                f"reads at most {loaded.max_context} — shorten it", param=where.split("[")[0],
+                code="context_length_exceeded")
+
+
 def _tokenize(engine: Any, items: list[str | list[int]]) -> list[list[int]]:
-    loaded = engine.loaded
+    loaded = engine.limits.model
     vocab = int(loaded.config.get("vocab_size") or len(loaded.tokenizer))
+    check_lengths(loaded, [(f"input[{i}]", t) for i, t in enumerate(items) if isinstance(t, str)])
     out = []
     for i, item in enumerate(items):
         ids = list(loaded.tokenizer.encode(item)) if isinstance(item, str) else list(item)
@@ -109,7 +142,7 @@ async def encoder(app: Sanic, scope: Scope, body: dict[str, Any], task: str, wro
     if ctx.cfg.model.task.value != task:
         raise InvalidRequest(f"model {ctx.cfg.model.name!r} {wrong}", param="model", code=code)
     engine = ctx.engine
-    if engine.state is not EngineState.READY or engine.loaded is None:
+    if engine.state is not EngineState.READY or engine.limits is None:
         raise EngineUnavailable(f"the engine is {engine.state.value}; retry when /health is 200")
     return engine
 
@@ -127,7 +160,7 @@ async def handle(app: Sanic, http: sanic.Request) -> HTTPResponse:
         engine = await encoder(app, scope, body, "embed", "generates text; /v1/embeddings needs "
                                "an embedding model (model.task=embed, e.g. model=tiny_embed)",
                                "not_an_embedding_model")
-        width = engine.dimensions
+        width = engine.limits.dimensions
         if dims is not None and not 1 <= dims <= width:
             raise InvalidRequest(f"dimensions is {dims}; this model's embeddings have {width} "
                                  f"(allowed range [1, {width}])", param="dimensions")

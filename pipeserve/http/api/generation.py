@@ -4,6 +4,7 @@ and come out as protocol-neutral Deltas, with finish reason and usage. Event loo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -16,6 +17,9 @@ from pipeserve.core.events import Failed, Finished, TokenDelta
 from pipeserve.markup.output import OutputMarkup
 from pipeserve.request import FinishReason, Request, TokenLogprob
 from pipeserve.core.stream import RequestStream
+from pipeserve.errors import ServeError
+
+log = logging.getLogger("pipeserve")
 
 
 @dataclass
@@ -27,6 +31,8 @@ class Usage:
     speculation: dict[str, int] | None = None   # {proposed, accepted} draft tokens (draft≠none)
     record: dict[str, Any] | None = None   # the reproducibility record, once the output ended
     cache_miss: dict[str, Any] | None = None   # why prompt tokens were recomputed (cache_lookup)
+    incomplete_call: bool = False   # a tool call cut by max_tokens was dropped from the output
+    max_tokens_clamped: int | None = None   # the max_tokens in force when the one asked was cut
 
     @classmethod
     def total(cls, usages: list[Usage]) -> Usage:
@@ -36,7 +42,9 @@ class Usage:
         out = cls(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
                   completion_tokens=sum(u.completion_tokens for u in usages),
                   reasoning_tokens=sum(u.reasoning_tokens for u in usages), record=first.record,
-                  cache_miss=first.cache_miss)
+                  cache_miss=first.cache_miss,
+                  incomplete_call=any(u.incomplete_call for u in usages),
+                  max_tokens_clamped=first.max_tokens_clamped)
         specs = [u.speculation for u in usages if u.speculation is not None]
         if specs:
             out.speculation = {k: sum(s.get(k, 0) for s in specs) for k in specs[0]}
@@ -89,9 +97,12 @@ class OutputChain:
                 and (constraint is None or constraint.whole_turn)):
             tools = ToolCallParser(fmt, inputs.tools, request.request_id,
                                    max_calls=None if inputs.parallel_tool_calls else 1)
+        # with tools, a call's start marker also ends a think span (a call written inside an
+        # unclosed span is still a call)
+        calls = fmt.starts if tools is not None and fmt is not None else ()
         splitter: ReasoningSplitter | HarmonySplitter | None = (
             HarmonySplitter() if markup.channels else
-            ReasoningSplitter(think) if think is not None else None)
+            ReasoningSplitter(think, calls) if think is not None else None)
         return cls(splitter, tools, request.output_prefix)
 
     @property
@@ -102,17 +113,23 @@ class OutputChain:
         reasoning, content = self.splitter.feed(text) if self.splitter else ("", text)
         return self._content(Delta(reasoning=reasoning), content, final=False)
 
-    def finish(self) -> Delta:
+    def finish(self, cut: bool = False) -> Delta:
+        """The rest of the output; `cut`: it ended at max_tokens (an open call is dropped)."""
         reasoning, content = self.splitter.finish() if self.splitter else ("", "")
-        return self._content(Delta(reasoning=reasoning), content, final=True)
+        return self._content(Delta(reasoning=reasoning), content, final=True, cut=cut)
 
-    def _content(self, delta: Delta, text: str, final: bool) -> Delta:
+    @property
+    def dropped_cut(self) -> bool:
+        """A tool call cut by max_tokens was dropped."""
+        return self.tools is not None and self.tools.dropped_cut
+
+    def _content(self, delta: Delta, text: str, final: bool, cut: bool = False) -> Delta:
         if self.tools is None:
             delta.content = text
             return delta
         delta.content, delta.tool_calls = self.tools.feed(text)
         if final:
-            tail, calls = self.tools.finish()
+            tail, calls = self.tools.finish(cut)
             delta.content += tail
             delta.tool_calls.extend(calls)
         return delta
@@ -131,10 +148,15 @@ class Generation:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage = Usage(prompt_tokens=request.num_prompt_tokens)
+        asked = request.requested.get("max_tokens")
+        if isinstance(asked, int) and asked > request.sampling.max_tokens:
+            self.usage.max_tokens_clamped = request.sampling.max_tokens
         self.all_logprobs: list[TokenLogprob] = []
         self.content = ""
         self.reasoning = ""
         self.tool_calls: list[ToolCall] = []
+        # the output in the order it came: ("reasoning" | "text", text) runs and ("call", call)
+        self.parts: list[tuple[str, str | ToolCall]] = []
         self.first_token_s: float | None = None   # perf_counter when the first token arrived
         self.batch_size_max = 0
         self.record: Record | None = None
@@ -149,6 +171,12 @@ class Generation:
         self.content += delta.content
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
+        for kind, text in (("reasoning", delta.reasoning), ("text", delta.content)):
+            if text and self.parts and self.parts[-1][0] == kind:
+                self.parts[-1] = (kind, str(self.parts[-1][1]) + text)
+            elif text:
+                self.parts.append((kind, text))
+        self.parts.extend(("call", call) for call in delta.tool_calls)
         return delta
 
     def _settle(self, reason: str, event: Finished | None = None) -> None:
@@ -157,7 +185,7 @@ class Generation:
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
             self.batch_size_max = reported   # the engine saw every step; better than our samples
-        adapters = self.app_ctx.engine.loaded.adapters
+        adapters = self.app_ctx.engine.limits.adapters
         self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
             .with_batch_size(self.batch_size_max or None).with_media(self.request.media)
         self.usage.record = self.record.body()
@@ -171,11 +199,26 @@ class Generation:
         """Rows running now (left the queue, not done), sampled as this request's tokens
         arrive. Approximate; a Finished event's extras["batch_size_max"] replaces it."""
         engine = self.app_ctx.engine
-        rows = engine.num_inflight - engine.num_waiting
-        rows = min(max(rows, 1), engine.scheduler.max_batch)
+        load = engine.load()
+        rows = load.num_inflight - load.num_waiting
+        rows = min(max(rows, 1), engine.limits.max_rows)
         self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """The output, delta by delta. A fault of the output path itself (not a ServeError) is
+        logged once and raised as one, so every stream ends with its error event and [DONE]."""
+        try:
+            async for delta in self._deltas():
+                yield delta
+        except ServeError:
+            raise
+        except Exception as e:   # the output path's boundary, as the handler's is before it
+            rid = self.request.request_id
+            log.exception("output path failed for request %s", rid)
+            raise ServeError(f"internal error (request {rid}); the server log has the "
+                             "details") from e
+
+    async def _deltas(self) -> AsyncIterator[Delta]:
         ctx, req = self.app_ctx, self.request
         text = ctx.front.detokenize.open(req.sampling.stop)
         chain = self._chain()
@@ -214,8 +257,12 @@ class Generation:
                 spec = event.extras.get("speculation")
                 if isinstance(spec, dict):
                     self.usage.speculation = dict(spec)
-                tail = self._record(chain.feed(text.finish()).extend(chain.finish()))
-                self._settle("length" if event.reason is FinishReason.LENGTH else "stop", event)
+                cut = event.reason is FinishReason.LENGTH
+                tail = self._record(chain.feed(text.finish()).extend(chain.finish(cut)))
+                if chain.dropped_cut:
+                    self.usage.incomplete_call = True
+                    ctx.metrics.incomplete_calls.inc()
+                self._settle("length" if cut else "stop", event)
                 if tail:
                     yield tail
                 return

@@ -14,9 +14,10 @@ import sanic
 from sanic import HTTPResponse, Sanic
 
 from pipeserve.http.api.generation import Generation
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import (AdmissionRejected, EngineUnavailable, InvalidRequest, NotFound,
                              ServeError)
+from pipeserve.eventloop.latency import priority_of
 from pipeserve.eventloop.offload import PAUSE_GC_BYTES, gc_paused
 from pipeserve.request import Request
 from pipeserve.core.stream import RequestStream
@@ -119,11 +120,29 @@ class Scope:
         self.pinned = self.ctx if self.ctx is not self.app.ctx else None
         return ready_front(self.app, self.ctx)
 
+    def _check_priority(self, request: Request) -> None:
+        """A priority more urgent than admission.default_priority is the admin key's to ask
+        for (when server.admin_key is set): a client cannot push every other one back."""
+        value = request.requested.get("priority")
+        if (value is None or not self.ctx.cfg.server.admin_key
+                or getattr(self.http.ctx, "urgent_ok", False)):
+            return
+        admission = self.ctx.cfg.admission
+        asked, _ = priority_of(value, admission.priority_classes, admission.default_priority)
+        default = admission.priority_classes[admission.default_priority]
+        if asked < default:
+            raise InvalidRequest(
+                f"priority {value!r:.20} is more urgent than the default class "
+                f"{admission.default_priority!r} ({default}); only requests with "
+                "server.admin_key may ask for it — send the default or a later class",
+                param="priority", code="priority_not_granted")
+
     async def start(self, request: Request, parse_output: bool = True) -> Generation:
         return self.submit(await self.prepare(request), parse_output)
 
     async def prepare(self, request: Request) -> Request:
         """The request stages (tokenize, admission); `submit` sends the result to the engine."""
+        self._check_priority(request)
         try:
             request = await ready_front(self.app, self.ctx).prepare(request)
         finally:

@@ -30,12 +30,14 @@ _TOKENIZE = frozenset({"model", "prompt", "add_special_tokens", "return_token_st
 
 HONOURED: dict[str, frozenset[str]] = {
     "chat": _SAMPLING | _CHAT_PROMPT | {"stop", "max_tokens", "max_completion_tokens",
-                                        "logprobs", "top_logprobs", "response_format"},
+                                        "logprobs", "top_logprobs", "response_format",
+                                        "parallel_tool_calls"},
     "completions": _SAMPLING | {"prompt", "suffix", "max_tokens", "echo", "logprobs",
                                 "best_of", "stop", "response_format"},
     "responses": _SAMPLING | {"input", "instructions", "previous_response_id", "tools",
                               "tool_choice", "chat_template_kwargs", "reasoning", "text",
-                              "max_output_tokens", "metadata", "store", "stop"},
+                              "max_output_tokens", "metadata", "store", "stop",
+                              "parallel_tool_calls", "truncation"},
     "messages": _SAMPLING | {"messages", "system", "max_tokens", "stop_sequences", "tools",
                              "tool_choice", "thinking", "chat_template_kwargs", "metadata"},
     "count_tokens": frozenset({"model", "messages", "system", "tools", "tool_choice",
@@ -61,8 +63,8 @@ NAMED = frozenset({
     "mcp_servers", "top_a", "typical_p", "tfs", "mirostat", "dynatemp_range"})
 
 # values of a not-honoured field that ask for nothing beyond what the server does anyway
-HARMLESS: dict[str, Any] = {"modalities": (["text"],), "parallel_tool_calls": (True,),
-                            "service_tier": ("auto", "default"), "store": (False,)}
+HARMLESS: dict[str, Any] = {"modalities": (["text"],), "service_tier": ("auto", "default"),
+                            "store": (False,)}
 
 
 def ignored(endpoint: str, body: dict[str, Any]) -> list[str]:

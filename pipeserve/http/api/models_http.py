@@ -14,9 +14,8 @@ from sanic import HTTPResponse, Sanic
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import SSE_HEADERS, json_response, read_body, sse_data
-from pipeserve.core.engine import EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import InvalidRequest, NotFound, ServeError
-from pipeserve.core.limits import EngineLimits
 
 PROGRESS_S = 0.5   # seconds between load progress events
 
@@ -28,30 +27,23 @@ class Conflict(ServeError):
     error_type = "invalid_request_error"
 
 
-def _facts(cfg: Any, loaded: Any, front: Any) -> dict[str, Any]:
-    """What the loaded model says of itself (None before its first load)."""
+def _facts(cfg: Any, limits: Any, front: Any) -> dict[str, Any]:
+    """What the loaded model says of itself (None before its first load): its engine's
+    published limits."""
     task = cfg.model.task.value   # generate | embed
-    if loaded is None:
+    if limits is None:
         return {"context_length": None, "modalities": ["text"], "tool_format": None,
                 "task": task}
-    vision = getattr(loaded, "vision", None)
-    modalities = ["text", "image"] if vision is not None else ["text"]   # (model.vision)
-    if vision is not None and not vision.takes_images:
-        modalities.remove("image")
-    if vision is not None and vision.takes_images and vision.processor.video_processor is not None:
-        modalities.append("video")
-    if vision is not None and vision.audio is not None:
-        modalities.append("audio")
     fmt = front.markup.tool_format if front is not None else None
-    return {"context_length": EngineLimits.of(cfg, loaded).max_context, "modalities": modalities,
+    return {"context_length": limits.max_context, "modalities": list(limits.modalities),
             "tool_format": fmt.name if fmt is not None else None, "task": task}
 
 
 def member_body(pool: Any, m: Any) -> dict[str, Any]:
-    loaded = m.engine.loaded if m.engine is not None else None
+    limits = m.engine.limits if m.engine is not None else None
     keep = m.keep_alive_s if m.keep_alive_s is not None else pool.cfg.idle_unload_s or -1
     return {"id": m.id, "object": "model", "created": m.created, "owned_by": "pipeserve",
-            **_facts(m.cfg, loaded, m.front), "loaded": m.ready, "state": m.state(),
+            **_facts(m.cfg, limits, m.front), "loaded": m.ready, "state": m.state(),
             "resident_bytes": m.weight_bytes if m.ready else 0, "keep_alive_s": keep,
             "default": m.id == pool.default_id}
 
@@ -60,18 +52,18 @@ def single_bodies(app: Sanic) -> list[dict[str, Any]]:
     """One model in-process: it, then `base:adapter` for every mounted adapter."""
     ctx = app.ctx
     engine, name = ctx.engine, ctx.cfg.model.name
-    loaded = engine.loaded
+    limits = engine.limits
     ready = engine.state is EngineState.READY and (ctx.front is not None
                                                    or ctx.cfg.model.encoder)
     state = {EngineState.READY: "loaded", EngineState.LOADING: "loading",
              EngineState.DEAD: "failed", EngineState.STOPPED: "unloaded"}[engine.state]
     base = {"object": "model", "created": ctx.created, "owned_by": "pipeserve",
-            **_facts(ctx.cfg, loaded if ready else None, ctx.front), "loaded": ready,
+            **_facts(ctx.cfg, limits if ready else None, ctx.front), "loaded": ready,
             "state": state if ready or engine.state is not EngineState.READY else "loading",
-            "resident_bytes": loaded.weight_bytes if ready else 0, "keep_alive_s": -1,
+            "resident_bytes": limits.model.weight_bytes if ready else 0, "keep_alive_s": -1,
             "default": True}
-    ids = [name] + ([f"{name}:{a}" for a in loaded.adapters.ids]
-                    if loaded is not None and loaded.adapters is not None else [])
+    ids = [name] + ([f"{name}:{a}" for a in limits.adapters.ids]
+                    if limits is not None and limits.adapters is not None else [])
     return [{"id": i, **base, **({"default": False, "parent": name} if i != name else {})}
             for i in ids]
 

@@ -320,6 +320,15 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
+    return {**out, **incomplete_fields(usage)}
+
+
+def incomplete_fields(usage: Usage) -> dict[str, Any]:
+    """Extensions: `incomplete_tool_call: true` when a call cut by max_tokens was dropped;
+    `max_tokens_clamped`: the max_tokens in force when the one asked was more than fits."""
+    out: dict[str, Any] = {"incomplete_tool_call": True} if usage.incomplete_call else {}
+    if usage.max_tokens_clamped is not None:
+        out["max_tokens_clamped"] = usage.max_tokens_clamped
     return out
 
 

@@ -34,7 +34,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         parsed = await off_loop(len(http.body or b""), parse, body)
         front = await scope.route(body)
         ctx = scope.ctx
-        adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters)
+        adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         fp = f"fp_{ctx.config_hash}"
         if not chat:
@@ -88,20 +88,21 @@ def _check_room(ctx: Any, n: int) -> None:
     as admission refuses one request, so one large `n` cannot crowd out other clients; 400
     when even an idle server could not hold them (a retry cannot help)."""
     engine, cap = ctx.engine, ctx.cfg.admission.max_queue
-    sched = engine.scheduler
-    most = cap + sched.max_batch   # what an idle server admits: a larger n never fits
+    max_rows = engine.limits.max_rows
+    most = cap + max_rows   # what an idle server admits: a larger n never fits
     if n > most:
         raise InvalidRequest(
             f"n is {n}; this server admits at most {most} choices per request "
-            f"(scheduler.max_batch {sched.max_batch} running + admission.max_queue {cap} "
+            f"(scheduler.max_batch {max_rows} running + admission.max_queue {cap} "
             "waiting), so it can never run this request — lower n", param="n",
             code="n_over_limit")
-    ahead = max(0, engine.num_waiting + n - 1 - max(0, sched.max_batch - len(sched.running)))
+    load = engine.load()
+    ahead = max(0, load.num_waiting + n - 1 - max(0, max_rows - load.num_running))
     if ahead >= cap:
         ctx.metrics.admission.labels("rejected", "queue_full").inc()
         raise AdmissionRejected(
             f"n is {n}: its choices would queue {ahead} rows ahead of the last one, and "
-            f"admission.max_queue is {cap} (scheduler.max_batch {sched.max_batch} run at "
+            f"admission.max_queue is {cap} (scheduler.max_batch {max_rows} run at "
             "once); lower n or retry shortly", retry_after_s=1, code="queue_full")
 
 

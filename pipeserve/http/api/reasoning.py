@@ -24,8 +24,11 @@ class ReasoningSplitter:
 
     START, THINK, AFTER, CONTENT = "start", "think", "after", "content"
 
-    def __init__(self, markers: ThinkMarkers) -> None:
+    def __init__(self, markers: ThinkMarkers, calls: tuple[str, ...] = ()) -> None:
         self.m = markers
+        # tool-call start markers that also end a span: a model may write its call inside an
+        # unclosed think span (Qwen3.5 does); the call and what follows are then content
+        self.calls = calls
         self.state = self.START
         self._buf = ""
         self._fresh = True   # nothing of the think span released yet: strip its leading space
@@ -55,12 +58,15 @@ class ReasoningSplitter:
         if self.state == self.THINK:
             if self._fresh:
                 buf = buf.lstrip()
-            i = buf.find(self.m.end)
+            i, marker = self._first_end(buf)
             if i < 0:
                 keep = 0 if final else self._held(buf)
                 reasoning, self._buf = buf[:len(buf) - keep], buf[len(buf) - keep:]
                 self._fresh = self._fresh and not reasoning
                 return (reasoning.rstrip() if final else reasoning), ""
+            if marker != self.m.end:   # a call opened inside the span: it is the answer
+                self.state = self.CONTENT
+                return buf[:i].rstrip(), buf[i:]
             reasoning, buf = buf[:i].rstrip(), buf[i + len(self.m.end):]
             self.state = self.AFTER
         if self.state == self.AFTER:
@@ -70,12 +76,20 @@ class ReasoningSplitter:
             self.state = self.CONTENT
         return reasoning, buf
 
+    def _first_end(self, buf: str) -> tuple[int, str]:
+        """Where the span ends in `buf` and by which marker (the end marker or a call's
+        start); (-1, "") when it does not."""
+        found = [(i, m) for m in (self.m.end, *self.calls) if (i := buf.find(m)) >= 0]
+        return min(found) if found else (-1, "")
+
     def _held(self, buf: str) -> int:
-        """Tail to hold in a think span: a partial end marker and the whitespace before it."""
+        """Tail to hold in a think span: a partial end (or call) marker and the whitespace
+        before it."""
         keep = 0
-        for n in range(min(len(self.m.end) - 1, len(buf)), 0, -1):
-            if self.m.end.startswith(buf[-n:]):
-                keep = n
-                break
+        for marker in (self.m.end, *self.calls):
+            for n in range(min(len(marker) - 1, len(buf)), keep, -1):
+                if marker.startswith(buf[-n:]):
+                    keep = n
+                    break
         body = buf[:len(buf) - keep]
         return keep + len(body) - len(body.rstrip())

@@ -4,7 +4,7 @@ decoded at. Sent in the `x-pipeserve-record` header and in JSON bodies' `usage.p
 Event loop."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pipeserve.config import ServeConfig
@@ -35,7 +35,8 @@ class Record:
     audio_s: float | None = None    # seconds of audio it sent
 
     def body(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # by name, not dataclasses.asdict: no deep copy (every field is a str or a number)
+        return {k: v for k in _FIELDS if (v := getattr(self, k)) is not None}
 
     def header(self) -> str:
         """`key=value;...`, keys as in the body; absent fields (unknown yet) are left out."""
@@ -76,3 +77,6 @@ def base_record(cfg: ServeConfig, config_hash: str, fingerprint: str | None,
     return Record(config_hash=config_hash, model_fingerprint=fingerprint,
                   kv_scheme=cfg.kv.name, draft=cfg.draft.name,
                   lane=lane, model=cfg.model.name, adapter=adapter)
+
+
+_FIELDS = tuple(f.name for f in fields(Record))

@@ -13,7 +13,7 @@ from sanic import HTTPResponse, Sanic
 
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
-from pipeserve.http.api.embeddings_http import MAX_INPUTS, embed, encoder
+from pipeserve.http.api.embeddings_http import MAX_INPUTS, check_lengths, embed, encoder, text_bound
 from pipeserve.http.api.http import Scope, json_response, read_body
 from pipeserve.errors import InvalidRequest
 from pipeserve.eventloop.offload import off_loop
@@ -39,10 +39,14 @@ def _documents(body: dict[str, Any]) -> list[str]:
 
 def _pairs(engine: Any, query: str, docs: list[str]) -> list[list[int]]:
     """Each (query, document) as the model's tokenizer encodes a pair (its special tokens)."""
-    loaded = engine.loaded
+    loaded = engine.limits.model
     tokenizer = loaded.tokenizer   # Hugging Face's; a pool's parent holds mlx-lm's wrapper of it
     if type(tokenizer).__name__ == "TokenizerWrapper":
         tokenizer = tokenizer._tokenizer
+    check_lengths(loaded, [("query", query)])
+    bound = text_bound(loaded)
+    query_least = bound.min_tokens(query) if bound is not None else 0
+    check_lengths(loaded, [(f"documents[{i}]", d) for i, d in enumerate(docs)], query_least)
     out = []
     for i, doc in enumerate(docs):
         ids = list(tokenizer(query, doc)["input_ids"])

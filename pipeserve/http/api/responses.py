@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import sanic
 from sanic import HTTPResponse, Sanic
@@ -17,10 +17,12 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import resume
 from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Generation
-from pipeserve.http.api.http import Scope, check_ready, json_response, read_body, sse_event
+from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body, ready_front,
+                                     route, sse_event)
 from pipeserve.http.api.openai import sampling_fields, tool_call_body
 from pipeserve.http.api.reasoning import thinking_from_effort
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
+from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.vision import video
@@ -44,9 +46,10 @@ class Parsed:
     stream: bool = False
     store: bool = True
     constraint: Constraint | None = None   # text.format / guided_* (structured output)
+    tools: ResponseTools = field(default_factory=ResponseTools)
 
 
-def parse(body: dict[str, Any], store: ResponseStore | _Looked) -> Parsed:
+def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = False) -> Parsed:
     history: list[dict[str, Any]] = []
     previous = F.get(body, "previous_response_id", str)
     if previous is not None:
@@ -60,8 +63,8 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked) -> Parsed:
     conversation = history + _items(body.get("input"))
     instructions = F.get(body, "instructions", str)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    raw_tools = F.get(body, "tools", list) or []
-    tools = [F.function_tool(t, f"tools[{i}]", "tools", flat=True) for i, t in enumerate(raw_tools)]
+    served = parse_tools(F.get(body, "tools", list) or [], strict)
+    tools = served.tools
     choice, name = _tool_choice(body.get("tool_choice"), tools)
     kwargs = dict(F.get(body, "chat_template_kwargs", dict) or {})
     reasoning = F.get(body, "reasoning", dict) or {}
@@ -72,36 +75,50 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked) -> Parsed:
     constraint, fmt = structured.from_text_format(body)
     requested = sampling_fields(body)
     requested["max_tokens"] = F.get(body, "max_output_tokens", int)
-    echo = {"instructions": instructions, "max_output_tokens": requested["max_tokens"],
+    parallel = F.get(body, "parallel_tool_calls", bool, True)
+    truncation = F.get(body, "truncation", str, "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise InvalidRequest(f"truncation is {F.short(truncation)}; allowed: auto, disabled",
+                             param="truncation")
+    echo = {"instructions": instructions, "parallel_tool_calls": parallel,
+            "truncation": truncation, "max_output_tokens": requested["max_tokens"],
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": [_flat(t) for t in tools],
+            "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
-            "reasoning": {"effort": effort, "summary": None}, "text": {"format": fmt}}
+            "reasoning": {"effort": effort, "summary": _summary(reasoning)},
+            "text": {"format": fmt}}
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, media=_media(messages),
-                         parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
-                         reasoning_budget=F.reasoning_budget(body))
+                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
-                  F.get(body, "store", bool, True), constraint)
+                  F.get(body, "store", bool, True), constraint, served)
 
 
-def _flat(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool["function"]
-    return {"type": "function", "name": fn["name"], "description": fn.get("description"),
-            "parameters": fn["parameters"], "strict": False}
+SUMMARIES = ("auto", "concise", "detailed")
+NO_SUMMARY = ("reasoning.summary: this server writes no summary; the reasoning comes whole as "
+              "the reasoning item's reasoning_text")
+
+
+def _summary(reasoning: dict[str, Any]) -> str | None:
+    """reasoning.summary, checked and echoed as sent (the handler names it as not produced)."""
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidRequest(f"reasoning.summary is {F.short(summary)}; allowed: "
+                             f"{', '.join(SUMMARIES)}", param="reasoning.summary")
+    return summary
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
     if value is None or value in ("none", "auto", "required"):
         return F.tool_choice(value or "auto", None, tools, "tool_choice")
-    if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(
-            value.get("name"), str):
+    if not isinstance(value, dict) or value.get("type") not in ("function", "custom") or \
+            not isinstance(value.get("name"), str):
         raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             f'{{"type": "function", "name": ...}}, got {F.short(value, 80)}',
-                             param="tool_choice")
+                             '{"type": "function" | "custom", "name": ...}, got '
+                             f"{F.short(value, 80)}", param="tool_choice")
     return F.tool_choice("named", value["name"], tools, "tool_choice")
 
 
@@ -119,21 +136,22 @@ def _items(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             out.append(_message(item, where))
-        elif kind == "function_call":
-            call = _call(item, where)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": text})
         elif kind != "reasoning":
             raise InvalidRequest(f"{where}.type is {kind!r}; supported: message, function_call, "
-                                 "function_call_output, reasoning", param="input")
+                                 "function_call_output, custom_tool_call, "
+                                 "custom_tool_call_output, reasoning", param="input")
     return out
 
 
@@ -215,6 +233,15 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _custom_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A custom tool's call: its freeform `input` is the call's one argument."""
+    name, text = item.get("name"), item.get("input")
+    if not isinstance(name, str) or not isinstance(text, str):
+        raise InvalidRequest(f"{where} needs a string name and a string input", param="input")
+    return {"id": item.get("call_id"), "type": "function",
+            "function": {"name": name, "arguments": {INPUT: text}}}
+
+
 # -- handlers ------------------------------------------------------------------------------
 class _Looked:
     """The response store as parse sees it off the loop: the one entry the body's
@@ -237,17 +264,27 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         size = len(http.body or b"")
         body = await off_loop(size, read_body, http)
         known_fields.check(app.ctx, http, "responses", body)
-        parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses))
+        parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses),
+                                app.ctx.cfg.server.strict_fields)
         await scope.route(body)
         ctx = scope.ctx
-        req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
-                      inputs=parsed.inputs, requested=parsed.requested,
-                      constraint=parsed.constraint,
-                      adapter=F.adapter(body, ctx.cfg.model.name, ctx.engine.loaded.adapters))
+        adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
+
+        def make() -> Request:
+            req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
+                          inputs=parsed.inputs, requested=dict(parsed.requested),
+                          constraint=parsed.constraint, adapter=adapter)
+            dropped = parsed.tools.warning()
+            if dropped is not None:
+                req.warnings.append(dropped)
+            if parsed.echo["reasoning"]["summary"] is not None:
+                req.warnings.append(NO_SUMMARY)
+            return req
         keep = resume.resumable(body)
-        gen = await scope.start(req)
+        gen = await _start(scope, make, parsed)
+        req = gen.request
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
-                              gen.request.sampling, parsed.store)
+                              gen.request.sampling, parsed.store, parsed.tools.custom)
         if parsed.stream:
             async def produce(log: StreamLog) -> None:
                 final = await _stream(log, gen, shape)
@@ -262,6 +299,63 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         if parsed.store:
             _save(app.ctx.responses, body, parsed.conversation, gen)
         return json_response(body)
+
+
+async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
+    """POST /v1/responses/input_tokens: the prompt's token count of a Responses body, equal to
+    the input_tokens a request with the same body reports."""
+    check_ready(app)
+    size = len(http.body or b"")
+    body = await off_loop(size, read_body, http)
+    known_fields.check(app.ctx, http, "responses", body)
+    parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses),
+                            app.ctx.cfg.server.strict_fields)
+    front = ready_front(app, await route(app, body))
+    req = await front.tokenize(front.normalise(Request(
+        request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=parsed.inputs,
+        constraint=parsed.constraint)))
+    return json_response({"object": "response.input_tokens",
+                          "input_tokens": req.num_prompt_tokens})
+
+
+MAX_TRUNCATIONS = 256   # oldest turns truncation "auto" drops at most
+
+
+async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed) -> Generation:
+    """Start a request built by `make()`. truncation "auto": while its prompt is past the
+    context, drop the conversation's oldest turn and try again, and say so."""
+    dropped = 0
+    for _ in range(MAX_TRUNCATIONS):
+        try:
+            gen = await scope.start(make())
+        except InvalidRequest as e:
+            if (e.code != "context_length_exceeded" or parsed.echo["truncation"] != "auto"
+                    or not _drop_oldest(parsed.inputs)):
+                raise
+            dropped += 1
+            continue
+        if dropped:
+            gen.request.warnings.append(f"truncation auto: the {dropped} oldest turn(s) of the "
+                                        "input were dropped to fit the context")
+        return gen
+    raise InvalidRequest(f"truncation auto dropped {MAX_TRUNCATIONS} turns and the input is "
+                         "still past the context; shorten it", param="input",
+                         code="context_length_exceeded")
+
+
+def _drop_oldest(inputs: PromptInput) -> bool:
+    """Drop the first turn after the system messages, and what answers it, up to the next user
+    message; False when only the last user turn is left."""
+    messages = inputs.messages or []
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    end = first + 1
+    while end < len(messages) and messages[end]["role"] != "user":
+        end += 1
+    if end >= len(messages):
+        return False
+    inputs.messages = messages[:first] + messages[end:]
+    inputs.media = _media(inputs.messages)
+    return True
 
 
 def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],

@@ -8,7 +8,8 @@ import uuid
 from typing import Any
 
 from pipeserve.http.api.generation import Delta, Generation, Usage
-from pipeserve.http.api.openai import miss_fields
+from pipeserve.http.api.openai import incomplete_fields, miss_fields
+from pipeserve.http.api.responses_tools import custom_input
 from pipeserve.http.api.tools import ToolCall
 from pipeserve.errors import ServeError
 from pipeserve.request import SamplingParams
@@ -30,13 +31,20 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         out["speculation"] = usage.speculation
     if usage.record is not None:
         out["pipeserve"] = usage.record
-    return out
+    return {**out, **incomplete_fields(usage)}
 
 
 def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{call.id}", "call_id": f"call_{call.id}",
             "name": call.name, "status": status,
             "arguments": call.arguments_json if arguments is None else arguments}
+
+
+def custom_item(call: ToolCall, text: str | None = None) -> dict[str, Any]:
+    """A custom (freeform) tool's call: its `input` is the text the call carries (the item has
+    no status in OpenAI's schema)."""
+    return {"type": "custom_tool_call", "id": f"ctc_{call.id}", "call_id": f"call_{call.id}",
+            "name": call.name, "input": custom_input(call.arguments) if text is None else text}
 
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -57,10 +65,17 @@ class ResponseShape:
     """The response object of one request, in any state."""
 
     def __init__(self, response_id: str, model: str, echo: dict[str, Any],
-                 sampling: SamplingParams, store: bool) -> None:
+                 sampling: SamplingParams, store: bool, custom: frozenset[str] = frozenset()) -> None:
         self.response_id, self.model, self.echo, self.store = response_id, model, echo, store
         self.sampling = sampling
+        self.custom = custom   # the custom tools' names: their calls are custom_tool_call items
         self.created_at = int(time.time())
+
+    def call(self, call: ToolCall, status: str = "completed", partial: bool = False) -> dict[str, Any]:
+        """A call's output item (`partial`: as output_item.added opens it, empty)."""
+        if call.name in self.custom:
+            return custom_item(call, "" if partial else None)
+        return call_item(call, status, "" if partial else None)
 
     def body(self, output: list[dict[str, Any]], gen: Generation | None,
              status: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -78,14 +93,18 @@ class ResponseShape:
         return out
 
     def output(self, gen: Generation) -> list[dict[str, Any]]:
-        """All output items of a finished generation: reasoning, message, function calls."""
+        """All output items of a finished generation (reasoning, messages, calls) in order."""
         status = "incomplete" if gen.finish_reason == "length" else "completed"
         out = []
-        if gen.reasoning:
-            out.append(reasoning_item(_id("rs"), gen.reasoning, "completed"))
-        if gen.content or not (gen.tool_calls or gen.reasoning):   # as the stream's items
-            out.append(message_item(_id("msg"), gen.content, status))
-        out.extend(call_item(c) for c in gen.tool_calls)
+        for kind, part in gen.parts:   # in the order the model wrote them, as the stream's items
+            if isinstance(part, ToolCall):
+                out.append(self.call(part))
+            elif kind == "reasoning":
+                out.append(reasoning_item(_id("rs"), part, "completed"))
+            else:
+                out.append(message_item(_id("msg"), part, status))
+        if not out:   # nothing said: one empty message, as the stream sends
+            out.append(message_item(_id("msg"), "", status))
         return out
 
 
@@ -124,18 +143,28 @@ class ResponseEvents:
                                    delta=delta.content, logprobs=[]))
             self.text += delta.content
         for call in delta.tool_calls:
-            out += self.close("completed")
-            index = len(self.items)
-            out.append(self._event("response.output_item.added", output_index=index,
-                                   item=call_item(call, "in_progress", "")))
-            where = {"item_id": f"fc_{call.id}", "output_index": index}
-            out.append(self._event("response.function_call_arguments.delta", **where,
-                                   delta=call.arguments_json))
-            out.append(self._event("response.function_call_arguments.done", **where,
-                                   arguments=call.arguments_json, name=call.name))
-            self.items.append(call_item(call))
-            out.append(self._event("response.output_item.done", output_index=index,
-                                   item=self.items[-1]))
+            out += self.close("completed") + self._call(call)
+        return out
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        """One whole call: item added, its arguments (a custom tool's input), item done."""
+        index = len(self.items)
+        item = self.shape.call(call)
+        where = {"item_id": item["id"], "output_index": index}
+        out = [self._event("response.output_item.added", output_index=index,
+                           item=self.shape.call(call, "in_progress", partial=True))]
+        if item["type"] == "custom_tool_call":
+            out += [self._event("response.custom_tool_call_input.delta", **where,
+                                delta=item["input"]),
+                    self._event("response.custom_tool_call_input.done", **where,
+                                input=item["input"])]
+        else:
+            out += [self._event("response.function_call_arguments.delta", **where,
+                                delta=call.arguments_json),
+                    self._event("response.function_call_arguments.done", **where,
+                                arguments=call.arguments_json, name=call.name)]
+        self.items.append(item)
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
     def _where(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -121,7 +122,7 @@ class StreamLog:
         """Drop frames every connected reader has sent; the bytes freed."""
         if not self.readers:
             return 0
-        upto = min(self.readers.values()) - self.first
+        upto = min(min(self.readers.values()), self.num_frames) - self.first
         if upto <= 0:
             return 0
         freed = sum(len(f) for f in self.frames[:upto])
@@ -138,7 +139,7 @@ class StreamLog:
         connection also takes frames from `put` directly."""
         token = self._next_reader
         self._next_reader += 1
-        self.readers[token] = after + 1
+        self.readers[token] = min(after + 1, self.num_frames)   # never past what exists
         if primary:
             self._primary = (token, response)
         self._disarm()
@@ -274,6 +275,9 @@ class StreamStore:
             self.nbytes -= stream.trim_sent()
 
 
+FRAME_ID = re.compile(r"-1|0|[1-9][0-9]{0,17}", re.ASCII)
+
+
 def parse_after(http: sanic.Request) -> int:
     """The last frame a client has: `?after=N` (`?starting_after=N`, OpenAI's Responses
     parameter: its sequence_number is the frame id), else Last-Event-ID; -1 (none)."""
@@ -283,14 +287,11 @@ def parse_after(http: sanic.Request) -> int:
         raw, name = http.headers.get("last-event-id"), "Last-Event-ID"
     if raw is None or raw == "":
         return -1
-    try:
-        value = int(raw)
-    except ValueError:
+    if not FRAME_ID.fullmatch(raw):   # int() would also take "+2", "2_0", " 2", "２"
         raise InvalidRequest(f"{name} is {raw!r:.40}; it must be the integer id of the last "
-                             "frame received", param=name) from None
-    if value < -1:
-        raise InvalidRequest(f"{name} is {value}; frame ids start at 0", param=name)
-    return value
+                             "frame received: decimal digits (frame ids start at 0), or -1 for none",
+                             param=name)
+    return int(raw)
 
 
 async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumable: bool,
@@ -331,9 +332,10 @@ async def resume(http: sanic.Request, store: StreamStore, stream_id: str,
     """GET /v1/streams/{id}: the frames after Last-Event-ID / ?after=N, then the rest live."""
     after = parse_after(http)
     stream = store.get(stream_id)
-    if after >= stream.num_frames and stream.ended:
+    if after >= stream.num_frames:   # a frame this stream has not sent (yet)
+        state = "ended at" if stream.ended else "has sent up to"
         raise InvalidRequest(f"{'after' if 'after' in http.args else 'Last-Event-ID'} is "
-                             f"{after}; stream {stream_id!r} ended at frame "
+                             f"{after}; stream {stream_id!r} {state} frame "
                              f"{stream.num_frames - 1}", param="after")
     if after + 1 < stream.first:
         store.metrics.stream_resumes.labels("evicted").inc()

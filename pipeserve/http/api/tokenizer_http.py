@@ -15,6 +15,8 @@ from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body, ready_front, route
 from pipeserve.errors import InvalidRequest
 from pipeserve.eventloop.offload import off_loop
+from pipeserve.vision import video
+from pipeserve.vision.audio import check_modalities
 
 
 async def _front(app: Sanic, http: sanic.Request,
@@ -30,6 +32,10 @@ def _model_name(ctx: Any) -> str:
 
 
 def _render(front: Any, body: dict[str, Any]) -> str:
+    return _render_chat(front, body)[0]
+
+
+def _render_chat(front: Any, body: dict[str, Any]) -> tuple[str, Any]:
     """The chat messages of `body` as the chat template writes them (the same rendering, tools
     and chat_template_kwargs included, that /v1/chat/completions runs)."""
     parsed = oa.parse_chat({k: v for k, v in body.items()
@@ -46,7 +52,7 @@ def _render(front: Any, body: dict[str, Any]) -> str:
     tokenize = front.tokenize
     template = tokenize._request_template(parsed.inputs)
     return tokenize.render_text(parsed.inputs, template, add_generation_prompt=add_generation,
-                                continue_final_message=continue_final)
+                                continue_final_message=continue_final), parsed.inputs
 
 
 def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
@@ -54,7 +60,15 @@ def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
     if "messages" in body:
         if "prompt" in body:
             raise InvalidRequest("send prompt or messages, not both", param="prompt")
-        text = _render(front, body)
+        text, inputs = _render_chat(front, body)
+        tokenize._check_length(text, "messages")   # refused by its length, before encoding
+        if inputs.media:   # images, video, audio: their tokens, as the chat request counts them
+            check_modalities(inputs.media, tokenize.vision, tokenize.model_name)
+            video.refuse_unserved(inputs.media, tokenize.vision, tokenize.model_name)
+            text, media = tokenize._images(inputs, text)
+            ids = tokenize.encode_rendered(text)
+            media.check_tokens(ids)
+            return ids, text
         add_special = F.get(body, "add_special_tokens", bool, False)
         return (tokenize.encode(text, "messages") if add_special
                 else tokenize.encode_rendered(text)), text
@@ -62,9 +76,21 @@ def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
     if prompt is None:
         raise InvalidRequest("prompt (a string) or messages (chat messages) is required",
                              param="prompt")
+    tokenize._check_length(prompt, "prompt")
     if F.get(body, "add_special_tokens", bool, True):
         return tokenize.encode(prompt), prompt
     return tokenize._encode(prompt, False, "prompt"), prompt
+
+
+async def _run(front: Any, http: sanic.Request, body: dict[str, Any]) -> tuple[list[int], str]:
+    """`_tokenize` off the loop: on the media threads when the chat carries media."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(
+            isinstance(m, dict) and isinstance(m.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") not in ("text", None)
+                    for p in m["content"]) for m in messages):
+        return await front.tokenize.media_pool.run(_tokenize, front, body)
+    return await off_loop(len(http.body or b""), _tokenize, front, body)
 
 
 async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
@@ -72,7 +98,7 @@ async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     (+ "add_special_tokens", "return_token_strs") → {"count", "max_model_len", "tokens",
     "token_strs"}. The ids are those a completion (or chat completion) of the same input runs."""
     body, ctx, front = await _front(app, http, "tokenize")
-    ids, _ = await off_loop(len(http.body or b""), _tokenize, front, body)
+    ids, _ = await _run(front, http, body)
     strs = ([front.detokenize.token_text(i) for i in ids]
             if F.get(body, "return_token_strs", bool, False) else None)
     return json_response({"count": len(ids), "max_model_len": front.tokenize.max_context,
@@ -86,14 +112,18 @@ async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     tokens = F.get(body, "tokens", list)
     if tokens is None:
         raise InvalidRequest("tokens (an array of token ids) is required", param="tokens")
+    text = await off_loop(len(tokens) * 4, _detokenize, front, tokens)
+    return json_response({"prompt": text})
+
+
+def _detokenize(front: Any, tokens: list[Any]) -> str:
+    """The ids checked, then decoded (off the loop for long lists, the check included)."""
     vocab = front.tokenize.vocab_size
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise InvalidRequest(f"tokens[{i}] is {F.short(t)}; token ids are integers in "
                                  f"[0, {vocab})", param="tokens")
-    tokenizer = front.tokenize.tokenizer
-    text = await off_loop(len(tokens) * 4, tokenizer.decode, tokens)
-    return json_response({"prompt": text})
+    return front.tokenize.tokenizer.decode(tokens)
 
 
 async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
@@ -101,7 +131,7 @@ async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
     tokens}, exactly what /v1/chat/completions would feed the model."""
     body, ctx, front = await _front(app, http, "chat_template")
     chat = {"messages": None, **{k: v for k, v in body.items() if k != "prompt"}}
-    ids, text = await off_loop(len(http.body or b""), _tokenize, front, chat)
+    ids, text = await _run(front, http, chat)
     return json_response({"object": "chat.template", "model": _model_name(ctx),
                           "prompt": text, "num_tokens": len(ids)})
 

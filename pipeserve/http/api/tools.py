@@ -134,12 +134,17 @@ class ToolCallParser:
         self._after_call = False         # drop whitespace that follows a call
         self._pending_ws = ""            # whitespace that preceded a call, for the next text
         self._hold = max(len(m) for m in fmt.starts) - 1
+        self._cut = False                # the output was cut (max_tokens) in the open call
+        self.dropped_cut = False         # a call cut short was dropped, not returned as text
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         return self._run(text, final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the end of the output: an unterminated call is parsed as it stands."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: an unterminated call is parsed as it stands. `cut`: the
+        output ended at max_tokens; a call it left unfinished is dropped (`dropped_cut`),
+        never released as markup."""
+        self._cut = cut
         return self._run("", final=True)
 
     def _run(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
@@ -195,10 +200,15 @@ class ToolCallParser:
         try:
             calls = [decode_arguments(raw, self.tools) for raw in self.fmt.parse(body)]
         except (ValueError, KeyError, TypeError, RecursionError) as e:   # model text: any shape
-            log.info("request %s: %s tool call kept as text: %s", self.request_id,
-                     self.fmt.name, e)
-            closing = end if (j >= 0 and end) else ""
-            self._emit(out, self._gap + (self._marker or "") + body + closing)
+            if j < 0 and self._cut:
+                log.info("request %s: %s tool call cut by max_tokens, dropped: %s",
+                         self.request_id, self.fmt.name, e)
+                self.dropped_cut = True
+            else:
+                log.info("request %s: %s tool call kept as text: %s", self.request_id,
+                         self.fmt.name, e)
+                closing = end if (j >= 0 and end) else ""
+                self._emit(out, self._gap + (self._marker or "") + body + closing)
         else:
             for name, args in calls:
                 if self.max_calls is not None and len(self.calls) >= self.max_calls:

@@ -59,7 +59,7 @@ class Warmup:
             return
         shared = len(commonprefix([ids, req.prompt_ids]))
         cost = len(ids) - shared
-        if cost <= 1 or cost > self.budget or engine.num_inflight > 0:
+        if cost <= 1 or cost > self.budget or engine.load().num_inflight > 0:
             return   # nothing new, over the budget, or not idle
         warm = Request(request_id=f"warm-{uuid.uuid4().hex}", endpoint="warmup",
                        inputs=PromptInput(token_ids=ids), prompt_ids=ids,

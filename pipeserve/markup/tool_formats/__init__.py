@@ -3,14 +3,16 @@ markers, the assistant-turn prefix that opens a call, the parser of one call bod
 (name, arguments), and the llguidance grammar that enforces a call. Pure Python."""
 from __future__ import annotations
 
-from pipeserve.markup.tool_formats import (deepseek, gemma, glm, harmony, hermes, kimi, llama3, minimax,
-                                   mistral, pythonic, qwen3_coder)
+from pipeserve.markup.tool_formats import (deepseek, gemma, glm, harmony, hermes, kimi, kimi_k3,
+                                           llama3, longcat, minicpm5, minimax, mistral,
+                                           muse_spark, pythonic, qwen3_coder)
 from pipeserve.markup.tool_formats.base import Lit, RawCall, Spec, ToolFormat
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     hermes.FORMAT, qwen3_coder.FORMAT, llama3.FORMAT, gemma.GEMMA, gemma.FUNCTION_GEMMA,
     gemma.GEMMA4, harmony.FORMAT, mistral.FORMAT, mistral.FORMAT_V3, glm.FORMAT,
     deepseek.FORMAT, deepseek.FORMAT_V3, kimi.FORMAT, minimax.FORMAT, pythonic.FORMAT,
+    minicpm5.FORMAT, kimi_k3.FORMAT, longcat.FORMAT, muse_spark.FORMAT,
 )}
 
 __all__ = ["FORMATS", "Lit", "RawCall", "Spec", "ToolFormat"]

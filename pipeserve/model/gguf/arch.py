@@ -26,6 +26,8 @@ class Arch:
     permute_qk: bool = False                  # llama.cpp's LlamaModel.permute was applied to q/k
     norm_shift: float = 0.0                   # subtracted from every *norm weight (gemma: 1)
     scale_dtype: str = "float16"              # affine scales/biases (gemma: bfloat16, float16 overflows)
+    bare: tuple[str, ...] = ()                # blocks whose mlx-lm parameter takes no suffix (sinks)
+    mtp_key: str | None = None                # `<arch>.KEY`: MTP blocks appended after the layers
     notes: str = ""
 
 
@@ -60,7 +62,7 @@ def _common(meta: dict[str, Any], a: str, default_theta: float = 10000.0) -> dic
     scaling = meta.get(f"{a}.rope.scaling.type", "none")
     if scaling == "linear":
         cfg["rope_scaling"] = {"type": "linear", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0)}
-    elif scaling == "yarn" and a.startswith("qwen"):
+    elif scaling == "yarn" and a.startswith(("qwen", "gpt-oss")):
         cfg["rope_scaling"] = {
             "type": "yarn", "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
             "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length")}
@@ -107,6 +109,92 @@ def _qwen3moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
             "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
             "decoder_sparse_step": 1, "mlp_only_layers": [],
             "norm_topk_prob": True}   # llama.cpp's qwen3moe graph always renormalizes the top k
+
+
+def _gpt_oss(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _full_rotary(_common(meta, a, 150000.0), a)
+    layers = cfg["num_hidden_layers"]
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **cfg,
+            "num_local_experts": _int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length",
+                                      cfg["intermediate_size"]),
+            "sliding_window": _int(meta, f"{a}.attention.sliding_window", 128),
+            # llama.cpp's gpt-oss graph: even layers attend in the window, odd ones globally
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)]}
+
+
+def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    cfg = _common(meta, a)
+    rope_dim = cfg.pop("_rope_dim")
+    if "rope_scaling" in cfg:
+        raise ConfigError(f"GGUF {a} with rope scaling: mlx-lm's glm4_moe rotates without it")
+    gating = int(meta.get(f"{a}.expert_gating_func", 2))
+    if gating != 2:
+        raise ConfigError(f"GGUF {a}.expert_gating_func={gating}: mlx-lm's glm4_moe routes with "
+                          "a sigmoid (2)")
+    nextn = int(meta.get(f"{a}.nextn_predict_layers", 0))
+    cfg["num_hidden_layers"] -= nextn   # the MTP blocks llama.cpp appends; mlx-lm drops them
+    shared = _int(meta, f"{a}.expert_shared_count", 0)
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **cfg,
+            "partial_rotary_factor": rope_dim / cfg["head_dim"],
+            "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+            "n_routed_experts": _int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "n_shared_experts": shared or None,
+            "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
+            "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
+            "n_group": _int(meta, f"{a}.expert_group_count", 1),
+            "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_scaling": None,
+            "num_nextn_predict_layers": nextn}
+
+
+def _deepseek2(meta: dict[str, Any], a: str) -> dict[str, Any]:
+    """DeepSeek-V3 / R1 / Kimi-K2 (MLA attention, sigmoid-routed experts): llama.cpp writes the
+    MLA head sizes as key/value_length_mla (older files: key/value_length)."""
+    heads, rope = _int(meta, f"{a}.attention.head_count"), _int(meta, f"{a}.rope.dimension_count")
+    if int(meta.get(f"{a}.expert_gating_func", 2)) != 2:
+        raise ConfigError(f"GGUF {a} with softmax expert gating (DeepSeek-V2): only the sigmoid "
+                          "gating of DeepSeek-V3 / R1 / Kimi-K2 converts (mlx-lm's deepseek_v3)")
+    key = _int(meta, f"{a}.attention.key_length_mla", meta.get(f"{a}.attention.key_length"))
+    value = _int(meta, f"{a}.attention.value_length_mla", meta.get(f"{a}.attention.value_length"))
+    q_lora = meta.get(f"{a}.attention.q_lora_rank")
+    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+           "hidden_size": _int(meta, f"{a}.embedding_length"),
+           "num_hidden_layers": _int(meta, f"{a}.block_count") - int(
+               meta.get(f"{a}.nextn_predict_layers", 0)),
+           "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
+           "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+           "num_attention_heads": heads, "num_key_value_heads": heads,
+           "n_routed_experts": _int(meta, f"{a}.expert_count"),
+           "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 0) or None,
+           "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+           "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+           "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
+           "n_group": _int(meta, f"{a}.expert_group_count", 1),
+           "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
+           "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
+           "kv_lora_rank": _int(meta, f"{a}.attention.kv_lora_rank"),
+           "q_lora_rank": None if q_lora is None else int(q_lora),
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value,
+           "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+           "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
+           "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
+           "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_scaling": None}
+    scaling = meta.get(f"{a}.rope.scaling.type", "none")
+    if scaling == "yarn":   # llama.cpp's yarn_log_multiplier is 0.1 * mscale_all_dim
+        m = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        cfg["rope_scaling"] = {
+            "type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": _int(
+                meta, f"{a}.rope.scaling.original_context_length"),
+            "mscale": m, "mscale_all_dim": m, "beta_fast": 32.0, "beta_slow": 1.0}
+    elif scaling != "none":
+        raise ConfigError(f"GGUF {a}.rope.scaling.type={scaling!r}; supported: none, yarn")
+    return cfg
 
 
 def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
@@ -170,6 +258,40 @@ ARCHS: dict[str, Arch] = {
     "phi3": Arch("phi3", {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
                           "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                           "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}, _phi3),
+    "gpt-oss": Arch("gpt_oss", {**ATTN, "post_attention_norm": "post_attention_layernorm",
+                                "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                                "ffn_gate_exps": "mlp.experts.gate_proj",
+                                "ffn_up_exps": "mlp.experts.up_proj",
+                                "ffn_down_exps": "mlp.experts.down_proj"}, _gpt_oss,
+                    bare=("attn_sinks",), notes="experts usually MXFP4 (served in mxfp4 mode)"),
+    "glm4moe": Arch("glm4_moe", {**ATTN, **MLP, **QK_NORM,
+                                 "post_attention_norm": "post_attention_layernorm",
+                                 "ffn_gate_inp": "mlp.gate",
+                                 "exp_probs_b": "mlp.gate.e_score_correction_bias",
+                                 "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+                                 "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                                 "ffn_down_exps": "mlp.switch_mlp.down_proj",
+                                 "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                 "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                 "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _glm4moe,
+                    bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
+                    notes="GLM-4.5 / 4.6 / 4.7 (its MTP block is dropped, as mlx-lm does)"),
+    "deepseek2": Arch("deepseek_v3", {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.embed_q", "attn_v_b": "self_attn.unembed_out",
+        "attn_output": "self_attn.o_proj", **MLP, "ffn_gate_inp": "mlp.gate",
+        "exp_probs_b": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_exps": "mlp.switch_mlp.gate_proj", "ffn_up_exps": "mlp.switch_mlp.up_proj",
+        "ffn_down_exps": "mlp.switch_mlp.down_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _deepseek2,
+        bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
+        notes="DeepSeek-V3 / R1, Kimi-K2 (MLA; the MTP block dropped)"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -186,9 +308,21 @@ def map_name(arch: Arch, name: str) -> str | None:
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in arch.bare:
+        return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}"
     if m and m.group(2) in arch.blocks:
         return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}.{suffix}"
     return None
+
+
+def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:
+    """A tensor of an MTP block appended after the model's layers (GLM's nextn): not served."""
+    if arch.mtp_key is None:
+        return False
+    a = meta["general.architecture"]
+    m = re.match(r"blk\.(\d+)\.", name)
+    first = int(meta[f"{a}.block_count"]) - int(meta.get(f"{a}.{arch.mtp_key}", 0))
+    return m is not None and int(m.group(1)) >= first
 
 
 # Tensors that hold configuration, not weights: read into config.json, not written.
@@ -245,11 +379,13 @@ def apply_config_tensors(cfg: dict[str, Any], tensors: dict[str, Any]) -> None:
 
 
 def model_config(arch_name: str, meta: dict[str, Any], vocab_rows: int, tied: bool,
-                 has_bias: bool) -> dict[str, Any]:
+                 has_bias: bool, has_qk_norm: bool = False) -> dict[str, Any]:
     arch = lookup(arch_name)
     assert arch is not None
     cfg = arch.config(meta, arch_name)
     cfg.update(vocab_size=vocab_rows, tie_word_embeddings=tied)
-    if arch.model_type == "llama":
+    if arch.model_type in ("llama", "glm4_moe"):
         cfg["attention_bias"] = has_bias
+    if arch.model_type == "glm4_moe":
+        cfg["use_qk_norm"] = has_qk_norm
     return cfg

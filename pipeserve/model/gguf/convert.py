@@ -61,63 +61,101 @@ _NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: 
 def read_header(path: Path, arrays: tuple[str, ...] = ()) -> Header:
     """Scan the GGUF header: metadata scalars and strings, the named arrays in full (others as
     their length), tensor names, types and shapes."""
+    size = path.stat().st_size
+    if size < 24:
+        raise ConfigError(f"model.path '{path}' is truncated: {size} bytes, shorter than a GGUF "
+                          "header (24 bytes); download the file again")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ConfigError(f"model.path '{path}' is not a GGUF file (magic {bytes(buf[:4])!r})")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ConfigError(f"model.path '{path}': GGUF version {version}; supported: 2, 3")
-        pos = 24
+        try:
+            return _scan(path, buf, arrays)
+        except struct.error:   # a read past the end
+            raise ConfigError(f"model.path '{path}' is truncated at byte {size}, inside its GGUF "
+                              "header; download the file again") from None
+        except (ValueError, KeyError, IndexError, OverflowError, MemoryError) as e:
+            raise ConfigError(f"model.path '{path}' is corrupt: its GGUF header does not parse "
+                              f"({e}; the file has {size} bytes); download the file again"
+                              ) from None
 
-        def string() -> str:
-            nonlocal pos
-            (n,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + n
-            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
 
-        def value(vtype: int, full: bool) -> Any:
-            nonlocal pos
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                etype, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if etype == 8:
-                    if full:
-                        return [string() for _ in range(count)]
-                    for _ in range(count):
-                        (n,) = struct.unpack_from("<Q", buf, pos)
-                        pos += 8 + n
-                elif etype in _SCALARS:
-                    width = struct.calcsize(_SCALARS[etype])
-                    if full:
-                        out = np.frombuffer(buf, dtype=_NP[etype], count=count, offset=pos).copy()
-                        pos += count * width
-                        return out
+def _scan(path: Path, buf: mmap.mmap, arrays: tuple[str, ...]) -> Header:
+    """read_header's parse; a truncated or corrupt header raises struct.error and friends."""
+    if buf[:4] != b"GGUF":
+        raise ConfigError(f"model.path '{path}' is not a GGUF file (magic {bytes(buf[:4])!r})")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ConfigError(f"model.path '{path}': GGUF version {version}; supported: 2, 3")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8 + n
+        if pos > len(buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
+        return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+    def value(vtype: int, full: bool) -> Any:
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if etype == 8:
+                if full:
+                    return [string() for _ in range(count)]
+                for _ in range(count):
+                    (n,) = struct.unpack_from("<Q", buf, pos)
+                    pos += 8 + n
+            elif etype in _SCALARS:
+                width = struct.calcsize(_SCALARS[etype])
+                if full:
+                    out = np.frombuffer(buf, dtype=_NP[etype], count=count, offset=pos).copy()
                     pos += count * width
-                else:
-                    raise ConfigError(f"model.path '{path}': nested GGUF arrays are not supported")
-                return count
-            (v,) = struct.unpack_from(_SCALARS[vtype], buf, pos)
-            pos += struct.calcsize(_SCALARS[vtype])
-            return v
+                    return out
+                pos += count * width
+            else:
+                raise ConfigError(f"model.path '{path}': nested GGUF arrays are not supported")
+            return count
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype} at byte {pos - 4}")
+        (v,) = struct.unpack_from(_SCALARS[vtype], buf, pos)
+        pos += struct.calcsize(_SCALARS[vtype])
+        return v
 
-        metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            metadata[key] = value(vtype, key in arrays)
-        tensors = {}
-        for _ in range(n_tensors):
-            name = string()
-            (ndim,) = struct.unpack_from("<I", buf, pos)
-            dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
-            ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
-            pos += 4 + 8 * ndim + 12
-            tensors[name] = (GGML_TYPES.get(ttype, f"type {ttype}"), tuple(reversed(dims)), offset)
-        align = int(metadata.get("general.alignment", 32))
-        return Header(metadata, tensors, -(-pos // align) * align)
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        metadata[key] = value(vtype, key in arrays)
+    tensors = {}
+    for _ in range(n_tensors):
+        name = string()
+        (ndim,) = struct.unpack_from("<I", buf, pos)
+        if not 1 <= ndim <= 4:   # ggml tensors have at most 4 dims
+            raise ValueError(f"tensor {name!r} has {ndim} dimensions at byte {pos}")
+        dims = struct.unpack_from(f"<{ndim}Q", buf, pos + 4)
+        ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndim)
+        pos += 4 + 8 * ndim + 12
+        tensors[name] = (GGML_TYPES.get(ttype, f"unknown type {ttype}"), tuple(reversed(dims)),
+                         offset)
+    align = int(metadata.get("general.alignment", 32))
+    return Header(metadata, tensors, -(-pos // align) * align)
+
+
+def check_complete(path: Path, header: Header) -> None:
+    """Every tensor's bytes lie inside the file: a download cut short is refused before any
+    tensor is read (the types are known to be supported by now)."""
+    size = path.stat().st_size
+    end, last = header.data_offset, None
+    for name, (ttype, shape, offset) in header.tensors.items():
+        stop = header.data_offset + offset + gguf_quants.nbytes(ttype, shape)
+        if stop > end:
+            end, last = stop, name
+    if end > size:
+        raise ConfigError(f"model.path '{path}' is truncated at byte {size} of {end} (tensor "
+                          f"{last!r} ends at byte {end}); download the file again")
 
 
 def fingerprint(path: Path, header: Header) -> str:
@@ -149,7 +187,9 @@ def check_supported(path: Path, header: Header) -> None:
         raise ConfigError(
             f"model.path '{path}': tensor type {', '.join(sorted(types))} is not supported "
             f"({len(bad)} tensors, e.g. {first} is {bad[first]}); supported: "
-            f"{', '.join(SUPPORTED_TYPES)}. Use a file of this model in one of those types")
+            f"{', '.join(SUPPORTED_TYPES)}. Use a file of this model in one of those types"
+            + (" (an unknown type id is a newer ggml type or a corrupt file)"
+               if any(t.startswith("unknown") for t in types) else ""))
     for n, (t, shape, _) in header.tensors.items():
         per = gguf_quants.BLOCKS.get(t, (1, 0))[0]
         if shape[-1] % per or (t in gguf_quants.BLOCKS and shape[-1] % gguf_quants.GROUP):
@@ -157,6 +197,8 @@ def check_supported(path: Path, header: Header) -> None:
                               f"values, not a multiple of its {per}-value blocks or of 32")
     config_tensors = gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
     for n in header.tensors:
+        if gguf_arch.dropped(arch, meta, n):
+            continue
         if gguf_arch.map_name(arch, n) is None and n not in config_tensors:
             raise ConfigError(
                 f"model.path '{path}': tensor {n!r} has no place in an mlx-lm {name} model "
@@ -164,6 +206,7 @@ def check_supported(path: Path, header: Header) -> None:
                 f"blk.N.{{{', '.join(arch.blocks)}}})")
     if "token_embd.weight" not in header.tensors:
         raise ConfigError(f"model.path '{path}' has no token_embd.weight tensor")
+    check_complete(path, header)
 
 
 # -- the weights --------------------------------------------------------------------------
@@ -182,10 +225,11 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_offset)
     report = gguf_quants.Report()
     out: dict[str, Any] = {}
-    bits: dict[str, int] = {}
+    bits: dict[str, tuple[int, str]] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
     for name, (ttype, shape, offset) in header.tensors.items():
-        if name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ()):
+        if (name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
+                or gguf_arch.dropped(arch, header.metadata, name)):
             continue
         raw = np.asarray(data[offset:offset + gguf_quants.nbytes(ttype, shape)])
         conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
@@ -200,16 +244,22 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
                 arr = arr - arch.norm_shift
             out[f"{base}.{suffix}" if conv.bits else target] = arr
         if conv.bits:
-            bits[base] = conv.bits
+            bits[base] = (conv.bits, conv.mode)
+    return out, quantization(bits), report
+
+
+def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    """mlx-lm's `quantization` entry for layers quantized at (bits, mode) (the commonest as the
+    default, the others per layer); {} when nothing is quantized."""
     if not bits:
-        return out, {}, report
+        return {}
     default = Counter(bits.values()).most_common(1)[0][0]
     group = gguf_quants.GROUP
-    quant: dict[str, Any] = {"group_size": group, "bits": default, "mode": "affine"}
-    for base, b in sorted(bits.items()):
-        if b != default:
-            quant[base] = {"group_size": group, "bits": b, "mode": "affine"}
-    return out, quant, report
+    quant: dict[str, Any] = {"group_size": group, "bits": default[0], "mode": default[1]}
+    for base, (b, mode) in sorted(bits.items()):
+        if (b, mode) != default:
+            quant[base] = {"group_size": group, "bits": b, "mode": mode}
+    return quant
 
 
 # -- conversion ---------------------------------------------------------------------------
@@ -226,24 +276,10 @@ def convert(src: Path, out: Path) -> None:
     if len(meta["tokenizer.ggml.tokens"]) > rows:
         raise ConfigError(f"model.path '{src}': {len(meta['tokenizer.ggml.tokens'])} tokens but "
                           f"token_embd has {rows} rows")
-    tied = "output.weight" not in header.tensors
-    has_bias = "blk.0.attn_q.bias" in header.tensors
-    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias)
-    config_tensors = {}
-    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
-        if name in header.tensors:
-            ttype, shape, offset = header.tensors[name]
-            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
-                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
-                shape)
-    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    cfg = model_config(src, header)
     weights, quant, report = _weights(src, header, arch_name, cfg)
     if quant:
         cfg["quantization"] = quant
-    gen_ids = gguf_tokenizer.eos_ids(meta)
-    cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
-    if "tokenizer.ggml.bos_token_id" in meta:
-        cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for line in report.lines():
         log.info("converting %s: %s", src.name, line)
@@ -266,11 +302,41 @@ def convert(src: Path, out: Path) -> None:
              time.perf_counter() - t0)
 
 
+def model_config(src: Path, header: Header) -> dict[str, Any]:
+    """config.json of the converted model, without its `quantization` entry: from the header's
+    metadata and the few small tensors some architectures keep config in (Llama 3's rope_freqs)."""
+    meta = header.metadata
+    arch_name = meta["general.architecture"]
+    rows = header.tensors["token_embd.weight"][1][0]
+    tied = "output.weight" not in header.tensors
+    has_bias = "blk.0.attn_q.bias" in header.tensors
+    has_qk_norm = "blk.0.attn_q_norm.weight" in header.tensors
+    cfg = gguf_arch.model_config(arch_name, meta, rows, tied, has_bias, has_qk_norm)
+    config_tensors = {}
+    for name in gguf_arch.CONFIG_TENSORS.get(cfg["model_type"], ()):
+        if name in header.tensors:
+            ttype, shape, offset = header.tensors[name]
+            config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
+                src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
+                shape)
+    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    gen_ids = gguf_tokenizer.eos_ids(meta)
+    cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
+    if "tokenizer.ggml.bos_token_id" in meta:
+        cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    return cfg
+
+
+def converted_dir(src: Path, header: Header, cache_dir: str | Path | None = None) -> Path:
+    """Where GGUF `src`'s conversion lives in the model cache (whether or not it exists yet)."""
+    return cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
+
+
 def ensure_converted(src: Path, cache_dir: str | Path | None = None) -> Path:
     """The converted directory of GGUF `src` in the model cache, converting it on first use."""
     header = read_header(src)
     check_supported(src, header)   # refuse before hashing or converting anything
-    final = cache_root(cache_dir) / f"gguf-{src.stem}-{fingerprint(src, header)}"
+    final = converted_dir(src, header, cache_dir)
     if (final / "config.json").is_file():
         log.info("GGUF %s: converted copy in %s", src.name, final)
         log_conversion(final)

@@ -1,7 +1,8 @@
 """GGUF tensor data -> what MLX runs: float tensors as stored, llama.cpp's block types as mlx-lm
 affine quantization (exactly where an affine form holds the blocks, re-quantized or bf16 where
-none does), each tensor's error measured against the `gguf` package's reference dequantization
-(llama.cpp's own, in Python). Numpy and MLX only; called by gguf.py on the engine thread."""
+none does), MXFP4 as MLX's own `mxfp4` mode (the same codes and scales, repacked), each
+tensor's error measured against the `gguf` package's reference dequantization (llama.cpp's own,
+in Python). Numpy and MLX only; called by gguf.py on the engine thread."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -20,7 +21,10 @@ BLOCKS = {           # type -> (values per block, bytes per block): ggml's block
     "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "IQ3_S": (256, 110),
     "IQ3_XXS": (256, 98), "IQ2_S": (256, 82), "IQ2_XS": (256, 74), "IQ2_XXS": (256, 66),
     "IQ1_M": (256, 56), "IQ1_S": (256, 50), "TQ2_0": (256, 66), "TQ1_0": (256, 54),
+    "MXFP4": (32, 17),
 }
+# Block types MLX has a mode for with the same codes and scales: type -> (mode, bits).
+EXACT_MODES = {"MXFP4": ("mxfp4", 4)}
 FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 # Block types no MLX affine form holds (16-value sub-blocks, non-linear codebooks): re-quantized
 # from the reference values at the first of these widths within MAX_ERROR, else bf16.
@@ -49,6 +53,7 @@ class Converted:
     bits: int | None         # affine width, or None for a float tensor
     error: float             # relative RMS error against the reference dequantization
     exact: bool              # the affine form holds the blocks exactly (up to float16 scales)
+    mode: str = "affine"     # MLX quantization mode of a quantized tensor
 
 
 # -- exact decodings: integer levels q and per-32 scale/bias with value = scale * q + bias ------
@@ -171,6 +176,8 @@ def convert_tensor(ttype: str, raw: np.ndarray, shape: tuple[int, ...],
     blocks = raw.reshape(rows * cols // per, size)
     sample = _sample(rows)
     want = reference(ttype, raw.reshape(rows, -1)[sample], (len(sample), cols))
+    if ttype in EXACT_MODES:
+        return _microscaled(ttype, blocks, shape, rows, cols, sample, want)
     if ttype in EXACT_BITS:
         bits = EXACT_BITS[ttype]
         q, scale, bias = decode_affine(ttype, blocks)
@@ -181,6 +188,25 @@ def convert_tensor(ttype: str, raw: np.ndarray, shape: tuple[int, ...],
         return Converted(_shaped(w, s, b, shape), f"affine {bits}-bit", bits,
                          rel_error(got, want), True)
     return _requantize(ttype, raw, shape, rows, cols, sample, want, sdt, max_error)
+
+
+def _microscaled(ttype: str, blocks: np.ndarray, shape: tuple[int, ...], rows: int, cols: int,
+                 sample: np.ndarray, want: np.ndarray) -> Converted:
+    """MXFP4 blocks (an E8M0 scale byte, then 32 E2M1 codes: elements 0-15 in the low nibbles,
+    16-31 in the high ones) as MLX's mxfp4 mode: the codes repacked in element order, the scale
+    bytes kept; llama.cpp's values (its doubled code table times half the scale) are the same."""
+    import mlx.core as mx
+
+    mode, bits = EXACT_MODES[ttype]
+    codes = _nibbles(blocks[:, 1:])
+    w = mx.array(pack(codes.reshape(rows, cols), bits))
+    s = mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(rows, cols // GROUP))
+    idx = mx.array(sample)
+    got = np.array(mx.dequantize(w[idx], s[idx], None, group_size=GROUP, bits=bits, mode=mode)
+                   .astype(mx.float32))
+    lead = tuple(shape[:-1])
+    return Converted({"weight": w.reshape(*lead, -1), "scales": s.reshape(*lead, -1)}, mode,
+                     bits, rel_error(got, want), True, mode)
 
 
 def _requantize(ttype: str, raw: np.ndarray, shape: tuple[int, ...], rows: int, cols: int,
@@ -235,7 +261,9 @@ class Report:
     def lines(self) -> list[str]:
         out = []
         for (ttype, form), (count, numel, err) in sorted(self.rows.items()):
-            verb = "kept" if ttype == form or ttype in FLOATS else "converted to " + form
+            verb = ("kept" if ttype == form or ttype in FLOATS
+                    else "mapped to MLX's " + form if ttype in EXACT_MODES
+                    else "converted to " + form)
             out.append(f"{ttype}: {int(count)} tensors ({numel / 1e6:.1f}M values) {verb}; "
                        f"max relative RMS error vs gguf's dequantization {err:.1e}")
         return out

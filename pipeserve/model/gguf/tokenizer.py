@@ -15,7 +15,15 @@ TOKENIZER_MODELS = ("gpt2", "llama")
 # gpt-2's split is ByteLevel's own regex; the others are transformers' table of llama.cpp names.
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-BUILT_IN_PRE = ("smollm", "gpt-2", "default", "llama-bpe")
+# llama.cpp's own splits for pre-tokenizers transformers' table lacks, applied in sequence as
+# llama-vocab.cpp applies them (GLM-4's is llama3's; DeepSeek-V3's three in a row)
+DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?"""
+                    r"""[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA_CPP_SPLITS = {"glm4": (LLAMA3_REGEX,), "chatglm-bpe": (LLAMA3_REGEX,),
+                    "deepseek-v3": DEEPSEEK3_SPLITS}
+NO_BOS_PRE = ("glm4", "chatglm-bpe")   # llama.cpp clears their BOS token
+BUILT_IN_PRE = ("smollm", "gpt-2", "default", "llama-bpe", *LLAMA_CPP_SPLITS)
 # llama-vocab.cpp: control tokens with these texts end generation even when no *_token_id names them
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
              "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
@@ -66,6 +74,8 @@ def build(meta: dict[str, Any], arch: str) -> Any:
 
 def add_bos(meta: dict[str, Any]) -> bool:
     """llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise."""
+    if meta.get("tokenizer.ggml.pre") in NO_BOS_PRE:
+        return False
     default = meta["tokenizer.ggml.model"] == "llama"
     return bool(meta.get("tokenizer.ggml.add_bos_token", default))
 
@@ -89,9 +99,11 @@ def _byte_level(meta: dict[str, Any]) -> Any:
     elif pre in ("gpt-2", "default"):
         tok.pre_tokenizer = byte_level
     else:
-        regex = LLAMA3_REGEX if pre == "llama-bpe" else _splits()[pre]
+        regexes = LLAMA_CPP_SPLITS.get(pre) or (LLAMA3_REGEX if pre == "llama-bpe"
+                                                 else _splits()[pre],)
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            [*(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+               for r in regexes),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     types = _types(meta)

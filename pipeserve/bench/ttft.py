@@ -1,0 +1,149 @@
+"""bench.workload=ttft: the time to the first token where users feel it, through HTTP, beside
+mlx-lm's own prefill of the same prompts in the same run. Prompts are token ids (exact lengths;
+random tokens after a shared head of bench.ttft_prefix tokens, as a chat template or a system
+prompt gives every request):
+
+- first burst: bench.ttft_first_burst arrivals right after the server is ready (kernels not
+  yet compiled for their shapes), then the same burst again;
+- cold prompts one after another (bench.ttft_cold lengths), each sharing only the head with
+  what the prompt cache holds;
+- bursts of bench.ttft_bursts simultaneous 76-token prompts, without and with a logit_bias on
+  every request;
+- the library: mlx-lm's generate_step time to its first token for each cold prompt, and its
+  BatchGenerator's for each burst, in a child process after the server stopped."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeserve.bench.config import BenchConfig, Row
+from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb
+from pipeserve.bench.workload import _one, _pct, _session
+
+BURST_TOKENS = 76   # prompt length of a burst's requests
+OUT_TOKENS = 4      # tokens each request generates: enough to see the first
+
+LIBRARY = r"""
+import sys, time, json
+import pipeserve   # the CPU BLAS pipeserve computes with, before mlx loads
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, generate_step
+path, spec = sys.argv[1], json.load(open(sys.argv[2]))
+model, _ = load(path)
+def first_token(ids, chunk):
+    t0 = time.perf_counter()
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=1, prefill_step_size=chunk):
+        mx.eval(tok)
+        break
+    return time.perf_counter() - t0
+first_token(spec["warm"], spec["chunk"])   # the chunk shapes, once, as the server had
+cold = [first_token(ids, spec["chunk"]) for ids in spec["cold"]]
+bursts = {}
+for key, prompts in spec["bursts"].items():
+    for rep in range(2):   # the first compiles this batch's shapes
+        gen = BatchGenerator(model, max_tokens=2, completion_batch_size=len(prompts),
+                             prefill_batch_size=len(prompts))
+        t0 = time.perf_counter()
+        uids = gen.insert(prompts, [2] * len(prompts))
+        first = {}
+        while len(first) < len(uids):
+            for r in gen.next_generated() or []:
+                first.setdefault(r.uid, time.perf_counter() - t0)
+        gen.close()
+    bursts[key] = sorted(first.values())
+print(json.dumps({"cold": cold, "bursts": bursts}))
+"""
+
+
+def _ids(rng: random.Random, n: int, vocab: int, head: list[int]) -> list[int]:
+    return head + [rng.randrange(3, vocab) for _ in range(n - len(head))]
+
+
+def _row(target: str, what: str, streams: int, ttft: list[float], out_tokens: int,
+         overrides: str, rss: float = float("nan"), prompt_tokens: int = 0) -> Row:
+    row = Row(target, f"ttft:{what}", streams, len(ttft), out_tokens * len(ttft), float("nan"),
+              float("nan"), float("nan"), round(_pct(ttft, 0.5), 4), round(_pct(ttft, 0.95), 4),
+              float("nan"), float("nan"), rss, overrides)
+    row.prompt_tokens = prompt_tokens
+    if prompt_tokens and ttft:   # all the rows' prompt tokens over the median first token
+        row.prefill_tok_s = round(prompt_tokens * streams / statistics.median(ttft), 1)
+    return row
+
+
+async def _burst(base: str, model: str, prompts: list[list[int]],
+                 bias: dict[str, float]) -> list[float]:
+    async with _session(len(prompts), 600) as client:
+        got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
+                                          OUT_TOKENS, bias) for p in prompts))
+    return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])
+
+
+def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str],
+        model_dir: Path, out: Path, eos_bias: dict[str, float]) -> list[Row]:
+    """The rows of each scenario; `chunk` is the server's prompt chunk (scheduler.prefill_chunk),
+    the library's prefill step here."""
+    rng = random.Random(17)
+    vocab = min(vocab, 500)
+    head = [rng.randrange(3, vocab) for _ in range(b.ttft_prefix)]
+    cold = [_ids(rng, int(n), vocab, head) for n in b.ttft_cold]
+    sizes = [int(n) for n in b.ttft_bursts]
+    bursts = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
+    warm = _ids(rng, max((len(c) for c in cold), default=BURST_TOKENS), vocab, [])
+    port = _free_port()
+    server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
+                      f"model.path={model_dir}", f"model.name={model}", f"server.port={port}",
+                      f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
+    base, said = f"http://127.0.0.1:{port}", " ".join(overrides)
+    rows: list[Row] = []
+    try:
+        t0 = time.perf_counter()
+        server.wait_http(f"{base}/health")
+        ready_s = time.perf_counter() - t0
+        if b.ttft_first_burst:
+            first = [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(b.ttft_first_burst)]
+            for label in ("first burst after launch", "the same burst again"):
+                ttft = asyncio.run(_burst(base, model, first, {}))
+                rows.append(_row("pipeserve", label, len(first), ttft, OUT_TOKENS, said,
+                                 prompt_tokens=BURST_TOKENS))
+                rows[-1].wall_s = round(ready_s, 1)   # launch to ready
+        asyncio.run(_burst(base, model, [warm], {}))   # the chunk shapes, as the library gets
+        for n, prompts in bursts.items():                # and each burst's batch shapes
+            asyncio.run(_burst(base, model, [_ids(rng, BURST_TOKENS, vocab, [])
+                                             for _ in range(n)], {}))
+        for i, ids in enumerate(cold):
+            ttft = asyncio.run(_burst(base, model, [ids], {}))
+            rows.append(_row("pipeserve", f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
+                             prompt_tokens=len(ids)))
+        for n, prompts in bursts.items():
+            for bias in ({}, eos_bias):
+                ttft = asyncio.run(_burst(base, model, prompts, bias))
+                label = f"burst{' + logit_bias' if bias else ''}"
+                rows.append(_row("pipeserve", label, n, ttft, OUT_TOKENS, said,
+                                 prompt_tokens=BURST_TOKENS))
+        for r in rows:
+            r.peak_rss_mb = round(_peak_rss_mb(server.proc.pid), 1)
+    finally:
+        server.stop()
+    if not (b.batch_generator or b.bare_loop):
+        return rows
+    spec = out / "ttft-prompts.json"
+    spec.write_text(json.dumps({"warm": warm, "cold": cold, "chunk": chunk,
+                                "bursts": {str(n): p for n, p in bursts.items()}}))
+    res = subprocess.run([sys.executable, "-c", LIBRARY, str(model_dir), str(spec)],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         timeout=b.timeout_s)
+    lib = json.loads(res.stdout.strip().splitlines()[-1])
+    for i, (ids, s) in enumerate(zip(cold, lib["cold"])):
+        rows.append(_row("mlx-lm generate_step", f"cold prompt {i + 1}", 1, [s], 1, "",
+                         prompt_tokens=len(ids)))
+    for n, ttft in lib["bursts"].items():
+        rows.append(_row("mlx-lm BatchGenerator", "burst", int(n), ttft, 2, "",
+                         prompt_tokens=BURST_TOKENS))
+    return rows

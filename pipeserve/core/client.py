@@ -1,0 +1,69 @@
+"""EngineClient: the HTTP side's only view of an engine, whether it runs on a thread beside the
+event loop (Engine, EmbedEngine), in a child process (the pool's ChildEngine) or is a pool of
+them (PoolEngine). What it reads are published values: frozen EngineLimits (core/limits.py),
+replaced whole when they change, and an EngineLoad snapshot. Any thread; no mlx."""
+from __future__ import annotations
+
+import threading
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from pipeserve.core.limits import EngineLimits
+    from pipeserve.core.stream import RequestStream
+    from pipeserve.request import Request
+
+
+class EngineState(Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class EngineLoad(NamedTuple):
+    """How busy an engine is, as of the call: requests submitted and not yet in a batch row
+    (`num_waiting`), rows running, requests submitted and not finished (`num_inflight`), and
+    of the waiting ones those beyond the free rows (`num_queued`: they really queue).
+    Immutable; a tuple because the output path reads one per token event (a frozen
+    dataclass costs about three times as much to make)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_inflight: int = 0
+    num_queued: int = 0
+
+    @classmethod
+    def of(cls, waiting: int, running: int, inflight: int, max_rows: int) -> EngineLoad:
+        free = max(0, max_rows - running)
+        return cls(waiting, running, inflight, max(0, waiting - free))
+
+
+class EngineClient(Protocol):
+    """What the server, the request stages and the output path use of an engine.
+
+    `limits` is None until the model has loaded (and always for a pool as a whole); an
+    engine replaces it whole when a published fact changes (an adapter mounted), so a reader
+    holding one sees a consistent set. `submit` raises EngineUnavailable unless READY; events
+    for a request arrive on its stream, ending with one Finished or Failed. `command` takes a
+    command value (a Score, an Embed, an AdapterSwap) whose own fields carry its reply."""
+
+    state: EngineState
+    limits: EngineLimits | None
+    startup_error: BaseException | None
+
+    def start(self) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def submit(self, request: Request, stream: RequestStream) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def command(self, cmd: Any) -> None: ...
+
+    def flush_cache(self) -> threading.Event: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...

@@ -1,0 +1,118 @@
+"""TokenTrie: token sequences (prompt cache keys) under a root per model, searched for the
+longest stored prefix of a query and for a stored sequence that extends the query's matched
+part. mlx-lm's PromptTrie answers the same questions, but finds the extending sequence by
+walking the subtree below the match, copying the path at every node: quadratic in a long
+entry's length, seconds for a 16k-token entry, on every lookup that shares a token with it.
+Here every node keeps one stored sequence reachable below it, so a search costs the length of
+the query. Not thread-safe: each owner calls it from one thread."""
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import PromptTrieResult
+
+VALUE = "__value__"   # the value stored at a node (a sequence ends there)
+BELOW = "__below__"   # the tokens of one stored sequence at or below this node
+
+
+class TokenTrie:
+    def __init__(self) -> None:
+        self._roots: dict[Any, dict] = {}
+
+    def add(self, model: Any, tokens: list[int], value: Any) -> Any:
+        """Store `value` under `tokens`; returns the value it replaced, if any."""
+        path = [self._roots.setdefault(model, {})]
+        for tok in tokens:
+            path.append(path[-1].setdefault(tok, {}))
+        end = path[-1]
+        # one key object per stored sequence: the pointers to it are compared by identity
+        # (hashing or comparing a 16k-token tuple at every node would cost its length)
+        key = end[BELOW] if VALUE in end else tuple(tokens)
+        for node in path:
+            node.setdefault(BELOW, key)
+        prev = end.get(VALUE)
+        end[VALUE] = value
+        end[BELOW] = key
+        return prev
+
+    def get(self, model: Any, tokens: list[int]) -> Any:
+        node = self._roots[model]
+        for tok in tokens:
+            node = node[tok]
+        return node[VALUE]
+
+    def _path(self, model: Any, tokens: list[int]) -> list[dict]:
+        path = [self._roots[model]]
+        for tok in tokens:
+            path.append(path[-1][tok])
+        return path
+
+    def pop(self, model: Any, tokens: list[int]) -> Any:
+        """Remove the value stored under `tokens` (KeyError when there is none)."""
+        path = self._path(model, tokens)
+        value = path[-1].pop(VALUE)
+        gone = {id(path[-1][BELOW])}
+        for i in range(len(tokens), 0, -1):   # drop the branch nodes nothing else uses
+            if _children(path[i]) or VALUE in path[i]:
+                break
+            del path[i - 1][tokens[i - 1]]
+            path.pop()
+        _repair(path, gone)
+        return value
+
+    def pop_prefixes(self, model: Any, tokens: list[int]) -> list[tuple[int, Any]]:
+        """Remove and return (length, value) of every stored proper prefix of `tokens`."""
+        path = self._path(model, tokens)
+        popped = [i for i in range(len(tokens)) if VALUE in path[i]]
+        gone = {id(path[i][BELOW]) for i in popped}
+        values = [(i, path[i].pop(VALUE)) for i in popped]
+        if gone:
+            _repair(path, gone)
+        return values
+
+    def search(self, model: Any, tokens: list[int]) -> PromptTrieResult:
+        """exact: `tokens` itself is stored; shorter: the longest stored proper prefix;
+        longer: a stored sequence sharing all `common_prefix` matched tokens and going on
+        past them (any one, not necessarily the shortest); common_prefix: how many leading
+        tokens some stored sequence shares with `tokens`."""
+        node = self._roots.get(model)
+        if node is None:
+            return PromptTrieResult(model, None, None, None, 0)
+        if not tokens and VALUE in node:
+            return PromptTrieResult(model, [], None, None, 0)
+        last, index = -1, 0
+        while index < len(tokens) and tokens[index] in node:
+            node = node[tokens[index]]
+            if VALUE in node:
+                last = index
+            index += 1
+        if last == len(tokens) - 1 >= 0:
+            return PromptTrieResult(model, list(tokens), None, None, 0)
+        shorter = list(tokens[:last + 1]) if last > 0 else None
+        longer = None
+        if index > 0:
+            below = node.get(BELOW)
+            longer = list(below) if below is not None else None
+        return PromptTrieResult(model, None, shorter, longer, index)
+
+
+def _children(node: dict) -> list[dict]:
+    return [v for k, v in node.items() if k not in (VALUE, BELOW)]
+
+
+def _pick(node: dict, gone: set[int]) -> tuple[int, ...] | None:
+    """A stored sequence below `node` (from a child's pointer), none of `gone` (by id)."""
+    for child in _children(node):
+        below = child.get(BELOW)
+        if below is not None and id(below) not in gone:
+            return below
+    return None
+
+
+def _repair(path: list[dict], gone: set[int]) -> None:
+    """After the sequences `gone` (ids of their key objects) left the trie: the nodes on
+    their path that pointed at one point at another sequence below them (deepest first, so
+    each parent can take a child's). A node holding a value points at its own sequence."""
+    for node in reversed(path):
+        if id(node.get(BELOW)) in gone:
+            node[BELOW] = _pick(node, gone)

@@ -1,0 +1,195 @@
+"""Where the time to the first token goes, the engine alone (no HTTP): cold long prompts one
+after another, then a short one; a burst of short prompts with and without logit_bias. Each
+request's wall time is split into the engine loop's parts (schedule, cache lookup, launch,
+read-back, apply, persist, the prompt cache's put and eviction), next to mlx-lm's own prefill
+of the same prompts in the same process. One JSON object per line.
+
+    python scripts/ttft_probe.py --cold 16384,16384,16384,4096 -- model=tiny model.size=medium \
+        model.dtype=bfloat16 model.compute_dtype=checkpoint
+    python scripts/ttft_probe.py --cold none --burst 32,128 -- model=tiny
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from engine_alone import StepClock, compose_cfg, instrument, library, run_batch  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+
+def instrument_more(engine: Any, clock: StepClock) -> None:
+    """Timers around the parts a cold prompt may wait for besides the forward."""
+    step = engine.step
+    clock.wrap(step.persist, "prompts", "persist.prompts")
+    clock.wrap(step, "retire", "retire (persist finished)")
+    clock.wrap(step, "release", "release")
+    clock.wrap(step, "idle", "idle")
+    if engine.scheduler.lookup is not None:
+        clock.wrap(engine.scheduler, "lookup", "cache_lookup")
+    cache = step._cache
+    if cache is not None:
+        for name in ("put", "_evict", "tick"):
+            if hasattr(cache, name):
+                clock.wrap(cache, name, f"cache.{name}")
+
+
+async def one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, float]:
+    from pipeserve.core.events import Failed, Finished, TokenDelta
+    from pipeserve.core.stream import RequestStream
+    from pipeserve.request import PromptInput, Request, SamplingParams
+    loop = asyncio.get_running_loop()
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    req = Request(request_id=f"c-{uuid.uuid4().hex[:8]}", endpoint="bench",
+                  inputs=PromptInput(token_ids=ids), prompt_ids=list(ids), sampling=sp,
+                  stop_token_ids=frozenset())
+    stream = RequestStream(loop)
+    t0 = time.perf_counter()
+    engine.submit(req, stream)
+    first = 0.0
+    while True:
+        event = await stream.next()
+        if isinstance(event, TokenDelta):
+            first = first or time.perf_counter()
+        elif isinstance(event, Finished):
+            return {"ttft_s": round(first - t0, 4), "total_s": round(time.perf_counter() - t0, 4),
+                    "cached": req.num_cached_tokens}
+        else:
+            assert isinstance(event, Failed)
+            raise event.error
+
+
+def memory() -> dict[str, float]:
+    import mlx.core as mx
+    return {"active_gb": round(mx.get_active_memory() / 1e9, 2),
+            "cache_gb": round(mx.get_cache_memory() / 1e9, 2),
+            "peak_gb": round(mx.get_peak_memory() / 1e9, 2)}
+
+
+def library_cold(model_dir: Path, prompts: list[list[int]], warm: list[int],
+                 chunk: int) -> list[dict[str, Any]]:
+    """mlx-lm's generate_step: the time to its first token for each prompt, one after another
+    (one warm-up prompt first, as the engine had)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from pipeserve.model.config import ComputeDType, ModelConfig
+    from pipeserve.model.loader import _cast_weights
+    model, _ = load(str(model_dir))
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType("checkpoint")))
+    out = []
+    for i, ids in enumerate([warm] + prompts):
+        t0 = time.perf_counter()
+        for _tok, _ in generate_step(mx.array(ids), model, max_tokens=1, prefill_step_size=chunk):
+            mx.eval(_tok)
+            break
+        if i:
+            out.append({"what": "library cold prompt", "i": i - 1, "tokens": len(ids),
+                        "ttft_s": round(time.perf_counter() - t0, 4)})
+        mx.clear_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cold", default="16384,16384,16384,4096",
+                    help="prompt lengths sent one after another (none: skip)")
+    ap.add_argument("--burst", default="none", help="burst sizes of 76-token prompts")
+    ap.add_argument("--library", choices=["all", "none"], default="all")
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine thread (cold)")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="tokens every cold prompt starts with (a chat template's, say)")
+    ap.add_argument("--mlx-trie", action="store_true",
+                    help="the prompt cache on mlx-lm's PromptTrie (the before of an A/B)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    import mlx.core as mx
+    if args.mlx_trie:
+        from mlx_lm.models.cache import PromptTrie
+        from pipeserve.prompt_cache import ram
+        ram.TokenTrie = PromptTrie
+    from pipeserve.core.engine import Engine
+    from pipeserve.metrics import Metrics
+    cfg = compose_cfg(args.overrides)
+    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
+    engine = Engine(cfg, Metrics(CollectorRegistry()))
+    t0 = time.perf_counter()
+    engine.start()
+    assert engine.wait_ready(1800), f"engine failed: {engine.startup_error!r}"
+    clock = StepClock()
+    instrument(engine, clock)
+    instrument_more(engine, clock)
+    print(json.dumps({"what": "loaded", "s": round(time.perf_counter() - t0, 1),
+                      "device": str(mx.default_device()), "overrides": args.overrides}),
+          flush=True)
+    vocab = min(engine.loaded.tokenizer.vocab_size, 500)
+    eos = sorted(engine.loaded.tokenizer.eos_token_ids)
+    rng = random.Random(11)
+    cold = [] if args.cold == "none" else [int(n) for n in args.cold.split(",")]
+    head = [rng.randrange(3, vocab) for _ in range(args.prefix)]
+    prompts = [head + [rng.randrange(3, vocab) for _ in range(n - len(head))] for n in cold]
+    if cold:
+        warm = [rng.randrange(3, vocab) for _ in range(max(cold))]
+        asyncio.run(one(engine, warm, 2))   # the chunk shapes, once
+        if args.profile:
+            clock.profile, clock.profiling = cProfile.Profile(), True
+        for i, ids in enumerate(prompts):
+            clock.reset()
+            clock.on = True
+            r = asyncio.run(one(engine, ids, 4))
+            clock.on = False
+            parts = {k: round(v * 1000, 1) for k, v in clock.total.items()}
+            print(json.dumps({"what": "engine cold prompt", "i": i, "tokens": len(ids), **r,
+                              "steps": clock.steps, "ms_total_by_part": parts, **memory()}),
+                  flush=True)
+        if clock.profile is not None:
+            clock.profiling = False
+            asyncio.run(one(engine, prompts[-1][:8], 2))
+            s = io.StringIO()
+            pstats.Stats(clock.profile, stream=s).sort_stats("cumtime").print_stats(40)
+            print(s.getvalue(), flush=True)
+            clock.profile = None
+    bursts = {}
+    for n in ([] if args.burst == "none" else [int(b) for b in args.burst.split(",")]):
+        burst = bursts[n] = [[rng.randrange(3, vocab) for _ in range(76)] for _ in range(n)]
+        for with_bias in (False, True):
+            bias = {t: -100.0 for t in eos} if with_bias else {}
+            asyncio.run(run_batch(engine, [[rng.randrange(3, vocab) for _ in range(76)]
+                                           for _ in range(n)], 8, bias))
+            for rep in range(2):
+                clock.reset()
+                clock.on = True
+                r = asyncio.run(run_batch(engine, [list(p) for p in burst], 8, bias))
+                clock.on = False
+                print(json.dumps({"what": "engine burst", "streams": n, "logit_bias": with_bias,
+                                  "rep": rep, **r, "per_step_ms": clock.report()}), flush=True)
+    model_dir = engine.loaded.path
+    engine.stop()
+    del engine
+    mx.clear_cache()
+    if args.library == "all" and cold:
+        for r in library_cold(model_dir, prompts, warm, cfg.scheduler.prefill_chunk):
+            print(json.dumps(r), flush=True)
+    if args.library == "all" and bursts:
+        for r in library(model_dir, bursts, 8, warm=1):
+            print(json.dumps(r | {"max_tokens": 8}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
