@@ -11,7 +11,7 @@
     python scripts/fuzz_campaign.py                      # starts serve.py (model=tiny)
     python scripts/fuzz_campaign.py --url http://127.0.0.1:8080 --pid 1234
     python scripts/fuzz_campaign.py --per-endpoint 100 --storm 60 --json out.json
-    python scripts/fuzz_campaign.py --pool --per-endpoint 60 --storm 0   # issue 34: a pool
+    python scripts/fuzz_campaign.py --pool --per-endpoint 60 --storm 0   # a pool
 
 With --pool the server is `serve.py pool=example` (two generated models, each engine in its own
 process): the fuzzed bodies name one of the pool's ids (or, as drawn, something else), the
@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("--model-cache", default=None, help="model.cache_dir for a started server")
     ap.add_argument("--json", default=None, help="write the results here as JSON")
     ap.add_argument("--pool", action="store_true",
-                    help="fuzz `serve.py pool=example` with admin traffic beside (issue 34)")
+                    help="fuzz `serve.py pool=example` with admin traffic beside")
     ap.add_argument("overrides", nargs="*", default=None,
                     help="serve.py overrides for a started server")
     args = ap.parse_args()

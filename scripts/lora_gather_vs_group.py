@@ -1,4 +1,4 @@
-"""Gather against grouping for a batch whose rows use different LoRA adapters (issue 16).
+"""Gather against grouping for a batch whose rows use different LoRA adapters.
 
 One decode step of B rows spread over N adapters, at a fixed context, two ways:
 - gather (what pipeserve does): one forward over all B rows; every MultiLoRALinear shares the
