@@ -26,6 +26,8 @@ def fake_gen(finish: str = "tool_calls") -> Any:
     return SimpleNamespace(finish_reason=finish, stop_sequence=None, reasoning="thinking more",
                            request=SimpleNamespace(pins=()),   # no cache_control breakpoints
                            content="Let me check.Done.", tool_calls=[CALL],
+                           parts=[("reasoning", "thinking more"), ("text", "Let me check.Done."),
+                                  ("call", CALL)],   # in the order the model wrote them
                            usage=Usage(prompt_tokens=10, completion_tokens=7, cached_tokens=4,
                                        reasoning_tokens=2))
 
