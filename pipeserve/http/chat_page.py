@@ -1,11 +1,12 @@
 """GET /: the browser chat page (one self-contained HTML file in the package: no build step, no
 CDN). It talks to /v1/models and /v1/chat/completions like any client, so it needs no route of
-its own beyond serving the file. `server.chat_page=false` leaves / unrouted (404)."""
+its own beyond serving the file. `server.chat_page=false` answers GET / with a 404."""
 from __future__ import annotations
 
 from importlib.resources import files
 
 import sanic
+from sanic.exceptions import NotFound
 from sanic import HTTPResponse, Sanic
 
 PAGE = files("pipeserve.http").joinpath("static/chat.html")
@@ -13,7 +14,10 @@ ICON = files("pipeserve.http").joinpath("static/favicon.svg")
 
 
 def add_chat_page(app: Sanic, enabled: bool) -> None:
-    if not enabled:
+    if not enabled:   # GET / is a 404, as any unknown path (HEAD / stays: agents probe it)
+        @app.get("/", name="no_chat_page")
+        async def no_page(http: sanic.Request) -> HTTPResponse:
+            raise NotFound("the chat page is off (server.chat_page=false)")
         return
     body = PAGE.read_bytes()   # read once at startup; a few KB
     icon = ICON.read_bytes()
