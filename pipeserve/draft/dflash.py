@@ -25,11 +25,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from pipeserve.draft.eagle3 import Eagle3Mlp
-from pipeserve.draft.taps import install_taps
+from pipeserve.draft.taps import install_taps, load_head
 from pipeserve.draft.mtp import output_head
 from pipeserve.core.rows import RowStore
-from pipeserve.errors import ConfigError
-from pipeserve.model.config import ModelSource
 from pipeserve.model.tiny.dflash import ensure_dflash
 
 ARCHITECTURES = ("DFlashDraftModel",)
@@ -188,16 +186,7 @@ class DFlashProposer:
     name = "dflash"
 
     def __init__(self, cfg: Any, ctx: Any) -> None:
-        path = cfg.draft.path
-        if path is None:
-            if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
-                raise ConfigError("draft=dflash needs draft.path: the DFlash checkpoint "
-                                  f"directory trained for the served model ({ctx.loaded.path})")
-            path = str(ensure_dflash(ctx.loaded.path))
-        try:
-            self.head = load_dflash(path, ctx.model)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"draft=dflash draft.path={path}: {e}") from e
+        _, self.head = load_head(cfg, ctx, "DFlash", ensure_dflash, load_dflash)
         self.rows: dict[str, _Context] = {}
         self.kv = RowStore(self.head.make_cache)
 

@@ -21,7 +21,7 @@ from pipeserve.core.forward import Forward
 from pipeserve.draft.mtp import load_mtp
 from pipeserve.model.loader import load
 from pipeserve.draft.eagle3 import load_eagle3
-from pipeserve.model.config import ModelSource
+from pipeserve.draft.taps import load_head
 from pipeserve.model.tiny.eagle3 import ensure_eagle3
 
 log = logging.getLogger("pipeserve")
@@ -336,16 +336,7 @@ class Eagle3Proposer(MtpProposer):
     name = "eagle3"
 
     def __init__(self, cfg: ServeConfig, ctx: StageDeps) -> None:
-        path = cfg.draft.path
-        if path is None:
-            if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
-                raise ConfigError("draft=eagle3 needs draft.path: the EAGLE-3 checkpoint "
-                                  f"directory trained for the served model ({ctx.loaded.path})")
-            path = str(ensure_eagle3(ctx.loaded.path))
-        try:
-            self.head = load_eagle3(path, ctx.model)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"draft=eagle3 draft.path={path}: {e}") from e
+        path, self.head = load_head(cfg, ctx, "EAGLE-3", ensure_eagle3, load_eagle3)
         self.rows: dict[str, _MtpRow] = {}
         self.kv = RowStore(self.head.make_cache)
         log.info("draft=eagle3: head %s loaded", path)

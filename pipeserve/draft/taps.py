@@ -9,6 +9,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from pipeserve.errors import ConfigError
+from pipeserve.model.config import ModelSource
+
 ATTR = "_pipeserve_taps"
 
 
@@ -49,3 +52,19 @@ def install_taps(model: Any, layer_ids: list[int], outputs: bool = False) -> Tap
 
 def taps_of(model: Any) -> Taps | None:
     return getattr(model, ATTR, None)
+
+
+def load_head(cfg: Any, ctx: Any, what: str, ensure: Any, load: Any) -> Any:
+    """A hidden-state drafter (draft=eagle3, draft=dflash) from draft.path, or, for a
+    generated target with none, the checkpoint `ensure(target_dir)` writes beside it; bound
+    to the target model by `load(path, model)`. Launch errors name the option and the path."""
+    name, path = cfg.draft.name, cfg.draft.path
+    if path is None:
+        if cfg.model.path is not None or cfg.model.source is not ModelSource.generated:
+            raise ConfigError(f"draft={name} needs draft.path: the {what} checkpoint "
+                              f"directory trained for the served model ({ctx.loaded.path})")
+        path = str(ensure(ctx.loaded.path))
+    try:
+        return path, load(path, ctx.model)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"draft={name} draft.path={path}: {e}") from e
