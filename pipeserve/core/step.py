@@ -24,6 +24,7 @@ from pipeserve.model.loader import LoadedModel, load
 from pipeserve.memory import MemoryModel, setup_memory
 from pipeserve.metrics import Metrics
 from pipeserve.core.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
+from pipeserve.prompt_cache.protocol import reserve
 from pipeserve.prompt_cache.ram import PromptCache
 from pipeserve.request import Request
 from pipeserve.core.sampler_states import SamplerStates
@@ -71,9 +72,19 @@ class Step:
         self.draft = build(slots.draft._target_, cfg, deps) if speculative else None
         self.verify = (build(slots.verify._target_, cfg, deps, self.sample)   # picks with it
                        if speculative else None)
+        self.prefill_chunk = cfg.scheduler.prefill_chunk
         self.bind_metrics()
         self.caching = prompt_cache is not None   # off: persist puts nothing (kernel warm-up)
         self.dispatch_late = cfg.scheduler.dispatch_late   # the engine loop calls dispatch
+
+    def _room(self, plan: StepPlan, rid: str, hit: int) -> int:
+        """Tokens a hit row's KV makes room for: up to its next prompt-chunk boundary (the
+        scheduler aligns chunks after a hit to it), never past its prompt's own 256-token step
+        (a short prompt's row stays the size of a cold one)."""
+        chunk = self.prefill_chunk
+        prompt = next((r.request.num_prompt_tokens for r in plan.rows if r.request_id == rid),
+                      hit)
+        return min(-(-hit // chunk) * chunk, -(-prompt // 256) * 256)
 
     def bind_metrics(self) -> None:
         """Take the metric children the hot path observes (again after Metrics.muted)."""
@@ -93,7 +104,7 @@ class Step:
         """draft → prefill (the forward) → sample | verify; queues the result on the device."""
         kv = self.kv
         for rid, hit in plan.hits:
-            kv.adopt(rid, hit.caches)
+            kv.adopt(rid, reserve(hit.caches, self._room(plan, rid, hit.num_tokens)))
             if hit.key is not None:   # a checkpoint resume: its sampler stream goes on
                 self.samplers.resume(rid, hit.key)
         failed = catch_up(r.request for r in plan.decode)   # grammars take the applied output

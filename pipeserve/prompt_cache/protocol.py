@@ -57,6 +57,28 @@ def shrink(layer: Any) -> Any:
     return type(layer).from_state(content_state(layer))
 
 
+def reserve(caches: list[Any], capacity: int) -> list[Any]:
+    """A hit's plain KV caches (mlx-lm's KVCache) rebuilt with room for `capacity` tokens,
+    where the row's next prompt chunk ends: the chunk writes in place, and the row's buffers
+    then grow through the same sizes as a cold row's, which MLX's allocator already holds. An
+    exact-size prefix of n tokens grows to n + 2048, n + 4096, ...: sizes no cold row makes,
+    allocated anew for each new hit length. Other layouts are returned as they are."""
+    out = []
+    for c in caches:
+        if type(c) is not KVCache or c.keys is None or c.keys.shape[2] >= capacity:
+            out.append(c)
+            continue
+        n, grown = c.offset, KVCache()
+        for name in ("keys", "values"):
+            a = getattr(c, name)
+            room = mx.zeros((*a.shape[:2], capacity, a.shape[3]), a.dtype)
+            room[..., :n, :] = a[..., :n, :]
+            setattr(grown, name, room)
+        grown.offset = n
+        out.append(grown)
+    return out
+
+
 def content_state(layer: Any) -> Any:
     """`layer.state` without preallocated capacity (PREFIX_LAYOUTS: every 4-D array cut to
     `offset` tokens); other layouts' state as it is."""
