@@ -1,7 +1,7 @@
 """End to end, issue 44 (reliability, round 4), on real `serve.py` processes on 127.0.0.1: the API
 key guards every route of the route table with or without a trailing slash, and only the admin
 key may ask for an urgent priority; embeddings, rerank and /tokenize refuse by length before
-tokenizing, the embedding engine is shared fairly, /detokenize checks ids off the loop; a
+tokenizing, the embedding engine is shared fairly, /detokenize refuses by count; a
 request's images are bounded in decoded pixels, only listed formats open, a data URL's type must
 match its bytes, mutated images are never 5xx, and a text chat never waits behind media; the
 active-rows gauge follows aborts. Every request has a timeout; every wait is bounded."""
@@ -133,7 +133,7 @@ def test_tokenize_refuses_a_huge_prompt_by_its_length(keyed: Any) -> None:
         assert "characters; no token of this tokenizer spells more than" in err["message"]
 
 
-def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
+def test_detokenize_refuses_millions_of_ids_by_their_count(keyed: Any) -> None:
     base = keyed.base_url
     tokens = [5] * 4_000_000 + [10**9]
     with ThreadPoolExecutor(1) as ex:
@@ -143,7 +143,16 @@ def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
         r = big.result(timeout=120)
     assert health == [200] * 5
     assert r.status_code == 400, r.text[:300]
-    assert "tokens[4000000] is 1000000000" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["param"] == "tokens" and err["code"] == "context_length_exceeded"
+    assert "tokens has 4000001 ids; the limit is the context length, 4096" in err["message"]
+    # at the limit the ids are read: the bad one is named
+    r = httpx.post(base + "/detokenize", json={"tokens": [5] * 4095 + [10**9]}, headers=AUTH,
+                   timeout=TIMEOUT)
+    assert r.status_code == 400 and "tokens[4095] is 1000000000" in r.json()["error"]["message"]
+    r = httpx.post(base + "/detokenize", json={"tokens": [5] * 4096}, headers=AUTH,
+                   timeout=TIMEOUT)
+    assert r.status_code == 200 and len(r.json()["prompt"]) > 0
 
 
 # -- images: a request's decoded pixels are bounded; text never waits behind media ------------
