@@ -8,6 +8,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import struct
 import time
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ class MediaLimits:
     fetch_timeout_s: float
     max_request_pixels: int = 100_000_000
     prepare_s: float = 60.0
+    decode_s: float = 10.0
 
     @classmethod
     def of(cls, media: Any) -> MediaLimits:
@@ -73,7 +75,7 @@ class MediaLimits:
                    int(media.max_images), int(media.max_media_mb * 1e6),
                    media.allow_remote_media, media.allow_private_media,
                    media.media_fetch_timeout_s, int(media.max_request_pixels),
-                   float(media.max_media_prepare_s))
+                   float(media.max_media_prepare_s), float(media.max_image_decode_s))
 
 
 def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
@@ -148,7 +150,8 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
             raise InvalidRequest(f"{part.where}: the request's images add up to more than "
                                  f"{limits.max_request_bytes} bytes (media.max_media_mb)",
                                  param=part.where)
-        decoded = decode(data, part.where, limits, pixels, part.mime)
+        decoded = decode(data, part.where, limits, pixels, part.mime,
+                         started + limits.prepare_s)
         pixels += decoded.image.width * decoded.image.height
         yield decoded
         del decoded, data   # not held while the next image decodes
@@ -183,10 +186,11 @@ def check_budget(started: float, budget_s: float, where: str) -> None:
 
 
 def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
-           mime: str | None = None) -> Decoded:
+           mime: str | None = None, budget_end: float = math.inf) -> Decoded:
     """One image, RGB, EXIF orientation applied; its size checked (alone and with the request's
     `used_pixels`) before its pixels are decoded, its format against the listed ones and
-    against the data URL's declared type."""
+    against the data URL's declared type; its decoding ended at media.max_image_decode_s (or at
+    `budget_end`, the request's media budget)."""
     from PIL import Image, ImageOps
 
     _register_heif()
@@ -194,10 +198,12 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
         raise InvalidRequest(f"{where}: the image is {len(data)} bytes; the limit is "
                              f"{limits.max_image_bytes} bytes per image (media.max_image_mb)",
                              param=where)
+    source = DeadlineReader(data, where, limits, budget_end)
     try:
-        with Image.open(io.BytesIO(data), formats=OPENERS) as img:
+        with Image.open(source, formats=OPENERS) as img:
             _check_size(img, where, limits, used_pixels)
             _check_mime(img.format, mime, where)
+            img.decodermaxblock = DECODE_BLOCK
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")
     except InvalidRequest:
@@ -206,6 +212,32 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
         raise InvalidRequest(f"{where}: the image could not be decoded ({type(e).__name__}: "
                              f"{str(e)[:160]}); send {FORMATS}", param=where) from e
     return Decoded(rgb, hashlib.sha256(data).hexdigest(), len(data))
+
+
+# Bytes the decoders take per call: between calls the deadline is checked. A JPEG scan can be a
+# few bytes that walk every block of the image, so a block holds at most a few hundred of them.
+DECODE_BLOCK = 4096
+
+
+class DeadlineReader(io.BytesIO):
+    """An image's bytes as Pillow's decoders read them, a block at a time; a read after the
+    deadline ends the decode with a 400 (an image built to be slow, such as a JPEG of thousands
+    of scans, costs far more time than its bytes and pixels suggest)."""
+
+    def __init__(self, data: bytes, where: str, limits: MediaLimits,
+                 budget_end: float = math.inf) -> None:
+        super().__init__(data)
+        self.where, self.limits = where, limits
+        self.deadline = min(time.monotonic() + limits.decode_s, budget_end)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise InvalidRequest(
+                f"{self.where}: decoding the image took longer than {self.limits.decode_s:g} s, "
+                "the limit per image (media.max_image_decode_s), or ran past the request's "
+                f"{self.limits.prepare_s:g} s (media.max_media_prepare_s); send a smaller or "
+                "plainer image", param=self.where)
+        return super().read(size)
 
 
 def _check_size(img: Any, where: str, limits: MediaLimits, used_pixels: int) -> None:

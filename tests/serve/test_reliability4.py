@@ -184,7 +184,7 @@ def _rss_bytes(pid: int) -> int:
 @pytest.fixture(scope="module")
 def vlm(server_factory: Any) -> Any:
     return server_factory("model=tiny_vlm", "media.max_request_pixels=60000000",
-                          "server.max_body_mb=32")
+                          "media.max_image_decode_s=5", "server.max_body_mb=32")
 
 
 def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
@@ -206,6 +206,32 @@ def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
     again = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
                        timeout=TIMEOUT)
     assert again.status_code == 200, again.text
+
+
+def test_an_image_slow_to_decode_is_a_400_and_frees_its_thread(vlm: Any) -> None:
+    """A 2.3 MB progressive JPEG of 100,000 scans (minutes of libjpeg) ends at
+    media.max_image_decode_s; a text chat sent meanwhile and an image sent after are served."""
+    import base64
+
+    from tests.media_util import scan_bomb_jpeg
+    bomb = base64.b64encode(scan_bomb_jpeg((6000, 6000), 100_000)).decode()
+    base = vlm.base_url
+    with ThreadPoolExecutor(1) as ex:
+        slow = ex.submit(httpx.post, base + "/v1/chat/completions", timeout=300,
+                         json=_image_chat(["data:image/jpeg;base64," + bomb]))
+        chat = httpx.post(base + "/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": "tiny_vlm", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Say something."}]})
+        r = slow.result(timeout=300)
+    assert chat.status_code == 200, chat.text[:300]
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[0]"
+    assert "took longer than 5 s, the limit per image (media.max_image_decode_s)" in err["message"]
+    for _ in range(3):   # both media threads are free again
+        ok = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
+                        timeout=TIMEOUT)
+        assert ok.status_code == 200, ok.text
 
 
 def test_a_data_url_type_must_match_its_bytes(vlm: Any) -> None:
