@@ -34,6 +34,7 @@ class MediaConfig:
     max_audio_mb: float = 20.0        # decimal MB of one audio clip's bytes
     max_audio_s: float = 30.0         # seconds of one clip, checked before decoding
     max_audios: int = 8               # audio clips in one request
+    max_request_audio_s: float = 120.0  # seconds of all of one request's clips, from headers
 
     def __post_init__(self) -> None:
         for f in fields(self):
