@@ -216,14 +216,19 @@ def test_an_image_slow_to_decode_is_a_400_and_frees_its_thread(vlm: Any) -> None
     from tests.media_util import scan_bomb_jpeg
     bomb = base64.b64encode(scan_bomb_jpeg((6000, 6000), 100_000)).decode()
     base = vlm.base_url
+    order: list[str] = []
+
+    def send(name: str, body: dict[str, Any]) -> httpx.Response:
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+        order.append(name)
+        return r
     with ThreadPoolExecutor(1) as ex:
-        slow = ex.submit(httpx.post, base + "/v1/chat/completions", timeout=300,
-                         json=_image_chat(["data:image/jpeg;base64," + bomb]))
-        chat = httpx.post(base + "/v1/chat/completions", timeout=TIMEOUT, json={
-            "model": "tiny_vlm", "max_tokens": 2,
-            "messages": [{"role": "user", "content": "Say something."}]})
+        slow = ex.submit(send, "image", _image_chat(["data:image/jpeg;base64," + bomb]))
+        chat = send("text", {"model": "tiny_vlm", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "Say something."}]})
         r = slow.result(timeout=300)
     assert chat.status_code == 200, chat.text[:300]
+    assert order == ["text", "image"]
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["param"] == "messages[0].content[0]"

@@ -99,10 +99,15 @@ async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     "token_strs"}. The ids are those a completion (or chat completion) of the same input runs."""
     body, ctx, front = await _front(app, http, "tokenize")
     ids, _ = await _run(front, http, body)
-    strs = ([front.detokenize.token_text(i) for i in ids]
+    strs = (await off_loop(len(ids) * 4, _token_strs, front, ids)
             if F.get(body, "return_token_strs", bool, False) else None)
     return json_response({"count": len(ids), "max_model_len": front.tokenize.max_context,
                           "tokens": ids, "token_strs": strs})
+
+
+def _token_strs(front: Any, ids: list[int]) -> list[str]:
+    """Each id's text (off the loop for long prompts: an id not yet cached decodes alone)."""
+    return [front.detokenize.token_text(i) for i in ids]
 
 
 async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
