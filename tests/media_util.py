@@ -1,6 +1,6 @@
 """Shared by the media tests: a real HTTP server on 127.0.0.1 serving fixed responses (the
 remote-URL fetch tests), a video encoder (PyAV), the "rows in one batch equal each alone"
-check that must see the rows share a step, a JPEG that is slow to decode for its size, and
+check that must see the rows share a step, a JPEG and a PNG slow to decode for their size, and
 the client side of a tiny_vlm server: a greedy
 answer, its tokens' bytes, the reference's tokens spelt the same way, and a metric's value."""
 from __future__ import annotations
@@ -147,3 +147,18 @@ def scan_bomb_jpeg(size: tuple[int, int], copies: int) -> bytes:
     scans = [s for s in _jpeg_segments(data) if s[0] == 0xDA]
     _, start, end = min(scans[1:], key=lambda s: s[2] - s[1])
     return data[:end] + data[start:end] * copies + data[end:]
+
+
+def chunky_png(chunks: int) -> bytes:
+    """A 64x64 PNG with `chunks` empty private chunks before its pixels (12 bytes each): Pillow
+    reads every chunk header in Python before it reaches the size of the pixels it decodes."""
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 90)).save(buf, "PNG")
+    png = buf.getvalue()
+    header_end = 8 + 8 + 13 + 4   # signature, IHDR
+    chunk = struct.pack(">I", 0) + b"prVt" + struct.pack(">I", zlib.crc32(b"prVt"))
+    return png[:header_end] + chunk * chunks + png[header_end:]

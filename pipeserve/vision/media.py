@@ -137,9 +137,9 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
                              f"{limits.max_images} per request (media.max_images)",
                              param=parts[limits.max_images].where)
     started = time.monotonic() if started is None else started
-    _check_sizes(parts, limits)
+    header_s = _check_sizes(parts, limits, started + limits.prepare_s)
     total = pixels = 0
-    for part in parts:
+    for part, spent in zip(parts, header_s):
         check_budget(started, limits.prepare_s, part.where)
         data = part.data
         if data is None:
@@ -151,29 +151,34 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
                                  f"{limits.max_request_bytes} bytes (media.max_media_mb)",
                                  param=part.where)
         decoded = decode(data, part.where, limits, pixels, part.mime,
-                         started + limits.prepare_s)
+                         started + limits.prepare_s, spent)
         pixels += decoded.image.width * decoded.image.height
         yield decoded
         del decoded, data   # not held while the next image decodes
 
 
-def _check_sizes(parts: list[MediaPart], limits: MediaLimits) -> None:
+def _check_sizes(parts: list[MediaPart], limits: MediaLimits,
+                 budget_end: float) -> list[float]:
     """The request's inline images' sizes, read from their headers only, against the decoded
     pixel budget: a request past it is refused before any image is decoded. (Unreadable
-    headers are left to decode, which names the error.)"""
+    headers are left to decode, which names the error.) Returns the seconds each header took,
+    which count against that image's decode time."""
     from PIL import Image
 
     _register_heif()
-    pixels = 0
+    pixels, spent = 0, []
     for part in parts:
-        if part.data is None or len(part.data) > limits.max_image_bytes:
-            continue
-        try:
-            with Image.open(io.BytesIO(part.data), formats=OPENERS) as img:
-                _check_size(img, part.where, limits, pixels)
-                pixels += img.size[0] * img.size[1]
-        except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it, in order
-            continue
+        began = time.monotonic()
+        if part.data is not None and len(part.data) <= limits.max_image_bytes:
+            try:
+                source = DeadlineReader(part.data, part.where, limits, budget_end)
+                with Image.open(source, formats=OPENERS) as img:
+                    _check_size(img, part.where, limits, pixels)
+                    pixels += img.size[0] * img.size[1]
+            except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it
+                pass
+        spent.append(time.monotonic() - began)
+    return spent
 
 
 def check_budget(started: float, budget_s: float, where: str) -> None:
@@ -186,11 +191,12 @@ def check_budget(started: float, budget_s: float, where: str) -> None:
 
 
 def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
-           mime: str | None = None, budget_end: float = math.inf) -> Decoded:
+           mime: str | None = None, budget_end: float = math.inf,
+           spent_s: float = 0.0) -> Decoded:
     """One image, RGB, EXIF orientation applied; its size checked (alone and with the request's
     `used_pixels`) before its pixels are decoded, its format against the listed ones and
-    against the data URL's declared type; its decoding ended at media.max_image_decode_s (or at
-    `budget_end`, the request's media budget)."""
+    against the data URL's declared type; its decoding ended at media.max_image_decode_s less
+    `spent_s` (its header's reading so far), or at `budget_end`, the request's media budget."""
     from PIL import Image, ImageOps
 
     _register_heif()
@@ -198,7 +204,7 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
         raise InvalidRequest(f"{where}: the image is {len(data)} bytes; the limit is "
                              f"{limits.max_image_bytes} bytes per image (media.max_image_mb)",
                              param=where)
-    source = DeadlineReader(data, where, limits, budget_end)
+    source = DeadlineReader(data, where, limits, budget_end, spent_s)
     try:
         with Image.open(source, formats=OPENERS) as img:
             _check_size(img, where, limits, used_pixels)
@@ -225,10 +231,10 @@ class DeadlineReader(io.BytesIO):
     of scans, costs far more time than its bytes and pixels suggest)."""
 
     def __init__(self, data: bytes, where: str, limits: MediaLimits,
-                 budget_end: float = math.inf) -> None:
+                 budget_end: float = math.inf, spent_s: float = 0.0) -> None:
         super().__init__(data)
         self.where, self.limits = where, limits
-        self.deadline = min(time.monotonic() + limits.decode_s, budget_end)
+        self.deadline = min(time.monotonic() + limits.decode_s - spent_s, budget_end)
 
     def read(self, size: int | None = -1) -> bytes:
         if time.monotonic() > self.deadline:

@@ -210,7 +210,7 @@ def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
 
 def test_an_image_slow_to_decode_is_a_400_and_frees_its_thread(vlm: Any) -> None:
     """A 2.3 MB progressive JPEG of 100,000 scans (minutes of libjpeg) ends at
-    media.max_image_decode_s; a text chat sent meanwhile and an image sent after are served."""
+    media.max_image_decode_s; a text chat sent meanwhile and images sent after are served."""
     import base64
 
     from tests.media_util import scan_bomb_jpeg
