@@ -209,7 +209,7 @@ def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
 
 
 def test_an_image_slow_to_decode_is_a_400_and_frees_its_thread(vlm: Any) -> None:
-    """A 2.3 MB progressive JPEG of 100,000 scans (minutes of libjpeg) ends at
+    """A 2.5 MB progressive JPEG of 100,000 scans, each walking every block, ends at
     media.max_image_decode_s; a text chat sent meanwhile and images sent after are served."""
     import base64
 
