@@ -1,11 +1,13 @@
 """Shared by the media tests: a real HTTP server on 127.0.0.1 serving fixed responses (the
 remote-URL fetch tests), a video encoder (PyAV), the "rows in one batch equal each alone"
-check that must see the rows share a step, and the client side of a tiny_vlm server: a greedy
+check that must see the rows share a step, a JPEG and a PNG slow to decode for their size, and
+the client side of a tiny_vlm server: a greedy
 answer, its tokens' bytes, the reference's tokens spelt the same way, and a metric's value."""
 from __future__ import annotations
 
 import http.server
 import io
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -117,3 +119,46 @@ def metric(server: Any, name: str) -> float:
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
+
+
+def _jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of each marker segment of a JPEG, a scan's entropy-coded data
+    counted in its SOS segment."""
+    i, out = 2, []
+    while i < len(data) and data[i + 1] != 0xD9:
+        end = i + 2 + struct.unpack(">H", data[i + 2:i + 4])[0]
+        if data[i + 1] == 0xDA:   # entropy-coded data runs to the next non-RST marker
+            while data[end] != 0xFF or data[end + 1] == 0 or 0xD0 <= data[end + 1] <= 0xD7:
+                end += 1
+        out.append((data[i + 1], i, end))
+        i = end
+    return out
+
+
+def scan_bomb_jpeg(size: tuple[int, int], copies: int) -> bytes:
+    """A flat progressive JPEG whose smallest AC scan (23 bytes: one end-of-band run over every
+    block) is repeated `copies` times; libjpeg walks all of the image's blocks for each copy,
+    so decoding costs time in proportion to the copies, not to the bytes or pixels."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, (120, 60, 200)).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    scans = [s for s in _jpeg_segments(data) if s[0] == 0xDA]
+    _, start, end = min(scans[1:], key=lambda s: s[2] - s[1])
+    return data[:end] + data[start:end] * copies + data[end:]
+
+
+def chunky_png(chunks: int) -> bytes:
+    """A 64x64 PNG with `chunks` empty private chunks before its pixels (12 bytes each): Pillow
+    reads every chunk header in Python before it reaches the size of the pixels it decodes."""
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 90)).save(buf, "PNG")
+    png = buf.getvalue()
+    header_end = 8 + 8 + 13 + 4   # signature, IHDR
+    chunk = struct.pack(">I", 0) + b"prVt" + struct.pack(">I", zlib.crc32(b"prVt"))
+    return png[:header_end] + chunk * chunks + png[header_end:]

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import gc
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -64,9 +65,14 @@ class MediaPool:
 
 def _media_call(fn: Callable[..., T], *args: object) -> T:
     """`fn` with the GC paused; then the C heap's free pages go back to the system (decoded
-    images are large; glibc keeps freed arenas of worker threads otherwise)."""
+    images are large; glibc keeps freed arenas of worker threads otherwise). A refusal's
+    traceback lets go of its frames' locals first (a half-read image, its chunks), so they are
+    freed now rather than at the next collection."""
     try:
         return _paused_call(fn, *args)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         _trim()
 

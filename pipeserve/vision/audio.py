@@ -52,11 +52,12 @@ class AudioLimits:
     max_clip_bytes: int
     max_seconds: float
     max_clips: int
+    max_request_seconds: float = 120.0
 
     @classmethod
     def of(cls, media: Any) -> AudioLimits:
         return cls(int(media.max_audio_mb * 1e6), float(media.max_audio_s),
-                   int(media.max_audios))
+                   int(media.max_audios), float(media.max_request_audio_s))
 
 
 @dataclass(slots=True)
@@ -78,11 +79,12 @@ def _format(data: bytes) -> str | None:
 
 
 def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_seconds: float,
-           shortest_s: float = 0.0) -> DecodedAudio:
+           shortest_s: float = 0.0, used_seconds: float = 0.0) -> DecodedAudio:
     """One clip's waveform at `rate` Hz, mono (mlx-vlm's load_audio, from bytes). The duration
     is checked from the header before the samples are decoded: at most the server's and the
     model's longest clip, at least `shortest_s` (one audio token's worth: the tower gives a
-    shorter clip no frame). Blocking: off the event loop."""
+    shorter clip no frame), and with the request's `used_seconds` at most its audio budget.
+    Blocking: off the event loop."""
     import miniaudio
     from mlx_audio.audio_io import read
 
@@ -111,6 +113,7 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
             raise InvalidRequest(f"{where}: the audio is {seconds * 1000:.1f} ms long; the "
                                  f"shortest clip this model takes is {shortest_s * 1000:g} ms "
                                  "(one audio token)", param=where)
+        _check_request_seconds(where, seconds, used_seconds, limits)
         audio, sample_rate = read(io.BytesIO(data), dtype="float32")
     except InvalidRequest:
         raise
@@ -127,6 +130,14 @@ def decode(data: bytes, where: str, limits: AudioLimits, rate: int, model_second
     audio = resample(audio, int(sample_rate), rate)
     return DecodedAudio(np.asarray(audio, dtype=np.float32), hashlib.sha256(data).hexdigest(),
                         seconds)
+
+
+def _check_request_seconds(where: str, seconds: float, used: float, limits: AudioLimits) -> None:
+    if used + seconds > limits.max_request_seconds:
+        raise InvalidRequest(
+            f"{where}: the audio is {seconds:.2f} s long, which brings the request's audio to "
+            f"{used + seconds:.2f} s; the limit is {limits.max_request_seconds:g} s per request "
+            "(media.max_request_audio_s)", param=where)
 
 
 # The most up/down steps a polyphase filter is built for: its taps grow with the reduced rate
@@ -153,19 +164,23 @@ def decode_all(parts: list[MediaPart], limits: AudioLimits, rate: int, model_sec
                request_bytes: int, used_bytes: int = 0,
                shortest_s: float = 0.0) -> list[DecodedAudio]:
     """Every audio part's waveform, caps checked (`used_bytes`: the request's images, which
-    share media.max_media_mb). Blocking: off the event loop."""
+    share media.max_media_mb); a clip that brings the request's audio past
+    media.max_request_audio_s is refused before its samples are decoded. Blocking: off the
+    event loop."""
     if len(parts) > limits.max_clips:
         raise InvalidRequest(f"the request has {len(parts)} audio clips; the limit is "
                              f"{limits.max_clips} per request (media.max_audios)",
                              param=parts[limits.max_clips].where)
-    out, total = [], used_bytes
+    out, total, seconds = [], used_bytes, 0.0
     for part in parts:
         assert part.data is not None
         total += len(part.data)
         if total > request_bytes:
             raise InvalidRequest(f"{part.where}: the request's media add up to more than "
                                  f"{request_bytes} bytes (media.max_media_mb)", param=part.where)
-        out.append(decode(part.data, part.where, limits, rate, model_seconds, shortest_s))
+        out.append(decode(part.data, part.where, limits, rate, model_seconds, shortest_s,
+                          seconds))
+        seconds += out[-1].seconds
     return out
 
 

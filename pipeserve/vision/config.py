@@ -19,6 +19,7 @@ class MediaConfig:
     media_fetch_timeout_s: float = 10.0  # wall-clock seconds one remote image may take
     max_request_pixels: int = 100_000_000  # width x height of all of one request's images
     max_media_prepare_s: float = 60.0  # seconds preparing one request's media (checked per part)
+    max_image_decode_s: float = 10.0  # wall-clock seconds decoding one image may take
     media_workers: int = 2            # threads preparing media, apart from text preparation
     max_media_queue: int = 8          # media requests waiting for those threads; more get 429
     # video (models whose processor takes video: Qwen2-VL / Qwen2.5-VL), sampled to frames
@@ -33,6 +34,7 @@ class MediaConfig:
     max_audio_mb: float = 20.0        # decimal MB of one audio clip's bytes
     max_audio_s: float = 30.0         # seconds of one clip, checked before decoding
     max_audios: int = 8               # audio clips in one request
+    max_request_audio_s: float = 120.0  # seconds of all of one request's clips, from headers
 
     def __post_init__(self) -> None:
         for f in fields(self):

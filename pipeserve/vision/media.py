@@ -8,6 +8,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import struct
 import time
 from collections.abc import Iterator
@@ -66,6 +67,7 @@ class MediaLimits:
     fetch_timeout_s: float
     max_request_pixels: int = 100_000_000
     prepare_s: float = 60.0
+    decode_s: float = 10.0
 
     @classmethod
     def of(cls, media: Any) -> MediaLimits:
@@ -73,7 +75,7 @@ class MediaLimits:
                    int(media.max_images), int(media.max_media_mb * 1e6),
                    media.allow_remote_media, media.allow_private_media,
                    media.media_fetch_timeout_s, int(media.max_request_pixels),
-                   float(media.max_media_prepare_s))
+                   float(media.max_media_prepare_s), float(media.max_image_decode_s))
 
 
 def from_url(url: Any, where: str, kind: str = "image") -> MediaPart:
@@ -135,9 +137,9 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
                              f"{limits.max_images} per request (media.max_images)",
                              param=parts[limits.max_images].where)
     started = time.monotonic() if started is None else started
-    _check_sizes(parts, limits)
+    header_s = _check_sizes(parts, limits, started + limits.prepare_s)
     total = pixels = 0
-    for part in parts:
+    for part, spent in zip(parts, header_s):
         check_budget(started, limits.prepare_s, part.where)
         data = part.data
         if data is None:
@@ -148,29 +150,35 @@ def decode_each(parts: list[MediaPart], limits: MediaLimits,
             raise InvalidRequest(f"{part.where}: the request's images add up to more than "
                                  f"{limits.max_request_bytes} bytes (media.max_media_mb)",
                                  param=part.where)
-        decoded = decode(data, part.where, limits, pixels, part.mime)
+        decoded = decode(data, part.where, limits, pixels, part.mime,
+                         started + limits.prepare_s, spent)
         pixels += decoded.image.width * decoded.image.height
         yield decoded
         del decoded, data   # not held while the next image decodes
 
 
-def _check_sizes(parts: list[MediaPart], limits: MediaLimits) -> None:
+def _check_sizes(parts: list[MediaPart], limits: MediaLimits,
+                 budget_end: float) -> list[float]:
     """The request's inline images' sizes, read from their headers only, against the decoded
     pixel budget: a request past it is refused before any image is decoded. (Unreadable
-    headers are left to decode, which names the error.)"""
+    headers are left to decode, which names the error.) Returns the seconds each header took,
+    which count against that image's decode time."""
     from PIL import Image
 
     _register_heif()
-    pixels = 0
+    pixels, spent = 0, []
     for part in parts:
-        if part.data is None or len(part.data) > limits.max_image_bytes:
-            continue
-        try:
-            with Image.open(io.BytesIO(part.data), formats=OPENERS) as img:
-                _check_size(img, part.where, limits, pixels)
-                pixels += img.size[0] * img.size[1]
-        except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it, in order
-            continue
+        began = time.monotonic()
+        if part.data is not None and len(part.data) <= limits.max_image_bytes:
+            try:
+                source = DeadlineReader(part.data, part.where, limits, budget_end)
+                with Image.open(source, formats=OPENERS) as img:
+                    _check_size(img, part.where, limits, pixels)
+                    pixels += img.size[0] * img.size[1]
+            except (*DECODE_ERRORS, Image.DecompressionBombError):   # decode() names it
+                pass
+        spent.append(time.monotonic() - began)
+    return spent
 
 
 def check_budget(started: float, budget_s: float, where: str) -> None:
@@ -183,10 +191,12 @@ def check_budget(started: float, budget_s: float, where: str) -> None:
 
 
 def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
-           mime: str | None = None) -> Decoded:
+           mime: str | None = None, budget_end: float = math.inf,
+           spent_s: float = 0.0) -> Decoded:
     """One image, RGB, EXIF orientation applied; its size checked (alone and with the request's
     `used_pixels`) before its pixels are decoded, its format against the listed ones and
-    against the data URL's declared type."""
+    against the data URL's declared type; its decoding ended at media.max_image_decode_s less
+    `spent_s` (its header's reading so far), or at `budget_end`, the request's media budget."""
     from PIL import Image, ImageOps
 
     _register_heif()
@@ -194,10 +204,12 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
         raise InvalidRequest(f"{where}: the image is {len(data)} bytes; the limit is "
                              f"{limits.max_image_bytes} bytes per image (media.max_image_mb)",
                              param=where)
+    source = DeadlineReader(data, where, limits, budget_end, spent_s)
     try:
-        with Image.open(io.BytesIO(data), formats=OPENERS) as img:
+        with Image.open(source, formats=OPENERS) as img:
             _check_size(img, where, limits, used_pixels)
             _check_mime(img.format, mime, where)
+            img.decodermaxblock = DECODE_BLOCK
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")
     except InvalidRequest:
@@ -206,6 +218,32 @@ def decode(data: bytes, where: str, limits: MediaLimits, used_pixels: int = 0,
         raise InvalidRequest(f"{where}: the image could not be decoded ({type(e).__name__}: "
                              f"{str(e)[:160]}); send {FORMATS}", param=where) from e
     return Decoded(rgb, hashlib.sha256(data).hexdigest(), len(data))
+
+
+# Bytes the decoders take per call: between calls the deadline is checked. A JPEG scan can be a
+# few bytes that walk every block of the image, so a block holds at most a few hundred of them.
+DECODE_BLOCK = 4096
+
+
+class DeadlineReader(io.BytesIO):
+    """An image's bytes as Pillow's decoders read them, a block at a time; a read after the
+    deadline ends the decode with a 400 (an image built to be slow, such as a JPEG of thousands
+    of scans, costs far more time than its bytes and pixels suggest)."""
+
+    def __init__(self, data: bytes, where: str, limits: MediaLimits,
+                 budget_end: float = math.inf, spent_s: float = 0.0) -> None:
+        super().__init__(data)
+        self.where, self.limits = where, limits
+        self.deadline = min(time.monotonic() + limits.decode_s - spent_s, budget_end)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise InvalidRequest(
+                f"{self.where}: decoding the image took longer than {self.limits.decode_s:g} s, "
+                "the limit per image (media.max_image_decode_s), or ran past the request's "
+                f"{self.limits.prepare_s:g} s (media.max_media_prepare_s); send a smaller or "
+                "plainer image", param=self.where)
+        return super().read(size)
 
 
 def _check_size(img: Any, where: str, limits: MediaLimits, used_pixels: int) -> None:

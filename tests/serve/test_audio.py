@@ -63,7 +63,7 @@ def audio_message(data: bytes, text: str = QUESTION) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def omni(server_factory: Any, model_cache: Path) -> Any:
     server = server_factory("model=tiny_vlm", "model.arch=gemma4", "media.max_audio_s=2",
-                            "scheduler.prefill_chunk=32")
+                            "media.max_request_audio_s=3", "scheduler.prefill_chunk=32")
     server.path = ensure_model("gemma4", "float32", model_cache)
     return server
 
@@ -194,6 +194,14 @@ def test_bad_audio_is_a_400_naming_the_part(omni: Any) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             greedy(omni, [{"role": "user", "content": [{"type": "text", "text": "Hear:"}, part]}])
         assert "messages[0].content[1]" in str(e.value) and reason in str(e.value), str(e.value)
+    # two clips within the per-clip cap, past the request's: the second is named
+    with pytest.raises(openai.BadRequestError) as e:
+        greedy(omni, [{"role": "user", "content": [
+            {"type": "text", "text": "Hear:"}, audio_part(wav(7, 1.8)), audio_part(wav(8, 1.5))]}])
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "messages[0].content[2]", err
+    assert ("the audio is 1.50 s long, which brings the request's audio to 3.30 s; the limit "
+            "is 3 s per request (media.max_request_audio_s)") in err["message"]
     # Gemma 4's images are not served (its image tokens attend both ways): a 400 saying so
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
     with pytest.raises(openai.BadRequestError,

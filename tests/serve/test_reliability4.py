@@ -1,7 +1,7 @@
 """End to end, issue 44 (reliability, round 4), on real `serve.py` processes on 127.0.0.1: the API
 key guards every route of the route table with or without a trailing slash, and only the admin
 key may ask for an urgent priority; embeddings, rerank and /tokenize refuse by length before
-tokenizing, the embedding engine is shared fairly, /detokenize checks ids off the loop; a
+tokenizing, the embedding engine is shared fairly, /detokenize refuses by count; a
 request's images are bounded in decoded pixels, only listed formats open, a data URL's type must
 match its bytes, mutated images are never 5xx, and a text chat never waits behind media; the
 active-rows gauge follows aborts. Every request has a timeout; every wait is bounded."""
@@ -133,7 +133,7 @@ def test_tokenize_refuses_a_huge_prompt_by_its_length(keyed: Any) -> None:
         assert "characters; no token of this tokenizer spells more than" in err["message"]
 
 
-def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
+def test_detokenize_refuses_millions_of_ids_by_their_count(keyed: Any) -> None:
     base = keyed.base_url
     tokens = [5] * 4_000_000 + [10**9]
     with ThreadPoolExecutor(1) as ex:
@@ -143,7 +143,16 @@ def test_detokenize_checks_millions_of_ids_off_the_loop(keyed: Any) -> None:
         r = big.result(timeout=120)
     assert health == [200] * 5
     assert r.status_code == 400, r.text[:300]
-    assert "tokens[4000000] is 1000000000" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["param"] == "tokens" and err["code"] == "context_length_exceeded"
+    assert "tokens has 4000001 ids; the limit is the context length, 4096" in err["message"]
+    # at the limit the ids are read: the bad one is named
+    r = httpx.post(base + "/detokenize", json={"tokens": [5] * 4095 + [10**9]}, headers=AUTH,
+                   timeout=TIMEOUT)
+    assert r.status_code == 400 and "tokens[4095] is 1000000000" in r.json()["error"]["message"]
+    r = httpx.post(base + "/detokenize", json={"tokens": [5] * 4096}, headers=AUTH,
+                   timeout=TIMEOUT)
+    assert r.status_code == 200 and len(r.json()["prompt"]) > 0
 
 
 # -- images: a request's decoded pixels are bounded; text never waits behind media ------------
@@ -197,6 +206,37 @@ def test_a_request_past_its_decoded_pixel_budget_is_a_400(vlm: Any) -> None:
     again = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
                        timeout=TIMEOUT)
     assert again.status_code == 200, again.text
+
+
+def test_an_image_slow_to_decode_is_a_400_and_frees_its_thread(vlm: Any) -> None:
+    """A 2.5 MB progressive JPEG of 100,000 scans, each walking every block, ends at
+    media.max_image_decode_s; a text chat sent meanwhile and images sent after are served."""
+    import base64
+
+    from tests.media_util import scan_bomb_jpeg
+    bomb = base64.b64encode(scan_bomb_jpeg((6000, 6000), 100_000)).decode()
+    base = vlm.base_url
+    order: list[str] = []
+
+    def send(name: str, body: dict[str, Any]) -> httpx.Response:
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+        order.append(name)
+        return r
+    with ThreadPoolExecutor(1) as ex:
+        slow = ex.submit(send, "image", _image_chat(["data:image/jpeg;base64," + bomb]))
+        chat = send("text", {"model": "tiny_vlm", "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "Say something."}]})
+        r = slow.result(timeout=300)
+    assert chat.status_code == 200, chat.text[:300]
+    assert order == ["text", "image"]
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[0]"
+    assert "took longer than 10 s, the limit per image (media.max_image_decode_s)" in err["message"]
+    for _ in range(3):   # both media threads are free again
+        ok = httpx.post(base + "/v1/chat/completions", json=_image_chat([_png((64, 48))]),
+                        timeout=TIMEOUT)
+        assert ok.status_code == 200, ok.text
 
 
 def test_a_data_url_type_must_match_its_bytes(vlm: Any) -> None:

@@ -86,6 +86,18 @@ def test_detokenize_round_trips_and_chat_template_renders(srv: Any, tokenizer: A
     assert cont["prompt"].endswith("It is half")   # the turn is left open to continue
 
 
+def test_detokenize_equals_the_tokenizer_on_every_id(srv: Any, tokenizer: Any) -> None:
+    import random
+
+    rng = random.Random(7)
+    vocab = len(tokenizer)
+    for ids in (list(range(vocab)), [rng.randrange(vocab) for _ in range(3000)],
+                [rng.randrange(vocab) for _ in range(7)]):
+        r = post(srv, "/detokenize", {"tokens": ids})
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt"] == tokenizer.decode(ids)
+
+
 @pytest.mark.parametrize("path, body, param, words", [
     ("/tokenize", {}, "prompt", ["prompt", "messages"]),
     ("/tokenize", {"prompt": 5}, "prompt", ["string"]),

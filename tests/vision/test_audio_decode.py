@@ -80,6 +80,15 @@ def test_caps_and_malformed_clips_name_the_part() -> None:
     with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[1\]: the request's media "
                                              r"add up to more than"):
         decode_all(parts[:2], LIMITS, 16000, 30.0, len(wav()) + 10, used_bytes=5)
+    # the request's seconds: the clip that passes the budget is refused from its header
+    short = AudioLimits(max_clip_bytes=1_000_000, max_seconds=2.0, max_clips=4,
+                        max_request_seconds=2.5)
+    with pytest.raises(InvalidRequest) as e:
+        decode_all(parts, short, 16000, 30.0, 10**9)
+    assert e.value.param == "messages[0].content[2]"
+    assert ("the audio is 1.00 s long, which brings the request's audio to 3.00 s; the limit is "
+            "2.5 s per request (media.max_request_audio_s)") in str(e.value)
+    assert len(decode_all(parts[:2], short, 16000, 30.0, 10**9)) == 2
 
 
 def test_input_audio_parts_parsed_or_refused() -> None:

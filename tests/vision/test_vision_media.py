@@ -13,7 +13,7 @@ from PIL import Image
 
 from pipeserve.errors import InvalidRequest
 from pipeserve.vision.media import MediaLimits, MediaPart, decode, decode_all, from_url
-from tests.media_util import local_server
+from tests.media_util import chunky_png, local_server, scan_bomb_jpeg
 
 
 def limits(**kw) -> MediaLimits:
@@ -31,6 +31,45 @@ def jpeg(size: tuple[int, int], orientation: int | None = None) -> bytes:
         exif[0x0112] = orientation
     img.save(buf, format="JPEG", exif=exif.tobytes())
     return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_the_deadline_reader_decodes_every_format_as_pillow_does(fmt: str) -> None:
+    img = Image.effect_mandelbrot((300, 200), (-2, -1.5, 1, 1.5), 80).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"progressive": True} if fmt == "JPEG" else {}))
+    plain = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    assert decode(buf.getvalue(), "p", limits()).image.tobytes() == plain.tobytes()
+
+
+def test_an_image_slow_to_decode_is_ended_at_the_decode_limit() -> None:
+    """6000x6000 flat pixels, 672 kB: 20,000 scans that each walk every block, far more work
+    than the limit allows, end at media.max_image_decode_s."""
+    bomb = scan_bomb_jpeg((6000, 6000), 20_000)
+    big = limits(max_image_bytes=2_000_000, max_image_pixels=40_000_000, decode_s=0.5)
+    with pytest.raises(InvalidRequest) as e:
+        decode(bomb, "messages[0].content[0]", big)
+    assert e.value.param == "messages[0].content[0]"
+    assert "took longer than 0.5 s, the limit per image (media.max_image_decode_s)" in str(e.value)
+    # the request's budget ends it too, whatever the per-image limit
+    part = MediaPart("messages[0].content[1]", data=bomb)
+    with pytest.raises(InvalidRequest) as e:
+        decode_all([part], limits(max_image_bytes=2_000_000, max_image_pixels=40_000_000,
+                                  decode_s=600, prepare_s=0.5))
+    assert "media.max_media_prepare_s" in str(e.value) and e.value.param == part.where
+
+
+def test_a_png_of_a_million_chunks_is_ended_while_its_header_is_read() -> None:
+    from pipeserve.vision import media
+
+    part = MediaPart("messages[0].content[2]", data=chunky_png(300_000))   # 3.6 MB
+    short = limits(max_image_bytes=20_000_000, max_request_bytes=20_000_000, decode_s=0.2)
+    with pytest.raises(InvalidRequest) as e:
+        decode_all([part], short)
+    assert e.value.param == part.where and "media.max_image_decode_s" in str(e.value)
+    with pytest.raises(InvalidRequest):   # the pixel check's header read alone is bounded
+        media._check_sizes([part], short, float("inf"))
+    assert decode_all([MediaPart("p", data=chunky_png(10))], limits())[0].image.size == (64, 64)
 
 
 def test_exif_orientation_is_applied() -> None:

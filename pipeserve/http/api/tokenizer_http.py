@@ -99,19 +99,31 @@ async def handle_tokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     "token_strs"}. The ids are those a completion (or chat completion) of the same input runs."""
     body, ctx, front = await _front(app, http, "tokenize")
     ids, _ = await _run(front, http, body)
-    strs = ([front.detokenize.token_text(i) for i in ids]
+    strs = (await off_loop(len(ids) * 4, _token_strs, front, ids)
             if F.get(body, "return_token_strs", bool, False) else None)
     return json_response({"count": len(ids), "max_model_len": front.tokenize.max_context,
                           "tokens": ids, "token_strs": strs})
 
 
+def _token_strs(front: Any, ids: list[int]) -> list[str]:
+    """Each id's text (off the loop for long prompts: an id not yet cached decodes alone)."""
+    return [front.detokenize.token_text(i) for i in ids]
+
+
 async def handle_detokenize(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """{"tokens": [ids]} → {"prompt": text}; special tokens are kept (as vLLM does), so
-    /tokenize then /detokenize round-trips a rendered chat."""
+    /tokenize then /detokenize round-trips a rendered chat. A list longer than the model's
+    context is refused by its length before any id is read."""
     body, ctx, front = await _front(app, http, "detokenize")
     tokens = F.get(body, "tokens", list)
     if tokens is None:
         raise InvalidRequest("tokens (an array of token ids) is required", param="tokens")
+    limit = front.tokenize.max_context
+    if len(tokens) > limit:
+        raise InvalidRequest(
+            f"tokens has {len(tokens)} ids; the limit is the context length, {limit} tokens "
+            "(admission.max_context, at most the model's): no longer text is read or written",
+            param="tokens", code="context_length_exceeded")
     text = await off_loop(len(tokens) * 4, _detokenize, front, tokens)
     return json_response({"prompt": text})
 
@@ -123,7 +135,16 @@ def _detokenize(front: Any, tokens: list[Any]) -> str:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise InvalidRequest(f"tokens[{i}] is {F.short(t)}; token ids are integers in "
                                  f"[0, {vocab})", param="tokens")
-    return front.tokenize.tokenizer.decode(tokens)
+    return decode(front.tokenize.tokenizer, front.tokenize.backend, tokens)
+
+
+def decode(tokenizer: Any, backend: Any, ids: list[int]) -> str:
+    """`tokenizer.decode(ids)`, through the Rust tokenizer's batch decode when that gives the
+    same text (no clean-up pass): it releases the GIL, so the event loop runs meanwhile."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    if backend is None or getattr(inner, "clean_up_tokenization_spaces", False):
+        return tokenizer.decode(ids)
+    return backend.decode_batch([ids], skip_special_tokens=False)[0]
 
 
 async def handle_chat_template(app: Sanic, http: sanic.Request) -> HTTPResponse:
