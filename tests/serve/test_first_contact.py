@@ -28,6 +28,7 @@ from pipeserve.launch.overrides import expand_home
 from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.loader import locate
 from tests.conftest import make_config, pinned, startup_error
+from tests.doc_blocks import code_chunks, pages
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -197,22 +198,29 @@ LAUNCH = re.compile(r"(?:^|&& |; |\$ )(?:pipeserve|python serve\.py) +(.*)$")
 ERROR_EXAMPLES = {"kv=turb", "scheduler.max_batchh=4", "model.path=/data/run=3/model"}
 
 
+def launch_args(line: str) -> list[str] | None:
+    """A `pipeserve ...` / `python serve.py ...` line's overrides; None for any other line and
+    for one with placeholders (`...`, `<dir>`) or flags."""
+    m = LAUNCH.search(line.strip())
+    if not m:
+        return None
+    args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
+    if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
+        args = args[1:]
+    if not args or any("..." in a or "<" in a or a.startswith("-") for a in args):
+        return None
+    return args
+
+
 def documented_launches() -> list[tuple[str, list[str]]]:
-    """Every `pipeserve ...` / `python serve.py ...` in the README's and docs' code (inline spans
-    and fenced blocks), as its arguments; placeholders (`...`, `<dir>`) and flags left out."""
+    """Every launch in the README's and docs' code (inline spans, fenced and indented blocks),
+    as its arguments."""
     found = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = page.read_text().replace("\\\n", " ")
-        code = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
-        for chunk in code:
-            for line in chunk.splitlines():
-                m = LAUNCH.search(line.strip())
-                if not m:
-                    continue
-                args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
-                if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
-                    args = args[1:]
-                if args and not any("..." in a or "<" in a or a.startswith("-") for a in args):
+    for page in pages():
+        for chunk in code_chunks(page):
+            for line in chunk.replace("\\\n", " ").splitlines():
+                args = launch_args(line)
+                if args is not None:
                     found.append((f"{page.name}: {line.strip()}", args))
     return found
 
