@@ -285,6 +285,62 @@ def test_a_launch_on_a_terminal_says_it_is_starting_before_the_imports(tmp_path:
                                 "exist"), lines
 
 
+def _read_pty(master: int, proc: subprocess.Popen, until: str) -> str:
+    """What the process writes to its terminal, until `until` shows or it exits (bounded)."""
+    import select
+
+    out = b""
+    for _ in range(3000):   # 0.2 s each: ten minutes at most
+        if until.encode() in out:
+            break
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:   # the process closed its end
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    return out.decode(errors="replace")
+
+
+def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path) -> None:
+    """A GGUF's first launch converts it, then reads the weights: on a terminal each step is
+    one line redrawn in place (carriage returns, never a line per update) and cleared before
+    the step's log line; the server then comes up as usual."""
+    import pty
+    import signal
+
+    from gguf import GGMLQuantizationType as T
+
+    from tests.model.test_gguf import _small, save_ggml_gguf, tokenizer_metadata
+
+    tensors, meta = _small(tokenizer_metadata())
+    model = save_ggml_gguf(tmp_path / "small.gguf", {n: (w, T.F32) for n, w in tensors.items()},
+                           meta)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"model.path={model}",
+                             "server.port=0", f"model.cache_dir={tmp_path / 'cache'}",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=slave,
+                            stderr=slave, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    try:
+        out = _read_pty(master, proc, "ready: model")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        os.close(master)
+    assert "ready: model small" in out, out
+    for step, done in [("converting small.gguf", "converting small.gguf: "),
+                       ("loading small: reading the weights", "loading small [5/5]")]:
+        drawn = re.findall(rf"\r{re.escape(step)} \[[#.]{{20}}\] +(\d+)% ", out)
+        assert drawn and drawn[-1] == "100", (step, out)
+        # the full bar, cleared, then the step's own log line where the bar was
+        assert re.search(rf"\r{re.escape(step)} \[#{{20}}\] 100% \([^\r\n]*\r\x1b\[K\["
+                         rf"[^\n]*{re.escape(done)}", out), (step, out)
+
+
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
