@@ -1,7 +1,8 @@
 """The command blocks of the README and docs/*.md, with the marker each carries.
 
 A command block is a fenced block tagged sh/bash/shell/console or untagged, or an indented
-block, in which a line starts with a command a reader would type. Each one carries, on the
+block, in which a line starts with a command a reader would type; or a fenced block of any tag
+with `$ command` prompts. Each one carries, on the
 line before it (a blank line between), one marker:
 
     <!-- docs-test: run -->                  tests/serve/test_doc_commands.py runs it against a
@@ -10,6 +11,8 @@ line before it (a blank line between), one marker:
     <!-- docs-test: launch -->               each line is started as a server and stopped
     <!-- docs-test: composed -->             each line is a launch that
                                              tests/serve/test_first_contact.py composes
+    <!-- docs-test: transcript -->           `$ command` lines, each followed by its output:
+                                             each runs, and prints those lines
     <!-- docs-test: not run: <why> -->       a GPU, real weights, the whole suite, ...
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ COMMANDS = {"pipeserve", "python", "python3", "pip", "pip3", "curl", "mlx.launch
             "huggingface-cli", "git", "sudo", "apt-get", "uv", "cd", "wget", "docker"}
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->", re.S)
 KIND = re.compile(r"(run)(?: on (?P<on>\S+(?: \S+)*?))?(?: expect (?P<expect>.+))?$"
-                  r"|(launch|composed)$|not run: (?P<why>\S.*)$", re.S)
+                  r"|(launch|composed|transcript)$|not run: (?P<why>\S.*)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,16 @@ class Block:
         if m.group("why"):
             return "not run", "", ""
         return m.group(1) or m.group(4), m.group("on") or "", (m.group("expect") or "").strip()
+
+    def transcript(self) -> list[tuple[str, list[str]]]:
+        """(`$ command`, the lines the page shows it printing) for each prompt."""
+        out: list[tuple[str, list[str]]] = []
+        for line in self.text.splitlines():
+            if line.startswith("$ "):
+                out.append((line[2:], []))
+            elif out and line.strip():
+                out[-1][1].append(line.rstrip())
+        return out
 
     def commands(self) -> str:
         """The block as bash reads it: `$ ` prompts dropped, output lines after a prompt left
@@ -113,8 +126,9 @@ def command_blocks() -> list[Block]:
         for i, t in enumerate(tokens):
             if t.type not in ("fence", "code_block"):
                 continue
-            if t.type == "fence" and t.info.strip() not in SHELL_INFO:
-                continue
+            prompted = any(x.startswith("$ ") for x in t.content.splitlines())
+            if t.type == "fence" and t.info.strip() not in SHELL_INFO and not prompted:
+                continue   # a `text` block of `$ command` and its output counts too
             if not is_command(t.content):
                 continue
             before = tokens[i - 1] if i else None

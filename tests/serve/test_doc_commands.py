@@ -2,7 +2,8 @@
 
 A `run` block goes to bash as written against a real server on 127.0.0.1 (model=tiny, or the
 marker's overrides, or the launch line the block itself starts with); `localhost:8080` is
-that server's address, files it names (cat.png) are generated beside it. A `launch` block's
+that server's address, files it names (cat.png) are generated beside it. A `transcript`'s
+commands must print the lines the page shows after each. A `launch` block's
 lines are started as written, with `~/models/NAME` a generated model under that name in a
 fresh HOME, and each must serve a request. Which blocks carry which marker, and that none is
 unmarked, is tests/test_docs.py's check (tests/doc_blocks.py reads the markers)."""
@@ -93,6 +94,23 @@ def test_a_documented_command_block_runs_as_written(block: Block, servers: Any, 
         assert expect in done.stdout, (block.where, out)
     else:
         assert not re.search(r'"error"\s*:\s*[{"]', done.stdout), (block.where, out)   # not null
+
+
+@pytest.mark.parametrize("block", _marked("transcript"), ids=lambda b: b.where)
+def test_a_documented_transcript_prints_what_the_page_shows(block: Block, tmp_path: Path,
+                                                            model_cache: Path) -> None:
+    """`$ command` and the lines the page shows after it (an error example, say): run by bash,
+    the command prints each of those lines, in order, whatever its exit code."""
+    env = _shell_env(tmp_path / "home", model_cache)
+    runs = {command: subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for command, _ in block.transcript()}   # all at once: each is a fresh process
+    for command, shown in block.transcript():
+        printed = [x.rstrip() for x in runs[command].communicate(timeout=300)[0].splitlines()]
+        at = 0
+        for line in shown:
+            assert line in printed[at:], (block.where, command, line, printed)
+            at = printed.index(line, at) + 1
 
 
 def _launch_lines() -> list[tuple[str, str]]:
