@@ -180,7 +180,6 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
          ) -> LoadedModel:
     """`shard(model, config)` splits the lazily loaded model across ranks before its weights
     are read (distributed≠none: pipeserve/distributed/shard.py)."""
-    import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 

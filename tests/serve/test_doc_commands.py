@@ -80,6 +80,8 @@ def servers(server_factory: Any) -> Any:
 @pytest.mark.parametrize("block", _marked("run"), ids=lambda b: b.where)
 def test_a_documented_command_block_runs_as_written(block: Block, servers: Any, tmp_path: Path,
                                                     model_cache: Path) -> None:
+    """bash -e runs the block as pasted; it exits 0, prints something, and prints no error
+    object unless the marker names the one it documents."""
     _, on, expect = block.kind()
     launched, script = _split_launch(block.commands())
     if ADDRESS.search(script):
