@@ -2,6 +2,9 @@
 process). Updated from the engine thread and the event loop; the client is thread-safe."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from pipeserve import registry
@@ -297,6 +300,18 @@ class Metrics:
             ["rank"], buckets=STEP_BUCKETS_S, registry=r)
         for family in (self.distributed_step_seconds, self.distributed_sync_seconds):
             family.labels("0")   # rank 0 always exists; a group adds the others at load
+
+    @contextmanager
+    def muted(self) -> Iterator[None]:
+        """While inside, every metric this object hands out is a throwaway one (the launch
+        warm-up's requests are not traffic); holders of a child taken earlier rebind after."""
+        real = dict(self.__dict__)
+        self.__dict__.update({k: v for k, v in Metrics(CollectorRegistry()).__dict__.items()
+                              if k != "registry"})
+        try:
+            yield
+        finally:
+            self.__dict__.update(real)
 
     def _init_labels(self) -> None:
         for endpoint in ENDPOINTS:

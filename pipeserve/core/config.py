@@ -28,6 +28,10 @@ class SchedulerConfig:
     # seconds a waiting request may be overtaken by more urgent `priority` ones; past it, it
     # goes first (bounded starvation); None: strict priority
     max_wait_s: Optional[float] = 30.0
+    # before reporting ready, run a few requests of the server's own (a two-chunk prompt, a
+    # burst under every sampling path) so the first users do not wait while MLX builds its
+    # kernels; unset: on a GPU (a CPU builds them in milliseconds)
+    kernel_warmup: Optional[bool] = None
 
     def __post_init__(self) -> None:
         _positive("scheduler.max_batch", self.max_batch)

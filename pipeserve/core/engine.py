@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pipeserve.adapters import swap as adapter_swap
 from pipeserve.config import ServeConfig, build
 from pipeserve.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core import kernel_warmup
 from pipeserve.core.inbox import Inbox
 from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
@@ -103,6 +105,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self._load()
+            if kernel_warmup.enabled(self.cfg, on_gpu="gpu" in self.device):
+                self._warm_kernels()   # a row that fails is logged; a loop that dies fails the start
         except BaseException as e:  # the startup boundary: keep the error for start()'s caller
             if not isinstance(e, ConfigError):   # a ConfigError is serve.py's one-line report
                 log.exception("model load failed")
@@ -110,10 +114,10 @@ class Engine:
             self.state = EngineState.DEAD
             self._ready.set()
             return
-        self.state = EngineState.READY
-        self.metrics.engine_up.set(1)
-        self._ready.set()
         try:
+            self.state = EngineState.READY
+            self.metrics.engine_up.set(1)
+            self._ready.set()
             self._loop()
         except Exception as e:  # the engine cannot go on: fail everything in flight
             log.exception("engine loop died")
@@ -141,10 +145,40 @@ class Engine:
                                       memory=self.memory, kv_pool_bytes=self.kv_pool_bytes,
                                       device=self.device)
 
-    def _loop(self) -> None:
+    def _warm_kernels(self) -> None:
+        """Run the kernel warm-up's requests (core/kernel_warmup.py) through the loop, the prompt
+        cache detached and the metrics muted; a failure is logged, never fatal."""
+        t0, lim = time.perf_counter(), self.scheduler.limits
+        reqs = kernel_warmup.requests(self.limits.vocab_size, self.limits.max_context,
+                               lim.prefill_chunk, lim.max_batch)
+        sinks = [kernel_warmup.Sink() for _ in reqs]
+        lookup, self.scheduler.lookup = self.scheduler.lookup, None
+        self.step.caching = False
+        try:
+            with self.metrics.muted():
+                self.step.bind_metrics()
+                for req, sink in zip(reqs, sinks):
+                    self._inbox.put(Submit(req, sink))
+                self._loop(until=lambda: all(s.finished for s in sinks))
+        finally:
+            self.scheduler.lookup, self.step.caching = lookup, self.step._cache is not None
+            self.step.bind_metrics()
+        errors = [s.error for s in sinks if s.error is not None]
+        if errors:
+            log.warning("kernel warm-up: %d of %d requests failed (%s); serving anyway",
+                        len(errors), len(reqs), errors[0])
+        log.info("kernel warm-up: %d requests (a %d-token prompt, a burst of %d) in %.2f s",
+                 len(reqs), reqs[0].num_prompt_tokens, len(reqs) - 1,
+                 time.perf_counter() - t0)
+
+    def _loop(self, until: Callable[[], bool] | None = None) -> None:
+        """The step loop, until stopped (or, for the kernel warm-up, until `until()` with no step
+        in flight)."""
         sched = self.scheduler
         pending: Launched | None = None   # last step, queued on the device, not yet read back
         while not self.stopping:
+            if until is not None and pending is None and until():
+                return
             idle = pending is None and not sched.has_work()
             if idle:
                 self.step.idle()

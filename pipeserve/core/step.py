@@ -71,11 +71,16 @@ class Step:
         self.draft = build(slots.draft._target_, cfg, deps) if speculative else None
         self.verify = (build(slots.verify._target_, cfg, deps, self.sample)   # picks with it
                        if speculative else None)
-        names = ["draft", "prefill", "sample", "verify", "persist"]
-        self._timers = {n: metrics.stage_seconds.labels(n) for n in names}
-        self._tokens = {p: metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
-        self._batch_size = metrics.batch_size
+        self.bind_metrics()
+        self.caching = prompt_cache is not None   # off: persist puts nothing (kernel warm-up)
         self.dispatch_late = cfg.scheduler.dispatch_late   # the engine loop calls dispatch
+
+    def bind_metrics(self) -> None:
+        """Take the metric children the hot path observes (again after Metrics.muted)."""
+        names = ["draft", "prefill", "sample", "verify", "persist"]
+        self._timers = {n: self._metrics.stage_seconds.labels(n) for n in names}
+        self._tokens = {p: self._metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
+        self._batch_size = self._metrics.batch_size
 
     def _timed(self, name: str, call: Callable[[], T]) -> T:
         t0 = time.perf_counter()
@@ -103,7 +108,8 @@ class Step:
         by_id = {r.request_id: r.request for r in plan.rows}
         rows = [by_id[rid] for rid in logits.order]
         if plan.has_drafts:
-            self._timed("persist", lambda: self.persist.prompts(plan, kv))
+            if self.caching:
+                self._timed("persist", lambda: self.persist.prompts(plan, kv))
             output = self._timed("verify", lambda: self.verify(logits, plan, rows, kv))
             kv.set_next(logits.order, mx.array([output.rows[rid].token_ids[-1]
                                                 for rid in logits.order], dtype=mx.uint32))
@@ -118,7 +124,8 @@ class Step:
                 self.dispatch(launched)
         # the finished prompts' cache copies queue behind the step's own work: the first
         # tokens never wait for them (sampling reads the caches, never writes them)
-        self._timed("persist", lambda: self.persist.prompts(plan, kv))
+        if self.caching:
+            self._timed("persist", lambda: self.persist.prompts(plan, kv))
         return launched
 
     @staticmethod
@@ -172,7 +179,8 @@ class Step:
         Their output is already out: a persist that fails (the device out of memory) costs
         only these cache entries, never the engine or another row."""
         try:
-            self._timed("persist", lambda: self.persist(finished, running, self.kv))
+            if self.caching:
+                self._timed("persist", lambda: self.persist(finished, running, self.kv))
         except Exception:
             log.exception("persist failed; %d finished row(s) are not cached", len(finished))
         if finished:

@@ -77,7 +77,9 @@ def _longest(ram: RamPromptCache, model: str,
 def _other_adapters(ram: RamPromptCache, model: str, query: list[int]) -> tuple[int, str]:
     """(tokens of `query` the best entry made under another adapter choice shares, its root)."""
     best = (0, "")
-    for root in {e.model for e in ram.entries.values()} - {model}:
+    for root in ram.trie.models():   # not a walk over every entry: this runs per lookup
+        if root == model:
+            continue
         n = _longest(ram, root, query)[0]
         if n > best[0]:
             best = (n, root)

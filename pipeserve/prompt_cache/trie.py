@@ -35,6 +35,11 @@ class TokenTrie:
         end[BELOW] = key
         return prev
 
+    def models(self) -> list[Any]:
+        """The roots that hold a sequence (a few: one per adapter choice), without a walk
+        over the stored entries."""
+        return [m for m, node in self._roots.items() if node.get(BELOW) is not None]
+
     def get(self, model: Any, tokens: list[int]) -> Any:
         node = self._roots[model]
         for tok in tokens:

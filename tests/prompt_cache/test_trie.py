@@ -61,3 +61,17 @@ def test_long_entries_extend_a_short_match() -> None:
         trie.pop("m", list(found.longer))
         left.remove(tuple(found.longer))
     assert trie.search("m", [7, 1]).longer is None
+
+
+def test_models_names_the_roots_that_hold_a_sequence() -> None:
+    """What the miss explanation asks per lookup (entries under another adapter choice):
+    a root whose last sequence left is no longer named."""
+    t = TokenTrie()
+    t.add("model", [1, 2, 3], "a")
+    t.add("model:lora", [1, 2], "b")
+    t.add("model:lora", [1, 2, 9], "c")
+    assert sorted(t.models()) == ["model", "model:lora"]
+    t.pop("model:lora", [1, 2])
+    assert sorted(t.models()) == ["model", "model:lora"]
+    t.pop("model:lora", [1, 2, 9])
+    assert t.models() == ["model"]
