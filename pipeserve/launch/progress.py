@@ -1,4 +1,5 @@
-"""Progress of a long launch step (reading the weights, converting a GGUF's tensors).
+"""Progress of a long launch step (reading the weights, converting a GGUF's tensors, the
+kernel warm-up).
 
 On a terminal: one line rewritten in place, `what [#####.....] 52% (n of N unit, s)`, cleared
 when the step ends (the step's own log line follows). Anywhere else (a pipe, a file, a
@@ -53,7 +54,8 @@ class StepProgress:
             self.tty = False
 
     def _amounts(self) -> str:
-        return f"{self.done:.1f} of {self.total:.1f} {self.unit}"
+        digits = 1 if self.unit == "MB" else 0   # megabytes to a tenth; tokens, tensors whole
+        return f"{self.done:.{digits}f} of {self.total:.{digits}f} {self.unit}"
 
     def _draw(self) -> None:
         filled = int(WIDTH * self.done / self.total)

@@ -306,9 +306,10 @@ def _read_pty(master: int, proc: subprocess.Popen, until: str) -> str:
 
 
 def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path) -> None:
-    """A GGUF's first launch converts it, then reads the weights: on a terminal each step is
-    one line redrawn in place (carriage returns, never a line per update) and cleared before
-    the step's log line; the server then comes up as usual."""
+    """A GGUF's first launch converts it, reads the weights and (asked for here; on by default
+    on a GPU) warms the kernels up: on a terminal each step is one line redrawn in place
+    (carriage returns, never a line per update) and cleared before the step's log line; the
+    server then comes up as usual."""
     import pty
     import signal
 
@@ -321,7 +322,8 @@ def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path)
                            meta)
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"model.path={model}",
-                             "server.port=0", f"model.cache_dir={tmp_path / 'cache'}",
+                             "server.port=0", "scheduler.kernel_warmup=true",
+                             f"model.cache_dir={tmp_path / 'cache'}",
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=slave,
                             stderr=slave, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     os.close(slave)
@@ -333,7 +335,8 @@ def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path)
         os.close(master)
     assert "ready: model small" in out, out
     for step, done in [("converting small.gguf", "converting small.gguf: "),
-                       ("loading small: reading the weights", "loading small [5/5]")]:
+                       ("loading small: reading the weights", "loading small [5/5]"),
+                       ("kernel warm-up", "kernel warm-up: ")]:
         drawn = re.findall(rf"\r{re.escape(step)} \[[#.]{{20}}\] +(\d+)% ", out)
         assert drawn and drawn[-1] == "100", (step, out)
         # the full bar, cleared, then the step's own log line where the bar was
