@@ -205,7 +205,8 @@ def config_reference() -> str:
             if prose:
                 out += [" ".join(prose), ""]
             if shell:
-                out += ["```sh", *shell, "```", ""]
+                # tests/test_docs.py: each command block says how a test covers it
+                out += ["<!-- docs-test: composed -->", "", "```sh", *shell, "```", ""]
             if schema in tabled:
                 own = _own_values(path)
                 sets = ", ".join(f"`{group}.{k}={_value(v).strip('`')}`" for k, v in own.items())
@@ -287,7 +288,8 @@ def bench_tables() -> str:
                 f"`{meta['commit']}`. Data: [`bench/{path.name}`](bench/{path.name}).", ""]
         if meta.get("note"):
             out += [meta["note"], ""]
-        out += ["```sh", meta["command"], "```", ""]
+        out += ["<!-- docs-test: not run: the command that measured the table below (minutes on "
+                "the machine named above) -->", "", "```sh", meta["command"], "```", ""]
         if meta.get("plot"):   # the plot bench.py drew for this run, committed beside it
             out += [f"![{meta.get('title', path.stem)}](bench/{meta['plot']})", ""]
         out += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]

@@ -120,3 +120,34 @@ def test_every_source_path_the_docs_name_exists() -> None:
             if not re.search(r"\bfoo\b|\bmine\b", path) and not (ROOT / path).exists():
                 missing.add(f"{page.name}: {path}")
     assert not missing, sorted(missing)
+
+
+def test_every_command_block_is_run_or_says_why_not() -> None:
+    """Each shell block of the README and docs carries a docs-test marker (tests/doc_blocks.py):
+    `run` and `launch` blocks are run by tests/serve/test_doc_commands.py, `composed` ones
+    hold only launches that test_first_contact.py composes, and the rest say why not. A new
+    block without one fails here."""
+    from tests.doc_blocks import MARKER, command_blocks, pages
+    from tests.serve.test_first_contact import LAUNCH, documented_launches, launch_args
+
+    blocks = command_blocks()
+    unmarked = [b.where for b in blocks if b.marker is None]
+    assert not unmarked, f"mark these blocks (see tests/doc_blocks.py): {unmarked}"
+    markers = sum(len(re.findall(r"^[ >]*" + MARKER.pattern, p.read_text(), re.M))
+                  for p in pages())   # on a line of their own (a page may quote one inline)
+    assert markers == len(blocks), "a docs-test marker stands before no command block"
+    composed = {(where.split(":")[0], tuple(args)) for where, args in documented_launches()}
+    kinds: dict[str, list[str]] = {}
+    for b in blocks:
+        kind = b.kind()[0]
+        kinds.setdefault(kind, []).append(b.where)
+        lines = [x.strip() for x in b.commands().replace("\\\n", " ").splitlines() if x.strip()]
+        launches = [x for x in lines if LAUNCH.search(x)]
+        if kind in ("composed", "launch"):   # each launch line is one the launch test composes
+            assert launches, b.where
+            for line in launches:
+                args = tuple(launch_args(line) or ())
+                assert (Path(b.page).name, args) in composed, (b.where, line)
+        if kind == "launch":
+            assert len(launches) == len(lines), (b.where, "a launch block holds launches only")
+    assert len(kinds["run"]) >= 10 and len(kinds["launch"]) >= 3, kinds

@@ -24,6 +24,7 @@ from pipeserve.request import FinishReason, Request
 from pipeserve.core.scheduler import Scheduler, finished_event
 from pipeserve.core.scoring import Score
 from pipeserve.core.step import Launched, load_parts
+from pipeserve.launch.progress import StepProgress
 from pipeserve.core.outbox import Outbox
 from pipeserve.core.stream import RequestStream
 
@@ -152,6 +153,12 @@ class Engine:
         reqs = kernel_warmup.requests(self.limits.vocab_size, self.limits.max_context,
                                lim.prefill_chunk, lim.max_batch)
         sinks = [kernel_warmup.Sink() for _ in reqs]
+        sizes = [r.num_prompt_tokens + r.sampling.max_tokens for r in reqs]
+        progress = StepProgress(log, "kernel warm-up", sum(sizes), unit="tokens")
+
+        def until() -> bool:   # between steps: the terminal's line follows finished requests
+            progress.advance(sum(n for n, s in zip(sizes, sinks) if s.finished) - progress.done)
+            return all(s.finished for s in sinks)
         lookup, self.scheduler.lookup = self.scheduler.lookup, None
         self.step.caching = False
         try:
@@ -159,8 +166,9 @@ class Engine:
                 self.step.bind_metrics()
                 for req, sink in zip(reqs, sinks):
                     self._inbox.put(Submit(req, sink))
-                self._loop(until=lambda: all(s.finished for s in sinks))
+                self._loop(until=until)
         finally:
+            progress.close()
             self.scheduler.lookup, self.step.caching = lookup, self.step._cache is not None
             self.step.bind_metrics()
         errors = [s.error for s in sinks if s.error is not None]

@@ -16,6 +16,7 @@ from pipeserve.adapters.lora import Adapter, AdapterSet, mount_all
 from pipeserve.model.config import ComputeDType, ModelConfig, ModelSource
 from pipeserve.model.files import check_safetensors
 from pipeserve.errors import ConfigError
+from pipeserve.launch.progress import StepProgress
 from pipeserve.model import blas
 from pipeserve.model.embedded.gemma3 import ensure_gemma3
 from pipeserve.model.embedded.smollm2 import ensure_smollm2
@@ -155,11 +156,30 @@ class _Progress:
         self.last = now
 
 
+def _read_weights(arrays: list[Any], what: str, chunk_bytes: int = 64 << 20) -> None:
+    """Evaluate the lazily loaded weights a chunk at a time, the terminal's progress line
+    following (one mx.eval of all of them says nothing for as long as the disk takes)."""
+    import mlx.core as mx
+
+    progress = StepProgress(log, what, sum(a.nbytes for a in arrays) / 1e6)
+    try:
+        batch: list[Any] = []
+        size = 0
+        for i, a in enumerate(arrays):
+            batch.append(a)
+            size += a.nbytes
+            if size >= chunk_bytes or i == len(arrays) - 1:
+                mx.eval(*batch)
+                progress.advance(size / 1e6)
+                batch, size = [], 0
+    finally:
+        progress.close()
+
+
 def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None = None
          ) -> LoadedModel:
     """`shard(model, config)` splits the lazily loaded model across ranks before its weights
     are read (distributed≠none: pipeserve/distributed/shard.py)."""
-    import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -201,7 +221,7 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         progress.step("vision tower (%s, through mlx-vlm)", vision.family)
     params = tree_flatten(model.parameters())
     _log_fit(sum(v.nbytes for _, v in params), compute)
-    mx.eval(model.parameters())
+    _read_weights([v for _, v in params], f"loading {cfg.name}: reading the weights")
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
     return LoadedModel(
         model=model, tokenizer=tokenizer, path=path, config=config,

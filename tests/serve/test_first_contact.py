@@ -28,6 +28,7 @@ from pipeserve.launch.overrides import expand_home
 from pipeserve.model.tiny.text import ensure_model
 from pipeserve.model.loader import locate
 from tests.conftest import make_config, pinned, startup_error
+from tests.doc_blocks import code_chunks, pages
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -197,22 +198,29 @@ LAUNCH = re.compile(r"(?:^|&& |; |\$ )(?:pipeserve|python serve\.py) +(.*)$")
 ERROR_EXAMPLES = {"kv=turb", "scheduler.max_batchh=4", "model.path=/data/run=3/model"}
 
 
+def launch_args(line: str) -> list[str] | None:
+    """A `pipeserve ...` / `python serve.py ...` line's overrides; None for any other line and
+    for one with placeholders (`...`, `<dir>`) or flags."""
+    m = LAUNCH.search(line.strip())
+    if not m:
+        return None
+    args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
+    if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
+        args = args[1:]
+    if not args or any("..." in a or "<" in a or a.startswith("-") for a in args):
+        return None
+    return args
+
+
 def documented_launches() -> list[tuple[str, list[str]]]:
-    """Every `pipeserve ...` / `python serve.py ...` in the README's and docs' code (inline spans
-    and fenced blocks), as its arguments; placeholders (`...`, `<dir>`) and flags left out."""
+    """Every launch in the README's and docs' code (inline spans, fenced and indented blocks),
+    as its arguments."""
     found = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = page.read_text().replace("\\\n", " ")
-        code = re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
-        for chunk in code:
-            for line in chunk.splitlines():
-                m = LAUNCH.search(line.strip())
-                if not m:
-                    continue
-                args = shlex.split(re.sub(r"\s+#.*$", "", m.group(1)))
-                if args[:1] == ["fit"]:   # `pipeserve fit` takes the overrides a launch takes
-                    args = args[1:]
-                if args and not any("..." in a or "<" in a or a.startswith("-") for a in args):
+    for page in pages():
+        for chunk in code_chunks(page):
+            for line in chunk.replace("\\\n", " ").splitlines():
+                args = launch_args(line)
+                if args is not None:
                     found.append((f"{page.name}: {line.strip()}", args))
     return found
 
@@ -275,6 +283,65 @@ def test_a_launch_on_a_terminal_says_it_is_starting_before_the_imports(tmp_path:
                                "model"), lines
     assert lines[-1].startswith("pipeserve: config error: model.path '/nonexistent/m' does not "
                                 "exist"), lines
+
+
+def _read_pty(master: int, proc: subprocess.Popen, until: str) -> str:
+    """What the process writes to its terminal, until `until` shows or it exits (bounded)."""
+    import select
+
+    out = b""
+    for _ in range(3000):   # 0.2 s each: ten minutes at most
+        if until.encode() in out:
+            break
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:   # the process closed its end
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    return out.decode(errors="replace")
+
+
+def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path) -> None:
+    """A GGUF's first launch converts it, reads the weights and (asked for here; on by default
+    on a GPU) warms the kernels up: on a terminal each step is one line redrawn in place
+    (carriage returns, never a line per update) and cleared before the step's log line; the
+    server then comes up as usual."""
+    import pty
+    import signal
+
+    from gguf import GGMLQuantizationType as T
+
+    from tests.model.test_gguf import _small, save_ggml_gguf, tokenizer_metadata
+
+    tensors, meta = _small(tokenizer_metadata())
+    model = save_ggml_gguf(tmp_path / "small.gguf", {n: (w, T.F32) for n, w in tensors.items()},
+                           meta)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"model.path={model}",
+                             "server.port=0", "scheduler.kernel_warmup=true",
+                             f"model.cache_dir={tmp_path / 'cache'}",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=slave,
+                            stderr=slave, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(slave)
+    try:
+        out = _read_pty(master, proc, "ready: model")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        os.close(master)
+    assert "ready: model small" in out, out
+    for step, done in [("converting small.gguf", "converting small.gguf: "),
+                       ("loading small: reading the weights", "loading small [5/5]"),
+                       ("kernel warm-up", "kernel warm-up: ")]:
+        drawn = re.findall(rf"\r{re.escape(step)} \[[#.]{{20}}\] +(\d+)% ", out)
+        assert drawn and drawn[-1] == "100", (step, out)
+        # the full bar, cleared, then the step's own log line where the bar was
+        assert re.search(rf"\r{re.escape(step)} \[#{{20}}\] 100% \([^\r\n]*\r\x1b\[K\["
+                         rf"[^\n]*{re.escape(done)}", out), (step, out)
 
 
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:

@@ -25,6 +25,7 @@ from pipeserve.model.gguf import arch as gguf_arch
 from pipeserve.model.gguf import quants as gguf_quants
 from pipeserve.model.gguf import tokenizer as gguf_tokenizer
 from pipeserve.errors import ConfigError
+from pipeserve.launch.progress import StepProgress
 from pipeserve.model.cache import cache_root, publish
 
 log = logging.getLogger(__name__)
@@ -227,25 +228,39 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
     out: dict[str, Any] = {}
     bits: dict[str, tuple[int, str]] = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-    for name, (ttype, shape, offset) in header.tensors.items():
-        if (name in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
-                or gguf_arch.dropped(arch, header.metadata, name)):
-            continue
-        raw = np.asarray(data[offset:offset + gguf_quants.nbytes(ttype, shape)])
-        conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
-        report.add(ttype, conv, int(np.prod(shape)))
-        target = gguf_arch.map_name(arch, name)
-        assert target is not None
-        base = target.rpartition(".")[0]
-        for suffix, arr in conv.arrays.items():
-            if arch.permute_qk and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
-                arr = _unpermute(arr, heads if ".q_proj." in target else kv_heads)
-            if arch.norm_shift and "norm." in target and suffix == "weight":
-                arr = arr - arch.norm_shift
-            out[f"{base}.{suffix}" if conv.bits else target] = arr
-        if conv.bits:
-            bits[base] = (conv.bits, conv.mode)
+    todo = {name: (ttype, shape, offset) for name, (ttype, shape, offset) in header.tensors.items()
+            if name not in gguf_arch.CONFIG_TENSORS.get(arch.model_type, ())
+            and not gguf_arch.dropped(arch, header.metadata, name)}
+    progress = StepProgress(log, f"converting {path.name}", sum(
+        gguf_quants.nbytes(t, s) for t, s, _ in todo.values()) / 1e6)
+    try:
+        for name, (ttype, shape, offset) in todo.items():
+            size = gguf_quants.nbytes(ttype, shape)
+            _convert_one(arch, name, np.asarray(data[offset:offset + size]), ttype, shape,
+                         (heads, kv_heads), report, out, bits)
+            progress.advance(size / 1e6)
+    finally:
+        progress.close()
     return out, quantization(bits), report
+
+
+def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
+                 heads: tuple[int, int | None], report: gguf_quants.Report,
+                 out: dict[str, Any], bits: dict[str, tuple[int, str]]) -> None:
+    """One GGUF tensor into `out` (its mlx-lm arrays) and `bits` (its quantization)."""
+    conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
+    report.add(ttype, conv, int(np.prod(shape)))
+    target = gguf_arch.map_name(arch, name)
+    assert target is not None
+    base = target.rpartition(".")[0]
+    for suffix, arr in conv.arrays.items():
+        if arch.permute_qk and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
+            arr = _unpermute(arr, heads[0] if ".q_proj." in target else heads[1])
+        if arch.norm_shift and "norm." in target and suffix == "weight":
+            arr = arr - arch.norm_shift
+        out[f"{base}.{suffix}" if conv.bits else target] = arr
+    if conv.bits:
+        bits[base] = (conv.bits, conv.mode)
 
 
 def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:
