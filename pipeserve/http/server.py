@@ -45,7 +45,8 @@ from pipeserve.adapters import swap as adapter_swap
 from pipeserve.core.events import AdapterSwap
 from pipeserve.embed.engine import EmbedEngine
 from pipeserve.errors import InvalidRequest
-from pipeserve.pool.pool import ModelPool, PoolEngine
+from pipeserve.pool.client import PoolEngine
+from pipeserve.pool.pool import ModelPool
 
 log = logging.getLogger("pipeserve")
 WARNING_HEADER = "x-pipeserve-warning"

@@ -35,8 +35,7 @@ class PipeLoop:
 
     def call_soon_threadsafe(self, _deliver: Any, batch: list[tuple[Any, Any]]) -> None:
         load = self.engine.load()
-        self.send({"op": "ev", "ev": [codec.encode_event(e) for _, e in batch],
-                   "w": load.num_waiting, "r": load.num_running})
+        self.send(codec.encode_step([e for _, e in batch], load.num_waiting, load.num_running))
 
 
 class ChildStream:

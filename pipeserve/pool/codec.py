@@ -84,6 +84,44 @@ def encode_event(event: Event) -> list[Any]:
     return ["x", event.request_id, encode_error(event.error)]
 
 
+def encode_step(events: list[Event], waiting: int, running: int) -> dict[str, Any]:
+    """One engine step's events as one message, column by column: the rows with new tokens
+    (`rid`), how many each got (`n`), every new token id in one flat array (`tok`), each
+    row's logprobs or null (`lp`: null when no row asked), then the rows that ended (`end`:
+    finished or failed), and the engine's waiting and running counts after the step."""
+    rids: list[str] = []
+    counts: list[int] = []
+    toks: list[int] = []
+    lps: list[Any] = []
+    ends: list[list[Any]] = []
+    for event in events:
+        if isinstance(event, TokenDelta):
+            rids.append(event.request_id)
+            counts.append(len(event.token_ids))
+            toks.extend(event.token_ids)
+            lps.append(None if event.logprobs is None else
+                       [[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs])
+        else:
+            ends.append(encode_event(event))
+    return {"op": "ev", "rid": rids, "n": counts, "tok": toks,
+            "lp": lps if any(x is not None for x in lps) else None, "end": ends,
+            "w": waiting, "r": running}
+
+
+def decode_step(msg: dict[str, Any]) -> list[Event]:
+    """A step message's events: every row's tokens first, then the rows that ended (a row's
+    tokens of the step come before its end, as the engine posted them)."""
+    out: list[Event] = []
+    toks, lps, at = msg["tok"], msg["lp"], 0
+    for i, (rid, n) in enumerate(zip(msg["rid"], msg["n"])):
+        row_lps = lps[i] if lps is not None else None
+        out.append(TokenDelta(rid, toks[at:at + n], None if row_lps is None else [
+            TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in row_lps]))
+        at += n
+    out.extend(decode_event(d) for d in msg["end"])
+    return out
+
+
 def decode_event(d: list[Any]) -> Event:
     kind, rid = d[0], d[1]
     if kind == "t":

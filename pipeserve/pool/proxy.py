@@ -233,8 +233,7 @@ class ChildEngine:
         """Steps' events, to the event loop with one wake-up (one step's, or a backlog's)."""
         items: list[tuple[RequestStream, Any]] = []
         with self._lock:
-            for raw in (raw for msg in msgs for raw in msg["ev"]):
-                event = codec.decode_event(raw)
+            for event in (event for msg in msgs for event in codec.decode_step(msg)):
                 final = isinstance(event, (Finished, Failed))
                 stream = (self._streams.pop(event.request_id, None) if final
                           else self._streams.get(event.request_id))
