@@ -4,9 +4,11 @@ Any thread."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.events import Flush, answer
 from pipeserve.errors import EngineUnavailable
 from pipeserve.metrics import Metrics
 
@@ -51,15 +53,31 @@ class PoolEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    def command(self, cmd: Any) -> None:
-        raise EngineUnavailable("a pool runs commands on its members' engines")
+    def command(self, cmd: Any) -> Future[Any]:
+        """A Flush goes to every loaded member (True once each has answered that it
+        flushed); other commands run on the member a request is routed to."""
+        if not isinstance(cmd, Flush):
+            answer(cmd.future, error=EngineUnavailable(
+                "a pool runs commands on its members' engines"))
+            return cmd.future
+        parts = [e.command(Flush()) for e in self.pool.live()]
+        if not parts:
+            answer(cmd.future, True)
+        left = [len(parts)]
+        lock = threading.Lock()
 
-    def flush_cache(self) -> threading.Event:
-        done = threading.Event()
-        events = [e.flush_cache() for e in self.pool.live()]
-        threading.Thread(target=lambda: ([ev.wait(600) for ev in events], done.set()),
-                         daemon=True, name="pipeserve-pool-flush").start()
-        return done
+        def one_done(part: Future[Any]) -> None:   # a member's reader thread
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if part.exception() is not None:
+                answer(cmd.future, error=part.exception())
+            elif last:
+                answer(cmd.future, True)
+
+        for part in parts:
+            part.add_done_callback(one_done)
+        return cmd.future
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopped = True

@@ -3,13 +3,14 @@ one message per engine step for events. Pure functions, any thread; no mlx."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeserve import errors
 from pipeserve.core.limits import EngineLimits
-from pipeserve.core.events import Event, Failed, Finished, TokenDelta
+from pipeserve.core.events import Event, Failed, Finished, TokenDelta, answer
 from pipeserve.core.scoring import Score
 from pipeserve.core.submission import EngineRequest
 from pipeserve.memory import MemoryModel
@@ -133,17 +134,26 @@ def decode_event(d: list[Any]) -> Event:
     return Failed(rid, decode_error(d[2]))
 
 
-# -- prompt scoring (pipeserve/core/scoring.py): the reply's fields --------------------------
-def score_reply_fields(cmd: Score) -> dict[str, Any]:
-    """Child process: a finished Score as the fields of its pipe reply."""
-    if cmd.error is not None:
-        return {"error": encode_error(cmd.error)}
-    assert cmd.result is not None
-    return {"lps": [None if t is None else [t.token_id, t.logprob, t.top] for t in cmd.result]}
+# -- command replies (child → parent): a command's answered future as its reply's fields -----
+def embed_reply_fields(future: Future[Any]) -> dict[str, Any]:
+    """Child process: an answered Embed (pipeserve/embed/engine.py)."""
+    error = future.exception()
+    if error is not None:
+        return {"vecs": None, "error": encode_error(error)}
+    return {"vecs": future.result(), "error": None}
+
+
+def score_reply_fields(future: Future[Any]) -> dict[str, Any]:
+    """Child process: an answered Score (pipeserve/core/scoring.py)."""
+    error = future.exception()
+    if error is not None:
+        return {"error": encode_error(error)}
+    return {"lps": [None if t is None else [t.token_id, t.logprob, t.top]
+                    for t in future.result()]}
 
 
 def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:
-    """Parent's pipe reader: a reply's fields back into the Score, then its on_done."""
+    """Parent's pipe reader: a reply's fields back into the Score, then its future."""
     if msg.get("error") is not None:
         cmd.error = decode_error(msg["error"])
     elif msg.get("lps") is None:
@@ -152,4 +162,4 @@ def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:
     else:
         cmd.result = [None if t is None else TokenLogprob(t[0], t[1], [(a, b) for a, b in t[2]])
                       for t in msg["lps"]]
-    cmd.on_done(cmd)
+    answer(cmd.future, cmd.result, cmd.error)
