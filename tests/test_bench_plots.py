@@ -122,3 +122,29 @@ def test_a_burst_of_streams_is_served_and_counted_whole(tmp_path: Path, model_ca
     reqs = rows(tmp_path / "requests.csv")
     assert len(reqs) == 96 and all(int(r["tokens"]) == 6 for r in reqs)
     assert all(float(r["latency_s"]) >= float(r["ttft_s"]) > 0 for r in reqs)
+
+
+@pytest.mark.slow
+def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
+                                                             model_cache: Path) -> None:
+    """bench.cores=[thread,process]: one row per engine core placement, the same load, every
+    request counted at its full length; the process core's row names its launch override."""
+    run_bench(tmp_path, model_cache, "bench.streams=3", "bench.cores=[thread,process]")
+    table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
+    assert list(table) == ["pipeserve", "pipeserve, core process"]
+    for row in table.values():
+        assert int(row["requests"]) == 3 and int(row["errors"]) == 0
+        assert int(row["output_tokens"]) == 3 * 6
+    assert "server.isolate=true" in table["pipeserve, core process"]["overrides"]
+    assert "server.isolate" not in table["pipeserve"]["overrides"]
+    log = (tmp_path / "pipeserve-core-process.log").read_text()
+    assert "engine process" in log and "ready: pool of tiny" in log
+
+
+def test_bench_cores_names_what_it_takes() -> None:
+    from pipeserve.bench.config import BenchConfig
+    from pipeserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"bench.cores must list one or more of thread, process; "
+                                          r"got \['gpu'\]"):
+        BenchConfig(cores=["gpu"])

@@ -11,6 +11,7 @@ mount or unmount after that."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +27,8 @@ from pipeserve.adapters.lora import (
     check_id,
     resolve,
 )
+from pipeserve.core.client import reply_of
+from pipeserve.core.events import answer
 from pipeserve.errors import (
     ConfigError,
     EngineUnavailable,
@@ -54,7 +57,7 @@ class Engine(Protocol):
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
-    def command(self, cmd: Any) -> None: ...
+    def command(self, cmd: Any) -> Future[Any]: ...
 
 
 RETIRE_S = 60.0   # an unmounted adapter's slot outlives its unmount this long (see above)
@@ -68,17 +71,12 @@ class AdapterConflict(ServeError):
     error_type = "invalid_request_error"
 
 
-def request(engine: Engine, cmd: AdapterSwap) -> AdapterSwap:
-    """Any thread (a handler's executor): hand `cmd` to the engine inbox and wait for its
-    reply (the engine runs it between steps, STYLE §5)."""
+async def request(engine: Engine, cmd: AdapterSwap) -> dict[str, object]:
+    """Event loop: hand `cmd` to the engine and await its reply, the mounted or unmounted
+    adapter's /v1/adapters entry (the engine runs it between steps, STYLE §5)."""
     if not engine.wait_ready(0) or engine.limits is None:   # (ready: returns at once)
         raise EngineUnavailable(f"engine is {engine.state.value}; retry when /health answers 200")
-    engine.command(cmd)
-    if not cmd.done.wait(WAIT_S):
-        raise EngineUnavailable(f"the engine did not run the adapter command in {WAIT_S:.0f} s")
-    if cmd.error is not None:
-        raise cmd.error
-    return cmd
+    return await reply_of(engine.command(cmd), WAIT_S, "run the adapter command")
 
 
 # -- engine thread --------------------------------------------------------------------------
@@ -98,7 +96,7 @@ def run(engine: Engine, cmd: AdapterSwap) -> None:
                                f"({type(e).__name__}); the server log has the details")
     finally:
         engine.publish()   # handlers read the new set from the limits before the reply
-        cmd.done.set()
+        answer(cmd.future, cmd.result, cmd.error)
 
 
 def _users(engine: Engine, shared: AdapterSet, adapter_id: str) -> int:

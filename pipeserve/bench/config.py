@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeserve.config import ServeConfig
+from pipeserve.errors import ConfigError
 
 
 @dataclass
@@ -29,6 +30,9 @@ class BenchConfig:
     #                                 engine_alone.py: Engine.submit + RequestStreams, the same
     #                                 overrides, prompt length and output, EOS suppressed), so a
     #                                 loss is attributed to the engine or to the HTTP side
+    # where pipeserve's engine core runs, one timed target each, in one call: thread (beside
+    # the event loop, the default launch) and/or process (its own process: server.isolate=true)
+    cores: list[str] = field(default_factory=lambda: ["thread"])
     warmup: bool = True             # one short request per target before timing
     out: str = "bench-out"          # directory for results.md / results.csv
     timeout_s: float = 1800         # per target
@@ -46,6 +50,16 @@ class BenchConfig:
     #                                 "<name>:<id>"); 0 = the base model
     ranks: int = 2                  # distributed≠none: ranks on this host for the pipeserve target
     launcher: str = "mlx.launch"    # distributed≠none: `mlx.launch --backend ring` (as users
+
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.cores if c not in CORES]
+        if bad or not self.cores:
+            raise ConfigError(f"bench.cores must list one or more of {', '.join(CORES)}; got "
+                              f"{list(self.cores)}")
+
+
+CORES = {"thread": [], "process": ["server.isolate=true"]}   # a core → its launch overrides
 
 
 @dataclass

@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeserve.bench.config import BenchConfig, BenchRootConfig, Row
+from pipeserve.bench.config import CORES, BenchConfig, BenchRootConfig, Row
 from pipeserve.bench.library import (
     BARE_LOOP,
     _batch_generator,
@@ -82,19 +82,11 @@ def run_bench(raw: DictConfig) -> list[Row]:
     serve = [sys.executable, str(ROOT / "serve.py"), *overrides, *mount, f"model.path={model_dir}",
              f"model.name={cfg.model.name}",   # the id the bench asks for, not the dir's name
              f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
-    launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
-    ours = Process([*launch, *serve], out / "pipeserve.log", group=bool(launch), env=env)
-    try:
-        ours.wait_http(f"http://127.0.0.1:{port}/health")
-        m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters))
-        kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
-        rows.append(_row("pipeserve", b, m, _peak_rss_mb(ours.proc.pid), " ".join(overrides), kv))
+    for core in b.cores:   # one target per engine core placement (bench.cores)
+        target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
+        rows.append(_pipeserve(cfg, [*serve, *CORES[core]], out, port, target, overrides,
+                               eos_bias, adapters))
         _write(out, rows[-1:])
-        _plot_run(out, "pipeserve", m, rows[-1])
-    finally:
-        ours.stop()
-        for rank in others:   # they leave with rank 0; stop() waits for that
-            rank.stop()
 
     if b.engine_alone:
         prompt_tokens = rows[-1].prompt_tokens if rows else float("nan")
@@ -133,6 +125,39 @@ def run_bench(raw: DictConfig) -> list[Row]:
                             float("nan"), float("nan")))
             _write(out, rows[-1:])
     return rows
+
+
+def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
+               overrides: list[str], eos_bias: dict[str, float],
+               adapters: list[str] | None) -> Row:
+    """pipeserve launched as `serve`, driven with the bench's load: its row."""
+    b = cfg.bench
+    launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
+    log = "pipeserve.log" if target == "pipeserve" else f"{target.replace(', ', '-')}.log"
+    ours = Process([*launch, *serve], out / log.replace(" ", "-"), group=bool(launch), env=env)
+    try:
+        ours.wait_http(f"http://127.0.0.1:{port}/health")
+        m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters))
+        kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
+        added = [o for o in serve if o == "server.isolate=true" and o not in overrides]
+        pids = _with_children(ours.proc.pid) if added else [ours.proc.pid]
+        rss = sum(_peak_rss_mb(pid) for pid in pids)
+        row = _row(target, b, m, rss, " ".join([*overrides, *added]), kv)
+        _plot_run(out, target, m, row)
+        return row
+    finally:
+        ours.stop()
+        for rank in others:   # they leave with rank 0; stop() waits for that
+            rank.stop()
+
+
+def _with_children(pid: int) -> list[int]:
+    """`pid` and its child processes (an engine core process's peak counts too)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]
 
 
 def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Path, out: Path,

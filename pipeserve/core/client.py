@@ -4,9 +4,12 @@ them (PoolEngine). What it reads are published values: frozen EngineLimits (core
 replaced whole when they change, and an EngineLoad snapshot. Any thread; no mlx."""
 from __future__ import annotations
 
-import threading
+import asyncio
+from concurrent.futures import Future
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from pipeserve.errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from pipeserve.core.limits import EngineLimits
@@ -45,8 +48,10 @@ class EngineClient(Protocol):
     `limits` is None until the model has loaded (and always for a pool as a whole); an
     engine replaces it whole when a published fact changes (an adapter mounted), so a reader
     holding one sees a consistent set. `submit` raises EngineUnavailable unless READY; events
-    for a request arrive on its stream, ending with one Finished or Failed. `command` takes a
-    command value (a Score, an Embed, an AdapterSwap) whose own fields carry its reply."""
+    for a request arrive on its stream, ending with one Finished or Failed. `command` is the
+    one way to ask the engine thread for a result (a Flush of the prompt cache, a Score, an
+    Embed, an AdapterSwap): the Future it returns (the command's own) gets the result, or
+    raises the command's ServeError; an engine that is not READY answers it with a 503."""
 
     state: EngineState
     limits: EngineLimits | None
@@ -62,8 +67,15 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    def command(self, cmd: Any) -> None: ...
-
-    def flush_cache(self) -> threading.Event: ...
+    def command(self, cmd: Any) -> Future[Any]: ...
 
     def stop(self, timeout: float = 10.0) -> None: ...
+
+
+async def reply_of(future: Future[Any], timeout_s: float, what: str) -> Any:
+    """Event loop: a command's answer, awaited without holding an executor thread: its result,
+    its error raised, or a 503 saying the engine did not `what` within `timeout_s`."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except asyncio.TimeoutError:
+        raise EngineUnavailable(f"the engine did not {what} in {timeout_s:.0f} s") from None

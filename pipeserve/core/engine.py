@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from pipeserve.adapters import swap as adapter_swap
@@ -15,7 +16,8 @@ from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core import kernel_warmup
 from pipeserve.core.inbox import Inbox
 from pipeserve.core.limits import EngineLimits
-from pipeserve.core.events import Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta
+from pipeserve.core.events import (Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta,
+                                   answer)
 from pipeserve.model.loader import LoadedModel
 from pipeserve.memory import MemoryModel
 from pipeserve.metrics import Metrics
@@ -83,18 +85,14 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
-    def command(self, cmd: Command) -> None:   # any thread; the engine runs it between steps
-        self._inbox.put(cmd)
-
-    def flush_cache(self) -> threading.Event:
-        """Ask the engine to write every dirty prompt-cache entry; the returned event is set
-        once they are all on disk (at once when there is nothing to write)."""
-        done = threading.Event()
-        if self.state is EngineState.READY:
-            self._inbox.put(Flush(done))
+    def command(self, cmd: Any) -> Future[Any]:
+        """Any thread: the engine runs `cmd` between steps (a Flush: every dirty prompt-cache
+        entry written; its future is True once they are all on disk)."""
+        if self.state is not EngineState.READY:
+            answer(cmd.future, error=EngineUnavailable(f"engine is {self.state.value}"))
         else:
-            done.set()
-        return done
+            self._inbox.put(cmd)
+        return cmd.future
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -124,6 +122,7 @@ class Engine:
             log.exception("engine loop died")
             self._die(e)
         finally:
+            self._refuse_left()
             self._out.flush()
             self.metrics.engine_up.set(0)
             self.step.close()   # the prompt cache drains its SSD writer
@@ -267,6 +266,18 @@ class Engine:
             self.scheduler.release(req.request_id)
             self._out.post(req.request_id, finished_event(req))
         self._count_waiting()
+
+    def _refuse_left(self) -> None:
+        """The loop has ended: what is still in the inbox gets its answer (a 503), so no
+        handler waits on a command, nor a stream on a request, the engine will never run."""
+        err = EngineUnavailable("the engine stopped before it ran this; retry when /health "
+                                "answers 200")
+        for cmd in self._inbox.take(block=False, timeout=None):
+            if isinstance(cmd, Submit):
+                self._out.open(cmd.request.request_id, cmd.stream)
+                self._out.post(cmd.request.request_id, Failed(cmd.request.request_id, err))
+            elif not isinstance(cmd, Abort):
+                answer(cmd.future, error=err)
 
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))

@@ -3,8 +3,9 @@ events: engine thread → RequestStream on the event loop."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeserve.errors import ServeError
 from pipeserve.request import FinishReason, Request, TokenLogprob
@@ -30,28 +31,40 @@ class Abort:
     reason: FinishReason = FinishReason.ABORT
 
 
+def answer(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Any thread: a command's one answer, its result or its error (the ServeError its handler
+    raises). An answer to a waiter that gave up (cancelled), or a second one, is dropped."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 @dataclass(slots=True)
 class Flush:
-    """Write every dirty prompt-cache entry to disk; `done` is set once they are there."""
+    """Write every dirty prompt-cache entry to disk; `future` is True once they are there."""
 
-    done: threading.Event
+    future: Future[Any] = field(default_factory=Future)
 
     def reply(self, written: threading.Event | None) -> None:
         if written is None:
-            self.done.set()
+            answer(self.future, True)
             return
-        threading.Thread(target=lambda: (written.wait(), self.done.set()), daemon=True,
-                         name="pipeserve-flush-wait").start()
+        threading.Thread(target=lambda: (written.wait(), answer(self.future, True)),
+                         daemon=True, name="pipeserve-flush-wait").start()
 
 
 @dataclass(slots=True)
 class AdapterSwap:
-    """Mount (`mount`) or unmount the adapter `adapter_id` between steps; `done` is set once
-    `result` (its /v1/adapters entry) or `error` is there (pipeserve/adapters/swap.py)."""
+    """Mount (`mount`) or unmount the adapter `adapter_id` between steps; `future` gets
+    `result` (its /v1/adapters entry) or raises `error` (pipeserve/adapters/swap.py)."""
 
     adapter_id: str
     mount: bool
-    done: threading.Event = field(default_factory=threading.Event)
+    future: Future[Any] = field(default_factory=Future)
     result: dict[str, object] | None = None
     error: ServeError | None = None
 

@@ -4,12 +4,14 @@ forward over the prompt between steps (in prefill_chunk pieces, on a fresh cache
 after) and replies; `score()` is its event-loop face. Engine thread (run) / event loop (score)."""
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
-from pipeserve.errors import EngineUnavailable, InvalidRequest, ServeError
+from pipeserve.core.client import reply_of
+from pipeserve.core.events import answer
+from pipeserve.errors import InvalidRequest, ServeError
 from pipeserve.request import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -20,12 +22,12 @@ CHUNK = 512      # positions per forward: their float32 logits are held at once
 @dataclass(slots=True)
 class Score:
     """`token_ids` → `result`: None for the first token (nothing comes before it), then one
-    TokenLogprob per token with its `top` likeliest alternatives; or `error`. `on_done` is
-    called once, on the engine thread, when either is set."""
+    TokenLogprob per token with its `top` likeliest alternatives; or `error`. `future` gets
+    the result (or raises the error) once, on the engine thread or the pipe's reader."""
 
     token_ids: list[int]
     top: int
-    on_done: Callable[[Score], None]
+    future: Future[Any] = field(default_factory=Future)
     result: list[TokenLogprob | None] | None = None
     error: ServeError | None = None
 
@@ -42,7 +44,7 @@ class Score:
             log.exception("scoring a %d-token prompt failed", len(self.token_ids))
             self.error = ServeError(f"scoring the prompt failed ({type(e).__name__}); the "
                                     "server log has the details")
-        self.on_done(self)
+        answer(self.future, self.result, self.error)
 
 
 def prompt_logprobs(model: Any, ids: list[int], top: int, chunk: int) -> list[TokenLogprob]:
@@ -80,20 +82,7 @@ def prompt_logprobs(model: Any, ids: list[int], top: int, chunk: int) -> list[To
 async def score(engine: Any, token_ids: list[int], top: int) -> list[TokenLogprob | None]:
     """Event loop: hand a Score to the engine (in-process or a pool member's process) and
     wait for its reply without holding an executor thread."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Score] = loop.create_future()
-
-    def done(cmd: Score) -> None:   # engine thread (or the pipe's reader thread)
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(cmd))
-
     if len(token_ids) < 2:
         return [None] * len(token_ids)
-    engine.command(Score(list(token_ids), top, done))
-    try:
-        cmd = await asyncio.wait_for(future, WAIT_S)
-    except asyncio.TimeoutError:
-        raise EngineUnavailable(f"the engine did not score the prompt in {WAIT_S:.0f} s") from None
-    if cmd.error is not None:
-        raise cmd.error
-    assert cmd.result is not None
-    return cmd.result
+    return await reply_of(engine.command(Score(list(token_ids), top)), WAIT_S,
+                          "score the prompt")

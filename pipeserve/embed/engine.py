@@ -13,11 +13,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.events import Flush, answer
 from pipeserve.core.limits import EngineLimits
 from pipeserve.errors import ConfigError, EngineUnavailable, InvalidRequest, ServeError
 from pipeserve.metrics import Metrics
@@ -34,10 +36,10 @@ NOT_GENERATIVE = ("this is an embedding or reranking model (model.task=embed|rer
 @dataclass(slots=True)
 class Embed:
     """`inputs` (token ids, one list per text) → `result` (one float32 vector each), or
-    `error`; `on_done` is called once, on the engine thread, when either is set."""
+    `error`; `future` gets the result (or raises the error) once either is set."""
 
     inputs: list[list[int]]
-    on_done: Callable[[Embed], None]
+    future: Future[Any] = field(default_factory=Future)
     result: list[list[float]] | None = None
     error: ServeError | None = None
 
@@ -95,25 +97,20 @@ class EmbedEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    def command(self, cmd: Any) -> None:
-        """An Embed runs in the next batch; a generation command (prompt scoring) fails."""
-        if isinstance(cmd, Embed):
-            if self.state is not EngineState.READY:
-                raise EngineUnavailable(f"the embedding engine is {self.state.value}")
+    def command(self, cmd: Any) -> Future[Any]:
+        """An Embed runs in the next batch; a Flush is done at once (no prompt cache); a
+        generation command (prompt scoring, an adapter swap) fails."""
+        if isinstance(cmd, Flush):
+            answer(cmd.future, True)
+        elif not isinstance(cmd, Embed):
+            answer(cmd.future, error=InvalidRequest(NOT_GENERATIVE, param="model"))
+        elif self.state is not EngineState.READY:
+            answer(cmd.future, error=EngineUnavailable(
+                f"the embedding engine is {self.state.value}"))
+        else:
             self._num_submitted += 1
             self._queue.put(cmd)
-            return
-        cmd.error = InvalidRequest(NOT_GENERATIVE, param="model")
-        done = getattr(cmd, "on_done", None)
-        if done is not None:
-            done(cmd)
-        else:
-            cmd.done.set()
-
-    def flush_cache(self) -> threading.Event:
-        done = threading.Event()
-        done.set()   # no prompt cache
-        return done
+        return cmd.future
 
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
@@ -230,7 +227,7 @@ class EmbedEngine:
     def _finish(self, active: list[_Work], work: _Work) -> None:
         active.remove(work)
         self._num_done += 1
-        work.cmd.on_done(work.cmd)
+        answer(work.cmd.future, work.cmd.result, work.cmd.error)
 
     def vectors(self, inputs: list[list[int]]) -> list[list[float]]:
         """Engine thread. One padded forward: the library's pooled vector of each row."""
@@ -258,7 +255,7 @@ def _jsonable(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_reply(cmd: Embed, msg: dict[str, Any]) -> None:
-    """A pool member's pipe reply (pipeserve/pool/proxy.py) back into the Embed; on_done."""
+    """A pool member's pipe reply (pipeserve/pool/proxy.py) back into the Embed's future."""
     if msg.get("error") is not None:
         cmd.error = decode_error(msg["error"])
     elif msg.get("vecs") is None:
@@ -266,4 +263,4 @@ def apply_reply(cmd: Embed, msg: dict[str, Any]) -> None:
                                       "the input; retry")
     else:
         cmd.result = msg["vecs"]
-    cmd.on_done(cmd)
+    answer(cmd.future, cmd.result, cmd.error)

@@ -39,13 +39,14 @@ from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable,
                              ServeError, Unauthorized)
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
-from pipeserve.http.waits import wait_event
+from pipeserve.http.waits import flushed
 from pipeserve.http.front import Front
 from pipeserve.adapters import swap as adapter_swap
 from pipeserve.core.events import AdapterSwap
 from pipeserve.embed.engine import EmbedEngine
 from pipeserve.errors import InvalidRequest
-from pipeserve.pool.pool import ModelPool, PoolEngine
+from pipeserve.pool.client import PoolEngine
+from pipeserve.pool.pool import ModelPool
 
 log = logging.getLogger("pipeserve")
 WARNING_HEADER = "x-pipeserve-warning"
@@ -200,8 +201,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
         if left:
             log.warning("shutdown timeout: %d request(s) were cut off", left)
         t0 = time.perf_counter()
-        done = engine.flush_cache()
-        ok = await wait_event(done, 300)
+        ok = await flushed(engine, 300)
         metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
                  time.perf_counter() - t0)
@@ -396,8 +396,7 @@ def _add_routes(app: Sanic) -> None:
         """Returns once every dirty prompt-cache entry is on disk."""
         _admin(http)
         t0 = time.perf_counter()
-        done = app.ctx.engine.flush_cache()
-        ok = await wait_event(done, 600)
+        ok = await flushed(app.ctx.engine, 600)
         app.ctx.metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
         return json_response({"flushed": ok, "seconds": round(time.perf_counter() - t0, 4)},
                              200 if ok else 503)
@@ -438,12 +437,8 @@ def _add_routes(app: Sanic) -> None:
 
     async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeserve/adapters/swap.py): the engine thread mounts or unmounts between
-        steps; this handler only waits for its reply, in the executor."""
-        cmd = AdapterSwap(adapter_id, mount)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, adapter_swap.request, app.ctx.engine, cmd)
-        assert cmd.result is not None
-        return cmd.result
+        steps; this handler only awaits its reply."""
+        return await adapter_swap.request(app.ctx.engine, AdapterSwap(adapter_id, mount))
 
     @app.post("/v1/adapters")
     async def mount_adapter(http: sanic.Request) -> HTTPResponse:

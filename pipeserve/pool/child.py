@@ -15,7 +15,7 @@ from typing import Any
 from pipeserve.config import ServeConfig
 from pipeserve.pool import codec
 from pipeserve.core.engine import Engine
-from pipeserve.core.events import Failed
+from pipeserve.core.events import Failed, Flush
 from pipeserve.core.scoring import Score
 from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
@@ -35,8 +35,7 @@ class PipeLoop:
 
     def call_soon_threadsafe(self, _deliver: Any, batch: list[tuple[Any, Any]]) -> None:
         load = self.engine.load()
-        self.send({"op": "ev", "ev": [codec.encode_event(e) for _, e in batch],
-                   "w": load.num_waiting, "r": load.num_running})
+        self.send(codec.encode_step([e for _, e in batch], load.num_waiting, load.num_running))
 
 
 class ChildStream:
@@ -138,29 +137,21 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "abort":
             if not grammars.cancel(msg["id"]):
                 engine.abort(msg["id"])
-        elif op == "flush":
-            _reply_when_set(engine.flush_cache(), msg["n"], send)
+        elif op == "flush":   # answered once every dirty entry is on disk
+            engine.command(Flush()).add_done_callback(lambda f, n=msg["n"]: send(
+                {"op": "reply", "of": "flush", "n": n, "ok": f.exception() is None}))
         elif op == "embed":   # an embedding model's batch (pipeserve/embed/engine.py)
-            engine.command(Embed(msg["ids"], lambda cmd, n=msg["n"]: send(
-                {"op": "reply", "n": n, "vecs": cmd.result,
-                 "error": codec.encode_error(cmd.error) if cmd.error is not None else None})))
+            engine.command(Embed(msg["ids"])).add_done_callback(lambda f, n=msg["n"]: send(
+                {"op": "reply", "n": n, **codec.embed_reply_fields(f)}))
         elif op == "score":   # prompt logprobs (pipeserve/core/scoring.py), between steps
-            engine.command(Score(msg["ids"], msg["top"], lambda cmd, n=msg["n"]: send(
-                {"op": "reply", "n": n, **codec.score_reply_fields(cmd)})))
+            engine.command(Score(msg["ids"], msg["top"])).add_done_callback(
+                lambda f, n=msg["n"]: send({"op": "reply", "n": n,
+                                            **codec.score_reply_fields(f)}))
         elif op == "metrics":
             send({"op": "reply", "of": "metrics", "n": msg["n"], "body": exposition()})
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
-
-
-def _reply_when_set(done: threading.Event, n: int, send: Any, timeout_s: float = 600) -> None:
-    """Answer command `n` once `done` is set, from a thread of its own (the pipe keeps being
-    read meanwhile). Both values are this call's arguments, never names a later command rebinds:
-    each flush is answered exactly once, under its own id."""
-    def wait() -> None:
-        send({"op": "reply", "of": "flush", "n": n, "ok": done.wait(timeout_s)})
-    threading.Thread(target=wait, name=f"pipeserve-flush-{n}", daemon=True).start()
 
 
 class _Grammars:

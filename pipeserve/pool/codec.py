@@ -3,13 +3,14 @@ one message per engine step for events. Pure functions, any thread; no mlx."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeserve import errors
 from pipeserve.core.limits import EngineLimits
-from pipeserve.core.events import Event, Failed, Finished, TokenDelta
+from pipeserve.core.events import Event, Failed, Finished, TokenDelta, answer
 from pipeserve.core.scoring import Score
 from pipeserve.core.submission import EngineRequest
 from pipeserve.memory import MemoryModel
@@ -84,6 +85,44 @@ def encode_event(event: Event) -> list[Any]:
     return ["x", event.request_id, encode_error(event.error)]
 
 
+def encode_step(events: list[Event], waiting: int, running: int) -> dict[str, Any]:
+    """One engine step's events as one message, column by column: the rows with new tokens
+    (`rid`), how many each got (`n`), every new token id in one flat array (`tok`), each
+    row's logprobs or null (`lp`: null when no row asked), then the rows that ended (`end`:
+    finished or failed), and the engine's waiting and running counts after the step."""
+    rids: list[str] = []
+    counts: list[int] = []
+    toks: list[int] = []
+    lps: list[Any] = []
+    ends: list[list[Any]] = []
+    for event in events:
+        if isinstance(event, TokenDelta):
+            rids.append(event.request_id)
+            counts.append(len(event.token_ids))
+            toks.extend(event.token_ids)
+            lps.append(None if event.logprobs is None else
+                       [[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs])
+        else:
+            ends.append(encode_event(event))
+    return {"op": "ev", "rid": rids, "n": counts, "tok": toks,
+            "lp": lps if any(x is not None for x in lps) else None, "end": ends,
+            "w": waiting, "r": running}
+
+
+def decode_step(msg: dict[str, Any]) -> list[Event]:
+    """A step message's events: every row's tokens first, then the rows that ended (a row's
+    tokens of the step come before its end, as the engine posted them)."""
+    out: list[Event] = []
+    toks, lps, at = msg["tok"], msg["lp"], 0
+    for i, (rid, n) in enumerate(zip(msg["rid"], msg["n"])):
+        row_lps = lps[i] if lps is not None else None
+        out.append(TokenDelta(rid, toks[at:at + n], None if row_lps is None else [
+            TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in row_lps]))
+        at += n
+    out.extend(decode_event(d) for d in msg["end"])
+    return out
+
+
 def decode_event(d: list[Any]) -> Event:
     kind, rid = d[0], d[1]
     if kind == "t":
@@ -95,17 +134,26 @@ def decode_event(d: list[Any]) -> Event:
     return Failed(rid, decode_error(d[2]))
 
 
-# -- prompt scoring (pipeserve/core/scoring.py): the reply's fields --------------------------
-def score_reply_fields(cmd: Score) -> dict[str, Any]:
-    """Child process: a finished Score as the fields of its pipe reply."""
-    if cmd.error is not None:
-        return {"error": encode_error(cmd.error)}
-    assert cmd.result is not None
-    return {"lps": [None if t is None else [t.token_id, t.logprob, t.top] for t in cmd.result]}
+# -- command replies (child → parent): a command's answered future as its reply's fields -----
+def embed_reply_fields(future: Future[Any]) -> dict[str, Any]:
+    """Child process: an answered Embed (pipeserve/embed/engine.py)."""
+    error = future.exception()
+    if error is not None:
+        return {"vecs": None, "error": encode_error(error)}
+    return {"vecs": future.result(), "error": None}
+
+
+def score_reply_fields(future: Future[Any]) -> dict[str, Any]:
+    """Child process: an answered Score (pipeserve/core/scoring.py)."""
+    error = future.exception()
+    if error is not None:
+        return {"error": encode_error(error)}
+    return {"lps": [None if t is None else [t.token_id, t.logprob, t.top]
+                    for t in future.result()]}
 
 
 def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:
-    """Parent's pipe reader: a reply's fields back into the Score, then its on_done."""
+    """Parent's pipe reader: a reply's fields back into the Score, then its future."""
     if msg.get("error") is not None:
         cmd.error = decode_error(msg["error"])
     elif msg.get("lps") is None:
@@ -114,4 +162,4 @@ def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:
     else:
         cmd.result = [None if t is None else TokenLogprob(t[0], t[1], [(a, b) for a, b in t[2]])
                       for t in msg["lps"]]
-    cmd.on_done(cmd)
+    answer(cmd.future, cmd.result, cmd.error)

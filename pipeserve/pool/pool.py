@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pipeserve.config import ServeConfig, config_hash
-from pipeserve.core.client import EngineLoad, EngineState
+from pipeserve.core.client import EngineState
 from pipeserve.errors import EngineUnavailable, NotFound
 from pipeserve.http.front import Front
 from pipeserve.metrics import Metrics
@@ -301,10 +300,38 @@ class ModelPool:
                  time.perf_counter() - t0, engine.pid)
 
     def _exited(self, engine: ChildEngine) -> None:
-        """Reader thread: a child's pipe closed. One that was not asked to stop died."""
+        """Reader thread: a child's pipe closed. One that was not asked to stop died; one
+        model alone (server.isolate=true) is restarted at once, so /health, which fails
+        while it is down, comes back without waiting for a request."""
         if engine.state is EngineState.DEAD and engine.limits is not None:
             self.metrics.resident.labels(engine.model_id).set(0)
             self.metrics.unloads.labels(engine.model_id, "exited").inc()
+            if self.single and self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._restart, engine.model_id)
+                except RuntimeError:
+                    pass   # the loop is closed: the server is stopping
+
+    def _restart(self, model_id: str) -> None:
+        """Event loop: load a member whose engine died, unless a request already started it."""
+        m = self.members.get(model_id)
+        if m is None or m.loading is not None or m.ready or m.draining:
+            return
+        log.info("model %s: restarting its engine process", model_id)
+        m.loading = asyncio.get_running_loop().create_task(self._load(m))
+        m.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def single_state(self) -> EngineState:
+        """One model alone: its engine's state as /health reports it (a model unloaded by
+        keep_alive serves on demand: ready)."""
+        m = self.members[self.default_id]
+        if m.ready:
+            return EngineState.READY
+        if m.loading is not None:
+            return EngineState.LOADING
+        if m.engine is not None and m.engine.state is EngineState.DEAD:
+            return EngineState.DEAD
+        return EngineState.READY if m.num_loads else EngineState.LOADING
 
     # -- the server's lifecycle ----------------------------------------------------------
     def started(self, build: dict[str, str]) -> None:
@@ -376,47 +403,3 @@ def _weight_files_bytes(cfg: ServeConfig) -> int:
         return 0
     path = Path(cfg.model.path).expanduser()
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) if path.is_dir() else 0
-
-
-class PoolEngine:
-    """`app.ctx.engine` of a pool, an EngineClient (pipeserve/core/client.py) for what the server
-    asks of "the engine" as a whole (state, the load for the drain and /health, the flush at
-    shutdown, stop). It has no limits (each member's engine publishes its own) and runs no
-    request: requests go to their member's engine."""
-
-    def __init__(self, pool: ModelPool, metrics: Metrics) -> None:
-        self.pool, self.metrics = pool, metrics
-        self.state = EngineState.READY
-        self.limits = None
-        self.startup_error: BaseException | None = None
-
-    def start(self) -> None:
-        pass
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return True
-
-    def load(self) -> EngineLoad:
-        loads = [m.engine.load() for m in self.pool.members.values() if m.engine is not None]
-        return EngineLoad(sum(x.num_waiting for x in loads), sum(x.num_running for x in loads),
-                          sum(x.num_inflight for x in loads), sum(x.num_queued for x in loads))
-
-    def submit(self, request: Any, stream: Any) -> None:
-        raise EngineUnavailable("a pool runs requests on its members' engines")
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def command(self, cmd: Any) -> None:
-        raise EngineUnavailable("a pool runs commands on its members' engines")
-
-    def flush_cache(self) -> threading.Event:
-        done = threading.Event()
-        events = [e.flush_cache() for e in self.pool.live()]
-        threading.Thread(target=lambda: ([ev.wait(600) for ev in events], done.set()),
-                         daemon=True, name="pipeserve-pool-flush").start()
-        return done
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.state = EngineState.STOPPED
-        self.pool.stop()

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core.limits import EngineLimits
 from pipeserve.errors import EngineUnavailable, NotSupported, ServeError
-from pipeserve.core.events import Failed, Finished
+from pipeserve.core.events import Failed, Finished, Flush, answer
 from pipeserve.model.loader import LoadedModel, _chat_template
 from pipeserve.metrics import Metrics
 from pipeserve.pool import child, codec
@@ -49,8 +50,9 @@ class ChildEngine:
         self._ready = threading.Event()
         # commands waiting for their reply, by id: (the command's op, set on reply, the reply)
         self._replies: dict[int, tuple[str, threading.Event, list[Any]]] = {}
-        # Score (pipeserve/core/scoring.py) and Embed (pipeserve/embed/engine.py) awaiting the child's reply
-        self._scores: dict[int, Any] = {}
+        # Flush, Score (pipeserve/core/scoring.py) and Embed (pipeserve/embed/engine.py)
+        # awaiting the child's reply
+        self._commands: dict[int, Any] = {}
         self._seq = itertools.count()
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = self._child_running = 0
@@ -130,32 +132,29 @@ class ChildEngine:
             except EngineUnavailable:
                 pass
 
-    def command(self, cmd: Any) -> None:
-        """A prompt Score goes over the pipe (its reply keyed by `n`, as flush and metrics);
-        adapter hot-swap is not carried over the pipe (pool members mount none); the HTTP
-        routes answer 501 before they get here."""
-        if isinstance(cmd, (Score, Embed)):
-            n = next(self._seq)
-            self._scores[n] = cmd
-            message = ({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
-                       if isinstance(cmd, Score) else {"op": "embed", "n": n, "ids": cmd.inputs})
-            try:
-                self._send(message)
-            except EngineUnavailable as e:
-                if self._scores.pop(n, None) is not None:
-                    cmd.error = e
-                    cmd.on_done(cmd)
-            return
-        cmd.error = NotSupported("adapter hot-swap is not supported for pool models",
-                                 code="adapters_unsupported")
-        cmd.done.set()
-
-    def flush_cache(self) -> threading.Event:
-        if self.state is not EngineState.READY:
-            done = threading.Event()
-            done.set()
-            return done
-        return self._ask({"op": "flush"})[0]
+    def command(self, cmd: Any) -> Future[Any]:
+        """A Flush, a prompt Score or an Embed goes over the pipe, its reply keyed by `n`;
+        adapter hot-swap is not carried over the pipe (the HTTP routes answer 501 before
+        they get here)."""
+        if not isinstance(cmd, (Flush, Score, Embed)):
+            answer(cmd.future, error=NotSupported(
+                "adapter hot-swap is not supported when the engine runs in its own process",
+                code="adapters_unsupported"))
+            return cmd.future
+        n = next(self._seq)
+        self._commands[n] = cmd
+        message = ({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
+                   if isinstance(cmd, Score) else {"op": "embed", "n": n, "ids": cmd.inputs}
+                   if isinstance(cmd, Embed) else {"op": "flush", "n": n})
+        try:
+            if self.state is not EngineState.READY:
+                raise EngineUnavailable(f"the engine of model {self.model_id} is "
+                                        f"{self.state.value}; retry")
+            self._send(message)
+        except EngineUnavailable as e:
+            if self._commands.pop(n, None) is not None:
+                answer(cmd.future, error=e)
+        return cmd.future
 
     def metrics_text(self, timeout: float = 5.0) -> str | None:
         """The child's /metrics exposition, or None when it does not answer in time."""
@@ -209,8 +208,8 @@ class ChildEngine:
 
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
-        if op == "reply" and msg["n"] in self._scores:
-            _reply(self._scores.pop(msg["n"]), msg)
+        if op == "reply" and msg["n"] in self._commands:
+            _reply(self._commands.pop(msg["n"]), msg)
         elif op == "reply":
             with self._lock:
                 waiting = self._replies.pop(msg["n"], None)
@@ -233,8 +232,7 @@ class ChildEngine:
         """Steps' events, to the event loop with one wake-up (one step's, or a backlog's)."""
         items: list[tuple[RequestStream, Any]] = []
         with self._lock:
-            for raw in (raw for msg in msgs for raw in msg["ev"]):
-                event = codec.decode_event(raw)
+            for event in (event for msg in msgs for event in codec.decode_step(msg)):
                 final = isinstance(event, (Finished, Failed))
                 stream = (self._streams.pop(event.request_id, None) if final
                           else self._streams.get(event.request_id))
@@ -284,8 +282,8 @@ class ChildEngine:
             pending, self._replies = self._replies, {}
         for _, done, _ in pending.values():
             done.set()
-        for n in list(self._scores):
-            cmd = self._scores.pop(n, None)
+        for n in list(self._commands):
+            cmd = self._commands.pop(n, None)
             if cmd is not None:
                 _reply(cmd, {})   # no reply: the child is gone
         self._ready.set()
@@ -298,11 +296,18 @@ class ChildEngine:
 
 
 def _reply(cmd: Any, msg: dict[str, Any]) -> None:
-    """The child's reply to a Score or an Embed (each module reads its own fields)."""
+    """The child's reply to a command (each module reads its own fields); `msg` is empty when
+    the child exited before it replied."""
     if isinstance(cmd, embedding.Embed):
         embedding.apply_reply(cmd, msg)
-    else:
+    elif isinstance(cmd, Score):
         codec.apply_score_reply(cmd, msg)
+    elif msg.get("ok"):
+        answer(cmd.future, True)
+    else:
+        answer(cmd.future, error=EngineUnavailable("the engine process did not flush its "
+                                                   "prompt cache (it exited, or the write "
+                                                   "failed)"))
 
 
 def parent_loaded(facts: dict[str, Any], cfg: ServeConfig,

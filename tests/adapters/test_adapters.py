@@ -21,6 +21,7 @@ from pipeserve.adapters.lora import LEAVES
 from pipeserve.errors import ConfigError
 from pipeserve.core.step import cache_identity
 from pipeserve.model.tiny.text import ensure_model
+from pipeserve.core.events import Flush
 from tests.conftest import make_config, startup_error
 
 PROMPTS = [[11, 12, 13], [40 + i for i in range(37)], [7], [100 + (i * 7) % 300 for i in range(90)],
@@ -218,7 +219,7 @@ def test_ssd_entry_made_without_the_adapter_is_not_hit_with_it(engine_factory, a
     plain = engine_factory(*ssd)
     cold = plain.generate(prompt, max_tokens=MAX_TOKENS, logit_bias=EOS_OFF)
     assert plain.generate(prompt, max_tokens=MAX_TOKENS, logit_bias=EOS_OFF)["cached"] > 0
-    assert plain.engine.flush_cache().wait(60)
+    assert plain.engine.command(Flush()).result(60)
     plain.close()
     lora = engine_factory(*ssd, f"model.adapter_dir={adapters}", "model.adapter=lora")
     got = lora.generate(prompt, max_tokens=MAX_TOKENS, logit_bias=EOS_OFF)

@@ -13,6 +13,7 @@ from pipeserve.adapters.lora import AdapterSet, MultiLoRALinear
 from pipeserve.prompt_cache.checkpoint import Checkpoints
 from pipeserve.request import PromptInput, Request
 from pipeserve.model.tiny.text import ensure_model
+from pipeserve.core.events import Flush
 from tests.conftest import startup_error
 from tests.adapters.test_adapters import EOS_OFF, MAX_TOKENS, PROMPTS, reference, write_adapter
 from tests.kv.test_kv_layouts import kv_config, layout_overrides  # noqa: F401 (fixture)
@@ -106,7 +107,7 @@ def test_prompt_cache_never_hits_across_adapters(engine_factory, adapters: Path,
     again = _run(h, [prompt], ["a"])[0]
     assert again["cached"] > 0 and again["ids"] == first["ids"]
     if tier == "ssd":   # from disk too: a fresh engine on the same directory
-        assert h.engine.flush_cache().wait(60)
+        assert h.engine.command(Flush()).result(60)
         h.close()
         h2 = engine_factory(*cache, f"model.adapter_dir={adapters}", "model.adapters=[a,b]")
         got = _run(h2, [prompt], ["b"])[0]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pipeserve.core.events import Abort
+import pytest
+
+from pipeserve.core.events import Abort, Flush
+from pipeserve.core.scoring import Score
+from pipeserve.errors import EngineUnavailable
 from pipeserve.core.stream import RequestStream
 
 PROMPT = [10, 20, 30, 40, 50, 60]
@@ -111,3 +115,19 @@ def test_buffer_cache_cap_is_applied_and_output_unchanged(engine_factory) -> Non
         assert mx.set_cache_limit(before) == 250_000_000
     finally:
         mx.set_cache_limit(before)
+
+
+def test_a_command_is_answered_through_its_future(engine_factory) -> None:
+    """command() is the one way to ask the engine thread for a result: a prompt's logprobs
+    and a flush come back on the future; a stopped engine answers a command at once with a
+    503 instead of leaving its caller waiting."""
+    h = engine_factory()
+    scored = h.engine.command(Score(PROMPT, 2)).result(60)
+    assert scored[0] is None and [t.token_id for t in scored[1:]] == PROMPT[1:]
+    assert all(t.logprob <= 0 and len(t.top) == 2 for t in scored[1:])
+    assert h.engine.command(Flush()).result(60) is True
+    h.close()
+    late = h.engine.command(Score(PROMPT, 0))
+    assert late.done()
+    with pytest.raises(EngineUnavailable, match="engine is stopped"):
+        late.result(0)

@@ -14,6 +14,7 @@ import pytest
 
 from pipeserve.errors import ConfigError
 from pipeserve.model.tiny.text import ensure_model
+from pipeserve.core.events import Flush
 from tests.conftest import EngineHarness, make_config
 from tests.conftest import startup_error as engine_startup_error
 from tests.core.test_batching import wait_idle
@@ -258,7 +259,7 @@ def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(
     assert first.generate(prompt, max_tokens=24)["ids"] == expected
     hot = first.generate(prompt, max_tokens=24)
     assert hot["cached"] > 0 and hot["ids"] == expected
-    assert first.engine.flush_cache().wait(60)
+    assert first.engine.command(Flush()).result(60)
     first.close()
     second = engine_factory(f"model={model}", *ssd, *draft_overrides(proposer, model, model_cache))
     restored = second.generate(prompt, max_tokens=24)

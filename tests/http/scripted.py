@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gc
 import json
-import threading
 import uuid
+from concurrent.futures import Future
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,7 +17,7 @@ import httpx
 
 from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
-from pipeserve.core.events import Failed, Finished, TokenDelta
+from pipeserve.core.events import Failed, Finished, Flush, TokenDelta, answer
 from pipeserve.core.limits import EngineLimits
 from pipeserve.core.stream import RequestStream
 from pipeserve.errors import ServeError
@@ -93,13 +93,12 @@ class ScriptedEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def command(self, cmd: Any) -> None:
-        raise NotImplementedError(f"the scripted engine runs no {type(cmd).__name__}")
-
-    def flush_cache(self) -> threading.Event:
-        done = threading.Event()
-        done.set()
-        return done
+    def command(self, cmd: Any) -> Future[Any]:
+        """A Flush is done at once (no prompt cache); it runs no other command."""
+        if not isinstance(cmd, Flush):
+            raise NotImplementedError(f"the scripted engine runs no {type(cmd).__name__}")
+        answer(cmd.future, True)
+        return cmd.future
 
     def stop(self, timeout: float = 10.0) -> None:
         self.state = EngineState.STOPPED

@@ -14,6 +14,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 from pipeserve.errors import ConfigError
 from pipeserve.model.tiny.text import ensure_model
+from pipeserve.core.events import Flush
 from tests.conftest import EngineHarness, make_config
 from tests.conftest import startup_error as engine_startup_error
 from tests.core.test_batching import wait_idle
@@ -101,7 +102,7 @@ def test_prompt_cache_hit_and_ssd_restore_give_identical_tokens(
     cold = first.generate(prompt, max_tokens=16, logit_bias=EOS_OFF)
     hot = first.generate(prompt, max_tokens=16, logit_bias=EOS_OFF)
     assert hot["cached"] > 0 and hot["ids"] == cold["ids"]
-    assert first.engine.flush_cache().wait(60)   # every entry durable, as at shutdown
+    assert first.engine.command(Flush()).result(60)   # every entry durable, as at shutdown
     first.close()
     second = engine_factory(*SMALL, *ssd, *kv)
     restored = second.generate(prompt, max_tokens=16, logit_bias=EOS_OFF)
@@ -225,7 +226,7 @@ def test_checkpoint_resume_gives_the_cold_run_tokens(engine_factory, kv_config: 
 
     partial = asyncio.run(interrupted())
     assert partial["finish"] == "abort" and len(partial["ids"]) < 48
-    assert first.engine.flush_cache().wait(60)
+    assert first.engine.command(Flush()).result(60)
     first.close()
     second = engine_factory(*SMALL, *ssd, *kv)
     resumed = second.generate(prompt, **sampling)

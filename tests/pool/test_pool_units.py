@@ -55,6 +55,23 @@ def test_events_and_errors_cross_the_wire_as_they_were() -> None:
             (sent.error.status, sent.error.error_type, sent.error.message, sent.error.code)
 
 
+def test_a_step_crosses_as_one_columnar_message_in_the_engine_order() -> None:
+    lp = [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)]), TokenLogprob(6, -0.5, [])]
+    step = [TokenDelta("a", [5, 6], lp), TokenDelta("b", [7]), TokenDelta("a", [8], None),
+            Finished("a", FinishReason.STOP, 3, 3), TokenDelta("c", [1]),
+            Failed("b", AdmissionRejected("busy", retry_after_s=3, code="queue_full"))]
+    msg = codec.loads(codec.dumps(codec.encode_step(step, 4, 2)))
+    assert (msg["rid"], msg["n"], msg["tok"]) == (["a", "b", "a", "c"], [2, 1, 1, 1],
+                                                  [5, 6, 7, 8, 1])
+    assert (msg["w"], msg["r"]) == (4, 2)
+    back = codec.decode_step(msg)
+    # each row's tokens in the order sent, then the ends (a row's tokens precede its end)
+    assert back[:4] == [step[0], step[1], step[2], step[4]] and back[4] == step[3]
+    assert isinstance(back[5], Failed) and back[5].error.code == "queue_full"
+    plain = codec.loads(codec.dumps(codec.encode_step([TokenDelta("a", [1])], 0, 1)))
+    assert plain["lp"] is None and codec.decode_step(plain) == [TokenDelta("a", [1])]
+
+
 def test_a_member_inherits_the_launch_overrides_but_not_the_pool_or_hydra() -> None:
     launch = ["model=tiny", "model.cache_dir=/m", "pool=example", "pool.max_resident=1",
               "hydra.run.dir=/r", "kv=q8", "server.port=9"]

@@ -44,6 +44,16 @@ def default_server(server_factory: Any, smollm2_dir: Path) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
+def process_server(server_factory: Any, smollm2_dir: Path) -> ServerProcess:
+    """The same launch with the engine core in its own process (server.isolate=true)."""
+    return server_factory("model=smollm2", "server.isolate=true")
+
+
+def server_of(request: pytest.FixtureRequest, core: str) -> ServerProcess:
+    return request.getfixturevalue("default_server" if core == "thread" else "process_server")
+
+
+@pytest.fixture(scope="module")
 def kv_servers(server_factory: Any, smollm2_dir: Path) -> dict[str, ServerProcess]:
     """One server per KV layout, started together (their loads overlap)."""
     servers = {kv: server_factory("model=smollm2", f"kv={kv}", wait=False) for kv in KV_LAYOUTS}
@@ -93,10 +103,14 @@ def test_served_model_is_smollm2_in_the_chosen_compute_form(default_server: Serv
         assert "dequantized 134M quantized weights" in log
 
 
-def test_greedy_output_equals_mlx_lm_generate(default_server: ServerProcess, smollm2_dir: Path) -> None:
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_greedy_output_equals_mlx_lm_generate(request: pytest.FixtureRequest, core: str,
+                                              smollm2_dir: Path) -> None:
     """The server (model.compute_dtype=auto) against mlx_lm.generate on the same converted
     directory in the same compute form: mlx-lm's own load, its dequantize_model, float32 when the
-    server runs float32. The stored 4-bit form, as mlx-lm loads it, gives the same short answer."""
+    server runs float32. The stored 4-bit form, as mlx-lm loads it, gives the same short answer.
+    With the engine on a thread and with the engine core in its own process."""
+    default_server = server_of(request, core)
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm import generate, load
@@ -122,7 +136,9 @@ def test_greedy_output_equals_mlx_lm_generate(default_server: ServerProcess, smo
         assert served == reference(question, 32), question
 
 
-def test_streaming_equals_non_streaming(default_server: ServerProcess) -> None:
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_streaming_equals_non_streaming(request: pytest.FixtureRequest, core: str) -> None:
+    default_server = server_of(request, core)
     for question in ("Write one sentence about the sea.", "What is the capital of Japan?"):
         whole = ask(default_server, question, max_tokens=32).choices[0].message.content
         chunks = [c.choices[0].delta.content or "" for c in ask(default_server, question, 32, stream=True)

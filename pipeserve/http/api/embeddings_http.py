@@ -5,7 +5,6 @@ again: Matryoshka truncation); `usage`. Served by an embedding model (model.task
 pipeserve/embed/engine.py), alone or as a pool member. Event loop."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import math
 from typing import Any
@@ -18,7 +17,7 @@ from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
 from pipeserve.http.api.http import Scope, json_response, read_body, route
 from pipeserve.embed.engine import Embed
-from pipeserve.core.client import EngineState
+from pipeserve.core.client import EngineState, reply_of
 from pipeserve.errors import EngineUnavailable, InvalidRequest
 from pipeserve.eventloop.offload import off_loop
 from pipeserve.eventloop.token_bound import CharBound, char_bound
@@ -105,20 +104,7 @@ def _tokenize(engine: Any, items: list[str | list[int]]) -> list[list[int]]:
 
 async def embed(engine: Any, inputs: list[list[int]]) -> list[list[float]]:
     """Hand an Embed to the model's engine (in-process or a pool member's) and wait for it."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Embed] = loop.create_future()
-
-    def done(cmd: Embed) -> None:   # engine thread (or a pipe's reader)
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(cmd))
-    engine.command(Embed(inputs, done))
-    try:
-        cmd = await asyncio.wait_for(future, WAIT_S)
-    except asyncio.TimeoutError:
-        raise EngineUnavailable(f"the embedding engine did not answer in {WAIT_S:.0f} s") from None
-    if cmd.error is not None:
-        raise cmd.error
-    assert cmd.result is not None
-    return cmd.result
+    return await reply_of(engine.command(Embed(inputs)), WAIT_S, "embed the input")
 
 
 def _shape(vectors: list[list[float]], dims: int | None, fmt: str) -> list[Any]:
