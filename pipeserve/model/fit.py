@@ -34,6 +34,25 @@ class Fit:
         room = m.device_bytes - m.weight_bytes - m.prefill_temp_bytes
         return max(0, room // m.kv_bytes(tokens)) if m.kv_bytes(tokens) else 0
 
+    def contexts(self) -> list[int]:
+        """The context lengths the rows table shows: CONTEXTS below the model's, and its own."""
+        m = self.memory
+        return sorted({c for c in CONTEXTS if c < m.max_context} | {m.max_context})
+
+    def body(self) -> dict[str, Any]:
+        """The estimate as JSON (GET /v1/models/{id}/fit): the figures `lines` prints."""
+        m = self.memory
+        return {"model_type": self.model_type, "served_as": self.compute_dtype,
+                "source": self.source, "weight_bytes": m.weight_bytes,
+                "kv_bytes_per_token": m.kv_bytes_per_token, "window_tokens": m.window_tokens,
+                "windowed_bytes_per_token": m.windowed_bytes_per_token,
+                "state_bytes_per_row": m.state_bytes_per_row,
+                "prefill_temp_bytes": m.prefill_temp_bytes, "device_bytes": m.device_bytes,
+                "budget": "admission.memory_budget_gb" if m.enforced else "75% of the device",
+                "max_context": m.max_context, "max_safe_context": m.max_safe_context,
+                "rows": [{"tokens": n, "rows": self.rows_at(n)} for n in self.contexts()],
+                "fits": m.weight_bytes + m.prefill_temp_bytes <= m.device_bytes}
+
     def lines(self) -> list[str]:
         m = self.memory
         out = [f"model: {self.model_type} from {self.source}, served as {self.compute_dtype}",
@@ -48,7 +67,7 @@ class Fit:
                + ("admission.memory_budget_gb)" if m.enforced else "75% of the device)"),
                f"largest context one request can hold: {m.max_safe_context} tokens "
                f"(model limit {m.max_context})"]
-        for n in sorted({c for c in CONTEXTS if c < m.max_context} | {m.max_context}):
+        for n in self.contexts():
             out.append(f"rows of {n} tokens that fit at once: {self.rows_at(n)}")
         if m.weight_bytes + m.prefill_temp_bytes > m.device_bytes:
             out.append("does not fit: the weights and one prefill chunk alone exceed the "
