@@ -242,6 +242,8 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
                 arr = _unpermute(arr, heads if ".q_proj." in target else kv_heads)
             if arch.norm_shift and "norm." in target and suffix == "weight":
                 arr = arr - arch.norm_shift
+            if arch.undo is not None:
+                arr = arch.undo(target, suffix, arr, cfg)
             out[f"{base}.{suffix}" if conv.bits else target] = arr
         if conv.bits:
             bits[base] = (conv.bits, conv.mode)
