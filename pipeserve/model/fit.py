@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeserve.memory import MemoryModel, estimate as memory_estimate
+from pipeserve.model.experts import expert_bytes
 from pipeserve.model.loader import _cast_weights, resolve_path
 from pipeserve.model.gguf.plan import lazy_gguf_model
 from pipeserve.core.scheduler import Limits
@@ -118,7 +119,11 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     layout = build_layout(cfg.kv, model)
     gpu = mx.default_device().type == mx.DeviceType.gpu if on_gpu is None else on_gpu
     chunk = Limits.fit(cfg, on_gpu=gpu).prefill_chunk
-    memory = memory_estimate(model, config, weight_bytes(model), max_context(cfg.model, config),
+    weights = weight_bytes(model)
+    if cfg.model.expert_offload:   # the experts take the hot-expert cache, at most
+        experts = expert_bytes(model)
+        weights += min(int(cfg.model.expert_cache_mb * 1e6), experts) - experts
+    memory = memory_estimate(model, config, weights, max_context(cfg.model, config),
                              chunk, cfg.admission.memory_budget_gb, layout)
     return Fit(memory, str(config.get("model_type", "model")), compute, source)
 
