@@ -1,10 +1,11 @@
 """Expert offload (model.expert_offload): a mixture-of-experts model whose experts need not fit
 in device memory. Every stacked expert layer (mlx-lm's SwitchGLU / SwitchMLP) gives up its
 expert tensors; they stay memory-mapped in the checkpoint's safetensors files, and a bounded
-hot-expert cache (model.expert_cache_mb, shared by all layers, least recently routed evicted)
-holds the ones in use on the device. Each forward routes first, brings the routed experts in,
-then runs mlx-lm's own layer on just those, so the output is the fully loaded model's.
-Runs on the engine thread (the loader wraps the model; the forward pass calls it)."""
+hot-expert cache (model.expert_cache_mb, split evenly into per-layer slots; in each layer the
+least recently routed expert gives up its slot) holds the ones in use on the device. Each
+forward routes first, brings the routed experts in, then runs mlx-lm's own layer on the slots,
+so the output is the fully loaded model's. Runs on the engine thread (the loader wraps the
+model; the forward pass calls it)."""
 from __future__ import annotations
 
 import json
@@ -65,49 +66,24 @@ class Stats:
 
 @dataclass
 class HotExperts:
-    """The device-resident experts of every layer, bounded by `capacity` bytes; the least
-    recently routed is evicted first (never one the current layer needs)."""
+    """The device-resident experts, `capacity` bytes split evenly into per-layer slots; within a
+    layer the least recently routed expert gives up its slot first."""
     capacity: int
     total: int = 0   # every expert's bytes, fully loaded
-    held: OrderedDict[tuple[int, int], dict[str, Any]] = field(default_factory=OrderedDict)
-    sizes: dict[tuple[int, int], int] = field(default_factory=dict)
-    used: int = 0
+    layers: list[OffloadedExperts] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     on_fetch: Callable[[int, int, int], None] | None = None   # (hits, misses, bytes moved)
 
-    def fetch(self, layer: OffloadedExperts, experts: list[int]) -> list[dict[str, Any]]:
-        """The arrays of `experts` of `layer` (name -> array), reading the missing ones."""
-        out, fresh, fresh_keys = [], [], []
-        for e in experts:
-            key = (layer.index, e)
-            if key in self.held:
-                self.held.move_to_end(key)
-                self.stats.hits += 1
-            else:
-                arrays = layer.read(e)
-                fresh.extend(arrays.values())
-                fresh_keys.append(key)
-                self.held[key] = arrays
-                self.sizes[key] = sum(a.nbytes for a in arrays.values())
-                self.used += self.sizes[key]
-                self.stats.misses += 1
-                self.stats.bytes_moved += self.sizes[key]
-            out.append(self.held[key])
-        mx.eval(fresh)   # copied from the mapped file now, not when the graph runs
-        if self.on_fetch is not None:
-            self.on_fetch(len(experts) - len(fresh_keys), len(fresh_keys),
-                          sum(self.sizes[k] for k in fresh_keys))
-        self._evict(keep={(layer.index, e) for e in experts})
-        return out
+    @property
+    def used(self) -> int:
+        return sum(layer.held_bytes for layer in self.layers)
 
-    def _evict(self, keep: set[tuple[int, int]]) -> None:
-        for key in list(self.held):
-            if self.used <= self.capacity:
-                return
-            if key not in keep:
-                del self.held[key]
-                self.used -= self.sizes.pop(key)
-                self.stats.evictions += 1
+    def count(self, hits: int, misses: int, moved: int) -> None:
+        self.stats.hits += hits
+        self.stats.misses += misses
+        self.stats.bytes_moved += moved
+        if self.on_fetch is not None:
+            self.on_fetch(hits, misses, moved)
 
 
 @dataclass
@@ -120,22 +96,23 @@ class Projection:
 
 class OffloadedExperts(nn.Module):
     """A SwitchGLU / SwitchMLP whose expert tensors live in the mapped checkpoint: called as the
-    layer it replaces, (x, indices) -> mixed outputs."""
+    layer it replaces, (x, indices) -> mixed outputs. Its resident experts sit in `slots` slots
+    of stacked arrays, which mlx-lm's layer indexes directly."""
 
-    def __init__(self, index: int, inner: Any, projections: dict[str, Projection],
-                 cache: HotExperts) -> None:
+    def __init__(self, inner: Any, projections: dict[str, Projection], cache: HotExperts,
+                 experts: int, expert_size: int) -> None:
         super().__init__()
         self.inner = inner   # mlx-lm's layer, its expert tensors swapped in for each call
-        object.__setattr__(self, "plan", (index, projections, cache))
+        object.__setattr__(self, "plan", _Slots(projections, cache, experts, expert_size))
 
     @property
-    def index(self) -> int:
-        return self.plan[0]
+    def held_bytes(self) -> int:
+        return sum(a.nbytes for a in self.plan.arrays.values())
 
     def read(self, e: int) -> dict[str, Any]:
         """Expert `e`'s parameters, from the mapped file, in the form the layer serves them."""
         out = {}
-        for proj, p in self.plan[1].items():
+        for proj, p in self.plan.projections.items():
             got = {name: _expert_slice(t, e) for name, t in p.tensors.items()}
             if p.dequantize is not None:   # served as floats (model.compute_dtype=auto, CPU)
                 got["weight"] = mx.dequantize(got.pop("weight"), got.pop("scales"),
@@ -145,22 +122,79 @@ class OffloadedExperts(nn.Module):
         return out
 
     def __call__(self, x: Any, indices: Any) -> Any:
-        _, projections, cache = self.plan
+        plan = self.plan
         routed = np.array(indices)   # the routing decides what to bring in: evaluated here
         experts = np.unique(routed).tolist()
-        arrays = cache.fetch(self, experts)
+        if len(experts) <= plan.slots:
+            arrays, where = plan.bring_in(self, experts)
+        else:   # more experts than the layer's slots (a long prompt): stacked for this call
+            arrays, where = plan.stacked(self, experts)
         table = np.zeros(max(experts) + 1, np.uint32)
-        table[experts] = np.arange(len(experts), dtype=np.uint32)
-        for proj in projections:
-            module = getattr(self.inner, proj)
-            for key in arrays[0]:
-                if key.startswith(proj + "."):
-                    setattr(module, key.partition(".")[2], mx.stack([a[key] for a in arrays]))
+        table[experts] = where
+        for key, value in arrays.items():
+            proj, _, name = key.partition(".")
+            setattr(getattr(self.inner, proj), name, value)
         try:
             return self.inner(x, mx.array(table[routed], dtype=indices.dtype))
         finally:
-            for proj in projections:
+            for proj in plan.projections:
                 _empty(getattr(self.inner, proj))
+
+
+@dataclass
+class _Slots:
+    projections: dict[str, Projection]
+    cache: HotExperts
+    experts: int         # how many the layer has
+    expert_size: int     # one expert's bytes as served
+    slots: int = 1       # set once every layer is known (the cache split evenly)
+    arrays: dict[str, Any] = field(default_factory=dict)   # "proj.param" -> (slots, ...)
+    slot_of: OrderedDict[int, int] = field(default_factory=OrderedDict)   # by last routing
+
+    def bring_in(self, layer: OffloadedExperts, experts: list[int]) -> tuple[dict[str, Any],
+                                                                            list[int]]:
+        """The slot arrays with every expert of `experts` resident, and their slots."""
+        missing = [e for e in experts if e not in self.slot_of]
+        moved = 0
+        for e in missing:
+            slot = self._free_slot(keep=set(experts))
+            for key, value in layer.read(e).items():
+                if key not in self.arrays:
+                    self.arrays[key] = mx.zeros((self.slots, *value.shape), value.dtype)
+                self.arrays[key][slot] = value
+                moved += value.nbytes
+            self.slot_of[e] = slot
+        for e in experts:
+            self.slot_of.move_to_end(e)
+        if missing:
+            mx.eval(list(self.arrays.values()))   # copied from the mapped file now
+        self.cache.count(len(experts) - len(missing), len(missing), moved)
+        return self.arrays, [self.slot_of[e] for e in experts]
+
+    def _free_slot(self, keep: set[int]) -> int:
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.slots) if s not in taken]
+        if free:
+            return free[0]
+        victim = next(e for e in self.slot_of if e not in keep)   # least recently routed
+        self.cache.stats.evictions += 1
+        return self.slot_of.pop(victim)
+
+    def stacked(self, layer: OffloadedExperts, experts: list[int]) -> tuple[dict[str, Any],
+                                                                           list[int]]:
+        """Every routed expert stacked for one call: the resident ones from their slots, the
+        others read (and not kept)."""
+        parts, moved, hits = [], 0, 0
+        for e in experts:
+            if e in self.slot_of:
+                parts.append({k: v[self.slot_of[e]] for k, v in self.arrays.items()})
+                hits += 1
+            else:
+                parts.append(layer.read(e))
+                moved += sum(v.nbytes for v in parts[-1].values())
+        self.cache.count(hits, len(experts) - hits, moved)
+        return ({k: mx.stack([p[k] for p in parts]) for k in parts[0]},
+                list(range(len(experts))))
 
 
 def offload(model: Any, path: Path, config: dict[str, Any], cache_mb: float) -> HotExperts:
@@ -172,18 +206,26 @@ def offload(model: Any, path: Path, config: dict[str, Any], cache_mb: float) -> 
     cache = HotExperts(int(cache_mb * 1e6))
     swaps = []
     for name, module in expert_layers(model):
-        projections = {proj: _projection(f"{name}.{proj}", getattr(module, proj), tensors, config)
-                       for proj, _ in _switch_linears(module)}
-        for proj in projections:
-            _empty(getattr(module, proj))
-        swaps.append((name, OffloadedExperts(len(swaps), module, projections, cache)))
+        linears = _switch_linears(module)
+        projections = {proj: _projection(f"{name}.{proj}", m, tensors, config)
+                       for proj, m in linears}
+        experts, size = _expert_shape(module)
+        for _, m in linears:
+            _empty(m)
+        swaps.append((name, OffloadedExperts(module, projections, cache, experts, size)))
+        cache.layers.append(swaps[-1][1])
     if not swaps:
         raise ConfigError(f"model.expert_offload=true: {config.get('model_type')!r} has no stacked "
                           "expert layers (mlx-lm's SwitchGLU / SwitchMLP); it applies to "
                           "mixture-of-experts models")
+    for layer, slots in zip(cache.layers, _slots([(l.plan.experts, l.plan.expert_size)
+                                                  for l in cache.layers], cache.capacity)):
+        layer.plan.slots = slots
+    cache.capacity = sum(layer.plan.slots * layer.plan.expert_size for layer in cache.layers)
     model.update_modules(tree_unflatten(swaps))
-    log.info("expert offload: %d expert layers mapped from %s; hot-expert cache %.1f MB",
-             len(swaps), path, cache_mb)
+    log.info("expert offload: %d expert layers mapped from %s; hot-expert cache %.1f MB "
+             "(%d experts per layer)", len(swaps), path, cache.capacity / 1e6,
+             cache.layers[0].plan.slots)
     return cache
 
 
@@ -194,9 +236,30 @@ def expert_layers(model: Any) -> list[tuple[str, Any]]:
 
 def expert_bytes(model: Any) -> int:
     """What the stacked experts of `model` take when fully loaded (lazily built: none read)."""
+    return sum(n * size for n, size in map(_expert_shape, (m for _, m in expert_layers(model))))
+
+
+def cache_bytes(model: Any, cache_mb: float) -> int:
+    """The hot-expert cache model.expert_cache_mb gives `model`: whole experts per layer."""
+    shapes = [_expert_shape(m) for _, m in expert_layers(model)]
+    return sum(n * size for n, (_, size) in zip(_slots(shapes, int(cache_mb * 1e6)), shapes))
+
+
+def _expert_shape(layer: Any) -> tuple[int, int]:
+    """(experts, one expert's bytes as served) of a stacked expert layer."""
     from mlx.utils import tree_flatten
-    return sum(v.nbytes for _, layer in expert_layers(model)
-               for _, proj in _switch_linears(layer) for _, v in tree_flatten(proj.parameters()))
+    linears = _switch_linears(layer)
+    experts = linears[0][1].num_experts
+    if not experts:   # offloaded already: it holds none
+        return 0, 0
+    return experts, sum(v.nbytes // experts for _, m in linears
+                        for _, v in tree_flatten(m.parameters()))
+
+
+def _slots(shapes: list[tuple[int, int]], capacity: int) -> list[int]:
+    """Slots per layer: the capacity split evenly, whole experts, at least one, at most all."""
+    per_layer = capacity // max(1, len(shapes))
+    return [max(1, min(n, per_layer // size)) if size else 0 for n, size in shapes]
 
 
 def _switch_linears(layer: Any) -> list[tuple[str, Any]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeserve.memory import MemoryModel, estimate as memory_estimate
-from pipeserve.model.experts import expert_bytes
+from pipeserve.model.experts import cache_bytes, expert_bytes
 from pipeserve.model.loader import _cast_weights, resolve_path
 from pipeserve.model.gguf.plan import lazy_gguf_model
 from pipeserve.core.scheduler import Limits
@@ -121,8 +121,7 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     chunk = Limits.fit(cfg, on_gpu=gpu).prefill_chunk
     weights = weight_bytes(model)
     if cfg.model.expert_offload:   # the experts take the hot-expert cache, at most
-        experts = expert_bytes(model)
-        weights += min(int(cfg.model.expert_cache_mb * 1e6), experts) - experts
+        weights += cache_bytes(model, cfg.model.expert_cache_mb) - expert_bytes(model)
     memory = memory_estimate(model, config, weights, max_context(cfg.model, config),
                              chunk, cfg.admission.memory_budget_gb, layout)
     return Fit(memory, str(config.get("model_type", "model")), compute, source)

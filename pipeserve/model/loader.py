@@ -210,8 +210,7 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         experts = offload(model, path, config, cfg.expert_cache_mb)
         experts.total = total
     params = tree_flatten(model.parameters())
-    resident = sum(v.nbytes for _, v in params) + (
-        min(experts.capacity, experts.total) if experts is not None else 0)
+    resident = sum(v.nbytes for _, v in params) + (experts.capacity if experts is not None else 0)
     _log_fit(resident, compute)
     mx.eval(model.parameters())
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)

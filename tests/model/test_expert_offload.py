@@ -6,6 +6,9 @@ loader and engine, several rows at once, and through the server with the OpenAI 
 from __future__ import annotations
 
 import asyncio
+import csv
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from pipeserve.model.experts import expert_bytes, offload
 from pipeserve.model.fit import estimate
 from pipeserve.model.loader import load
 from pipeserve.model.tiny.moe import MoeShape, ensure_moe_model
-from tests.conftest import make_config
+from tests.conftest import ROOT, make_config
 from tests.serve.test_openai import metric_families, sample_value
 
 PROMPTS = [[5, 17, 260, 3, 99, 400, 12, 7], [40, 41, 42], [300, 2, 250, 9, 9, 9, 100]]
@@ -104,3 +107,15 @@ def test_the_server_serves_an_offloaded_model_and_counts_the_cache(
     moved = sample_value(fams, "pipeserve_expert_bytes_moved", "pipeserve_expert_bytes_moved_total")
     held = sample_value(fams, "pipeserve_expert_cache_bytes", "pipeserve_expert_cache_bytes")
     assert misses > 0 and hits >= 0 and moved > 0 and 0 < held
+
+
+def test_the_benchmark_script_writes_its_table(tmp_path: Path) -> None:
+    """scripts/expert_offload_bench.py (the benchmarks page's table), at its --quick size."""
+    out = tmp_path / "bench.csv"
+    subprocess.run([sys.executable, "scripts/expert_offload_bench.py", str(out), "--quick"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=600)
+    rows = list(csv.DictReader(out.open()))
+    assert [r["cache"] for r in rows] == ["all loaded", "50% of the experts"]
+    loaded, offloaded = rows
+    assert float(offloaded["weights_mb"]) < float(loaded["weights_mb"])
+    assert float(offloaded["decode_tok_s"]) > 0 and 0 <= float(offloaded["hit_rate"]) <= 1
