@@ -226,7 +226,19 @@ def offload(model: Any, path: Path, config: dict[str, Any], cache_mb: float) -> 
     log.info("expert offload: %d expert layers mapped from %s; hot-expert cache %.1f MB "
              "(%d experts per layer)", len(swaps), path, cache.capacity / 1e6,
              cache.layers[0].plan.slots)
+    _warn_if_small(cache, int(config.get("text_config", config).get("num_experts_per_tok") or 0))
     return cache
+
+
+def _warn_if_small(cache: HotExperts, routed: int) -> None:
+    """A layer with fewer slots than one token routes to reads its experts on every step."""
+    plan = cache.layers[0].plan
+    if routed and plan.slots < routed:
+        need = routed * sum(layer.plan.expert_size for layer in cache.layers)
+        log.warning("expert offload: the cache holds %d experts per layer, fewer than the %d "
+                    "each token routes to, so every step reads its experts from disk; "
+                    "model.expert_cache_mb=%.1f or more keeps one token's experts resident",
+                    plan.slots, routed, need / 1e6 + 0.1)
 
 
 def expert_layers(model: Any) -> list[tuple[str, Any]]:

@@ -28,6 +28,7 @@ class Fit:
     model_type: str
     compute_dtype: str     # the served form, as the loader names it ("float32", "bfloat16+q4")
     source: str            # what the figures were read from
+    experts: tuple[int, int] | None = None   # model.expert_offload: (cache, all experts) bytes
 
     def rows_at(self, tokens: int) -> int:
         """Rows of `tokens` tokens each that fit beside the weights and one prefill chunk."""
@@ -52,12 +53,16 @@ class Fit:
                 "budget": "admission.memory_budget_gb" if m.enforced else "75% of the device",
                 "max_context": m.max_context, "max_safe_context": m.max_safe_context,
                 "rows": [{"tokens": n, "rows": self.rows_at(n)} for n in self.contexts()],
-                "fits": m.weight_bytes + m.prefill_temp_bytes <= m.device_bytes}
+                "fits": m.weight_bytes + m.prefill_temp_bytes <= m.device_bytes,
+                **({"expert_cache_bytes": self.experts[0], "expert_bytes": self.experts[1]}
+                   if self.experts else {})}
 
     def lines(self) -> list[str]:
         m = self.memory
         out = [f"model: {self.model_type} from {self.source}, served as {self.compute_dtype}",
-               f"weights: {_size(m.weight_bytes)}",
+               f"weights: {_size(m.weight_bytes)}"
+               + (f" (the experts mapped from disk: a {_size(self.experts[0])} hot-expert cache "
+                  f"in place of their {_size(self.experts[1])})" if self.experts else ""),
                f"KV: {m.kv_bytes_per_token} bytes per token"
                + (f" ({m.windowed_bytes_per_token} of them in layers windowed at "
                   f"{m.window_tokens} tokens)" if m.window_tokens else "")
@@ -119,10 +124,11 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     layout = build_layout(cfg.kv, model)
     gpu = mx.default_device().type == mx.DeviceType.gpu if on_gpu is None else on_gpu
     chunk = Limits.fit(cfg, on_gpu=gpu).prefill_chunk
-    weights = weight_bytes(model)
-    if cfg.model.expert_offload:   # the experts take the hot-expert cache, at most
-        weights += cache_bytes(model, cfg.model.expert_cache_mb) - expert_bytes(model)
+    weights, experts = weight_bytes(model), None
+    if cfg.model.expert_offload:   # the experts take the hot-expert cache instead
+        experts = (cache_bytes(model, cfg.model.expert_cache_mb), expert_bytes(model))
+        weights += experts[0] - experts[1]
     memory = memory_estimate(model, config, weights, max_context(cfg.model, config),
                              chunk, cfg.admission.memory_budget_gb, layout)
-    return Fit(memory, str(config.get("model_type", "model")), compute, source)
+    return Fit(memory, str(config.get("model_type", "model")), compute, source, experts)
 

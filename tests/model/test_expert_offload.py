@@ -60,6 +60,8 @@ def test_offloaded_experts_decode_what_the_loaded_model_decodes(
     fit = estimate(make_config(f"model.cache_dir={model_cache}", *args,
                                "model.expert_offload=true", f"model.expert_cache_mb={cache_mb}"))
     assert fit.memory == offloaded.engine.memory
+    assert fit.experts == (cache.capacity, cache.total)
+    assert "the experts mapped from disk" in fit.lines()[1]
     assert offloaded.engine.memory.weight_bytes == (
         engine_factory(*args).engine.memory.weight_bytes - cache.total + cache.capacity)
 
