@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pipeserve.errors import ConfigError
-from pipeserve.model.config import ComputeDType, ModelConfig
+from pipeserve.model.config import ModelConfig
 from pipeserve.model.experts import expert_bytes, offload
 from pipeserve.model.fit import estimate
 from pipeserve.model.loader import load

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 import sanic
 from sanic import HTTPResponse, Sanic
