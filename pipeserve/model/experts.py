@@ -107,7 +107,7 @@ class OffloadedExperts(nn.Module):
 
     @property
     def held_bytes(self) -> int:
-        return sum(a.nbytes for a in self.plan.arrays.values())
+        return self.plan.held   # a plain int: /metrics reads it from the event loop
 
     def read(self, e: int) -> dict[str, Any]:
         """Expert `e`'s parameters, from the mapped file, in the form the layer serves them."""
@@ -149,6 +149,7 @@ class _Slots:
     expert_size: int     # one expert's bytes as served
     slots: int = 1       # set once every layer is known (the cache split evenly)
     arrays: dict[str, Any] = field(default_factory=dict)   # "proj.param" -> (slots, ...)
+    held: int = 0        # their bytes
     slot_of: OrderedDict[int, int] = field(default_factory=OrderedDict)   # by last routing
 
     def bring_in(self, layer: OffloadedExperts, experts: list[int]) -> tuple[dict[str, Any],
@@ -161,6 +162,7 @@ class _Slots:
             for key, value in layer.read(e).items():
                 if key not in self.arrays:
                     self.arrays[key] = mx.zeros((self.slots, *value.shape), value.dtype)
+                    self.held += self.arrays[key].nbytes
                 self.arrays[key][slot] = value
                 moved += value.nbytes
             self.slot_of[e] = slot
