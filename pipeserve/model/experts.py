@@ -2,7 +2,7 @@
 in device memory. Every stacked expert layer (mlx-lm's SwitchGLU / SwitchMLP) gives up its
 expert tensors; they stay memory-mapped in the checkpoint's safetensors files, and a bounded
 hot-expert cache (model.expert_cache_mb, split evenly into per-layer slots; in each layer the
-least recently routed expert gives up its slot) holds the ones in use on the device. Each
+expert routed least often lately gives up its slot) holds the ones in use on the device. Each
 forward routes first, brings the routed experts in, then runs mlx-lm's own layer on the slots,
 so the output is the fully loaded model's. Runs on the engine thread (the loader wraps the
 model; the forward pass calls it)."""
@@ -23,6 +23,7 @@ import numpy as np
 from pipeserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
+DECAY = 0.98   # per layer call: a routing counts half after 34 calls (least often routed evicted)
 DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32,
           "U8": np.uint8, "I32": np.int32}
 
@@ -67,7 +68,7 @@ class Stats:
 @dataclass
 class HotExperts:
     """The device-resident experts, `capacity` bytes split evenly into per-layer slots; within a
-    layer the least recently routed expert gives up its slot first."""
+    layer the expert routed least often lately gives up its slot first."""
     capacity: int
     total: int = 0   # every expert's bytes, fully loaded
     layers: list[OffloadedExperts] = field(default_factory=list)
@@ -151,10 +152,23 @@ class _Slots:
     arrays: dict[str, Any] = field(default_factory=dict)   # "proj.param" -> (slots, ...)
     held: int = 0        # their bytes
     slot_of: OrderedDict[int, int] = field(default_factory=OrderedDict)   # by last routing
+    routings: dict[int, tuple[float, int]] = field(default_factory=dict)  # e -> (count, call)
+    calls: int = 0
+
+    def routed(self, experts: list[int]) -> None:
+        """Count one call's routing: each expert's count decays by DECAY a call, plus one."""
+        self.calls += 1
+        for e in experts:
+            self.routings[e] = (self.frequency(e) + 1, self.calls)
+
+    def frequency(self, e: int) -> float:
+        count, last = self.routings.get(e, (0.0, self.calls))
+        return count * DECAY ** (self.calls - last)
 
     def bring_in(self, layer: OffloadedExperts, experts: list[int]) -> tuple[dict[str, Any],
                                                                             list[int]]:
         """The slot arrays with every expert of `experts` resident, and their slots."""
+        self.routed(experts)
         missing = [e for e in experts if e not in self.slot_of]
         moved = 0
         for e in missing:
@@ -178,7 +192,8 @@ class _Slots:
         free = [s for s in range(self.slots) if s not in taken]
         if free:
             return free[0]
-        victim = next(e for e in self.slot_of if e not in keep)   # least recently routed
+        # the least often routed lately; between equals, the least recently routed
+        victim = min((e for e in self.slot_of if e not in keep), key=self.frequency)
         self.cache.stats.evictions += 1
         return self.slot_of.pop(victim)
 
@@ -186,6 +201,7 @@ class _Slots:
                                                                            list[int]]:
         """Every routed expert stacked for one call: the resident ones from their slots, the
         others read (and not kept)."""
+        self.routed(experts)
         parts, moved, hits = [], 0, 0
         for e in experts:
             if e in self.slot_of:

@@ -19,7 +19,7 @@ import pytest
 
 from pipeserve.errors import ConfigError
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.experts import expert_bytes, offload
+from pipeserve.model.experts import HotExperts, _Slots, expert_bytes, offload
 from pipeserve.model.fit import estimate
 from pipeserve.model.loader import load
 from pipeserve.model.tiny.moe import MoeShape, ensure_moe_model
@@ -121,3 +121,23 @@ def test_the_benchmark_script_writes_its_table(tmp_path: Path) -> None:
     loaded, offloaded = rows
     assert float(offloaded["weights_mb"]) < float(loaded["weights_mb"])
     assert float(offloaded["decode_tok_s"]) > 0 and 0 <= float(offloaded["hit_rate"]) <= 1
+
+
+def test_the_expert_routed_least_often_lately_gives_up_its_slot() -> None:
+    """Eviction by routing frequency: an expert routed on most steps keeps its slot through a
+    burst of others; one the step needs is never evicted; between equals the least recently
+    routed goes."""
+    slots = _Slots({}, HotExperts(0), experts=8, expert_size=1, slots=2)
+    for _ in range(10):
+        slots.routed([1])
+    slots.routed([2])
+    slots.slot_of.update({1: 0, 2: 1})   # 2 routed last, but once
+    assert slots._free_slot(keep=set()) == 1 and list(slots.slot_of) == [1]
+    slots.slot_of[2] = 1
+    assert slots._free_slot(keep={2}) == 0 and list(slots.slot_of) == [2]
+    equal = _Slots({}, HotExperts(0), experts=8, expert_size=1, slots=2)
+    equal.routed([6])
+    equal.routed([7])
+    equal.slot_of.update({6: 0, 7: 1})
+    equal.routings[6] = equal.routings[7]   # the same count: 6, routed earlier, goes
+    assert equal._free_slot(keep=set()) == 0
