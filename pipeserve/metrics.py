@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -283,6 +284,31 @@ class Metrics:
             "Paged KV pool blocks per state, summed over layers (kv=paged; shared = used by "
             "more than one row or cache entry)", ["state"], registry=r)
         self._add_distributed(r)
+        self._add_experts(r)
+
+    def _add_experts(self, r: CollectorRegistry) -> None:
+        """Expert offload (model.expert_offload): the hot-expert cache."""
+        self.expert_lookups = Counter(
+            f"{PREFIX}_expert_cache_lookups", "Routed experts looked up in the hot-expert cache, "
+            "by result (hit: resident; miss: read from the mapped checkpoint)", ["result"],
+            registry=r)
+        for result in ("hit", "miss"):
+            self.expert_lookups.labels(result)
+        self.expert_bytes_moved = Counter(
+            f"{PREFIX}_expert_bytes_moved", "Expert bytes read from the mapped checkpoint into "
+            "the hot-expert cache", registry=r)
+        self.expert_cache_bytes = Gauge(
+            f"{PREFIX}_expert_cache_bytes", "Bytes of experts held in the hot-expert cache",
+            registry=r)
+
+    def watch_experts(self, cache: Any) -> None:
+        """Engine thread, at load: count `cache`'s (pipeserve.model.experts.HotExperts) lookups."""
+        def fetched(hits: int, misses: int, moved: int) -> None:
+            self.expert_lookups.labels("hit").inc(hits)
+            self.expert_lookups.labels("miss").inc(misses)
+            self.expert_bytes_moved.inc(moved)
+        cache.on_fetch = fetched
+        self.expert_cache_bytes.set_function(lambda: cache.used)
 
     def _add_distributed(self, r: CollectorRegistry) -> None:
         """A distributed launch (pipeserve/distributed/): rank 0 exports every rank's series."""

@@ -251,6 +251,8 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     """Load the model, build its KV layout (and attention), fit the scheduler to the device
     and the memory model, build the prompt cache and the step."""
     loaded = load(cfg.model, shard=sharding(cfg))   # None unless distributed≠none
+    if loaded.experts is not None:   # model.expert_offload: its hot-expert cache counted
+        metrics.watch_experts(loaded.experts)
     layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
     composed = cfg.model.composed_attention
     if layout.own_attention or (composed and on_cuda()):

@@ -137,6 +137,8 @@ class ModelConfig:
     vision: bool = True   # false: serve a vision-language checkpoint text only (towers not loaded)
                           # (Qwen3.5's are VLMs), so draft=mtp, server.isolate and distributed
                           # compose with it; image, video and audio parts are then 400s
+    expert_offload: bool = False   # MoE: experts mapped from disk, the routed ones cached
+    expert_cache_mb: float = 1024.0  # with expert_offload: the hot-expert cache, all layers
     adapter_dir: Optional[str] = None  # directory of LoRA/DoRA adapters (mlx_lm.lora output dirs)
     adapter: Optional[str] = None      # subdirectory of adapter_dir: the adapter of requests naming none
     adapters: list[str] = field(default_factory=list)  # more subdirectories of adapter_dir mounted
@@ -157,6 +159,12 @@ class ModelConfig:
         if not self.name:
             raise ConfigError("model.name must be a non-empty string")
         _positive("model.max_context", self.max_context)
+        if not self.expert_cache_mb > 0:
+            raise ConfigError(f"model.expert_cache_mb={self.expert_cache_mb} must be > 0 (the "
+                              "hot-expert cache of model.expert_offload, in MB)")
+        if self.expert_offload and (self.adapter is not None or self.adapters):
+            raise ConfigError("model.expert_offload=true with LoRA adapters: an adapter on an "
+                              "offloaded expert layer is not supported; serve one or the other")
         for effort, budget in self.reasoning_budgets.items():
             if effort not in REASONING_EFFORTS[1:]:
                 raise ConfigError(f"model.reasoning_budgets has effort {effort!r}; allowed: "

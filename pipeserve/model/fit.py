@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeserve.memory import MemoryModel, estimate as memory_estimate
+from pipeserve.model.experts import cache_bytes, expert_bytes
 from pipeserve.model.loader import _cast_weights, resolve_path
 from pipeserve.model.gguf.plan import lazy_gguf_model
 from pipeserve.core.scheduler import Limits
@@ -27,6 +28,7 @@ class Fit:
     model_type: str
     compute_dtype: str     # the served form, as the loader names it ("float32", "bfloat16+q4")
     source: str            # what the figures were read from
+    experts: tuple[int, int] | None = None   # model.expert_offload: (cache, all experts) bytes
 
     def rows_at(self, tokens: int) -> int:
         """Rows of `tokens` tokens each that fit beside the weights and one prefill chunk."""
@@ -34,10 +36,33 @@ class Fit:
         room = m.device_bytes - m.weight_bytes - m.prefill_temp_bytes
         return max(0, room // m.kv_bytes(tokens)) if m.kv_bytes(tokens) else 0
 
+    def contexts(self) -> list[int]:
+        """The context lengths the rows table shows: CONTEXTS below the model's, and its own."""
+        m = self.memory
+        return sorted({c for c in CONTEXTS if c < m.max_context} | {m.max_context})
+
+    def body(self) -> dict[str, Any]:
+        """The estimate as JSON (GET /v1/models/{id}/fit): the figures `lines` prints."""
+        m = self.memory
+        return {"model_type": self.model_type, "served_as": self.compute_dtype,
+                "source": self.source, "weight_bytes": m.weight_bytes,
+                "kv_bytes_per_token": m.kv_bytes_per_token, "window_tokens": m.window_tokens,
+                "windowed_bytes_per_token": m.windowed_bytes_per_token,
+                "state_bytes_per_row": m.state_bytes_per_row,
+                "prefill_temp_bytes": m.prefill_temp_bytes, "device_bytes": m.device_bytes,
+                "budget": "admission.memory_budget_gb" if m.enforced else "75% of the device",
+                "max_context": m.max_context, "max_safe_context": m.max_safe_context,
+                "rows": [{"tokens": n, "rows": self.rows_at(n)} for n in self.contexts()],
+                "fits": m.weight_bytes + m.prefill_temp_bytes <= m.device_bytes,
+                **({"expert_cache_bytes": self.experts[0], "expert_bytes": self.experts[1]}
+                   if self.experts else {})}
+
     def lines(self) -> list[str]:
         m = self.memory
         out = [f"model: {self.model_type} from {self.source}, served as {self.compute_dtype}",
-               f"weights: {_size(m.weight_bytes)}",
+               f"weights: {_size(m.weight_bytes)}"
+               + (f" (the experts mapped from disk: a {_size(self.experts[0])} hot-expert cache "
+                  f"in place of their {_size(self.experts[1])})" if self.experts else ""),
                f"KV: {m.kv_bytes_per_token} bytes per token"
                + (f" ({m.windowed_bytes_per_token} of them in layers windowed at "
                   f"{m.window_tokens} tokens)" if m.window_tokens else "")
@@ -48,7 +73,7 @@ class Fit:
                + ("admission.memory_budget_gb)" if m.enforced else "75% of the device)"),
                f"largest context one request can hold: {m.max_safe_context} tokens "
                f"(model limit {m.max_context})"]
-        for n in sorted({c for c in CONTEXTS if c < m.max_context} | {m.max_context}):
+        for n in self.contexts():
             out.append(f"rows of {n} tokens that fit at once: {self.rows_at(n)}")
         if m.weight_bytes + m.prefill_temp_bytes > m.device_bytes:
             out.append("does not fit: the weights and one prefill chunk alone exceed the "
@@ -99,7 +124,11 @@ def estimate(cfg: ServeConfig, on_gpu: bool | None = None) -> Fit:
     layout = build_layout(cfg.kv, model)
     gpu = mx.default_device().type == mx.DeviceType.gpu if on_gpu is None else on_gpu
     chunk = Limits.fit(cfg, on_gpu=gpu).prefill_chunk
-    memory = memory_estimate(model, config, weight_bytes(model), max_context(cfg.model, config),
+    weights, experts = weight_bytes(model), None
+    if cfg.model.expert_offload:   # the experts take the hot-expert cache instead
+        experts = (cache_bytes(model, cfg.model.expert_cache_mb), expert_bytes(model))
+        weights += experts[0] - experts[1]
+    memory = memory_estimate(model, config, weights, max_context(cfg.model, config),
                              chunk, cfg.admission.memory_budget_gb, layout)
-    return Fit(memory, str(config.get("model_type", "model")), compute, source)
+    return Fit(memory, str(config.get("model_type", "model")), compute, source, experts)
 

@@ -18,6 +18,7 @@ from pipeserve.model.files import check_safetensors
 from pipeserve.errors import ConfigError
 from pipeserve.launch.progress import StepProgress
 from pipeserve.model import blas
+from pipeserve.model.experts import HotExperts, expert_bytes, offload
 from pipeserve.model.embedded.gemma3 import ensure_gemma3
 from pipeserve.model.embedded.smollm2 import ensure_smollm2
 from pipeserve.model.gguf.convert import ensure_converted
@@ -52,6 +53,7 @@ class LoadedModel:
     adapters: AdapterSet | None = None  # every mounted adapter (model.adapter + model.adapters)
     vision: Any = None   # pipeserve.vision.encoder.VisionEncoder: the checkpoint's vision tower
                          # (config.json has vision_config), loaded through mlx-vlm
+    experts: HotExperts | None = None   # model.expert_offload: the hot-expert cache
 
 
 def resolve_path(cfg: ModelConfig) -> Path:
@@ -219,8 +221,17 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         vision = VisionEncoder.load(path, config, model)
         progress.stages += 1
         progress.step("vision tower (%s, through mlx-vlm)", vision.family)
+    experts = None
+    if cfg.expert_offload:   # before the weights are read: the experts never are, whole
+        if shard is not None:
+            raise ConfigError("model.expert_offload=true with distributed serving: the experts "
+                              "of a sharded model are not offloaded; use one or the other")
+        total = expert_bytes(model)
+        experts = offload(model, path, config, cfg.expert_cache_mb)
+        experts.total = total
     params = tree_flatten(model.parameters())
-    _log_fit(sum(v.nbytes for _, v in params), compute)
+    resident = sum(v.nbytes for _, v in params) + (experts.capacity if experts is not None else 0)
+    _log_fit(resident, compute)
     _read_weights([v for _, v in params], f"loading {cfg.name}: reading the weights")
     progress.step("%.1f MB of weights in memory", sum(v.nbytes for _, v in params) / 1e6)
     return LoadedModel(
@@ -229,11 +240,12 @@ def load(cfg: ModelConfig, shard: Callable[[Any, dict[str, Any]], None] | None =
         max_context=cfg.max_context or native,
         generation_defaults=_generation_defaults(path) if cfg.use_generation_config else {},
         num_params=_num_params(model, params),
-        weight_bytes=sum(v.nbytes for _, v in params),
+        weight_bytes=resident,
         compute_dtype=compute,
         adapter=adapter,
         adapters=adapters,
         vision=vision,
+        experts=experts,
     )
 
 

@@ -166,3 +166,10 @@ def test_deepseek2_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any) 
     req.stop_token_ids = frozenset()     # random weights: decode all 8, as generate_step does
     assert asyncio.run(engine.generate_many([req]))[0]["ids"] == mlx_ids
     assert engine.engine.memory == fit.memory
+    # the experts offloaded (mapped from the converted copy, a cache of a few per layer): the same
+    offloaded = engine_factory("model=llama", *args, "model.expert_offload=true",
+                               "model.expert_cache_mb=0.02")
+    req = offloaded.request(PROMPT, max_tokens=8)
+    req.stop_token_ids = frozenset()
+    assert asyncio.run(offloaded.generate_many([req]))[0]["ids"] == mlx_ids
+    assert offloaded.engine.loaded.experts.stats.misses > 0

@@ -75,7 +75,7 @@ def bodies(app: Sanic) -> list[dict[str, Any]]:
     return [member_body(pool, m) for m in pool.members.values()]
 
 
-def _find(app: Sanic, model_id: str) -> dict[str, Any]:
+def find_model(app: Sanic, model_id: str) -> dict[str, Any]:
     for body in bodies(app):
         if body["id"] == model_id:
             return body
@@ -89,12 +89,12 @@ async def handle_list(app: Sanic, http: sanic.Request) -> HTTPResponse:
 
 
 async def handle_get(app: Sanic, http: sanic.Request, model_id: str) -> HTTPResponse:
-    return json_response(_find(app, model_id))
+    return json_response(find_model(app, model_id))
 
 
 def _pool_member(app: Sanic, model_id: str, action: str) -> tuple[Any, Any]:
     pool = app.ctx.pool
-    _find(app, model_id)   # a 404 for an unknown id, whatever the server
+    find_model(app, model_id)   # a 404 for an unknown id, whatever the server
     if pool is None:
         raise InvalidRequest(f"this server runs one model, loaded at launch; {action} needs a "
                              "pool (launch with pool=<name> or pool=dir pool.model_dir=<dir>)",

@@ -8,7 +8,8 @@ from typing import Callable
 import sanic
 from sanic import HTTPResponse, Sanic
 
-from pipeserve.http.api import embeddings_http, models_http, rerank_http, tokenizer_http
+from pipeserve.http.api import (embeddings_http, fit_http, models_http, rerank_http,
+                                tokenizer_http)
 from pipeserve.errors import NotFound
 
 
@@ -22,6 +23,10 @@ def add_routes(app: Sanic, admin: Callable[[sanic.Request], None]) -> None:
 
     @app.get("/v1/models/<target:path>")   # the same parameter name as the POST route's
     async def model(http: sanic.Request, target: str) -> HTTPResponse:
+        """GET /v1/models/{id} and /v1/models/{id}/fit (an id may hold '/')."""
+        model_id, _, action = target.rpartition("/")
+        if action == "fit" and model_id:
+            return await fit_http.handle_fit(app, http, model_id)
         return await models_http.handle_get(app, http, target)
 
     @app.post("/v1/models/<target:path>")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeserve.errors import ConfigError
+from pipeserve.model.gguf import hybrid
+from pipeserve.model.gguf.meta import common, full_rotary, meta_float, meta_int
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ATTN = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -29,67 +31,20 @@ class Arch:
     bare: tuple[str, ...] = ()                # blocks whose mlx-lm parameter takes no suffix (sinks)
     mtp_key: str | None = None                # `<arch>.KEY`: MTP blocks appended after the layers
     notes: str = ""
-
-
-def _int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
-    v = meta.get(key, default)
-    if v is None:
-        raise ConfigError(f"GGUF metadata lacks {key!r}")
-    return int(v)
-
-
-def _float(meta: dict[str, Any], key: str, default: float) -> float:
-    """GGUF floats are float32: the shortest decimal of that float32 (1e-05, not 9.99999974e-06)."""
-    import numpy as np
-    return float(str(np.float32(meta.get(key, default))))
-
-
-def _common(meta: dict[str, Any], a: str, default_theta: float = 10000.0) -> dict[str, Any]:
-    heads = _int(meta, f"{a}.attention.head_count")
-    hidden = _int(meta, f"{a}.embedding_length")
-    head_dim = _int(meta, f"{a}.attention.key_length", hidden // heads)
-    cfg: dict[str, Any] = {
-        "hidden_size": hidden, "num_hidden_layers": _int(meta, f"{a}.block_count"),
-        "intermediate_size": _int(meta, f"{a}.feed_forward_length",
-                                  meta.get(f"{a}.expert_feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, f"{a}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _float(meta, f"{a}.rope.freq_base", default_theta),
-        "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
-    }
-    scaling = meta.get(f"{a}.rope.scaling.type", "none")
-    if scaling == "linear":
-        cfg["rope_scaling"] = {"type": "linear", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0)}
-    elif scaling == "yarn" and a.startswith(("qwen", "gpt-oss")):
-        cfg["rope_scaling"] = {
-            "type": "yarn", "rope_type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": _int(meta, f"{a}.rope.scaling.original_context_length")}
-    elif scaling != "none":
-        raise ConfigError(f"GGUF {a}.rope.scaling.type={scaling!r} is not supported for {a}; "
-                          f"supported: none, linear{', yarn' if a.startswith('qwen') else ''}")
-    rope_dim = _int(meta, f"{a}.rope.dimension_count", head_dim)
-    cfg["_rope_dim"] = rope_dim
-    return cfg
-
-
-def _full_rotary(cfg: dict[str, Any], a: str) -> dict[str, Any]:
-    rope_dim = cfg.pop("_rope_dim")
-    if rope_dim != cfg["head_dim"]:
-        raise ConfigError(f"GGUF {a}.rope.dimension_count={rope_dim} is partial rotary (head dim "
-                          f"{cfg['head_dim']}); mlx-lm's {a} model rotates the whole head")
-    return cfg
+    prefix: str = ""                          # before every mlx-lm name (qwen3_5: language_model.)
+    # (mlx-lm name, array key, array, config) -> the array as mlx-lm holds it; and its shape
+    undo: Callable[[str, str, Any, dict[str, Any]], Any] | None = None
+    shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
 
 
 def _llama(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a), a)
+    cfg = full_rotary(common(meta, a), a)
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **cfg,
             "mlp_bias": False, "hidden_act": "silu"}
 
 
 def _qwen2(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    cfg = full_rotary(common(meta, a, 1e6), a)
     if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
         raise ConfigError(f"GGUF qwen2 head dim {cfg['head_dim']} x {cfg['num_attention_heads']} "
                           f"heads != hidden {cfg['hidden_size']}; mlx-lm's qwen2 derives it")
@@ -98,35 +53,35 @@ def _qwen2(meta: dict[str, Any], a: str) -> dict[str, Any]:
 
 def _qwen3(meta: dict[str, Any], a: str) -> dict[str, Any]:
     return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-            **_full_rotary(_common(meta, a, 1e6), a)}
+            **full_rotary(common(meta, a, 1e6), a)}
 
 
 def _qwen3moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    cfg = full_rotary(common(meta, a, 1e6), a)
     return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **cfg,
-            "num_experts": _int(meta, f"{a}.expert_count"),
-            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
-            "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+            "num_experts": meta_int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": meta_int(meta, f"{a}.expert_used_count"),
+            "moe_intermediate_size": meta_int(meta, f"{a}.expert_feed_forward_length"),
             "decoder_sparse_step": 1, "mlp_only_layers": [],
             "norm_topk_prob": True}   # llama.cpp's qwen3moe graph always renormalizes the top k
 
 
 def _gpt_oss(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a, 150000.0), a)
+    cfg = full_rotary(common(meta, a, 150000.0), a)
     layers = cfg["num_hidden_layers"]
     return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **cfg,
-            "num_local_experts": _int(meta, f"{a}.expert_count"),
-            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
-            "intermediate_size": _int(meta, f"{a}.expert_feed_forward_length",
+            "num_local_experts": meta_int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": meta_int(meta, f"{a}.expert_used_count"),
+            "intermediate_size": meta_int(meta, f"{a}.expert_feed_forward_length",
                                       cfg["intermediate_size"]),
-            "sliding_window": _int(meta, f"{a}.attention.sliding_window", 128),
+            "sliding_window": meta_int(meta, f"{a}.attention.sliding_window", 128),
             # llama.cpp's gpt-oss graph: even layers attend in the window, odd ones globally
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                             for i in range(layers)]}
 
 
 def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _common(meta, a)
+    cfg = common(meta, a)
     rope_dim = cfg.pop("_rope_dim")
     if "rope_scaling" in cfg:
         raise ConfigError(f"GGUF {a} with rope scaling: mlx-lm's glm4_moe rotates without it")
@@ -136,18 +91,18 @@ def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
                           "a sigmoid (2)")
     nextn = int(meta.get(f"{a}.nextn_predict_layers", 0))
     cfg["num_hidden_layers"] -= nextn   # the MTP blocks llama.cpp appends; mlx-lm drops them
-    shared = _int(meta, f"{a}.expert_shared_count", 0)
+    shared = meta_int(meta, f"{a}.expert_shared_count", 0)
     return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **cfg,
             "partial_rotary_factor": rope_dim / cfg["head_dim"],
-            "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
-            "n_routed_experts": _int(meta, f"{a}.expert_count"),
-            "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
+            "moe_intermediate_size": meta_int(meta, f"{a}.expert_feed_forward_length"),
+            "n_routed_experts": meta_int(meta, f"{a}.expert_count"),
+            "num_experts_per_tok": meta_int(meta, f"{a}.expert_used_count"),
             "n_shared_experts": shared or None,
-            "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
-            "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+            "first_k_dense_replace": meta_int(meta, f"{a}.leading_dense_block_count", 0),
+            "routed_scaling_factor": meta_float(meta, f"{a}.expert_weights_scale", 1.0),
             "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
-            "n_group": _int(meta, f"{a}.expert_group_count", 1),
-            "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
+            "n_group": meta_int(meta, f"{a}.expert_group_count", 1),
+            "topk_group": meta_int(meta, f"{a}.expert_group_used_count", 1),
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_scaling": None,
             "num_nextn_predict_layers": nextn}
 
@@ -155,41 +110,41 @@ def _glm4moe(meta: dict[str, Any], a: str) -> dict[str, Any]:
 def _deepseek2(meta: dict[str, Any], a: str) -> dict[str, Any]:
     """DeepSeek-V3 / R1 / Kimi-K2 (MLA attention, sigmoid-routed experts): llama.cpp writes the
     MLA head sizes as key/value_length_mla (older files: key/value_length)."""
-    heads, rope = _int(meta, f"{a}.attention.head_count"), _int(meta, f"{a}.rope.dimension_count")
+    heads, rope = meta_int(meta, f"{a}.attention.head_count"), meta_int(meta, f"{a}.rope.dimension_count")
     if int(meta.get(f"{a}.expert_gating_func", 2)) != 2:
         raise ConfigError(f"GGUF {a} with softmax expert gating (DeepSeek-V2): only the sigmoid "
                           "gating of DeepSeek-V3 / R1 / Kimi-K2 converts (mlx-lm's deepseek_v3)")
-    key = _int(meta, f"{a}.attention.key_length_mla", meta.get(f"{a}.attention.key_length"))
-    value = _int(meta, f"{a}.attention.value_length_mla", meta.get(f"{a}.attention.value_length"))
+    key = meta_int(meta, f"{a}.attention.key_length_mla", meta.get(f"{a}.attention.key_length"))
+    value = meta_int(meta, f"{a}.attention.value_length_mla", meta.get(f"{a}.attention.value_length"))
     q_lora = meta.get(f"{a}.attention.q_lora_rank")
     cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-           "hidden_size": _int(meta, f"{a}.embedding_length"),
-           "num_hidden_layers": _int(meta, f"{a}.block_count") - int(
+           "hidden_size": meta_int(meta, f"{a}.embedding_length"),
+           "num_hidden_layers": meta_int(meta, f"{a}.block_count") - int(
                meta.get(f"{a}.nextn_predict_layers", 0)),
-           "intermediate_size": _int(meta, f"{a}.feed_forward_length"),
-           "moe_intermediate_size": _int(meta, f"{a}.expert_feed_forward_length"),
+           "intermediate_size": meta_int(meta, f"{a}.feed_forward_length"),
+           "moe_intermediate_size": meta_int(meta, f"{a}.expert_feed_forward_length"),
            "num_attention_heads": heads, "num_key_value_heads": heads,
-           "n_routed_experts": _int(meta, f"{a}.expert_count"),
-           "n_shared_experts": _int(meta, f"{a}.expert_shared_count", 0) or None,
-           "num_experts_per_tok": _int(meta, f"{a}.expert_used_count"),
-           "routed_scaling_factor": _float(meta, f"{a}.expert_weights_scale", 1.0),
+           "n_routed_experts": meta_int(meta, f"{a}.expert_count"),
+           "n_shared_experts": meta_int(meta, f"{a}.expert_shared_count", 0) or None,
+           "num_experts_per_tok": meta_int(meta, f"{a}.expert_used_count"),
+           "routed_scaling_factor": meta_float(meta, f"{a}.expert_weights_scale", 1.0),
            "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", True)),
-           "n_group": _int(meta, f"{a}.expert_group_count", 1),
-           "topk_group": _int(meta, f"{a}.expert_group_used_count", 1),
-           "first_k_dense_replace": _int(meta, f"{a}.leading_dense_block_count", 0),
-           "kv_lora_rank": _int(meta, f"{a}.attention.kv_lora_rank"),
+           "n_group": meta_int(meta, f"{a}.expert_group_count", 1),
+           "topk_group": meta_int(meta, f"{a}.expert_group_used_count", 1),
+           "first_k_dense_replace": meta_int(meta, f"{a}.leading_dense_block_count", 0),
+           "kv_lora_rank": meta_int(meta, f"{a}.attention.kv_lora_rank"),
            "q_lora_rank": None if q_lora is None else int(q_lora),
            "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope, "v_head_dim": value,
-           "rms_norm_eps": _float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-           "rope_theta": _float(meta, f"{a}.rope.freq_base", 10000.0),
-           "max_position_embeddings": _int(meta, f"{a}.context_length", 4096),
+           "rms_norm_eps": meta_float(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+           "rope_theta": meta_float(meta, f"{a}.rope.freq_base", 10000.0),
+           "max_position_embeddings": meta_int(meta, f"{a}.context_length", 4096),
            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_scaling": None}
     scaling = meta.get(f"{a}.rope.scaling.type", "none")
     if scaling == "yarn":   # llama.cpp's yarn_log_multiplier is 0.1 * mscale_all_dim
-        m = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        m = meta_float(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
         cfg["rope_scaling"] = {
-            "type": "yarn", "factor": _float(meta, f"{a}.rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": _int(
+            "type": "yarn", "factor": meta_float(meta, f"{a}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": meta_int(
                 meta, f"{a}.rope.scaling.original_context_length"),
             "mscale": m, "mscale_all_dim": m, "beta_fast": 32.0, "beta_slow": 1.0}
     elif scaling != "none":
@@ -198,18 +153,18 @@ def _deepseek2(meta: dict[str, Any], a: str) -> dict[str, Any]:
 
 
 def _gemma2(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a), a)
+    cfg = full_rotary(common(meta, a), a)
     return {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **cfg,
-            "attn_logit_softcapping": _float(meta, f"{a}.attn_logit_softcapping", 50.0),
-            "final_logit_softcapping": _float(meta, f"{a}.final_logit_softcapping", 30.0),
+            "attn_logit_softcapping": meta_float(meta, f"{a}.attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": meta_float(meta, f"{a}.final_logit_softcapping", 30.0),
             "query_pre_attn_scalar": _query_scalar(cfg)}
 
 
 def _gemma3(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _full_rotary(_common(meta, a, 1e6), a)
+    cfg = full_rotary(common(meta, a, 1e6), a)
     return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **cfg,
             "query_pre_attn_scalar": _query_scalar(cfg),
-            "sliding_window": _int(meta, f"{a}.attention.sliding_window", 512),
+            "sliding_window": meta_int(meta, f"{a}.attention.sliding_window", 512),
             # llama.cpp hard-codes both for gemma3: every 6th layer global, local rope base 10k
             "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
 
@@ -223,13 +178,13 @@ def _query_scalar(cfg: dict[str, Any]) -> int:
 
 
 def _phi3(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    cfg = _common(meta, a)
+    cfg = common(meta, a)
     rope_dim = cfg.pop("_rope_dim")
     if cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]:
         raise ConfigError("GGUF phi3 head dim does not divide the hidden size as mlx-lm's phi3 needs")
     cfg.pop("head_dim")
     cfg["partial_rotary_factor"] = rope_dim / (cfg["hidden_size"] // cfg["num_attention_heads"])
-    cfg["original_max_position_embeddings"] = _int(
+    cfg["original_max_position_embeddings"] = meta_int(
         meta, f"{a}.rope.scaling.original_context_length", cfg["max_position_embeddings"])
     return {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], **cfg}
 
@@ -292,6 +247,17 @@ ARCHS: dict[str, Arch] = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj"}, _deepseek2,
         bare=("exp_probs_b",), mtp_key="nextn_predict_layers",
         notes="DeepSeek-V3 / R1, Kimi-K2 (MLA; the MTP block dropped)"),
+    "qwen35": Arch("qwen3_5", {**ATTN, **MLP, **QK_NORM, **hybrid.LINEAR,
+                               "post_attention_norm": "post_attention_layernorm"}, hybrid.config,
+                   bare=hybrid.BARE, mtp_key="nextn_predict_layers", prefix=hybrid.PREFIX,
+                   undo=hybrid.undo, shape=hybrid.converted_shape,
+                   notes="Qwen3.5 / 3.6 dense: gated-delta linear attention (its MTP block "
+                         "dropped)"),
+    "qwen35moe": Arch("qwen3_5_moe", {**ATTN, **QK_NORM, **hybrid.LINEAR, **hybrid.EXPERTS,
+                                      "post_attention_norm": "post_attention_layernorm"},
+                      hybrid.config, bare=hybrid.BARE, mtp_key="nextn_predict_layers",
+                      prefix=hybrid.PREFIX, undo=hybrid.undo, shape=hybrid.converted_shape,
+                      notes="Qwen3.5 / 3.6 MoE (shared expert; its MTP block dropped)"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -302,16 +268,17 @@ def lookup(arch: str | None) -> Arch | None:
 
 def map_name(arch: Arch, name: str) -> str | None:
     """GGUF tensor name -> mlx-lm parameter name, or None when the model has no place for it."""
-    base, _, suffix = name.rpartition(".")
-    if suffix not in SUFFIXES:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    if m:
+        i, part, suffix = m.groups()
+        if part in arch.bare:
+            return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}"
+        if suffix and part in arch.blocks:
+            return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}.{suffix}"
         return None
-    if base in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[base]}.{suffix}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in arch.bare:
-        return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}"
-    if m and m.group(2) in arch.blocks:
-        return f"model.layers.{m.group(1)}.{arch.blocks[m.group(2)]}.{suffix}"
+    base, _, suffix = name.rpartition(".")
+    if suffix in SUFFIXES and base in GLOBAL_NAMES:
+        return f"{arch.prefix}{GLOBAL_NAMES[base]}.{suffix}"
     return None
 
 

@@ -237,7 +237,7 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
         for name, (ttype, shape, offset) in todo.items():
             size = gguf_quants.nbytes(ttype, shape)
             _convert_one(arch, name, np.asarray(data[offset:offset + size]), ttype, shape,
-                         (heads, kv_heads), report, out, bits)
+                         (heads, kv_heads), report, out, bits, cfg)
             progress.advance(size / 1e6)
     finally:
         progress.close()
@@ -246,7 +246,8 @@ def _weights(path: Path, header: Header, arch_name: str, cfg: dict[str, Any]
 
 def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
                  heads: tuple[int, int | None], report: gguf_quants.Report,
-                 out: dict[str, Any], bits: dict[str, tuple[int, str]]) -> None:
+                 out: dict[str, Any], bits: dict[str, tuple[int, str]],
+                 cfg: dict[str, Any]) -> None:
     """One GGUF tensor into `out` (its mlx-lm arrays) and `bits` (its quantization)."""
     conv = gguf_quants.convert_tensor(ttype, raw, shape, arch.scale_dtype)
     report.add(ttype, conv, int(np.prod(shape)))
@@ -258,6 +259,8 @@ def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
             arr = _unpermute(arr, heads[0] if ".q_proj." in target else heads[1])
         if arch.norm_shift and "norm." in target and suffix == "weight":
             arr = arr - arch.norm_shift
+        if arch.undo is not None:
+            arr = arch.undo(target, suffix, arr, cfg)
         out[f"{base}.{suffix}" if conv.bits else target] = arr
     if conv.bits:
         bits[base] = (conv.bits, conv.mode)

@@ -51,6 +51,8 @@ def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str,
         base = target.rpartition(".")[0]
         arrays, b = planned_arrays(ttype, shape, arch.scale_dtype)
         for suffix, (shp, dtype) in arrays.items():
+            if arch.shape is not None and not b:
+                shp = arch.shape(target, shp)
             out[f"{base}.{suffix}" if b else target] = mx.zeros(shp, getattr(mx, dtype))
         if b:
             bits[base] = b
