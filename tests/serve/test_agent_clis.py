@@ -58,11 +58,11 @@ def codex_cmd(exe: str, proxy: Proxy, turn: int) -> tuple[list[str], dict[str, s
 
 def opencode_cmd(exe: str, proxy: Proxy, turn: int) -> tuple[list[str], dict[str, str]]:
     """`opencode run` at its defaults, with an OpenAI-compatible provider (Chat Completions)."""
-    config = {"$schema": "https://opencode.ai/config.json", "provider": {"pipeserve": {
+    config = {"$schema": "https://opencode.ai/config.json", "provider": {"local": {
         "npm": "@ai-sdk/openai-compatible", "name": "pipeserve",
         "options": {"baseURL": proxy.base_url + "/v1", "apiKey": "sk-local"},
         "models": {"tiny": {"name": "tiny"}}}}}
-    cmd = [exe, "run", "-m", "pipeserve/tiny", *(["--continue"] if turn else []), PROMPTS[turn]]
+    cmd = [exe, "run", "-m", "local/tiny", *(["--continue"] if turn else []), PROMPTS[turn]]
     return cmd, {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
 
 
