@@ -24,6 +24,7 @@ from pipeserve.http.api.reasoning import thinking_from_effort
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api import cache_key
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.vision import video
 from pipeserve.vision.audio import from_input_audio
@@ -90,9 +91,12 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
+    cache_echo, pins = cache_key.pin(body, messages)   # the session's history kept in cache
+    echo.update(cache_echo)
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, media=_media(messages),
-                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
+                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body),
+                         cache_breakpoints=pins)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served)
 
