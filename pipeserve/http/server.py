@@ -22,6 +22,7 @@ from sanic.exceptions import SanicException
 
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
+from pipeserve.http.api import responses_background
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
@@ -498,6 +499,10 @@ def _add_routes(app: Sanic) -> None:
     @app.get("/v1/responses/<response_id:str>")
     async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse | None:
         return await responses.handle_get(app, http, response_id)
+
+    @app.post("/v1/responses/<response_id:str>/cancel")
+    async def cancel_response(http: sanic.Request, response_id: str) -> HTTPResponse:
+        return await responses_background.cancel(app, response_id)
 
     @app.delete("/v1/responses/<response_id:str>")
     async def delete_response(http: sanic.Request, response_id: str) -> HTTPResponse:

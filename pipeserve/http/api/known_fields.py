@@ -39,7 +39,7 @@ HONOURED: dict[str, frozenset[str]] = {
                               "tool_choice", "chat_template_kwargs", "reasoning", "text",
                               "max_output_tokens", "metadata", "store", "stop",
                               "parallel_tool_calls", "truncation", "prompt_cache_key",
-                              "prompt_cache_retention"},
+                              "prompt_cache_retention", "background"},
     "messages": _SAMPLING | {"messages", "system", "max_tokens", "stop_sequences", "tools",
                              "tool_choice", "thinking", "chat_template_kwargs", "metadata"},
     "count_tokens": frozenset({"model", "messages", "system", "tools", "tool_choice",
