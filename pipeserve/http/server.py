@@ -120,6 +120,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                               else float("nan"))
     app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
                                       int(cfg.server.responses_store_mb * 1_000_000))
+    app.ctx.background = {}   # running background responses (responses_background.py)
     app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
         if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
     app.ctx.streams = StreamStore(cfg.server.stream_resume_s,

@@ -7,7 +7,6 @@ Event loop."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from sanic import Sanic
@@ -19,13 +18,7 @@ from pipeserve.http.api.http import json_response
 from pipeserve.http.api.responses_shape import ResponseShape
 
 Save = Callable[[dict[str, Any]], None]   # stores a response body under its id
-
-
-@dataclass
-class Running:
-    task: asyncio.Task[None]
-    shape: ResponseShape
-    save: Save
+Running = dict[str, "asyncio.Task[None]"]   # app.ctx.background: response id → its task
 
 
 def least_urgent(classes: dict[str, int]) -> str:
@@ -37,7 +30,7 @@ def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
            save: Save) -> HTTPResponse:
     """Answer now with the queued response; the generation goes on in a task the scope waits
     for (its log line and metrics settle when it ends)."""
-    running: dict[str, Running] = app.ctx.__dict__.setdefault("background", {})
+    running: Running = app.ctx.background
     rid = gen.request.request_id
     queued = shape.body([], None, status="queued")
     save(queued)
@@ -61,7 +54,7 @@ def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
             running.pop(rid, None)
 
     task = asyncio.create_task(finish())
-    running[rid] = Running(task, shape, save)
+    running[rid] = task
     scope.detach(task)
     return json_response(queued)
 
@@ -69,12 +62,11 @@ def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
 async def cancel(app: Sanic, response_id: str) -> HTTPResponse:
     """Stop a running background response (stored as "cancelled"); one already finished is
     returned as it is."""
-    running: dict[str, Running] = getattr(app.ctx, "background", {})
-    entry = running.get(response_id)
-    if entry is not None:
-        entry.task.cancel()
+    task = app.ctx.background.get(response_id)
+    if task is not None:
+        task.cancel()
         try:
-            await entry.task
+            await task
         except (asyncio.CancelledError, ServeError):
             pass
     item = app.ctx.responses.get(response_id)
