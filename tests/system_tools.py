@@ -22,3 +22,19 @@ def find_or_skip(program: str, debian_package: str, what: str) -> str:
     if os.environ.get(REQUIRE) == "1":
         pytest.fail(f"{reason} [{REQUIRE}=1]", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+AGENTS = "PIPESERVE_REQUIRE_AGENT_CLIS"
+
+
+def find_agent_cli_or_skip(program: str, package: str) -> str:
+    """The path of a coding agent's CLI (an npm package), or skip the calling test; a failure
+    instead under PIPESERVE_REQUIRE_AGENT_CLIS=1 (set by .ci/run once its npm install worked)."""
+    path = shutil.which(program)
+    if path:
+        return path
+    reason = (f"{program} is not installed, so the test that drives it cannot run; install it "
+              f"(`npm install -g {package}`, as .ci/run does with a pinned version)")
+    if os.environ.get(AGENTS) == "1":
+        pytest.fail(f"{reason} [{AGENTS}=1]", pytrace=False)
+    pytest.skip(reason)

@@ -22,6 +22,7 @@ from sanic.exceptions import SanicException
 
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
+from pipeserve.http.api import responses_background
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
@@ -120,6 +121,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                               else float("nan"))
     app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
                                       int(cfg.server.responses_store_mb * 1_000_000))
+    app.ctx.background = {}   # running background responses (responses_background.py)
     app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
         if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
     app.ctx.streams = StreamStore(cfg.server.stream_resume_s,
@@ -493,6 +495,10 @@ def _add_routes(app: Sanic) -> None:
     @app.get("/v1/responses/<response_id:str>")
     async def get_response(http: sanic.Request, response_id: str) -> HTTPResponse | None:
         return await responses.handle_get(app, http, response_id)
+
+    @app.post("/v1/responses/<response_id:str>/cancel")
+    async def cancel_response(http: sanic.Request, response_id: str) -> HTTPResponse:
+        return await responses_background.cancel(app, response_id)
 
     @app.delete("/v1/responses/<response_id:str>")
     async def delete_response(http: sanic.Request, response_id: str) -> HTTPResponse:

@@ -30,7 +30,7 @@ CASES = [
     ("/v1/completions", COMPLETION, "prompt_logprobs", 2),
     ("/v1/completions", COMPLETION, "ignore_eos", True),
     ("/v1/responses", RESPONSE, "include", ["reasoning.encrypted_content"]),
-    ("/v1/responses", RESPONSE, "background", True),
+    ("/v1/responses", RESPONSE, "max_tool_calls", 3),
     ("/v1/messages", MESSAGE, "service_tier", "standard_only"),
     ("/v1/messages", MESSAGE, "made_up_field", 1),
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeserve.http.api import fields as F
-from pipeserve.http.api import structured
+from pipeserve.http.api import cache_key, structured
 from pipeserve.http.api.generation import Delta, Usage
 from pipeserve.http.api.reasoning import thinking_from_effort
 from pipeserve.http.api.tools import ToolCall
@@ -125,7 +125,8 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
                               tool_choice=choice, tool_name=name, media=media,
                               parallel_tool_calls=F.get(body, "parallel_tool_calls", bool, True),
                               reasoning_budget=F.reasoning_budget(body),
-                              continue_final=continue_final),
+                              continue_final=continue_final,
+                              cache_breakpoints=cache_key.pin(body, turns)[1]),
                   requested, stream, include, constraint=constraint, n=F.get(body, "n", int, 1),
                   resumable=resume)
 

@@ -24,6 +24,8 @@ from pipeserve.http.api.reasoning import thinking_from_effort
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api import cache_key
+from pipeserve.http.api import responses_background as background
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.vision import video
 from pipeserve.vision.audio import from_input_audio
@@ -47,6 +49,7 @@ class Parsed:
     store: bool = True
     constraint: Constraint | None = None   # text.format / guided_* (structured output)
     tools: ResponseTools = field(default_factory=ResponseTools)
+    background: bool = False
 
 
 def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = False) -> Parsed:
@@ -90,11 +93,15 @@ def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = F
     user = F.get(body, "user", str)
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
+    echo["background"] = F.get(body, "background", bool, False)
+    cache_echo, pins = cache_key.pin(body, messages)   # the session's history kept in cache
+    echo.update(cache_echo)
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
                          tool_choice=choice, tool_name=name, media=_media(messages),
-                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body))
+                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body),
+                         cache_breakpoints=pins)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
-                  F.get(body, "store", bool, True), constraint, served)
+                  F.get(body, "store", bool, True), constraint, served, echo["background"])
 
 
 SUMMARIES = ("auto", "concise", "detailed")
@@ -269,6 +276,8 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         await scope.route(body)
         ctx = scope.ctx
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
+        if parsed.background:
+            _background_checks(parsed, ctx.cfg.admission.priority_classes)
 
         def make() -> Request:
             req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
@@ -294,6 +303,9 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
             await resume.serve(http, app.ctx.streams, req.request_id, keep,
                                ctx.cfg.server.keep_alive_s, produce, scope.detach)
             return None
+        if parsed.background:
+            return background.launch(app, scope, gen, shape, lambda b: _save(
+                app.ctx.responses, b, parsed.conversation, gen))
         await gen.run()
         body = shape.body(shape.output(gen), gen)
         if parsed.store:
@@ -316,6 +328,17 @@ async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
         constraint=parsed.constraint)))
     return json_response({"object": "response.input_tokens",
                           "input_tokens": req.num_prompt_tokens})
+
+
+def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
+    """A background response is read back from the store, and runs behind interactive work."""
+    if not parsed.store or parsed.stream:
+        field, value = ("store", "false") if not parsed.store else ("stream", "true")
+        raise InvalidRequest(f"background is true with {field} {value}; a background response "
+                             "is polled from the store: send store true and stream false",
+                             param=field)
+    if parsed.requested.get("priority") is None:
+        parsed.requested["priority"] = background.least_urgent(classes)
 
 
 MAX_TRUNCATIONS = 256   # oldest turns truncation "auto" drops at most

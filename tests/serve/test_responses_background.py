@@ -1,0 +1,87 @@
+"""Responses `background: true` through a real server and the openai SDK: the create call
+answers at once with a queued response that GET polls to its end, the finished output is the
+one the same request gives in the foreground, the request ran at the least urgent priority
+class, a cancel stops a running one (stored as cancelled) and the server goes on serving, and
+a background request that cannot be polled (store false, stream true) is a 400 naming the field."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.test_openai import NO_EOS, TIMEOUT
+
+POLLS = 3000   # a bound on polling, not a time limit
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory: Any) -> Any:
+    return server_factory()
+
+
+@pytest.fixture(scope="module")
+def client(srv: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+def create(client: openai.OpenAI, tokens: int, **extra: Any) -> Any:
+    return client.responses.create(
+        model="tiny", input="Tell me a long story about the river.", max_output_tokens=tokens,
+        temperature=0, extra_body={"logit_bias": NO_EOS}, **extra)
+
+
+def poll(client: openai.OpenAI, response_id: str) -> tuple[Any, list[str]]:
+    seen: list[str] = []
+    for _ in range(POLLS):
+        got = client.responses.retrieve(response_id)
+        if not seen or seen[-1] != got.status:
+            seen.append(got.status)
+        if got.status not in ("queued", "in_progress"):
+            return got, seen
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still {seen[-1]} after {POLLS} polls")
+
+
+def test_background_is_polled_to_the_foreground_answer(client: openai.OpenAI, srv: Any) -> None:
+    plain = create(client, 48)
+    queued = create(client, 48, background=True)
+    assert queued.status == "queued" and queued.background is True and not queued.output
+    done, seen = poll(client, queued.id)
+    assert done.status == plain.status == "incomplete"   # max_output_tokens ended both
+    assert set(seen) <= {"queued", "in_progress", "incomplete"}
+    assert done.output_text == plain.output_text and done.usage.output_tokens == 48
+    metrics = httpx.get(srv.base_url + "/metrics").text
+    assert 'pipeserve_queue_wait_seconds_count{priority="batch"} 1.0' in metrics
+
+
+def test_cancel_stops_a_running_one(client: openai.OpenAI, srv: Any) -> None:
+    queued = create(client, 3000, background=True)
+    cancelled = client.post(f"/responses/{queued.id}/cancel", cast_to=httpx.Response).json()
+    assert cancelled["status"] == "cancelled" and cancelled["id"] == queued.id
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    line = ""
+    for _ in range(POLLS):   # the request's log line: stopped by the cancel, not by its end
+        line = next((x for x in srv.log().splitlines() if f"request {queued.id} " in x), "")
+        if line:
+            break
+        time.sleep(0.05)
+    assert "outcome=cancelled" in line and "generated_tokens=3000" not in line, line
+    after = create(client, 8)   # the server serves on
+    assert after.status == "incomplete" and after.usage.output_tokens == 8
+
+
+def test_cancel_of_a_foreground_response_and_bad_bodies(client: openai.OpenAI) -> None:
+    plain = create(client, 4)
+    with pytest.raises(openai.BadRequestError, match="only a background response can be"):
+        client.post(f"/responses/{plain.id}/cancel", cast_to=httpx.Response)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/responses/resp_missing/cancel", cast_to=httpx.Response)
+    with pytest.raises(openai.BadRequestError, match="background is true with store false") as e:
+        create(client, 4, background=True, store=False)
+    assert e.value.body["param"] == "store"
+    with pytest.raises(openai.BadRequestError, match="background is true with stream true"):
+        create(client, 4, background=True, stream=True)
