@@ -127,3 +127,25 @@ def test_drafters_that_do_not_fit_are_refused(pair, tmp_path: Path, model_cache:
     assert "hidden_size" in msg
     with pytest.raises(ConfigError, match="eagle3, dflash and assistant"):
         make_config("draft=ngram", f"draft.path={head_dir}")
+
+
+def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(engine_factory,
+                                                              tmp_path: Path) -> None:
+    """A request served from a hot prompt cache, then from the SSD tier after a restart: the
+    assistant reads the restored KV as it reads a computed one, and the output is the plain
+    cold run's."""
+    plain = engine_factory(*GEMMA, "cache=off")
+    prompt = plain.loaded.tokenizer.encode("The morning train left the station at seven, and "
+                                           "the passengers settled into their seats.")
+    expected = plain.generate(prompt, max_tokens=24)["ids"]
+    ssd = ["cache=ssd", f"cache.ssd.dir={tmp_path}", "draft=assistant"]
+    first = engine_factory(*GEMMA, *ssd)
+    assert first.generate(prompt, max_tokens=24)["ids"] == expected
+    hot = first.generate(prompt, max_tokens=24)
+    assert hot["cached"] > 0 and hot["ids"] == expected
+    assert first.engine.flush_cache().wait(60)
+    first.close()
+    second = engine_factory(*GEMMA, *ssd)
+    restored = second.generate(prompt, max_tokens=24)
+    assert restored["cached"] > 0 and restored["ids"] == expected
+    assert counter(second, "spec_accepted", "assistant") > 0
