@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatibility
 
 from pipeserve.core.rows import RowStore
@@ -90,9 +90,11 @@ class AssistantProposer:
         probe = ctx.layout.make_cache(ctx.model)
         plain = [i for i in self.layers.values() if type(probe[i]) is not KVCache]
         if plain:
+            why = ("sliding-window layers cannot be rolled back after a verify"
+                   if isinstance(probe[plain[0]], RotatingKVCache) else "use kv=dense")
             raise ConfigError(f"draft=assistant reads the target's KV as plain keys and "
                               f"values; kv={cfg.kv.name} stores target layers {plain} as "
-                              f"{type(probe[plain[0]]).__name__} (use kv=dense)")
+                              f"{type(probe[plain[0]]).__name__} ({why})")
         self.dtype = self.head.pre_projection.weight.dtype
         self.rows: dict[str, _Row] = {}
         self.target_store: RowStore | None = None

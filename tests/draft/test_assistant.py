@@ -125,6 +125,15 @@ def test_drafters_that_do_not_fit_are_refused(pair, tmp_path: Path, model_cache:
     (wide / "config.json").write_text(json.dumps(cfg))
     msg = startup_error(model_cache, *GEMMA, "draft=assistant", f"draft.path={wide}")
     assert "hidden_size" in msg
+    # a Gemma 4 with sliding-window layers, as the released ones have: refused, named
+    sliding = tmp_path / "sliding"
+    shutil.copytree(pair[0], sliding)
+    cfg = json.loads((sliding / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (sliding / "config.json").write_text(json.dumps(cfg))
+    msg = startup_error(model_cache, *GEMMA, f"model.path={sliding}", "draft=assistant",
+                        f"draft.path={head_dir}")
+    assert "sliding-window" in msg
     with pytest.raises(ConfigError, match="eagle3, dflash and assistant"):
         make_config("draft=ngram", f"draft.path={head_dir}")
 
