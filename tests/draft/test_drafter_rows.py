@@ -1,7 +1,7 @@
 """Every drafter (ngram, model, mtp, eagle3, dflash, assistant) in batches that mix what a
 server really batches, on its real tiny model: rows with LoRA adapters (and a stack) beside
-base rows, and rows that draft beside rows that cannot (penalties) and seeded sampled rows,
-all with logprobs. Each batch's output equals the plain path's, token for token, logprobs to
+base rows, and rows that draft beside rows that cannot (penalties), seeded sampled rows and a
+grammar row, all with logprobs. Each batch's output equals the plain path's, token for token, logprobs to
 float rounding — and the drafter really drafted."""
 from __future__ import annotations
 
@@ -39,11 +39,21 @@ def prompts(h: EngineHarness, n: int) -> list[list[int]]:
 
 
 def run(h: EngineHarness, rows: list[tuple[list[int], dict, str | None]]) -> list[dict]:
+    """Each row: (prompt, sampling, adapter); sampling's "regex" constrains the row."""
+    from pipeserve.grammar.constraint import Constraint, GrammarCompiler
+
+    tok = h.loaded.tokenizer
+    text = getattr(h.loaded.model, "language_model", h.loaded.model)
+    compiler = GrammarCompiler(tok, text.args.vocab_size, tok.eos_token_ids)
     reqs = []
     for prompt, sampling, adapter in rows:
+        sampling = dict(sampling)
+        regex = sampling.pop("regex", None)
         req = h.request(prompt, max_tokens=MAX_TOKENS, logit_bias=EOS_OFF, logprobs=True,
                         top_logprobs=2, **sampling)
         req.adapter = adapter
+        if regex is not None:
+            req.grammar = compiler.matcher(Constraint.regex(regex, "guided_regex"))
         reqs.append(req)
     return asyncio.run(h.generate_many(reqs))
 
@@ -64,7 +74,8 @@ def drafted(h: EngineHarness, drafter: str) -> float:
 def test_drafting_rows_beside_rows_that_cannot_draft(engine_factory, model_cache: Path,
                                                      drafter: str) -> None:
     """One batch: two greedy rows (ragged), a row with a repetition penalty (it decodes one
-    token per step: no drafts), a seeded sampled row and a greedy row with top-k."""
+    token per step: no drafts), a seeded sampled row, a greedy row with top-k and a row under
+    a regex (its drafts cut to what its grammar accepts)."""
     _, model = MODELS[drafter]
     common = [*model, "scheduler=continuous", "scheduler.max_batch=8", "cache=off"]
     plain = engine_factory(*common)
@@ -72,7 +83,8 @@ def test_drafting_rows_beside_rows_that_cannot_draft(engine_factory, model_cache
     rows = [(p[0], {}, None), (p[1], {}, None),
             (p[2], {"repetition_penalty": 1.3}, None),
             (p[0], {"temperature": 0.8, "top_k": 8, "seed": 7}, None),
-            (p[1], {"top_k": 4}, None)]
+            (p[1], {"top_k": 4}, None),
+            (p[2], {"regex": r"(.|\n){1,60}"}, None)]
     want = run(plain, rows)
     spec = engine_factory(*common, *draft_overrides(drafter, model_cache))
     assert_equal_output(run(spec, rows), want)
