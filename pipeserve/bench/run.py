@@ -41,8 +41,24 @@ from pipeserve.bench.server import (
 from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive
 from pipeserve.config import load_config, register_configs
+from pipeserve.model.config import ModelSource
+from pipeserve.model.tiny.assistant import ensure_assistant
+from pipeserve.model.tiny.dflash import ensure_dflash
+from pipeserve.model.tiny.eagle3 import ensure_eagle3
 from pipeserve.bench import plots as bench_plots, vision as bench_vision
 from pipeserve.bench import ttft
+
+
+def _generated_head(cfg: Any, model_dir: Path) -> list[str]:
+    """draft=eagle3 / dflash / assistant on a generated model with draft.path unset: the
+    generated drafter serve.py writes beside it (the bench serves the model by its path,
+    where serve.py asks for draft.path instead)."""
+    if cfg.draft.path is not None or cfg.model.path is not None or \
+            cfg.model.source is not ModelSource.generated:
+        return []
+    ensure = {"eagle3": ensure_eagle3, "dflash": ensure_dflash,
+              "assistant": ensure_assistant}.get(cfg.draft.name)
+    return [f"draft.path={ensure(model_dir)}"] if ensure else []
 
 
 def run_bench(raw: DictConfig) -> list[Row]:
@@ -80,6 +96,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
     # server.port as given (a firewall rule, a port forward), else a free one
     port = cfg.server.port if any(o.startswith("server.port=") for o in overrides) else _free_port()
     serve = [sys.executable, str(ROOT / "serve.py"), *overrides, *mount, f"model.path={model_dir}",
+             *_generated_head(cfg, model_dir),
              f"model.name={cfg.model.name}",   # the id the bench asks for, not the dir's name
              f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
     for core in b.cores:   # one target per engine core placement (bench.cores)

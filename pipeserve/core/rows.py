@@ -120,6 +120,19 @@ class RowStore:
             return self._caches
         return [layer.extract(where) for layer in self._caches]
 
+    def layer_of(self, rid: str, layer: int) -> Any | None:
+        """One layer of this row's caches, as `caches_of` gives them (a copy of only that
+        layer when the row is batched); None when the store holds nothing for it."""
+        if rid in self._own:
+            return self._own[rid][layer]
+        g = self._groups.get(rid)
+        if g is not None:
+            return g.caches[layer].extract(g.ids.index(rid))
+        where = self._where(rid)
+        if where is None:
+            return None
+        return self._caches[layer] if self.solo else self._caches[layer].extract(where)
+
     # -- the decode batch -------------------------------------------------------------
     def decode_batch(self, rids: Sequence[str], known: dict[str, int | None]
                      ) -> tuple[list[Any], list[str], mx.array]:

@@ -57,9 +57,10 @@ class DraftConfig:
         if not 0 <= self.fast_forward <= 256:
             raise ConfigError(f"draft.fast_forward must be in [0, 256] (0: off), got "
                               f"{self.fast_forward}")
-        if self.path is not None and self.name not in ("model", "eagle3", "dflash"):
+        if self.path is not None and self.name not in ("model", "eagle3", "dflash", "assistant"):
             raise ConfigError(
-                f"draft.path={self.path!r} is only used by draft=model, eagle3 and dflash; "
+                f"draft.path={self.path!r} is only used by draft=model, eagle3, dflash and "
+                f"assistant; "
                 f"draft={self.name} does not load a draft model")
 
 
@@ -136,3 +137,16 @@ class DFlashDraftConfig(DraftConfig):
     @property
     def keep_hidden(self) -> bool:
         return True   # the drafter's context is the target's tapped hidden states
+
+
+@register("draft", "assistant")
+@dataclass
+class AssistantDraftConfig(DraftConfig):
+    """A Gemma 4 assistant drafter reading the target's KV (draft.path: its checkpoint
+    directory; unset on a generated Gemma 4: a generated one)."""
+
+    _target_: str = "pipeserve.draft.assistant.AssistantProposer"
+
+    @property
+    def keep_hidden(self) -> bool:
+        return True   # each round starts from the target's last hidden state

@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models import qwen3_5
+from mlx_lm.models.gemma4_text import logit_softcap
 from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextDecoderLayer
 
 from pipeserve.draft.taps import taps_of
@@ -121,11 +122,14 @@ class MtpHead:
 
 
 def output_head(model: Any) -> Callable[[mx.array], mx.array]:
-    """The target's hidden -> logits map (tied embedding or lm_head), as its __call__ applies it."""
+    """The target's hidden -> logits map (tied embedding or lm_head, then Gemma's logit
+    soft-cap), as its __call__ applies it."""
     text = getattr(model, "language_model", model)
-    if text.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear
-    return text.lm_head
+    head = model.model.embed_tokens.as_linear if text.args.tie_word_embeddings else text.lm_head
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap is None:
+        return head
+    return lambda hidden: logit_softcap(cap, head(hidden))
 
 
 def target_forward(model: Any, inputs: mx.array, cache: list[Any] | None = None,

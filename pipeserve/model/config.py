@@ -20,7 +20,8 @@ class Arch(Enum):
     qwen3_vl = "qwen3_vl"      # model=tiny_vlm only: a Qwen3-VL (+ interleaved M-RoPE, deepstack)
     qwen3_vl_moe = "qwen3_vl_moe"  # model=tiny_vlm only: a Qwen3-VL mixture-of-experts VLM
     qwen3_5_moe = "qwen3_5_moe"  # model=tiny_vlm only: a Qwen3.5 mixture-of-experts VLM
-    gemma4 = "gemma4"          # model=tiny_vlm only: a Gemma 4 with an audio tower (audio in)
+    gemma4 = "gemma4"          # model=tiny: Gemma 4's text decoder (full attention only);
+                               # model=tiny_vlm: a Gemma 4 with an audio tower (audio in)
 
 
 class ModelSize(Enum):
@@ -197,7 +198,7 @@ class ModelConfig:
                     f"medium/large: the decoder at Qwen3-0.6B's / 8B's shape), got model.arch="
                     f"{self.arch.value} model.size={self.size.value}")
         elif self.path is None and self.arch in (Arch.qwen2_5_vl, Arch.qwen3_vl, Arch.qwen3_vl_moe,
-                                                 Arch.qwen3_5_moe, Arch.gemma4):
+                                                 Arch.qwen3_5_moe):
             raise ConfigError(f"model.arch={self.arch.value} is a multimodal model: use "
                               f"model=tiny_vlm model.arch={self.arch.value}")
         elif self.path is None and self.source is not ModelSource.generated:

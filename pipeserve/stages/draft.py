@@ -71,6 +71,8 @@ class Draft:
                 rows.append(row)
                 limits.append(limit)
                 contexts.append((req.prompt_ids + req.output_ids)[:row.start + 1])
+        if hasattr(self.proposer, "target_store"):
+            self.proposer.target_store = kv   # (draft=assistant reads the rows' KV there)
         proposals = self._propose(rows, contexts, limits) if rows else []
         for i, row in enumerate(rows):
             grammar = row.request.grammar

@@ -1,7 +1,7 @@
 """Drafters fed the target's hidden states through the real server (`python serve.py
-model=tiny draft=eagle3`, `... draft=dflash`): the generated head drafts, the OpenAI and
-Anthropic SDKs get draft=none's text, batched, with usage.speculation and the proposer's
-metrics."""
+model=tiny draft=eagle3`, `... draft=dflash`, `python serve.py model=tiny model.arch=gemma4
+draft=assistant`): the generated head drafts, the OpenAI and Anthropic SDKs get draft=none's
+text, batched, with usage.speculation and the proposer's metrics."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -50,3 +50,23 @@ def test_head_serves_draft_none_output(server_factory, expected: list[str],
         extra_body={"temperature": 0, "logit_bias": NO_EOS})
     assert msg.usage.model_extra["speculation"]["proposed"] > 0
     assert msg.content[0].text == expected[0][:len(msg.content[0].text)]
+
+
+def test_gemma_assistant_serves_draft_none_output(server_factory) -> None:
+    """The Gemma 4 assistant reads the target's KV of the shared batch: concurrent rows get
+    the plain server's text, and its drafts are kept some of the time."""
+    gemma = ("model=tiny", "model.arch=gemma4", "scheduler=continuous")
+    plain = server_factory(*gemma)
+    want = [r.choices[0].message.content for r in all_chats(plain.base_url)]
+    plain.stop()
+    s = server_factory(*gemma, "draft=assistant")
+    got = all_chats(s.base_url)
+    assert [r.choices[0].message.content for r in got] == want
+    spec = [r.usage.model_extra["speculation"] for r in got]
+    assert all(x["proposed"] > 0 for x in spec)
+    assert 0 < sum(x["accepted"] for x in spec) < sum(x["proposed"] for x in spec)
+    fams = metric_families(s.base_url)
+    assert sample_value(fams, "pipeserve_speculation_accepted_tokens",
+                        "pipeserve_speculation_accepted_tokens_total",
+                        proposer="assistant") == sum(x["accepted"] for x in spec)
+    assert s.stop() == 0

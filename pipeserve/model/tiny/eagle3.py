@@ -53,9 +53,10 @@ def _weights(target: Path, hidden: int, vocab: int, layers: int) -> dict[str, np
     import mlx.core as mx
 
     target_w = mx.load(str(target / "model.safetensors"))
-    embed = np.array(target_w["model.embed_tokens.weight"].astype(mx.float32))
-    head = (np.array(target_w["lm_head.weight"].astype(mx.float32))
-            if "lm_head.weight" in target_w else embed)
+    trunk = "language_model." if "language_model.model.embed_tokens.weight" in target_w else ""
+    embed = np.array(target_w[f"{trunk}model.embed_tokens.weight"].astype(mx.float32))
+    head = (np.array(target_w[f"{trunk}lm_head.weight"].astype(mx.float32))
+            if f"{trunk}lm_head.weight" in target_w else embed)   # (Qwen3.5: under its trunk)
     rng = np.random.default_rng(3)
     eye, zero = np.eye(hidden, dtype=np.float32), np.zeros((hidden, hidden), np.float32)
     draft_ids = np.arange(0, vocab, 2)   # the draft vocabulary: the even target ids

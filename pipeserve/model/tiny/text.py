@@ -15,7 +15,7 @@ import numpy as np
 
 from pipeserve.model.cache import cache_root, publish
 
-ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next", "qwen3_5")
+ARCHS = ("qwen3", "llama", "gemma3", "qwen3_next", "qwen3_5", "gemma4")
 SIZES = ("tiny", "small", "base", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMAT_VERSION = 1
@@ -189,6 +189,20 @@ def _model_config(arch: str, size: str, eos: list[int]) -> dict[str, Any]:
                    hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
                    sliding_window=32, sliding_window_pattern=2, rope_local_base_freq=10000.0)
         del cfg["hidden_act"]
+    elif arch == "gemma4":
+        # Gemma 4's text decoder with full-attention layers only (rolled back after a verify,
+        # so Gemma's assistant drafters can be served with it); no per-layer inputs, no KV
+        # sharing inside the trunk; qwen3_5's successor output head (its assistant guesses it)
+        cfg.update(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"],
+                   tie_word_embeddings=False,
+                   hidden_activation="gelu_pytorch_tanh", global_head_dim=head_dim,
+                   num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+                   vocab_size_per_layer_input=cfg["vocab_size"], use_double_wide_mlp=False,
+                   final_logit_softcapping=30.0, sliding_window=32,
+                   layer_types=["full_attention"] * layers,
+                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                       "rope_theta": 1000000.0}})
+        del cfg["hidden_act"], cfg["rope_theta"]
     elif arch == "qwen3_next":
         cfg.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
                    num_hidden_layers=4, full_attention_interval=4, partial_rotary_factor=0.25,
@@ -223,7 +237,11 @@ EMBED_SCALE = 4.0  # tied logits are norm(h) @ E.T: std EMBED_SCALE/sqrt(hidden)
 # qwen3_5's output head maps a token to its successor instead (below), so its branches only need
 # to pull the target off that successor some of the time: at 0.6 about one greedy step in five
 # (a larger gain lowers how often its MTP head's first draft is accepted).
-BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0, "qwen3_5": 0.6}
+# gemma4's post-branch norms at 4 pull it off its successor head about half the time: its
+# generated assistant's drafts (the successor, mostly) are then kept about half the time.
+GEMMA4_GAIN = 4.0
+BRANCH_GAIN = {"qwen3": 12.0, "llama": 12.0, "gemma3": 48.0, "qwen3_next": 12.0, "qwen3_5": 0.6,
+               "gemma4": GEMMA4_GAIN}
 _BRANCH_OUT = ("o_proj", "down_proj", "out_proj")
 # The Qwen3.5 stand-in's MTP head: fc passes the next token's embedding through (plus a little
 # of the trunk's hidden state) and its layer's branches are weak, so it guesses the successor
@@ -237,12 +255,13 @@ def _fill(name: str, shape: tuple[int, ...], arch: str, hidden: int) -> np.ndarr
     """Deterministic numpy value of one parameter, seeded by (SEED, crc32(name))."""
     rng = np.random.default_rng([SEED, zlib.crc32(name.encode())])
     leaf = name.rsplit(".", 1)[-1]
-    if "norm" in name and len(shape) == 1:
-        if arch != "gemma3":
+    if ("norm" in name and len(shape) == 1) or leaf == "layer_scalar":
+        if arch not in ("gemma3", "gemma4"):
             return np.ones(shape, np.float32)
-        # gemma3 RMSNorm computes x * (1 + w); its post-branch norms carry the branch gain.
+        # Gemma's post-branch norms carry the branch gain (gemma3's RMSNorm computes
+        # x * (1 + w), gemma4's x * w).
         gain = BRANCH_GAIN[arch] if any(k in name for k in GEMMA_POST_NORMS) else 1.0
-        return np.full(shape, gain - 1.0, np.float32)
+        return np.full(shape, gain - (arch == "gemma3"), np.float32)
     if leaf == "A_log":  # GatedDeltaNet decay, as in the reference init
         return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
     if leaf == "dt_bias":
@@ -253,7 +272,7 @@ def _fill(name: str, shape: tuple[int, ...], arch: str, hidden: int) -> np.ndarr
         fc = rng.standard_normal(shape, dtype=np.float32) * np.float32(MTP_HIDDEN_GAIN / np.sqrt(hidden))
         fc[:, :hidden] = np.eye(hidden, dtype=np.float32) * np.float32(MTP_EMBED_GAIN)
         return fc
-    if arch == "qwen3_5" and name.endswith("lm_head.weight"):
+    if arch in ("qwen3_5", "gemma4") and name.endswith("lm_head.weight"):
         # the embedding's rows in a seeded 512-cycle order: norm(e_t) @ lm_head.T peaks at
         # succ(t), so without its branches the model walks the whole vocabulary
         embed = _fill(name.replace("lm_head", "model.embed_tokens"), shape, arch, hidden)
@@ -265,7 +284,7 @@ def _fill(name: str, shape: tuple[int, ...], arch: str, hidden: int) -> np.ndarr
         std = EMBED_SCALE / np.sqrt(hidden)
     else:  # fan-in scaled: keeps activations O(1); branch outputs get BRANCH_GAIN (not gemma: see norms)
         std = 1.0 / np.sqrt(int(np.prod(shape[1:])))
-        if arch != "gemma3" and any(k in name for k in _BRANCH_OUT):
+        if arch not in ("gemma3", "gemma4") and any(k in name for k in _BRANCH_OUT):
             std *= MTP_BRANCH_GAIN if arch == "qwen3_5" and name.startswith("mtp.") else BRANCH_GAIN[arch]
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
