@@ -10,16 +10,11 @@ python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceT
 kind=${1:-bf16}; shift || true
 out=${OUT:-bench-out}
 model="model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models"
-if [ "$kind" = q4 ]; then   # the same 8B through mlx_lm's own converter, 4-bit
-  python3 -c "from pipeserve.model.tiny.text import ensure_model; from pathlib import Path; \
-print(ensure_model('qwen3', 'large', 'bfloat16', Path('/tmp/models')))" > /tmp/bf16-path || exit 4
-  [ -d /tmp/models/q4 ] || python3 -m mlx_lm convert --hf-path "$(tail -1 /tmp/bf16-path)" \
-    --mlx-path /tmp/models/q4 -q 2>&1 | tail -3
-  model="model=tiny model.path=/tmp/models/q4 model.cache_dir=/tmp/models"
-fi
+q4=""
+[ "$kind" = q4 ] && q4="bench.quantize_bits=4"   # the same 8B through mlx_lm's own converter
 for w in false true; do
   echo "== $kind kernel_warmup=$w"
   # shellcheck disable=SC2086
   MLX_PTX_CACHE_DIR=$(mktemp -d) python3 bench.py bench.workload=ttft $model \
-    scheduler.kernel_warmup=$w bench.out="$out/$kind-warmup-$w" "$@" 2>&1 | tail -22
+    scheduler.kernel_warmup=$w $q4 bench.out="$out/$kind-warmup-$w" "$@" 2>&1 | tail -22
 done

@@ -148,3 +148,21 @@ def test_bench_cores_names_what_it_takes() -> None:
     with pytest.raises(ConfigError, match=r"bench.cores must list one or more of thread, process; "
                                           r"got \['gpu'\]"):
         BenchConfig(cores=["gpu"])
+
+
+def test_quantize_bits_serves_every_target_the_4_bit_copy(tmp_path: Path,
+                                                          model_cache: Path) -> None:
+    """bench.quantize_bits=4: the model is converted once by mlx-lm (a sibling directory whose
+    config says 4 bits) and pipeserve serves that copy; a bad width is one line naming it."""
+    run_bench(tmp_path, model_cache, "bench.streams=2", "bench.quantize_bits=4")
+    copies = list(model_cache.glob("*-q4"))
+    assert len(copies) == 1, copies
+    import json
+    assert json.loads((copies[0] / "config.json").read_text())["quantization"]["bits"] == 4
+    row = rows(tmp_path / "results.csv")[0]
+    assert int(row["requests"]) == 2 and int(row["errors"]) == 0
+    assert f"ready: model tiny from {copies[0].name} " in (tmp_path / "pipeserve.log").read_text()
+    res = subprocess.run([sys.executable, "bench.py", *QUICK, "bench.quantize_bits=7",
+                          f"hydra.run.dir={tmp_path}/bad"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode != 0 and "bench.quantize_bits must be one of" in res.stderr + res.stdout

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from pipeserve.config import ServeConfig
 from pipeserve.errors import ConfigError
@@ -43,6 +44,9 @@ class BenchConfig:
     ttft_bursts: list[int] = field(default_factory=lambda: [32, 128])   # workload=ttft:
     #                                 simultaneous 76-token arrivals
     ttft_first_burst: int = 0       # workload=ttft: arrivals right after launch (0: none)
+    # every target serves the model quantized to this many bits by mlx_lm.convert (a copy kept
+    # beside the model, named <model>-q<bits>): a 4-bit model's kernels and first bursts
+    quantize_bits: Optional[int] = None
     step_context: int = 1024        # workload=steps: tokens already in the cache
     step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
     adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
@@ -53,12 +57,16 @@ class BenchConfig:
 
 
     def __post_init__(self) -> None:
+        if self.quantize_bits is not None and self.quantize_bits not in QUANT_BITS:
+            raise ConfigError(f"bench.quantize_bits must be one of {QUANT_BITS} (or unset); got "
+                              f"{self.quantize_bits}")
         bad = [c for c in self.cores if c not in CORES]
         if bad or not self.cores:
             raise ConfigError(f"bench.cores must list one or more of {', '.join(CORES)}; got "
                               f"{list(self.cores)}")
 
 
+QUANT_BITS = (2, 3, 4, 5, 6, 8)   # what mlx-lm's affine quantization takes
 CORES = {"thread": [], "process": ["server.isolate=true"]}   # a core → its launch overrides
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -61,11 +62,27 @@ def _generated_head(cfg: Any, model_dir: Path) -> list[str]:
     return [f"draft.path={ensure(model_dir)}"] if ensure else []
 
 
+def quantized(model_dir: Path, bits: int) -> Path:
+    """`model_dir` quantized to `bits` by mlx-lm's own converter, made once beside it (written
+    to a temporary name first, so an interrupted conversion is never taken for a model)."""
+    target = model_dir.with_name(f"{model_dir.name}-q{bits}")
+    if (target / "config.json").exists():
+        return target
+    from mlx_lm import convert
+    tmp = model_dir.with_name(f".{target.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert(str(model_dir), mlx_path=str(tmp), quantize=True, q_bits=bits)
+    tmp.rename(target)
+    return target
+
+
 def run_bench(raw: DictConfig) -> list[Row]:
     cfg = load_config(raw)            # same checks as serve.py, before anything starts
     b = cfg.bench
     from pipeserve.model.loader import resolve_path
     model_dir = resolve_path(cfg.model)
+    if b.quantize_bits is not None:
+        model_dir = quantized(model_dir, b.quantize_bits)
     out = Path(b.out) if Path(b.out).is_absolute() else ROOT / b.out
     out.mkdir(parents=True, exist_ok=True)
     _new_tables(out)
