@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from pipeserve.config import ServeConfig
 from pipeserve.errors import ConfigError
@@ -46,7 +45,7 @@ class BenchConfig:
     ttft_first_burst: int = 0       # workload=ttft: arrivals right after launch (0: none)
     # every target serves the model quantized to this many bits by mlx_lm.convert (a copy kept
     # beside the model, named <model>-q<bits>): a 4-bit model's kernels and first bursts
-    quantize_bits: Optional[int] = None
+    quantize_bits: int | None = None
     step_context: int = 1024        # workload=steps: tokens already in the cache
     step_width: int = 8             # workload=steps: tokens per row in a verify-shaped forward
     adapters: int = 0               # N random LoRA adapters (rank 8, q/v of every layer) mounted
