@@ -16,6 +16,7 @@ from mlx_vlm.speculative.drafters import load_drafter
 from mlx_vlm.speculative.mtp import _mtp_shared_kv_from_prompt_cache
 
 import pipeserve  # noqa: F401  (loads OpenBLAS before mlx)
+from pipeserve.core.events import Flush
 from pipeserve.core.rows import RowStore
 from pipeserve.draft.assistant import AssistantProposer, load_assistant
 from pipeserve.errors import ConfigError
@@ -152,7 +153,7 @@ def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(engine_factory,
     assert first.generate(prompt, max_tokens=24)["ids"] == expected
     hot = first.generate(prompt, max_tokens=24)
     assert hot["cached"] > 0 and hot["ids"] == expected
-    assert first.engine.flush_cache().wait(60)
+    assert first.engine.command(Flush()).result(60)
     first.close()
     second = engine_factory(*GEMMA, *ssd)
     restored = second.generate(prompt, max_tokens=24)
