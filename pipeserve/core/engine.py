@@ -147,25 +147,33 @@ class Engine:
 
     def _warm_kernels(self) -> None:
         """Run the kernel warm-up's requests (core/kernel_warmup.py) through the loop, the prompt
-        cache detached and the metrics muted; a failure is logged, never fatal."""
+        cache detached and the metrics muted; a failure is logged, never fatal. The long prompt
+        runs first and alone, then the burst: the log says what each cost."""
         t0, lim = time.perf_counter(), self.scheduler.limits
         reqs = kernel_warmup.requests(self.limits.vocab_size, self.limits.max_context,
-                               lim.prefill_chunk, lim.max_batch)
+                                      lim.prefill_chunk, lim.max_batch)
         sinks = [kernel_warmup.Sink() for _ in reqs]
         sizes = [r.num_prompt_tokens + r.sampling.max_tokens for r in reqs]
         progress = StepProgress(log, "kernel warm-up", sum(sizes), unit="tokens")
-
-        def until() -> bool:   # between steps: the terminal's line follows finished requests
-            progress.advance(sum(n for n, s in zip(sizes, sinks) if s.finished) - progress.done)
-            return all(s.finished for s in sinks)
+        split = 1 if len(reqs) > 1 and reqs[0].request_id.endswith("long") else 0
+        phases = [p for p in (range(split), range(split, len(reqs))) if len(p)]
+        took = []
         lookup, self.scheduler.lookup = self.scheduler.lookup, None
         self.step.caching = False
         try:
             with self.metrics.muted():
                 self.step.bind_metrics()
-                for req, sink in zip(reqs, sinks):
-                    self._inbox.put(Submit(req, sink))
-                self._loop(until=until)
+                for phase in phases:
+                    t1 = time.perf_counter()
+                    for i in phase:
+                        self._inbox.put(Submit(reqs[i], sinks[i]))
+
+                    def until(phase: range = phase) -> bool:   # between steps
+                        progress.advance(sum(n for n, s in zip(sizes, sinks) if s.finished)
+                                         - progress.done)
+                        return all(sinks[i].finished for i in phase)
+                    self._loop(until=until)
+                    took.append(time.perf_counter() - t1)
         finally:
             progress.close()
             self.scheduler.lookup, self.step.caching = lookup, self.step._cache is not None
@@ -174,8 +182,9 @@ class Engine:
         if errors:
             log.warning("kernel warm-up: %d of %d requests failed (%s); serving anyway",
                         len(errors), len(reqs), errors[0])
-        log.info("kernel warm-up: %d requests (a %d-token prompt, a burst of %d) in %.2f s",
-                 len(reqs), reqs[0].num_prompt_tokens, len(reqs) - 1,
+        parts = ([f"a {reqs[0].num_prompt_tokens}-token prompt {took[0]:.2f} s"] if split else []) \
+            + ([f"a burst of {len(reqs) - split} {took[-1]:.2f} s"] if len(took) > split else [])
+        log.info("kernel warm-up: %d requests (%s) in %.2f s", len(reqs), ", ".join(parts),
                  time.perf_counter() - t0)
 
     def _loop(self, until: Callable[[], bool] | None = None) -> None:
