@@ -14,14 +14,9 @@ REQUIRE = "PIPESERVE_REQUIRE_SYSTEM_TOOLS"
 
 def find_or_skip(program: str, debian_package: str, what: str) -> str:
     """The path of `program`, or skip the calling module (fail under PIPESERVE_REQUIRE_...)."""
-    path = shutil.which(program)
-    if path:
-        return path
-    reason = (f"{program} is not installed, so {what} cannot run; install it "
-              f"(`sudo apt-get install -y {debian_package}` on Debian/Ubuntu, as .ci/run does)")
-    if os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{reason} [{REQUIRE}=1]", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
+    return _found(program, f"{program} is not installed, so {what} cannot run; install it "
+                  f"(`sudo apt-get install -y {debian_package}` on Debian/Ubuntu, as .ci/run "
+                  "does)", REQUIRE, module=True)
 
 
 AGENTS = "PIPESERVE_REQUIRE_AGENT_CLIS"
@@ -30,11 +25,17 @@ AGENTS = "PIPESERVE_REQUIRE_AGENT_CLIS"
 def find_agent_cli_or_skip(program: str, package: str) -> str:
     """The path of a coding agent's CLI (an npm package), or skip the calling test; a failure
     instead under PIPESERVE_REQUIRE_AGENT_CLIS=1 (set by .ci/run once its npm install worked)."""
+    return _found(program, f"{program} is not installed, so the test that drives it cannot "
+                  f"run; install it (`npm install -g {package}`, as .ci/run does with a pinned "
+                  "version)", AGENTS, module=False)
+
+
+def _found(program: str, reason: str, require: str, module: bool) -> str:
+    """`program`'s path; else a failure when `require` is set to 1 (the install worked, so a
+    missing program is a fault), or a skip saying why."""
     path = shutil.which(program)
     if path:
         return path
-    reason = (f"{program} is not installed, so the test that drives it cannot run; install it "
-              f"(`npm install -g {package}`, as .ci/run does with a pinned version)")
-    if os.environ.get(AGENTS) == "1":
-        pytest.fail(f"{reason} [{AGENTS}=1]", pytrace=False)
-    pytest.skip(reason)
+    if os.environ.get(require) == "1":
+        pytest.fail(f"{reason} [{require}=1]", pytrace=False)
+    pytest.skip(reason, allow_module_level=module)
