@@ -21,6 +21,7 @@ from pipeserve.model.loader import load
 from tests.conftest import make_config
 from tests.model.test_gguf import tokenizer_metadata
 from tests.model.test_gguf_quants import written
+from tests.model.gguf_served import served_equals_mlx_lm
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EXPERTS, TOP_K, LAYERS, WINDOW = \
     64, 4, 2, 16, 64, 4, 2, 2, 4
@@ -102,9 +103,6 @@ def reference(weights: dict[str, np.ndarray], vocab: int) -> Any:
 
 def test_gpt_oss_gguf_with_mxfp4_experts_serves_like_mlx_lm(tmp_path: Path,
                                                             engine_factory: Any) -> None:
-    from mlx_lm import load as mlx_load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
 
     tok = tokenizer_metadata()
     vocab = len(tok["tokenizer.ggml.tokens"])
@@ -133,13 +131,7 @@ def test_gpt_oss_gguf_with_mxfp4_experts_serves_like_mlx_lm(tmp_path: Path,
                                np.array(reference(deq, vocab)(mx.array([ids]))[0]),
                                rtol=1e-3, atol=1e-3)
 
-    model, _ = mlx_load(str(lm.path))
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=8, sampler=make_sampler(0.0))
-    mlx_ids = [int(t) for t, _ in steps]
-    engine = engine_factory("model=llama", *args)
-    req = engine.request(PROMPT, max_tokens=8)
-    req.stop_token_ids = frozenset()     # random weights: decode all 8, as generate_step does
-    assert asyncio.run(engine.generate_many([req]))[0]["ids"] == mlx_ids
+    engine, mlx_ids = served_equals_mlx_lm(engine_factory, lm.path, PROMPT, *args)
     assert engine.engine.memory == fit.memory
     # the experts offloaded (mapped from the converted copy, a cache of a few per layer): the same
     offloaded = engine_factory("model=llama", *args, "model.expert_offload=true",

@@ -4,7 +4,6 @@ weights equal the `gguf` package's dequantization exactly and nothing is re-quan
 of them answers greedily as mlx-lm does on the converted checkpoint."""
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from pipeserve.model.loader import load
 from tests.conftest import make_config
 from tests.model.test_gguf import gguf_name, hf_weights, llama_metadata, tokenizer_metadata
 from tests.model.test_gguf_quants import written
+from tests.model.gguf_served import served_equals_mlx_lm
 
 PROMPT = [5, 17, 260, 3, 99, 400, 12, 7]
 HEADS, KV_HEADS = 4, 2
@@ -76,10 +76,7 @@ def mxfp4_llama(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
 
 def test_mxfp4_llama_serves_in_mxfp4_mode_like_mlx_lm(tmp_path: Path,
                                                       engine_factory: Any) -> None:
-    from mlx_lm import load as mlx_load
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.sample_utils import make_sampler
 
     src, ref = mxfp4_llama(tmp_path)
     cache = tmp_path / "cache"
@@ -105,12 +102,6 @@ def test_mxfp4_llama_serves_in_mxfp4_mode_like_mlx_lm(tmp_path: Path,
     np.testing.assert_allclose(np.array(lm.model(mx.array([PROMPT]))[0]),
                                np.array(reference(mx.array([PROMPT]))[0]), rtol=1e-3, atol=1e-3)
 
-    model, _ = mlx_load(str(lm.path))
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=8, sampler=make_sampler(0.0))
-    mlx_ids = [int(t) for t, _ in steps]
-    engine = engine_factory("model=llama", *args)
-    req = engine.request(PROMPT, max_tokens=8)
-    req.stop_token_ids = frozenset()     # random weights: decode all 8, as generate_step does
-    assert asyncio.run(engine.generate_many([req]))[0]["ids"] == mlx_ids
+    engine, mlx_ids = served_equals_mlx_lm(engine_factory, lm.path, PROMPT, *args)
     assert engine.loaded.compute_dtype == "float32+q4"
     assert engine.engine.memory == fit.memory   # the header estimate is the served figure

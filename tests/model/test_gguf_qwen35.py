@@ -25,6 +25,7 @@ from pipeserve.model.loader import load
 from tests.conftest import make_config
 from tests.model.test_gguf import tokenizer_metadata
 from tests.model.test_gguf_quants import written
+from tests.model.gguf_served import served_equals_mlx_lm
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM, INTER, LAYERS = 64, 4, 2, 32, 8, 128, 4
 K_HEADS, V_HEADS, DK, DV, KERNEL = 2, 4, 16, 32, 4   # two value heads per key head
@@ -181,9 +182,6 @@ def reference(weights: dict[str, np.ndarray], vocab: int, moe: bool) -> Any:
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
 def test_qwen35_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, moe: bool) -> None:
-    from mlx_lm import load as mlx_load
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
 
     tok = tokenizer_metadata()
     vocab = len(tok["tokenizer.ggml.tokens"])
@@ -217,13 +215,7 @@ def test_qwen35_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, moe
                                np.array(reference(deq, vocab, moe)(mx.array([ids]))[0]),
                                rtol=1e-3, atol=1e-3)
 
-    model, _ = mlx_load(str(lm.path))
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=8, sampler=make_sampler(0.0))
-    mlx_ids = [int(t) for t, _ in steps]
-    engine = engine_factory("model=llama", *args)
-    req = engine.request(PROMPT, max_tokens=8)
-    req.stop_token_ids = frozenset()     # random weights: decode all 8, as generate_step does
-    assert asyncio.run(engine.generate_many([req]))[0]["ids"] == mlx_ids
+    engine, mlx_ids = served_equals_mlx_lm(engine_factory, lm.path, PROMPT, *args)
     assert engine.engine.memory == fit.memory
     if not moe:
         return
