@@ -162,9 +162,13 @@ def test_kill_9_of_the_core_fails_what_is_in_flight_and_health_until_it_is_back(
     started = threading.Event()
     threads = [threading.Thread(target=_stream, args=(base, streamed, started)),
                threading.Thread(target=_whole, args=(base, whole))]
-    for t in threads:
-        t.start()
+    # the stream first, then the whole request once the stream is running: both in flight
+    # (each has thousands of tokens to go) when the core is killed
+    threads[0].start()
     assert started.wait(TIMEOUT)
+    threads[1].start()
+    inflight = _wait_inflight(base, 2)
+    assert inflight == 2 and "status" not in whole, (inflight, whole)
     os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(TIMEOUT)
@@ -186,6 +190,17 @@ def test_kill_9_of_the_core_fails_what_is_in_flight_and_health_until_it_is_back(
     fams = metric_families(base)
     assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
                         model=MODEL, reason="exited") == 1
+
+
+def _wait_inflight(base_url: str, n: int) -> int:
+    """/health's in-flight count once it reaches n (bounded: what it was at the deadline)."""
+    deadline = time.monotonic() + TIMEOUT
+    for _ in range(2400):
+        inflight = health(base_url).json().get("inflight", 0)
+        if inflight >= n or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return inflight
 
 
 def _health_until_back(srv: Any) -> list[tuple[int, str]]:
