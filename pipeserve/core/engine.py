@@ -157,7 +157,8 @@ class Engine:
         progress = StepProgress(log, "kernel warm-up", sum(sizes), unit="tokens")
         split = 1 if len(reqs) > 1 and reqs[0].request_id.endswith("long") else 0
         phases = [p for p in (range(split), range(split, len(reqs))) if len(p)]
-        took = []
+        took: list[float] = []
+        trace: list[tuple[float, int, int]] = []
         lookup, self.scheduler.lookup = self.scheduler.lookup, None
         self.step.caching = False
         try:
@@ -172,7 +173,7 @@ class Engine:
                         progress.advance(sum(n for n, s in zip(sizes, sinks) if s.finished)
                                          - progress.done)
                         return all(sinks[i].finished for i in phase)
-                    self._loop(until=until)
+                    self._loop(until=until, trace=trace)
                     took.append(time.perf_counter() - t1)
         finally:
             progress.close()
@@ -184,15 +185,18 @@ class Engine:
                         len(errors), len(reqs), errors[0])
         parts = ([f"a {reqs[0].num_prompt_tokens}-token prompt {took[0]:.2f} s"] if split else []) \
             + ([f"a burst of {len(reqs) - split} {took[-1]:.2f} s"] if len(took) > split else [])
-        log.info("kernel warm-up: %d requests (%s) in %.2f s", len(reqs), ", ".join(parts),
-                 time.perf_counter() - t0)
+        slow = ", ".join(f"{t:.2f} s ({r} rows, {n} tokens)" for t, r, n in sorted(trace)[::-1][:6])
+        log.info("kernel warm-up: %d requests (%s) in %.2f s; %d steps, slowest: %s", len(reqs),
+                 ", ".join(parts), time.perf_counter() - t0, len(trace), slow)
 
-    def _loop(self, until: Callable[[], bool] | None = None) -> None:
+    def _loop(self, until: Callable[[], bool] | None = None,
+              trace: list[tuple[float, int, int]] | None = None) -> None:
         """The step loop, until stopped (or, for the kernel warm-up, until `until()` with no step
-        in flight)."""
+        in flight; `trace` gets each pass's seconds, rows and tokens)."""
         sched = self.scheduler
         pending: Launched | None = None   # last step, queued on the device, not yet read back
         while not self.stopping:
+            t_pass = time.perf_counter()
             if until is not None and pending is None and until():
                 return
             idle = pending is None and not sched.has_work()
@@ -223,6 +227,8 @@ class Engine:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
             pending = launched
             self.step.passed()
+            if trace is not None and plan is not None:
+                trace.append((time.perf_counter() - t_pass, len(plan.rows), plan.num_tokens))
         if self.group is not None:   # rank 0 tells the group it stops (pipeserve/distributed)
             self.group.leave(self)
 
