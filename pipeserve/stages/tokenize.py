@@ -290,14 +290,19 @@ class Tokenize:
         return self._encode(text, False, "messages")
 
     def _encode(self, text: str, add_special: bool, field: str) -> list[int]:
-        """Through the Rust tokenizer directly when there is one: it releases the GIL while it
-        works, and a count past the context is refused before its ids become Python ints."""
+        """Through the Rust tokenizer directly when there is one, and a count past the context
+        is refused before its ids become Python ints. A long text goes through its batch call,
+        which releases the GIL while it works; a short one (encoded on the event loop) keeps
+        the GIL: giving it up costs the loop a wait for the engine thread to hand it back."""
         if self.backend is None:
             ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
             num = len(ids)
         else:
-            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-            encoding = encode([text], add_special_tokens=add_special)[0]
+            if len(text) <= INLINE_LIMIT:
+                encoding = self.backend.encode(text, add_special_tokens=add_special)
+            else:
+                encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+                encoding = encode([text], add_special_tokens=add_special)[0]
             num = len(encoding)
         if num > self.max_context:
             raise InvalidRequest(f"prompt has {num} tokens; the context limit is "
