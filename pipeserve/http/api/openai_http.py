@@ -171,13 +171,13 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
     except ServeError as e:
         send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
         send(b"data: [DONE]\n\n")
-        await out.flush()
+        await out.flush(last=True)
         return False
     if parsed.include_usage:
         usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
         send(sse_data(shape.usage_chunk(usage)))
     send(b"data: [DONE]\n\n")
-    await out.flush()
+    await out.flush(last=True)
     return True
 
 
@@ -195,8 +195,9 @@ class Frames:
         if self.gen is None or not self.gen.stream.pending:
             await self.flush()
 
-    async def flush(self) -> None:
+    async def flush(self, last: bool = False) -> None:
+        """`last`: the stream's final frames, whose write also ends the response body."""
         if self.pending:
             frames = tuple(self.pending)
             self.pending.clear()
-            await self.log.put_many(frames)
+            await self.log.put_many(frames, last)

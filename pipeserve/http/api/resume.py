@@ -57,6 +57,7 @@ class StreamLog:
         self._waiters: dict[int, asyncio.Future[bool]] = {}   # reader token → its wait
         self._primary: tuple[int, Any] | None = None   # (token, response) of the request's own
         self._sending = False   # a write to the primary connection is in progress
+        self.body_ended = False   # the primary connection's response body was ended by put_many
         self._orphan_timer: asyncio.TimerHandle | None = None
         self._next_reader = 0
 
@@ -77,9 +78,10 @@ class StreamLog:
         (and so waiting for it; the producer then feels the connection's back-pressure)."""
         await self.put_many((frame,))
 
-    async def put_many(self, frames: tuple[bytes, ...] | list[bytes]) -> None:
+    async def put_many(self, frames: tuple[bytes, ...] | list[bytes], last: bool = False) -> None:
         """`put` of several frames, numbered one by one, sent to the primary connection in
-        one write (the same bytes as one write per frame, a syscall instead of several)."""
+        one write (the same bytes as one write per frame, a syscall instead of several).
+        `last`: no frame follows, so that write also ends the response's body."""
         primary = self._primary
         if primary is None:
             for frame in frames:
@@ -99,7 +101,12 @@ class StreamLog:
         self.readers[token] = self.num_frames
         self._sending = True
         try:
-            await response.send(framed[0] if len(framed) == 1 else b"".join(framed))
+            data = framed[0] if len(framed) == 1 else b"".join(framed)
+            if last:
+                self.body_ended = True   # before the write: a failed one must not be ended again
+                await response.send(data, end_stream=True)
+            else:
+                await response.send(data)
         except BaseException:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -331,7 +338,8 @@ async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumab
             await asyncio.gather(task, return_exceptions=True)
         raise
     result = await task
-    await response.eof()
+    if not stream.body_ended:
+        await response.eof()
     return result
 
 
