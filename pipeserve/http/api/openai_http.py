@@ -15,7 +15,7 @@ from pipeserve.http.api import known_fields
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api import resume
 from pipeserve.http.api.generation import Choices, Delta, Generation, Usage
-from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api.resume import Frames, StreamLog
 from pipeserve.http.api.http import Scope, check_ready, json_response, read_body, sse_data
 from pipeserve.errors import AdmissionRejected, InvalidRequest, ServeError
 from pipeserve.eventloop.offload import off_loop
@@ -179,25 +179,3 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
     send(b"data: [DONE]\n\n")
     await out.flush(last=True)
     return True
-
-
-class Frames:
-    """A stream's frames not yet handed to its log: `flush_unless_ready` writes them unless
-    `gen` (one choice's generation) already holds its next event, whose frames then join
-    them in the same write. With several choices every delta is flushed."""
-
-    def __init__(self, log: StreamLog, gen: Generation | None) -> None:
-        self.log, self.gen = log, gen
-        self.pending: list[bytes] = []
-        self.add = self.pending.append
-
-    async def flush_unless_ready(self) -> None:
-        if self.gen is None or not self.gen.stream.pending:
-            await self.flush()
-
-    async def flush(self, last: bool = False) -> None:
-        """`last`: the stream's final frames, whose write also ends the response body."""
-        if self.pending:
-            frames = tuple(self.pending)
-            self.pending.clear()
-            await self.log.put_many(frames, last)

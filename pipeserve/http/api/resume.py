@@ -221,6 +221,29 @@ def _expire(waiter: asyncio.Future[bool]) -> None:
         waiter.set_result(True)   # timed out (a wake-up by a frame or the end is False)
 
 
+class Frames:
+    """A stream's frames not yet handed to its log: `flush_unless_ready` writes them unless
+    `gen` (one choice's generation: anything with the RequestStream `stream` it reads) already
+    holds its next event, whose frames then join them in the same write. With several
+    choices (`gen` None) every delta is flushed."""
+
+    def __init__(self, log: StreamLog, gen: Any) -> None:
+        self.log, self.gen = log, gen
+        self.pending: list[bytes] = []
+        self.add = self.pending.append
+
+    async def flush_unless_ready(self) -> None:
+        if self.gen is None or not self.gen.stream.pending:
+            await self.flush()
+
+    async def flush(self, last: bool = False) -> None:
+        """`last`: the stream's final frames, whose write also ends the response body."""
+        if self.pending:
+            frames = tuple(self.pending)
+            self.pending.clear()
+            await self.log.put_many(frames, last)
+
+
 class StreamStore:
     """Every live stream's log and every ended one for `resume_s`, under `cap_bytes` (ended
     logs are dropped oldest first, then frames every reader has sent). Counted in metrics."""
