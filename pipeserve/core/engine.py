@@ -29,6 +29,7 @@ from pipeserve.core.step import Launched, load_parts
 from pipeserve.launch.progress import StepProgress
 from pipeserve.core.outbox import Outbox
 from pipeserve.core.stream import RequestStream
+from pipeserve.prompt_cache.protocol import rewinds
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Engine:
         assert self.loaded is not None
         self.limits = EngineLimits.of(self.cfg, self.loaded, max_rows=self.scheduler.max_batch,
                                       memory=self.memory, kv_pool_bytes=self.kv_pool_bytes,
-                                      device=self.device)
+                                      device=self.device, rewinds=rewinds(self.loaded.model))
 
     def _warm_kernels(self) -> None:
         """Run the kernel warm-up's requests (core/kernel_warmup.py) through the loop, the prompt

@@ -29,6 +29,9 @@ class EngineLimits:
     adapters: Any = None   # a snapshot of the mounted AdapterSet (None: no adapters)
     device: str = ""
     dimensions: int = 0    # an embedding model's vector width (0: a generative model)
+    # whether every layer's cache cuts back to any prefix (then a chat needs no checkpoint at
+    # its history's end); None where the weights are not here to ask (a pool's parent)
+    rewinds: bool | None = None
 
     @property
     def kv_bytes_per_token(self) -> int | None:

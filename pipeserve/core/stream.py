@@ -30,6 +30,11 @@ class RequestStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    @property
+    def pending(self) -> bool:
+        """Whether an event is here already (the next `wait` returns at once)."""
+        return bool(self._events)
+
     def poll(self) -> Event | None:
         """The next event if one is already here, else None (no await, no timer: the common
         case while the engine outpaces the stream's consumer)."""

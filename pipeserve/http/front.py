@@ -32,6 +32,10 @@ class Front:
                                          cfg.model.reasoning_format.value)
         log.info("output markup: %s", self.markup.describe())
         self.tokenize = build(cfg.pipeline.tokenize._target_, cfg, loaded, self.markup)
+        if limits.rewinds and getattr(self.tokenize, "session_checkpoints", False):
+            # the engine (in its own process, weights not here) says the model's cache cuts
+            # back to any prefix: no chat needs its history's end rendered a second time
+            self.tokenize.session_checkpoints = False
         self.admission = build(cfg.admission._target_, cfg, limits, engine.load, metrics)
         self.detokenize = build(cfg.pipeline.detokenize._target_, cfg, loaded, self.markup)
         self.volatile = VolatileSpans(cfg.server.volatile_spans)

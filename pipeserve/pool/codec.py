@@ -46,14 +46,16 @@ def encode_limits(limits: EngineLimits) -> dict[str, Any]:
     memory = limits.memory
     return {"max_rows": limits.max_rows, "kv_pool_bytes": limits.kv_pool_bytes,
             "memory": dataclasses.asdict(memory) if memory is not None else None,
-            "device": limits.device, "dimensions": limits.dimensions}
+            "device": limits.device, "dimensions": limits.dimensions,
+            "rewinds": limits.rewinds}
 
 
 def decode_limits(d: dict[str, Any], cfg: ServeConfig, loaded: LoadedModel) -> EngineLimits:
     """The parent's limits: its own host-side model (tokenizer, config) and the child's facts."""
     return EngineLimits.of(cfg, loaded, max_rows=d["max_rows"], kv_pool_bytes=d["kv_pool_bytes"],
                            memory=MemoryModel(**d["memory"]) if d["memory"] else None,
-                           device=d["device"], dimensions=d["dimensions"])
+                           device=d["device"], dimensions=d["dimensions"],
+                           rewinds=d.get("rewinds"))
 
 
 # -- events (child → parent) -----------------------------------------------------------------

@@ -40,6 +40,9 @@ CALL_PARAMS = frozenset({"conversation", "messages", "add_generation_prompt",
                          "return_assistant_tokens_mask", "tokenizer_kwargs"})
 # gpt-oss's template knows low / medium / high: the other efforts go to the nearest
 HARMONY_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
+# up to this many characters a prompt is encoded holding the GIL (a few hundred tokens, well
+# under the switch interval); past it the Rust tokenizer runs with the GIL released
+HOLD_GIL_CHARS = 2048
 TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, LookupError, AttributeError,
                    ArithmeticError, RecursionError)
 
@@ -290,14 +293,20 @@ class Tokenize:
         return self._encode(text, False, "messages")
 
     def _encode(self, text: str, add_special: bool, field: str) -> list[int]:
-        """Through the Rust tokenizer directly when there is one: it releases the GIL while it
-        works, and a count past the context is refused before its ids become Python ints."""
+        """Through the Rust tokenizer directly when there is one, and a count past the context
+        is refused before its ids become Python ints. A text past HOLD_GIL_CHARS goes through
+        its batch call, which releases the GIL while it works; a shorter one keeps the GIL:
+        giving it up costs the event loop a wait for the engine thread to hand it back, longer
+        than the encoding itself."""
         if self.backend is None:
             ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
             num = len(ids)
         else:
-            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-            encoding = encode([text], add_special_tokens=add_special)[0]
+            if len(text) <= HOLD_GIL_CHARS:
+                encoding = self.backend.encode(text, add_special_tokens=add_special)
+            else:
+                encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+                encoding = encode([text], add_special_tokens=add_special)[0]
             num = len(encoding)
         if num > self.max_context:
             raise InvalidRequest(f"prompt has {num} tokens; the context limit is "

@@ -72,6 +72,21 @@ def test_a_step_crosses_as_one_columnar_message_in_the_engine_order() -> None:
     assert plain["lp"] is None and codec.decode_step(plain) == [TokenDelta("a", [1])]
 
 
+def test_the_child_says_whether_its_model_cache_rewinds() -> None:
+    """The server process holds no weights: the child's limits say whether the model's cache
+    cuts back to any prefix, so a chat's history end is not rendered a second time for a
+    checkpoint the engine would drop (unknown stays unknown: every chat is marked)."""
+    from pipeserve.core.limits import EngineLimits
+
+    loaded = SimpleNamespace(config={"vocab_size": 32}, tokenizer=[0] * 32, max_context=64,
+                             adapters=None, vision=None)
+    cfg = make_config()
+    for rewinds in (True, False, None):
+        sent = EngineLimits(64, 32, max_rows=4, device="cpu", rewinds=rewinds)
+        wire = codec.loads(codec.dumps(codec.encode_limits(sent)))
+        assert codec.decode_limits(wire, cfg, loaded).rewinds is rewinds
+
+
 def test_a_member_inherits_the_launch_overrides_but_not_the_pool_or_hydra() -> None:
     launch = ["model=tiny", "model.cache_dir=/m", "pool=example", "pool.max_resident=1",
               "hydra.run.dir=/r", "kv=q8", "server.port=9"]

@@ -19,7 +19,7 @@ from pipeserve.http.api.tools import ToolCall
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body,
                                ready_front, route, sse_event)
 from pipeserve.http.api.openai import incomplete_fields, miss_fields, sampling_fields
-from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api.resume import Frames, StreamLog
 from pipeserve.errors import InvalidRequest, ServeError
 from pipeserve.eventloop.offload import off_loop
 from pipeserve.vision.media import MediaPart, from_base64, from_url
@@ -430,27 +430,35 @@ async def handle_count_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
 
 
 async def _stream(log: StreamLog, gen: Generation, model: str) -> bool:
-    """Append the event sequence to `log`; False when it ended with an error event."""
-    async def send(events: list[tuple[str, dict[str, Any]]]) -> None:
+    """Append the event sequence to `log`; False when it ended with an error event. Events
+    wait while the generation's next event is already here and go out in one write
+    (resume.Frames); the last write also ends the response body."""
+    out = Frames(log, gen)
+
+    def send(events: list[tuple[str, dict[str, Any]]]) -> None:
         for name, data in events:
-            await log.put(sse_event(name, data))
+            out.add(sse_event(name, data))
 
     start = {"id": gen.request.request_id, "type": "message", "role": "assistant",
              "model": model, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": usage_body(gen.usage, output=False, written=written(gen))}
-    await send([("message_start", {"type": "message_start", "message": start}),
+    send([("message_start", {"type": "message_start", "message": start}),
           ("ping", {"type": "ping"})])
+    await out.flush_unless_ready()
     blocks = BlockStream()
     try:
         async for delta in gen.deltas():
-            await send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
+            send(blocks.events(delta) if delta else [("ping", {"type": "ping"})])
+            await out.flush_unless_ready()
     except ServeError as e:
-        await send([("error", error_body(e.message, e.error_type, e.status, e.code))])
+        send([("error", error_body(e.message, e.error_type, e.status, e.code))])
+        await out.flush(last=True)
         return False
     reason, sequence = stop_reason(gen)
-    await send(blocks.close(ensure_one=True) + [
+    send(blocks.close(ensure_one=True) + [
         ("message_delta", {"type": "message_delta",
                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
                            "usage": usage_body(gen.usage, written=written(gen))}),
         ("message_stop", {"type": "message_stop"})])
+    await out.flush(last=True)
     return True

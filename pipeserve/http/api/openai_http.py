@@ -15,7 +15,7 @@ from pipeserve.http.api import known_fields
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api import resume
 from pipeserve.http.api.generation import Choices, Delta, Generation, Usage
-from pipeserve.http.api.resume import StreamLog
+from pipeserve.http.api.resume import Frames, StreamLog
 from pipeserve.http.api.http import Scope, check_ready, json_response, read_body, sse_data
 from pipeserve.errors import AdmissionRejected, InvalidRequest, ServeError
 from pipeserve.eventloop.offload import off_loop
@@ -135,11 +135,15 @@ async def _one(gen: Generation) -> AsyncIterator[tuple[int, Delta | None]]:
 async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | None,
                   shape: Any, parsed: oa.Parsed, chat: bool) -> bool:
     """Append the SSE stream's frames to `log`; False when it ended with an error event. Each
-    chunk carries its choice's `index`; each choice ends with its own finish_reason chunk."""
-    send = log.put
+    chunk carries its choice's `index`; each choice ends with its own finish_reason chunk.
+    Frames wait in `out` while the next delta is already here (tokens the loop fell behind
+    on, the last token with its finish chunk and [DONE]) and go out in one write."""
+    out = Frames(log, gens[0] if choices is None else None)
+    send = out.add
     if chat:
         for i in range(parsed.n):
-            await send(sse_data(shape.chunk({"role": "assistant", "content": ""}, index=i)))
+            send(sse_data(shape.chunk({"role": "assistant", "content": ""}, index=i)))
+        await out.flush_unless_ready()
     ended = 0
     try:
         async for i, delta in choices.deltas() if choices is not None else _one(gens[0]):
@@ -149,23 +153,29 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
                 if ended == parsed.n and not parsed.include_usage:
                     usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
                 last: Any = {} if chat else ""
-                await send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i, usage=usage)))
+                send(sse_data(shape.chunk(last, gens[i].finish_reason, index=i, usage=usage)))
+                if ended < parsed.n:   # after the last one, [DONE] joins it
+                    await out.flush_unless_ready()
                 continue
-            if not delta:
-                continue   # a keep-alive tick: the connection sends its own (resume.follow)
+            if not delta:   # a keep-alive tick (the connection sends its own), or no text yet
+                await out.flush_unless_ready()
+                continue
             if not chat:
-                await send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
+                send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
             else:
                 parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
                 for j, part in enumerate(parts):
                     lps = delta.logprobs if j == 0 else None
-                    await send(sse_data(shape.chunk(part, lps=lps, index=i)))
+                    send(sse_data(shape.chunk(part, lps=lps, index=i)))
+            await out.flush_unless_ready()
     except ServeError as e:
-        await send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
-        await send(b"data: [DONE]\n\n")
+        send(sse_data(oa.error_body(e.message, e.error_type, e.param, e.code)))
+        send(b"data: [DONE]\n\n")
+        await out.flush(last=True)
         return False
     if parsed.include_usage:
         usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gens[0].usage
-        await send(sse_data(shape.usage_chunk(usage)))
-    await send(b"data: [DONE]\n\n")
+        send(sse_data(shape.usage_chunk(usage)))
+    send(b"data: [DONE]\n\n")
+    await out.flush(last=True)
     return True

@@ -57,6 +57,7 @@ class StreamLog:
         self._waiters: dict[int, asyncio.Future[bool]] = {}   # reader token → its wait
         self._primary: tuple[int, Any] | None = None   # (token, response) of the request's own
         self._sending = False   # a write to the primary connection is in progress
+        self.body_ended = False   # the primary connection's response body was ended by put_many
         self._orphan_timer: asyncio.TimerHandle | None = None
         self._next_reader = 0
 
@@ -75,23 +76,37 @@ class StreamLog:
     async def put(self, frame: bytes) -> None:
         """`append`, sending it to the primary connection here when that one is caught up
         (and so waiting for it; the producer then feels the connection's back-pressure)."""
+        await self.put_many((frame,))
+
+    async def put_many(self, frames: tuple[bytes, ...] | list[bytes], last: bool = False) -> None:
+        """`put` of several frames, numbered one by one, sent to the primary connection in
+        one write (the same bytes as one write per frame, a syscall instead of several).
+        `last`: no frame follows, so that write also ends the response's body."""
         primary = self._primary
         if primary is None:
-            self.append(frame)
+            for frame in frames:
+                self.append(frame)
             return
         token, response = primary
         ready = not self._sending and self.readers.get(token) == self.num_frames
-        framed = b"id: %d\n" % self.num_frames + frame
-        self.frames.append(framed)
-        self.nbytes += len(framed)
-        self.store.grew(len(framed))
+        at = self.num_frames
+        framed = [b"id: %d\n" % (at + k) + frame for k, frame in enumerate(frames)]
+        self.frames.extend(framed)
+        size = sum(map(len, framed))
+        self.nbytes += size
+        self.store.grew(size)
         self._wake(skip=token if ready else None)
         if not ready:
             return
         self.readers[token] = self.num_frames
         self._sending = True
         try:
-            await response.send(framed)
+            data = framed[0] if len(framed) == 1 else b"".join(framed)
+            if last:
+                self.body_ended = True   # before the write: a failed one must not be ended again
+                await response.send(data, end_stream=True)
+            else:
+                await response.send(data)
         except BaseException:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -204,6 +219,29 @@ class StreamLog:
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(True)   # timed out (a wake-up by a frame or the end is False)
+
+
+class Frames:
+    """A stream's frames not yet handed to its log: `flush_unless_ready` writes them unless
+    `gen` (one choice's generation: anything with the RequestStream `stream` it reads) already
+    holds its next event, whose frames then join them in the same write. With several
+    choices (`gen` None) every delta is flushed."""
+
+    def __init__(self, log: StreamLog, gen: Any) -> None:
+        self.log, self.gen = log, gen
+        self.pending: list[bytes] = []
+        self.add = self.pending.append
+
+    async def flush_unless_ready(self) -> None:
+        if self.gen is None or not self.gen.stream.pending:
+            await self.flush()
+
+    async def flush(self, last: bool = False) -> None:
+        """`last`: the stream's final frames, whose write also ends the response body."""
+        if self.pending:
+            frames = tuple(self.pending)
+            self.pending.clear()
+            await self.log.put_many(frames, last)
 
 
 class StreamStore:
@@ -323,7 +361,8 @@ async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumab
             await asyncio.gather(task, return_exceptions=True)
         raise
     result = await task
-    await response.eof()
+    if not stream.body_ended:
+        await response.eof()
     return result
 
 

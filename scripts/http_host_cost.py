@@ -1,0 +1,203 @@
+"""The HTTP side's host cost of one streaming chat request, stage by stage, in one process with
+nothing else running: the real request stages of the generated tiny model (parse, chat
+template and tokenize, admission, the first SSE frame) and the per-token output path
+(detokenize, output chain, chunk, SSE frame, stream log), driven by a scripted engine
+(tests/http/scripted.py) so no model runs. Microseconds per request and per token event.
+
+    python scripts/http_host_cost.py --requests 400
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeserve.core.events import Finished, TokenDelta  # noqa: E402
+from pipeserve.core.stream import RequestStream  # noqa: E402
+from pipeserve.http.api import openai as oa  # noqa: E402
+from pipeserve.http.api import openai_http  # noqa: E402
+from pipeserve.http.api.generation import Generation  # noqa: E402
+from pipeserve.http.api.http import read_body, sse_data  # noqa: E402
+from pipeserve.request import FinishReason  # noqa: E402
+from tests.conftest import make_config  # noqa: E402
+from tests.http.scripted import InProcess, tokenizer_side  # noqa: E402
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+TEXT = ""   # the user message: grown (calibrate) until the chat prompt has --prompt-tokens
+
+
+class FakeHttp:
+    """What read_body reads of a Sanic request."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+def body_bytes(i: int, max_tokens: int) -> bytes:
+    return orjson.dumps({"model": "tiny", "stream": True, "max_tokens": max_tokens,
+                         "temperature": 0, "logit_bias": {"7": -100, str(11 + i % 50): 1},
+                         "messages": [{"role": "user", "content": f"{i} {TEXT}" if TEXT else ""}]})
+
+
+def per_call(fn: Callable[[int], Any], n: int, rounds: int = 5) -> float:
+    """µs per call of fn(i), i in range(n), after a warm-up of 20: the quickest of `rounds`
+    rounds (the machine is shared: the slower rounds measure the neighbours)."""
+    for i in range(20):
+        fn(i)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def calibrate(front: Any, want: int) -> str:
+    """A user message whose chat prompt renders to about `want` tokens (as the burst's)."""
+    text = ""
+    for i in range(4 * want):
+        body = orjson.loads(body_bytes(0, 1))
+        body["messages"][0]["content"] = text
+        req = openai_http._choice_request(oa.parse_chat(body), "calibrate", "chat", 0, None)
+        if len(front.tokenize.encode_rendered(front.tokenize.render_text(req.inputs))) >= want:
+            break
+        text += ("" if not text else " ") + WORDS[i % len(WORDS)]
+    return text
+
+
+def measure(app: Any, loop: asyncio.AbstractEventLoop, n: int, tokens: int,
+            prompt_tokens: int = 76) -> dict[str, float]:
+    global TEXT
+    ctx = app.ctx
+    front = ctx.front
+    TEXT = calibrate(front, prompt_tokens)
+    bodies = [body_bytes(i, tokens) for i in range(n + 20)]
+    parsed = [oa.parse_chat(read_body(FakeHttp(b))) for b in bodies]
+    reqs = [openai_http._choice_request(p, f"chatcmpl-{i}", "chat", 0, None)
+            for i, p in enumerate(parsed)]
+    out: dict[str, float] = {}
+    out["parse (JSON body, fields)"] = per_call(
+        lambda i: oa.parse_chat(read_body(FakeHttp(bodies[i]))), n)
+    toks = [loop.run_until_complete(front.tokenize(front.normalise(r))) for r in reqs]
+    fresh = [openai_http._choice_request(p, f"chatcmpl-t{i}", "chat", 0, None)
+             for i, p in enumerate(parsed)]
+    # the pool's parent holds no weights: unless its engine publishes that the model's cache
+    # rewinds, every chat's history end is rendered and encoded a second time
+    front.tokenize.session_checkpoints = True
+    out["chat template + tokenize, history end marked (process core before)"] = per_call(
+        lambda i: loop.run_until_complete(front.tokenize(front.normalise(fresh[i]))), n)
+    front.tokenize.session_checkpoints = False
+    out["chat template + tokenize (thread core; process core after)"] = per_call(
+        lambda i: loop.run_until_complete(front.tokenize(front.normalise(fresh[i]))), n)
+    admitted = [loop.run_until_complete(front.admission(r)) for r in toks[:20]]
+    out["admission"] = per_call(lambda i: loop.run_until_complete(front.admission(toks[i])), n)
+    shape = oa.ChatShape("chatcmpl-x", "tiny", front.token_info, "fp_x")
+    out["first SSE frame (role chunk)"] = per_call(
+        lambda i: sse_data(shape.chunk({"role": "assistant", "content": ""}, index=0)), n)
+    del admitted
+    ids = front.tokenize.encode(TEXT * 4)[:tokens]
+    out.update(stream_cost(app, loop, reqs, toks, ids, shape, parsed, n))
+    return out
+
+
+class SocketResponse:
+    """The connection's end as the stream log sees it: each `send` one write to a socket
+    (a local socket pair, drained by `drain`), counted."""
+
+    def __init__(self) -> None:
+        self.ours, self.theirs = socket.socketpair()
+        self.theirs.setblocking(False)
+        self.writes = 0
+
+    async def send(self, data: bytes, end_stream: bool | None = None) -> None:
+        self.writes += 1
+        self.ours.sendall(data)
+
+    def drain(self) -> None:
+        try:
+            while self.theirs.recv(1 << 20):
+                pass
+        except BlockingIOError:
+            pass
+
+
+def stream_cost(app: Any, loop: asyncio.AbstractEventLoop, reqs: list[Any], toks: list[Any],
+                ids: list[int], shape: Any, parsed: list[Any], n: int) -> dict[str, float]:
+    """The output path of whole streams (role chunk, a frame per token, the finish chunk,
+    [DONE]) from events the engine posts one step at a time (the loop keeps up) or all at
+    once (the loop fell behind), written to a socket; per token: the difference to one-token
+    streams."""
+    store, conn = app.ctx.streams, SocketResponse()
+
+    async def one(i: int, count: int, steps: bool) -> None:
+        req = toks[i]
+        stream = RequestStream(loop)
+        events: list[Any] = [TokenDelta(req.request_id, [t]) for t in ids[:count]]
+        events.append(Finished(req.request_id, FinishReason.LENGTH, req.num_prompt_tokens,
+                               count, 0, extras={"batch_size_max": 1}))
+        if steps:   # one step message a loop pass; the last token comes with Finished
+            batches = [[e] for e in events[:-2]] + [events[-2:]]
+
+            def post(k: int) -> None:
+                for event in batches[k]:
+                    stream._put(event)
+                if k + 1 < len(batches):
+                    loop.call_soon(post, k + 1)
+            loop.call_soon(post, 0)
+        else:
+            for event in events:
+                stream._put(event)
+        gen = Generation(app.ctx, req, stream, True)
+        log = store.open(f"s-{i}-{count}-{time.perf_counter_ns()}", False)
+        follow = loop.create_task(log.follow(conn, -1, 60.0, primary=True))
+        await asyncio.sleep(0)
+        await openai_http._stream(log, [gen], None, shape, parsed[i], True)
+        log.end()
+        await follow
+        conn.drain()
+
+    out: dict[str, float] = {}
+    for steps, how in ((True, "a step at a time"), (False, "all at once")):
+        conn.writes = 0
+        one_token = per_call(lambda i: loop.run_until_complete(one(i, 1, steps)), n, 1)
+        many = per_call(lambda i: loop.run_until_complete(one(i, len(ids), steps)), n, 1)
+        writes = conn.writes / (2 * (n + 20))
+        out[f"stream of 1 token, events {how}"] = one_token
+        out[f"per token event, events {how} ({len(ids)} - 1 tokens, difference)"] = \
+            (many - one_token) / (len(ids) - 1)
+        out[f"writes a request ({len(ids)} and 1 tokens, mean), events {how}"] = writes
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=76)
+    args = p.parse_args()
+    cfg = make_config("scheduler.max_batch=128", "admission.max_queue=512",
+                      f"model.cache_dir={Path(tempfile.gettempdir()) / 'pipeserve-host-cost'}")
+    proc = InProcess(cfg, tokenizer_side(cfg))
+    try:
+        app = next(a for a in __import__("sanic").Sanic._app_registry.values()
+                   if a.ctx.front is not None)
+        rows = measure(app, proc.loop, args.requests, args.tokens, args.prompt_tokens)
+    finally:
+        proc.close()
+    for name, us in rows.items():
+        print(f"| {name} | {us:,.1f} |")
+
+
+if __name__ == "__main__":
+    main()
