@@ -5,11 +5,11 @@ norms). Pure data and dict building; gguf.py calls it on the engine thread."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeserve.errors import ConfigError
-from pipeserve.model.gguf import hybrid
+from pipeserve.model.gguf import gemma4, hybrid
 from pipeserve.model.gguf.meta import common, full_rotary, meta_float, meta_int
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -35,6 +35,7 @@ class Arch:
     # (mlx-lm name, array key, array, config) -> the array as mlx-lm holds it; and its shape
     undo: Callable[[str, str, Any, dict[str, Any]], Any] | None = None
     shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
+    extra_globals: dict[str, str] = field(default_factory=dict)   # beside GLOBAL_NAMES
 
 
 def _llama(meta: dict[str, Any], a: str) -> dict[str, Any]:
@@ -258,6 +259,10 @@ ARCHS: dict[str, Arch] = {
                       hybrid.config, bare=hybrid.BARE, mtp_key="nextn_predict_layers",
                       prefix=hybrid.PREFIX, undo=hybrid.undo, shape=hybrid.converted_shape,
                       notes="Qwen3.5 / 3.6 MoE (shared expert; its MTP block dropped)"),
+    "gemma4": Arch("gemma4_text", gemma4.BLOCKS, gemma4.config, scale_dtype="bfloat16",
+                   bare=gemma4.BARE, extra_globals=gemma4.GLOBALS,
+                   notes="Gemma 4 E2B / E4B / 31B text (per-layer embeddings, KV-shared "
+                         "layers); the 26B A4B (experts) is refused"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -277,8 +282,9 @@ def map_name(arch: Arch, name: str) -> str | None:
             return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}.{suffix}"
         return None
     base, _, suffix = name.rpartition(".")
-    if suffix in SUFFIXES and base in GLOBAL_NAMES:
-        return f"{arch.prefix}{GLOBAL_NAMES[base]}.{suffix}"
+    names = {**GLOBAL_NAMES, **arch.extra_globals}
+    if suffix in SUFFIXES and base in names:
+        return f"{arch.prefix}{names[base]}.{suffix}"
     return None
 
 
@@ -293,7 +299,7 @@ def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:
 
 
 # Tensors that hold configuration, not weights: read into config.json, not written.
-CONFIG_TENSORS = {"llama": ("rope_freqs.weight",),
+CONFIG_TENSORS = {"llama": ("rope_freqs.weight",), "gemma4_text": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 # Llama 3.x's rope scaling as its config.json states it; llama.cpp stores only the per-frequency
 # factors it implies (rope_freqs), so the conversion finds the setting that reproduces them.

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeserve.model.gguf import arch as gguf_arch
+from pipeserve.model.gguf import arch as gguf_arch, gemma4
 from pipeserve.model.gguf import quants as gguf_quants
 from pipeserve.model.gguf import tokenizer as gguf_tokenizer
 from pipeserve.errors import ConfigError
@@ -42,7 +42,7 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
 SUPPORTED_TYPES = gguf_quants.SUPPORTED
 # metadata arrays read in full (the rest are kept as their length)
 ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-          "tokenizer.ggml.merges")
+          "tokenizer.ggml.merges", *gemma4.ARRAYS)
 
 
 # -- the header ---------------------------------------------------------------------------
@@ -181,6 +181,8 @@ def check_supported(path: Path, header: Header) -> None:
         raise ConfigError(f"model.path '{path}': GGUF architecture {name!r} is not supported; "
                           f"supported: {', '.join(ARCHS)} (and mistral, written as llama)")
     gguf_tokenizer.check(path, meta)
+    if name == "gemma4":
+        gemma4.refuse_experts(path, header.tensors)
     bad = {n: t for n, (t, _, _) in header.tensors.items() if t not in SUPPORTED_TYPES}
     if bad:
         types = Counter(bad.values())
@@ -337,7 +339,11 @@ def model_config(src: Path, header: Header) -> dict[str, Any]:
             config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
                 src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
                 shape)
-    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    if cfg["model_type"] == "gemma4_text":
+        gemma4.apply_tensors(cfg, config_tensors.get("rope_freqs.weight"),
+                             {n: shape for n, (_, shape, _) in header.tensors.items()})
+    else:
+        gguf_arch.apply_config_tensors(cfg, config_tensors)
     gen_ids = gguf_tokenizer.eos_ids(meta)
     cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
     if "tokenizer.ggml.bos_token_id" in meta:
