@@ -1,14 +1,15 @@
-"""GGUF `gemma4` (Gemma 4's text model): a random Gemma 4 in two shapes — E2B's (per-layer
+"""GGUF `gemma4` (Gemma 4's text model): a random Gemma 4 in three shapes — E2B's (per-layer
 embeddings, KV-shared layers with double-wide MLPs, sliding and global layers with their own
-head sizes and a proportional rope on a quarter of the global head) and 31B's (no per-layer
-inputs, K used as V on the global layers, with their own KV head count) — written as
-llama.cpp's Gemma4Model writes it (its tensor names, per-layer arrays for the widths, KV heads
-and layer types, rope_freqs, layer_output_scale, Q8_0 matrices) with a `gemma4` BPE tokenizer,
-converts onto mlx-lm's gemma4_text: a float32 file's logits equal mlx-lm's class on the
-original weights exactly; on the Q8_0 file the engine decodes greedily the tokens mlx_lm gives
-on the converted checkpoint, with the memory `pipeserve fit` reads from the header; the
-tokenizer encodes as the one it was written from; the MoE
-variant and a rope the class cannot express are refused naming them."""
+head sizes and a proportional rope on a quarter of the global head), 31B's (no per-layer
+inputs, K used as V on the global layers, with their own KV head count) and 26B A4B's (31B's
+with routed experts beside the dense MLP) — written as llama.cpp's Gemma4Model writes it (its
+tensor names, per-layer arrays for the widths, KV heads and layer types, rope_freqs,
+layer_output_scale, the experts' gate and up fused, the router's scale and per-expert scale as
+`.scale` tensors, Q8_0 matrices) with a `gemma4` BPE tokenizer, converts onto mlx-lm's
+gemma4_text: a float32 file's logits equal mlx-lm's class on the original weights exactly; on
+the Q8_0 file the engine decodes greedily the tokens mlx_lm gives on the converted checkpoint,
+with the memory `pipeserve fit` reads from the header; the tokenizer encodes as the one it was
+written from; per-layer widths and a rope the class cannot express are refused naming them."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,11 @@ SHAPES = {   # gemma4_text configs, as Hugging Face's text_config has them
     "31b": {"num_hidden_layers": 3, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
             "num_key_value_heads": 2, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
             "use_double_wide_mlp": False},
+    "26b_a4b": {"num_hidden_layers": 3, "num_kv_shared_layers": 0,
+                "hidden_size_per_layer_input": 0, "num_key_value_heads": 2,
+                "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                "use_double_wide_mlp": False, "enable_moe_block": True, "num_experts": 4,
+                "top_k_experts": 2, "moe_intermediate_size": 32},
 }
 TEXTS = ["Hello world, hello  worlds!", "héllo wörld 日本語 \n\t tabs",
          "<|turn>user\nhi<turn|>", "  leading spaces and trailing  "]
@@ -133,6 +139,10 @@ def metadata(cfg: dict[str, Any]) -> dict[str, Any]:
         n = cfg["intermediate_size"]
         meta[f"{a}.feed_forward_length"] = [n if i < layers - shared else 2 * n
                                             for i in range(layers)]
+    if cfg.get("enable_moe_block"):
+        meta.update({f"{a}.expert_count": cfg["num_experts"],
+                     f"{a}.expert_used_count": cfg["top_k_experts"],
+                     f"{a}.expert_feed_forward_length": cfg["moe_intermediate_size"]})
     if "num_global_key_value_heads" in cfg:
         meta[f"{a}.attention.head_count_kv"] = [
             cfg["num_key_value_heads"] if s else cfg["num_global_key_value_heads"] for s in swa]
@@ -145,6 +155,18 @@ def gguf_tensors(weights: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, 
     rope_freqs for the proportional rope on 8 of the global head's 16 rotary pairs."""
     names = ggufpy.get_tensor_name_map(ggufpy.MODEL_ARCH.GEMMA4, 8)
     out = {}
+    weights = dict(weights)
+    for name in [n for n in weights if n.endswith("experts.switch_glu.gate_proj.weight")]:
+        # Hugging Face's fused experts.gate_up_proj (gate rows first), as the converter reads it
+        layer = name.removesuffix("switch_glu.gate_proj.weight")
+        up = weights.pop(layer + "switch_glu.up_proj.weight")
+        weights[layer + "gate_up_proj.weight"] = np.concatenate([weights.pop(name), up], axis=1)
+        weights[layer + "down_proj.weight"] = weights.pop(layer + "switch_glu.down_proj.weight")
+    for name in [n for n in weights if n.endswith(("router.scale", "router.per_expert_scale"))]:
+        i = name.split(".")[2]   # llama.cpp's names for these two
+        gname = f"blk.{i}.ffn_gate_inp.scale" if name.endswith("router.scale") \
+            else f"blk.{i}.ffn_down_exps.scale"
+        out[gname] = (weights.pop(name), T.F32)
     for name, x in weights.items():
         gname = names.get_name(name if name.endswith(".weight") else name + ".weight",
                                try_suffixes=(".weight",))
@@ -200,17 +222,17 @@ def test_gemma4_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, sha
 
 
 def test_gemma4_gguf_refusals(tmp_path: Path) -> None:
-    """The MoE Gemma 4 and a rope_freqs that is not the proportional rope are refused, naming
-    what was found."""
+    """Per-layer widths mlx-lm's class cannot take and a rope_freqs that is not the
+    proportional rope are refused, naming what was found."""
     _, tok_meta = gemma4_tokenizer()
     vocab = len(tok_meta["tokenizer.ggml.tokens"])
     cfg = text_config("31b", vocab)
     tensors = gguf_tensors(random_weights(cfg))
-    moe = dict(tensors)
-    moe["blk.0.ffn_gate_inp.scale"] = (np.ones(64, np.float32), T.F32)
-    src = written(tmp_path, moe, {**metadata(cfg), **tok_meta}, arch="gemma4")
-    with pytest.raises(ConfigError, match=r"blk\.0\.ffn_gate_inp\.scale: Gemma 4 26B A4B"):
-        gguf.check_supported(src, gguf.read_header(src))
+    meta = {**metadata(cfg), **tok_meta, "gemma4.feed_forward_length": [128, 256, 128]}
+    src = written(tmp_path, tensors, meta, arch="gemma4")
+    with pytest.raises(ConfigError, match=r"feed_forward_length is \[128, 256, 128\]: mlx-lm's "
+                                          r"gemma4_text takes one width"):
+        gguf.model_config(src, gguf.read_header(src, gguf.ARRAYS))
     tensors["rope_freqs.weight"] = (np.array([1.0] * 4 + [2.0] * 12, np.float32), T.F32)
     (tmp_path / "model.gguf").unlink()
     src = written(tmp_path, tensors, {**metadata(cfg), **tok_meta}, arch="gemma4")

@@ -261,8 +261,8 @@ ARCHS: dict[str, Arch] = {
                       notes="Qwen3.5 / 3.6 MoE (shared expert; its MTP block dropped)"),
     "gemma4": Arch("gemma4_text", gemma4.BLOCKS, gemma4.config, scale_dtype="bfloat16",
                    bare=gemma4.BARE, extra_globals=gemma4.GLOBALS,
-                   notes="Gemma 4 E2B / E4B / 31B text (per-layer embeddings, KV-shared "
-                         "layers); the 26B A4B (experts) is refused"),
+                   notes="Gemma 4 text: E2B / E4B (per-layer embeddings, KV-shared layers), "
+                         "26B A4B (experts beside the dense MLP), 31B"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -273,9 +273,12 @@ def lookup(arch: str | None) -> Arch | None:
 
 def map_name(arch: Arch, name: str) -> str | None:
     """GGUF tensor name -> mlx-lm parameter name, or None when the model has no place for it."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias|scale))?", name)
     if m:
         i, part, suffix = m.groups()
+        if suffix == "scale":   # a scale vector beside a matrix (gemma4's router)
+            named = arch.blocks.get(f"{part}.scale")
+            return f"{arch.prefix}model.layers.{i}.{named}" if named else None
         if part in arch.bare:
             return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}"
         if suffix and part in arch.blocks:
@@ -286,6 +289,27 @@ def map_name(arch: Arch, name: str) -> str | None:
     if suffix in SUFFIXES and base in names:
         return f"{arch.prefix}{names[base]}.{suffix}"
     return None
+
+
+# fused experts split along their rows into two modules, as mlx-lm's sanitize splits them
+# (gemma4's gate/up; phi3's dense mlp.gate_up_proj stays fused: mlx-lm's phi3 holds it so)
+FUSED = {"switch_glu.gate_up_proj": ("switch_glu.gate_proj", "switch_glu.up_proj")}
+
+
+def placed(target: str, arrays: dict[str, Any], quantized: bool) -> dict[str, Any]:
+    """mlx-lm name -> array for one converted tensor: its arrays (suffix -> array) under the
+    target's module when quantized, else the target itself; fused experts split in two."""
+    base = target.rpartition(".")[0]
+    out = {(f"{base}.{suffix}" if quantized else target): a for suffix, a in arrays.items()}
+    fused = next((f for f in FUSED if base.endswith("." + f)), None)
+    if fused is None:
+        return out
+    split = {}
+    for name, a in out.items():
+        half = a.shape[-2] // 2
+        for part, piece in zip(FUSED[fused], (a[..., :half, :], a[..., half:, :])):
+            split[name.replace(f".{fused}.", f".{part}.")] = piece
+    return split
 
 
 def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:

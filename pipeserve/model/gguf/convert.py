@@ -181,8 +181,6 @@ def check_supported(path: Path, header: Header) -> None:
         raise ConfigError(f"model.path '{path}': GGUF architecture {name!r} is not supported; "
                           f"supported: {', '.join(ARCHS)} (and mistral, written as llama)")
     gguf_tokenizer.check(path, meta)
-    if name == "gemma4":
-        gemma4.refuse_experts(path, header.tensors)
     bad = {n: t for n, (t, _, _) in header.tensors.items() if t not in SUPPORTED_TYPES}
     if bad:
         types = Counter(bad.values())
@@ -255,7 +253,7 @@ def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
     report.add(ttype, conv, int(np.prod(shape)))
     target = gguf_arch.map_name(arch, name)
     assert target is not None
-    base = target.rpartition(".")[0]
+    arrays = {}
     for suffix, arr in conv.arrays.items():
         if arch.permute_qk and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
             arr = _unpermute(arr, heads[0] if ".q_proj." in target else heads[1])
@@ -263,9 +261,11 @@ def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
             arr = arr - arch.norm_shift
         if arch.undo is not None:
             arr = arch.undo(target, suffix, arr, cfg)
-        out[f"{base}.{suffix}" if conv.bits else target] = arr
-    if conv.bits:
-        bits[base] = (conv.bits, conv.mode)
+        arrays[suffix] = arr
+    for key, arr in gguf_arch.placed(target, arrays, bool(conv.bits)).items():
+        out[key] = arr
+        if conv.bits:
+            bits[key.rpartition(".")[0]] = (conv.bits, conv.mode)
 
 
 def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:

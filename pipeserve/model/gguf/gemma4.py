@@ -1,4 +1,4 @@
-"""GGUF `gemma4` (Gemma 4 E2B, E4B, 31B: the text model) onto mlx-lm's gemma4_text. llama.cpp's
+"""GGUF `gemma4` (Gemma 4's text model) onto mlx-lm's gemma4_text. llama.cpp's
 Gemma4Model writes per-layer arrays where the Hugging Face config has one value and a rule:
 the feed-forward width (doubled on the KV-shared layers: use_double_wide_mlp), the KV head
 count (the global layers' own: num_global_key_value_heads) and the layer types (a sliding-window
@@ -6,8 +6,9 @@ flag per layer); key length and rotary count for the global layers apart from th
 and the global layers' proportional rope as a `rope_freqs` tensor (1 on the rotated pairs, 1e30
 on the others). Each is read back into the config only where it matches the rule exactly; what
 mlx-lm's class cannot express is refused, naming the key. Its norms are stored as used (no
-shift), layer_scalar as blk.N.layer_output_scale. The mixture-of-experts variant (26B A4B, its
-router scale and per-expert down scales) is refused. Pure data and dict building."""
+shift), layer_scalar as blk.N.layer_output_scale; the 26B A4B's experts as one fused gate/up
+tensor (split in two, arch.FUSED), its router's scale as ffn_gate_inp.scale and the
+per-expert scale as ffn_down_exps.scale. Pure data and dict building."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,7 +25,15 @@ BLOCKS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
-          "post_norm": "post_per_layer_input_norm", "layer_output_scale": "layer_scalar"}
+          "post_norm": "post_per_layer_input_norm", "layer_output_scale": "layer_scalar",
+          # the 26B A4B: experts beside the dense MLP, each with its own norms
+          "ffn_gate_inp": "router.proj", "ffn_gate_inp.scale": "router.scale",
+          "ffn_down_exps.scale": "router.per_expert_scale",
+          "ffn_gate_up_exps": "experts.switch_glu.gate_up_proj",
+          "ffn_down_exps": "experts.switch_glu.down_proj",
+          "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+          "post_ffw_norm_1": "post_feedforward_layernorm_1",
+          "post_ffw_norm_2": "post_feedforward_layernorm_2"}
 BARE = ("layer_output_scale",)   # mlx-lm's layer_scalar is a bare array
 GLOBALS = {"per_layer_token_embd": "model.embed_tokens_per_layer",
            "per_layer_model_proj": "model.per_layer_model_projection",
@@ -32,8 +41,6 @@ GLOBALS = {"per_layer_token_embd": "model.embed_tokens_per_layer",
 # per-layer metadata arrays, read in full
 ARRAYS = ("gemma4.feed_forward_length", "gemma4.attention.head_count_kv",
           "gemma4.attention.sliding_window_pattern")
-EXPERT_TENSORS = ("ffn_gate_inp", "ffn_gate_up_exps", "ffn_down_exps", "pre_ffw_norm_2",
-                  "post_ffw_norm_1", "post_ffw_norm_2")
 
 
 def per_layer(meta: dict[str, Any], key: str, layers: int) -> list[int] | None:
@@ -50,11 +57,6 @@ def per_layer(meta: dict[str, Any], key: str, layers: int) -> list[int] | None:
 
 
 def config(meta: dict[str, Any], a: str) -> dict[str, Any]:
-    if f"{a}.expert_count" in meta:
-        raise ConfigError(f"GGUF {a} with experts ({meta[f'{a}.expert_count']}: Gemma 4 26B "
-                          "A4B) is not converted: its router scale and per-expert down scales "
-                          "are not mapped onto mlx-lm's gemma4_text yet; use the mlx-lm "
-                          "checkpoint of this model")
     layers = meta_int(meta, f"{a}.block_count")
     shared = meta_int(meta, f"{a}.attention.shared_kv_layers", 0)
     sliding = per_layer(meta, f"{a}.attention.sliding_window_pattern", layers)
@@ -96,6 +98,10 @@ def config(meta: dict[str, Any], a: str) -> dict[str, Any]:
                                   "rope_theta": meta_float(meta, f"{a}.rope.freq_base_swa",
                                                            10000.0)}}}
     cfg.update(_widths(meta, a, layers, shared), **_kv_heads(meta, a, types))
+    if f"{a}.expert_count" in meta:   # the 26B A4B
+        cfg.update(enable_moe_block=True, num_experts=meta_int(meta, f"{a}.expert_count"),
+                   top_k_experts=meta_int(meta, f"{a}.expert_used_count"),
+                   moe_intermediate_size=meta_int(meta, f"{a}.expert_feed_forward_length"))
     return cfg
 
 
@@ -157,14 +163,3 @@ def apply_tensors(cfg: dict[str, Any], freqs: Any, shapes: dict[str, tuple[int, 
                           "global count only then")
     if "per_layer_token_embd.weight" in shapes:
         cfg["vocab_size_per_layer_input"] = int(shapes["per_layer_token_embd.weight"][0])
-
-
-def refuse_experts(path: Any, tensors: dict[str, Any]) -> None:
-    """The mixture-of-experts Gemma 4 (26B A4B), refused before any tensor is read."""
-    found = next((n for n in tensors if n.split(".")[-2] in EXPERT_TENSORS
-                  or n.endswith(".scale")), None)
-    if found is not None:
-        raise ConfigError(f"model.path '{path}': GGUF gemma4 with experts ({found}: Gemma 4 "
-                          "26B A4B) is not converted: its router scale and per-expert down "
-                          "scales are not mapped onto mlx-lm's gemma4_text yet; use the "
-                          "mlx-lm checkpoint of this model")
