@@ -286,8 +286,10 @@ def test_images_equal_mlx_vlm_alone_and_beside_text_and_audio(omni: Any, tmp_pat
 
 
 def test_prompt_cache_keys_images_and_how_they_attend(omni: Any) -> None:
-    """The same image and text again: the prefix is reused, the answer the same; the same image
-    in a prompt with a clip (attended causally) never reuses the bidirectional image's KV."""
+    """The same image and text again: the prefix is reused, the answer the same. The same turn
+    continued with a clip: the image is now attended causally (as mlx-vlm's generate does with
+    audio in the prompt), so the turn's cached KV, computed both ways, is not reused; without
+    the clip the continuation reuses it."""
     text = "A longer question about the picture, asked twice to test the prompt cache."
     first = greedy(omni, media_message((IMAGE_B,), text=text))
     again = greedy(omni, media_message((IMAGE_B,), text=text))
@@ -295,7 +297,9 @@ def test_prompt_cache_keys_images_and_how_they_attend(omni: Any) -> None:
     assert served_bytes(again) == served_bytes(first)
     record = again.usage.model_extra["pipeserve"]
     assert record["images"] == "sha256:" + hashlib.sha256(IMAGE_B).hexdigest()
-    mixed = [{"role": "user", "content": [image_part(IMAGE_B), {"type": "text", "text": text},
-                                          audio_part(AUDIO_A)]}]
-    causal = greedy(omni, mixed)
-    assert causal.usage.prompt_tokens_details.cached_tokens <= 4   # the text before the image
+    turn = [*media_message((IMAGE_B,), text=text),
+            {"role": "assistant", "content": first.choices[0].message.content}]
+    with_text = greedy(omni, [*turn, {"role": "user", "content": "And then?"}])
+    assert with_text.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    with_clip = greedy(omni, [*turn, {"role": "user", "content": [audio_part(AUDIO_A)]}])
+    assert with_clip.usage.prompt_tokens_details.cached_tokens <= 4   # '<|im_start|>user\n<|image>'
