@@ -45,13 +45,15 @@ SHAPES = {   # gemma4_text configs, as Hugging Face's text_config has them
                 "top_k_experts": 2, "moe_intermediate_size": 32},
 }
 TEXTS = ["Hello world, hello  worlds!", "héllo wörld 日本語 \n\t tabs",
-         "<|turn>user\nhi<turn|>", "  leading spaces and trailing  "]
+         "<|turn>user\nhi<turn|>", "  leading spaces and trailing  ", "the\n\nlazy\n\n\n dog\n"]
 
 
 def gemma4_tokenizer() -> tuple[Any, dict[str, Any]]:
-    """A Gemma-style BPE (spaces as U+2581, merges over the whole text, <0xXX> byte tokens)
-    trained on a few lines, and its metadata as llama.cpp writes a `gemma4` vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    """A Gemma-style BPE (spaces as U+2581, split only at newline runs, merges over raw
+    characters, <0xXX> byte tokens, newline runs that are tokens without a merge, as Gemma 4's
+    are) trained on a few lines, and its metadata as llama.cpp writes a `gemma4` vocabulary."""
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                            pre_tokenizers, trainers)
 
     special = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
@@ -62,12 +64,13 @@ def gemma4_tokenizer() -> tuple[Any, dict[str, Any]]:
     trainer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=420, show_progress=False))
     learned = json.loads(trainer.to_str())["model"]
     tokens = special + byte_tokens + [t for t, _ in sorted(learned["vocab"].items(),
-                                                            key=lambda kv: kv[1])]
+                                                            key=lambda kv: kv[1])] + ["\n", "\n\n"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in learned["merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
                                [tuple(m.split(" ")) for m in merges], byte_fallback=True,
-                               unk_token="<unk>", fuse_unk=False))
+                               unk_token="<unk>", fuse_unk=False, ignore_merges=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
@@ -219,6 +222,11 @@ def test_gemma4_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, sha
     for text in TEXTS:   # BOS first (add_bos_token), then the original tokenizer's ids
         assert rebuilt.encode(text) == [2] + tok.encode(text).ids, text
         assert rebuilt.decode(rebuilt.encode(text)[1:]) == text
+    # llama.cpp's gemma4 split: a newline run that is a token stays whole (no merge makes it);
+    # one that is not falls back to merges, here to single newlines
+    nl, nl2 = (tok_meta["tokenizer.ggml.tokens"].index(t) for t in ("\n", "\n\n"))
+    ids = rebuilt.encode("the\n\nlazy\n\n\ndog", add_special_tokens=False)
+    assert ids.count(nl2) == 1 and ids.count(nl) == 3
 
 
 def test_gemma4_gguf_refusals(tmp_path: Path) -> None:

@@ -131,20 +131,22 @@ def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _gemma4(meta: dict[str, Any]) -> Any:
-    """Gemma 4's tokenizer as llama.cpp runs a `gemma4` vocabulary: BPE merges by rank over the
-    whole text (no pre-split, no byte-level mapping), spaces written as U+2581, bytes with no
-    token as their <0xXX> tokens; control tokens special, user-defined ones whole."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    """Gemma 4's tokenizer as llama.cpp runs a `gemma4` vocabulary: spaces written as U+2581,
+    the text split only into runs of newlines and runs of the rest (`[^\\n]+|[\\n]+`), BPE
+    merges by rank over each run's characters (no byte-level mapping), a run that is itself a
+    token kept whole, bytes with no token as their <0xXX> tokens; control tokens special,
+    user-defined ones whole. (llama.cpp keeps only newline runs whole that way; a line that is
+    one token but that the merges would not rebuild is the one place the two can differ.)"""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers
 
     tokens = list(meta["tokenizer.ggml.tokens"])
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+    vocab = {t: i for i, t in enumerate(tokens)}   # a text listed twice: the later id, as llama.cpp
     unk = _token(meta, "unknown")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(meta), fuse_unk=False,
-                               byte_fallback=True, unk_token=unk))
+                               byte_fallback=True, unk_token=unk, ignore_merges=True))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.pre_tokenizer = None
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
     types = _types(meta)
