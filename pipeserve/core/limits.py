@@ -60,8 +60,8 @@ def modalities_of(loaded: LoadedModel) -> tuple[str, ...]:
     vision = getattr(loaded, "vision", None)
     if vision is None:
         return ("text",)
-    found = ["text"] + (["image"] if vision.takes_images else [])
-    if vision.takes_images and vision.processor.video_processor is not None:
+    found = ["text", "image"]
+    if vision.processor.video_processor is not None:
         found.append("video")
     if vision.audio is not None:
         found.append("audio")

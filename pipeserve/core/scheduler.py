@@ -169,6 +169,8 @@ class Scheduler:
                 if at > pos:
                     n = min(n, at - pos)
                     break
+            if req.media is not None:   # never inside an image attended both ways
+                n = req.media.whole_spans(pos, n)
             if n <= 0:
                 break
             rows.append(PlannedRow(req, pos, n))

@@ -244,29 +244,9 @@ def encode(vlm: Any, features: list[tuple[np.ndarray, np.ndarray]], counts: list
     return mx.concatenate(out, axis=0)
 
 
-def merge(vlm: Any, ids: Any, token_id: int, soft: Any) -> tuple[Any, Any]:
-    """Gemma 4's prompt inputs for mlx-lm's decoder, from ids (1, L): the input embeddings
-    mlx-vlm builds (text rows scaled by embed_scale, audio rows the clips' soft tokens), given
-    before mlx-lm's own embed_scale multiply (text rows are the raw embedding rows, so they come
-    out bit-equal to mlx-vlm's), and mlx-vlm's per-layer inputs (multimodal positions on token
-    0's row). `soft` None: the audio lies in a cached prefix no chunk reads (its rows are left
-    as the audio token's)."""
-    import mlx.core as mx
-
-    out = vlm.get_input_embeddings(ids, None, mask=mx.ones(ids.shape, dtype=mx.int32))
-    embeddings = vlm.language_model.model.embed_tokens(ids)[0]
-    if soft is not None:
-        is_audio = ids[0] == token_id
-        index = mx.maximum(mx.cumsum(is_audio.astype(mx.int32)) - 1, 0)
-        audio = (soft.astype(embeddings.dtype) / vlm.language_model.model.embed_scale)[index]
-        embeddings = mx.where(is_audio[:, None], audio, embeddings)
-    per_layer = out.per_layer_inputs   # None: a Gemma 4 without per-layer inputs (26B, 31B)
-    return embeddings, per_layer[0] if per_layer is not None else None
-
-
 def check_modalities(parts: list[MediaPart], vision: Any, model_name: str) -> None:
     """Refuse, at the first part the loaded model cannot take, naming the part and why."""
-    takes = (["text"] + (["image"] if vision is not None and vision.takes_images else [])
+    takes = (["text"] + (["image"] if vision is not None else [])
              + (["audio"] if vision is not None and vision.audio is not None else []))
     for part in parts:
         if part.kind == "audio" and "audio" not in takes:
@@ -282,13 +262,6 @@ def check_modalities(parts: list[MediaPart], vision: Any, model_name: str) -> No
                 "tower and takes text only; serve a vision-language model (model.path=<an "
                 f"mlx-vlm checkpoint>) for {part.kind}s (GET /v1/models lists each model's "
                 "modalities)", param=part.where)
-        if part.kind in ("image", "video") and "image" not in takes:
-            raise InvalidRequest(
-                f"{part.where} is {'an image' if part.kind == 'image' else 'a video'}, but "
-                f"model {model_name!r} is served with "
-                f"{' and '.join(takes)} only: Gemma 4's image tokens attend to each other both "
-                "ways at prefill, which pipeserve's causal decoder does not do yet; GET "
-                "/v1/models lists each model's modalities", param=part.where)
 
 
 def prepare_audio(processor: AudioProcessor, clips: list[MediaPart], text: str, media: Any,

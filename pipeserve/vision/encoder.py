@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from pipeserve.errors import ConfigError
-from pipeserve.vision import audio as A, mixed, require_mlx_vlm
+from pipeserve.vision import audio as A, gemma4 as G4, mixed, require_mlx_vlm
 from pipeserve.vision.audio import AudioProcessor
 from pipeserve.vision.processor import VisionProcessor
 
@@ -31,11 +31,9 @@ DEEPSTACK_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # families whose mlx-vlm get_input_embeddings takes images and videos in one prompt (the
 # others' prompts with both go through pipeserve/vision/mixed.py)
 BOTH_KINDS = ("qwen3_vl",)
-# families whose audio tower is served (pipeserve/vision/audio.py); gemma4's image tokens attend
-# to each other both ways at prefill, which the served (causal) decoder does not, so its images
-# are refused (pipeserve/stages/tokenize.py) and it serves text and audio
+# families whose audio tower is served (pipeserve/vision/audio.py); their images and clips are
+# merged by pipeserve/vision/gemma4.py
 AUDIO_FAMILIES = ("gemma4",)
-IMAGELESS_FAMILIES = ("gemma4",)
 
 
 class _Hidden:
@@ -101,6 +99,8 @@ class Embedded:
     # layer their features (layers, visual tokens, width), in prompt order
     visual: Any = None
     deepstack: mx.array | None = None
+    # Gemma 4's bidirectional images: per prompt token its image's index, -1 elsewhere
+    blocks: np.ndarray | None = None
 
 
 class VisionEncoder:
@@ -109,9 +109,10 @@ class VisionEncoder:
         self.family = family
         self.mrope = FAMILIES[family]
         self.dtype = lm_dtype
-        self.armed = _Hidden(positions=None, deepstack=None)
+        self.armed = _Hidden(positions=None, deepstack=None, blocks=None)
         self.audio: Any = None   # pipeserve.vision.audio.AudioProcessor: the audio tower's side
-        self.takes_images = family not in IMAGELESS_FAMILIES
+        # Gemma 4 26B / 31B: each image's tokens attend to each other both ways at prefill
+        self.bidirectional = family in AUDIO_FAMILIES and G4.bidirectional(vlm)
 
     @classmethod
     def load(cls, path: Path, config: dict[str, Any], lm: Any) -> VisionEncoder:
@@ -155,6 +156,8 @@ class VisionEncoder:
                 if "self_attn" in layer:
                     attn = layer.self_attn
                     attn.rope = PositionedRope(attn.rope, rotary, encoder.armed)
+        if encoder.bidirectional:
+            G4.add_image_overlay(lm.language_model.model, encoder.armed)
         if family in DEEPSTACK_FAMILIES:
             for index in range(len(vlm.config.vision_config.deepstack_visual_indexes)):
                 add_deepstack(lm.layers[index], index, encoder.armed)
@@ -173,8 +176,9 @@ class VisionEncoder:
             soft = None
             if audio is not None and not audio[2]:
                 soft = A.encode(self.vlm, audio[0], audio[1], self.dtype)
-            embeddings, per_layer = A.merge(self.vlm, ids, self.audio.token_id if self.audio
-                                            else -1, soft)
+            embeddings, per_layer = G4.embed(
+                self.vlm, ids, {} if tokens_per_image is not None else pixels,
+                self.processor.image_token_id, self.audio.token_id if self.audio else -1, soft)
             embeddings = embeddings.astype(self.dtype)
             mx.eval(embeddings, *([per_layer] if per_layer is not None else []))
             return Embedded(embeddings, None, time.perf_counter() - t0, per_layer)
@@ -221,10 +225,14 @@ class VisionEncoder:
                 at = mx.array(embedded.visual[inside] - start, dtype=mx.uint32)
                 rows = mx.array(np.nonzero(inside)[0], dtype=mx.uint32)
                 self.armed.deepstack = (at, embedded.deepstack[:, rows])
+        if embedded.blocks is not None:   # Gemma 4: this chunk's image spans, if any
+            blocks = embedded.blocks[start:start + num]
+            if (blocks >= 0).any():
+                self.armed.blocks = mx.array(blocks)
         try:
             inputs = {"input_embeddings": embedded.embeddings[None, start:start + num]}
             if embedded.per_layer is not None:
                 inputs["per_layer_inputs"] = embedded.per_layer[None, start:start + num]
             yield inputs
         finally:
-            self.armed.positions = self.armed.deepstack = None
+            self.armed.positions = self.armed.deepstack = self.armed.blocks = None

@@ -37,7 +37,21 @@ class PromptMedia:
     tokens_per_audio: list[int] = field(default_factory=list)
     audio_token_id: int = -1
     audio_seconds: float = 0.0       # seconds of audio the request sent
+    # Gemma 4 26B / 31B without audio in the prompt: per prompt token its image's index, -1
+    # elsewhere (each image's tokens attend to each other both ways at prefill)
+    blocks: np.ndarray | None = None
     _key: list[int] | None = None    # key_ids, once made
+
+    @property
+    def _both_ways(self) -> bool:
+        """It has images, on a model whose image tokens attend both ways (Gemma 4 26B, 31B)."""
+        return bool(getattr(self.encoder, "bidirectional", False) and self.digests)
+
+    @property
+    def causal_images(self) -> bool:
+        """Images on a bidirectional model kept causal: with audio in the prompt, as mlx-vlm's
+        generate keeps them."""
+        return self._both_ways and bool(self.audio_digests)
 
     @property
     def encoded(self) -> bool:
@@ -82,6 +96,19 @@ class PromptMedia:
                     f"the prompt has {found} {noun} tokens where its {count} {plural} need "
                     f"{need} (a message's text spells the {noun} token, or the prompt ends in "
                     f"{article}); remove {noun} markup from the text", param="messages")
+        if self._both_ways and not self.audio_digests:
+            self.blocks = image_spans(prompt_ids, self.image_token_id)
+
+    def whole_spans(self, pos: int, num: int) -> int:
+        """`num`, moved so that prompt chunk [pos, pos + num) does not end inside an image whose
+        tokens attend both ways: to the image's start when it starts inside the chunk, else to
+        its end (the scheduler asks this of every chunk)."""
+        blocks, end = self.blocks, pos + num
+        if (blocks is None or end >= len(blocks) or blocks[end] < 0
+                or blocks[end - 1] != blocks[end]):
+            return num
+        where = np.flatnonzero(blocks == blocks[end])
+        return int(where[0]) - pos if where[0] > pos else int(where[-1]) + 1 - pos
 
     def key_ids(self, prompt_ids: list[int]) -> list[int]:
         """The prompt-cache key of the prompt: each image (video) token replaced by an id outside
@@ -92,8 +119,11 @@ class PromptMedia:
         if self._key is not None and len(self._key) == len(prompt_ids):
             return self._key
         marks: dict[int, Any] = {}   # images in [-2^60 - 1, -1], videos and audio below
+        # images kept causal on a bidirectional model (pipeserve/vision/gemma4.py) have their
+        # own marks: their KV differs from the same image's attended both ways
+        image_base = -(3 << 60) if self.causal_images else -1
         for token, digests, counts, base in (   # (disjoint: the same bytes as two kinds differ)
-                (self.image_token_id, self.digests, self.tokens_per_image, -1),
+                (self.image_token_id, self.digests, self.tokens_per_image, image_base),
                 (self.video_token_id, self.video_digests, self.tokens_per_video, -(1 << 61)),
                 (self.audio_token_id, self.audio_digests, self.tokens_per_audio, -(1 << 62))):
             ids = [base - int(d[:15], 16) for d, n in zip(digests, counts) for _ in range(n)]
@@ -126,7 +156,16 @@ class PromptMedia:
                                                visual if cached and visual else None, audio)
             self.encode_s = 0.0 if cached else self.embedded.encode_s
             self.pixels, self.audio_features = {}, []
+            self.embedded.blocks = self.blocks
         embedded = self.embedded
         if start + num >= len(prompt_ids) - 1:
             self.embedded = None
         return self.encoder.chunk(embedded, start, num)
+
+
+def image_spans(prompt_ids: list[int], image_token: int) -> np.ndarray:
+    """Per prompt token the index of the image it belongs to (a run of image tokens), -1 for
+    every other token."""
+    is_image = np.asarray(prompt_ids) == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    return np.where(is_image, np.cumsum(starts) - 1, -1)

@@ -1,9 +1,10 @@
-"""Audio in, end to end: `model=tiny_vlm model.arch=gemma4` (a generated Gemma 4
-checkpoint with an audio tower) served by a real serve.py on 127.0.0.1 and called with the real
-openai SDK and raw SSE. Greedy output with an input_audio part equals mlx-vlm's own generate on
-the same weights, prompt and WAV file, token for token; audio rows batch with text rows without
-changing any of them; the prompt cache keys audio by content; bad audio is a 400 naming the
-part while a stream beside it finishes."""
+"""Audio and images in, end to end: `model=tiny_vlm model.arch=gemma4` (a generated Gemma 4
+checkpoint with an audio tower and a vision tower whose image tokens attend both ways, as the
+26B's) served by a real serve.py on 127.0.0.1 and called with the real openai SDK and raw SSE.
+Greedy output with input_audio and image parts equals mlx-vlm's own generate on the same
+weights, prompt and WAV / PNG files, token for token; audio and image rows batch with text rows
+without changing any of them; the prompt cache keys audio and images by content; bad audio is
+a 400 naming the part while a stream beside it finishes."""
 from __future__ import annotations
 
 import asyncio
@@ -71,24 +72,32 @@ def omni(server_factory: Any, model_cache: Path) -> Any:
 _REFERENCE: dict[str, Any] = {}
 
 
-def mlx_vlm_greedy(path: Path, audio: bytes, text: str, max_tokens: int,
-                   tmp: Path) -> list[list[int]]:
-    """mlx_vlm.stream_generate's greedy tokens (as bytes) for one user turn (the clip, then `text`),
-    the clip given as a WAV file, as mlx-vlm's own CLI takes it; stopped at EOS."""
+def mlx_vlm_greedy(path: Path, audio: bytes | None, text: str, max_tokens: int,
+                   tmp: Path, images: tuple[bytes, ...] = (), before: str = "") -> list[list[int]]:
+    """mlx_vlm.stream_generate's greedy tokens (as bytes) for one user turn (`before`, the
+    images, the clip, then `text`), each given as a file, as mlx-vlm's own CLI takes them;
+    stopped at EOS."""
     from mlx_vlm import load, stream_generate
     if str(path) not in _REFERENCE:
         _REFERENCE[str(path)] = load(str(path))
     model, processor = _REFERENCE[str(path)]
     tok = processor.tokenizer
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": text}]}],
-        tokenize=False, add_generation_prompt=True)
-    file = tmp / (hashlib.sha256(audio).hexdigest()[:12] + ".wav")
-    file.write_bytes(audio)
+    content = ([{"type": "text", "text": before}] * bool(before)
+               + [{"type": "image"}] * len(images) + [{"type": "audio"}] * (audio is not None)
+               + [{"type": "text", "text": text}])
+    prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                     add_generation_prompt=True)
+
+    def file(data: bytes, ext: str) -> str:
+        out = tmp / (hashlib.sha256(data).hexdigest()[:12] + ext)
+        out.write_bytes(data)
+        return str(out)
+    media = {"image": [file(i, ".png") for i in images] or None,
+             "audio": [file(audio, ".wav")] if audio is not None else None}
     eos = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     ids = []
-    for r in stream_generate(model, processor, prompt, audio=[str(file)], max_tokens=max_tokens,
-                             temperature=0.0):
+    for r in stream_generate(model, processor, prompt, max_tokens=max_tokens, temperature=0.0,
+                             **media):
         if r.token in eos:
             break
         ids.append(r.token)
@@ -145,7 +154,8 @@ def test_prompt_cache_keys_audio_by_content(omni: Any, tmp_path: Path) -> None:
 
 
 def test_models_metrics_and_record_name_the_audio(omni: Any) -> None:
-    assert client(omni).models.list().data[0].model_extra["modalities"] == ["text", "audio"]
+    modalities = client(omni).models.list().data[0].model_extra["modalities"]
+    assert modalities == ["text", "image", "audio"]
     tokens = metric(omni, "pipeserve_audio_tokens_total")
     seconds = metric(omni, "pipeserve_audio_input_seconds_total")
     messages = [{"role": "user", "content": [audio_part(AUDIO_A), {"type": "text", "text": "and"},
@@ -202,12 +212,12 @@ def test_bad_audio_is_a_400_naming_the_part(omni: Any) -> None:
     assert e.value.status_code == 400 and err["param"] == "messages[0].content[2]", err
     assert ("the audio is 1.50 s long, which brings the request's audio to 3.30 s; the limit "
             "is 3 s per request (media.max_request_audio_s)") in err["message"]
-    # Gemma 4's images are not served (its image tokens attend both ways): a 400 saying so
-    png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    # Gemma 4 takes no video (mlx-vlm's Gemma 4 video path is not served): a 400 saying so
+    mp4 = base64.b64encode(b"\x00\x00\x00\x18ftypmp42").decode()
     with pytest.raises(openai.BadRequestError,
-                       match=r"messages\[0\]\.content\[0\].*text and audio"):
+                       match=r"messages\[0\]\.content\[0\] is a video.*takes no video"):
         greedy(omni, [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}])
+            {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{mp4}"}}]}])
 
     # a valid stream beside a corrupt clip finishes
     async def both() -> tuple[Any, Any]:
@@ -223,3 +233,73 @@ def test_bad_audio_is_a_400_naming_the_part(omni: Any) -> None:
     assert bad.status_code == 400 and "messages[0].content[0]" in bad.json()["error"]["message"]
     assert good.status_code == 200 and good.text.rstrip().endswith("data: [DONE]")
     assert "content" in good.text
+
+
+# -- images (bidirectional within each image at prefill) ---------------------------------------
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    from PIL import Image
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# different aspect ratios: 12 and 10 image tokens (Gemma 4 sizes each image's token count)
+IMAGE_A, IMAGE_B = png(1, (56, 40)), png(2, (32, 64))
+LOOK = "What is in the picture?"
+
+
+def image_part(data: bytes) -> dict[str, Any]:
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def media_message(images: tuple[bytes, ...], audio: bytes | None = None, text: str = LOOK,
+                  before: str = "") -> list[dict[str, Any]]:
+    parts = ([{"type": "text", "text": before}] * bool(before) + [image_part(i) for i in images]
+             + ([audio_part(audio)] if audio else []))
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_images_equal_mlx_vlm_alone_and_beside_text_and_audio(omni: Any, tmp_path: Path) -> None:
+    """Each image's tokens attend both ways (mlx-vlm's overlay): one image; two, the second
+    (tokens 29-38) across the 32-token chunk boundary (that chunk ends at 29); images with a
+    clip (kept causal, as mlx-vlm's generate keeps them); each equal to mlx-vlm, and in one
+    batch beside a text row and an audio row equal to each alone."""
+    cases = [((IMAGE_A,), None, ""), ((IMAGE_A, IMAGE_B), None, "Two pictures:"),
+             ((IMAGE_B,), AUDIO_C, "")]
+    rows = [media_message(images, audio, before=before) for images, audio, before in cases]
+    alone = [served_bytes(greedy(omni, m)) for m in rows]
+    for (images, audio, before), ours in zip(cases, alone):
+        assert len(ours) >= 6
+        assert ours == mlx_vlm_greedy(omni.path, audio, LOOK, 12, tmp_path, images, before)
+    assert alone[0] != served_bytes(greedy(omni, media_message((IMAGE_B,))))   # images matter
+    rows += [[{"role": "user", "content": "Tell me about trains."}], audio_message(AUDIO_A)]
+    alone += [served_bytes(greedy(omni, m)) for m in rows[3:]]
+    aclient = async_client(omni)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(aclient.chat.completions.create(
+            model="tiny_vlm", messages=m, max_tokens=12, temperature=0, logprobs=True)
+            for m in rows))
+    media_util.assert_batched_equals_alone(lambda: asyncio.run(together()), alone, served_bytes)
+
+
+def test_prompt_cache_keys_images_and_how_they_attend(omni: Any) -> None:
+    """The same image and text again: the prefix is reused, the answer the same. The same turn
+    continued with a clip: the image is now attended causally (as mlx-vlm's generate does with
+    audio in the prompt), so the turn's cached KV, computed both ways, is not reused; without
+    the clip the continuation reuses it."""
+    text = "A longer question about the picture, asked twice to test the prompt cache."
+    first = greedy(omni, media_message((IMAGE_B,), text=text))
+    again = greedy(omni, media_message((IMAGE_B,), text=text))
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert served_bytes(again) == served_bytes(first)
+    record = again.usage.model_extra["pipeserve"]
+    assert record["images"] == "sha256:" + hashlib.sha256(IMAGE_B).hexdigest()
+    turn = [*media_message((IMAGE_B,), text=text),
+            {"role": "assistant", "content": first.choices[0].message.content}]
+    with_text = greedy(omni, [*turn, {"role": "user", "content": "And then?"}])
+    assert with_text.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    with_clip = greedy(omni, [*turn, {"role": "user", "content": [audio_part(AUDIO_A)]}])
+    assert with_clip.usage.prompt_tokens_details.cached_tokens <= 4   # '<|im_start|>user\n<|image>'

@@ -168,6 +168,32 @@ def test_prompt_media_token_counts_are_checked_for_every_kind() -> None:
         text_only.check_tokens([1, IMG, 3])
 
 
+def test_a_prompt_chunk_never_ends_inside_an_image_attended_both_ways() -> None:
+    """Gemma 4 26B / 31B: the scheduler's chunk [pos, pos + n) is moved to end before an image
+    that starts inside it, or after one it starts at or inside (a prompt-cache hit may start it
+    there); chunks that end outside images stay as planned. With audio in the prompt the images
+    stay causal (as mlx-vlm's generate): no spans, and the cache keys those images apart."""
+    from types import SimpleNamespace
+
+    from pipeserve.vision.rows import PromptMedia, image_spans
+
+    IMG, AUD = 900, 902
+    ids = [1, 2, IMG, IMG, IMG, IMG, 3, IMG, IMG, 4, 5]
+    assert image_spans(ids, IMG).tolist() == [-1, -1, 0, 0, 0, 0, -1, 1, 1, -1, -1]
+    both = SimpleNamespace(bidirectional=True, mrope=False)
+    media = PromptMedia(both, {}, ["a" * 64, "b" * 64], IMG, tokens_per_image=[4, 2])
+    media.check_tokens(ids)
+    assert [media.whole_spans(0, n) for n in range(1, 10)] == [1, 2, 2, 2, 2, 6, 7, 7, 9]
+    assert media.whole_spans(3, 1) == 3 and media.whole_spans(4, 4) == 3   # starts inside: end
+    assert media.whole_spans(8, 2) == 2
+    with_audio = PromptMedia(both, {}, ["a" * 64, "b" * 64], IMG, tokens_per_image=[4, 2],
+                             audio_digests=["c" * 64], tokens_per_audio=[1],
+                             audio_token_id=AUD)
+    with_audio.check_tokens([*ids[:-1], AUD, 5])
+    assert with_audio.blocks is None and with_audio.whole_spans(0, 3) == 3
+    assert set(media.key_ids(ids)[2:6]).isdisjoint(with_audio.key_ids([*ids[:-1], AUD, 5]))
+
+
 def test_a_family_not_wired_in_is_refused_at_launch_naming_it(tmp_path: Path) -> None:
     """mlx-vlm loads more families than pipeserve serves: a checkpoint of one not wired in
     (here LLaVA, GLM-4V, Idefics 3) is a launch error naming its family

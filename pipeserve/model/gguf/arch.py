@@ -5,11 +5,11 @@ norms). Pure data and dict building; gguf.py calls it on the engine thread."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeserve.errors import ConfigError
-from pipeserve.model.gguf import hybrid
+from pipeserve.model.gguf import gemma4, hybrid
 from pipeserve.model.gguf.meta import common, full_rotary, meta_float, meta_int
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -35,6 +35,7 @@ class Arch:
     # (mlx-lm name, array key, array, config) -> the array as mlx-lm holds it; and its shape
     undo: Callable[[str, str, Any, dict[str, Any]], Any] | None = None
     shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
+    extra_globals: dict[str, str] = field(default_factory=dict)   # beside GLOBAL_NAMES
 
 
 def _llama(meta: dict[str, Any], a: str) -> dict[str, Any]:
@@ -258,6 +259,10 @@ ARCHS: dict[str, Arch] = {
                       hybrid.config, bare=hybrid.BARE, mtp_key="nextn_predict_layers",
                       prefix=hybrid.PREFIX, undo=hybrid.undo, shape=hybrid.converted_shape,
                       notes="Qwen3.5 / 3.6 MoE (shared expert; its MTP block dropped)"),
+    "gemma4": Arch("gemma4_text", gemma4.BLOCKS, gemma4.config, scale_dtype="bfloat16",
+                   bare=gemma4.BARE, extra_globals=gemma4.GLOBALS,
+                   notes="Gemma 4 text: E2B / E4B (per-layer embeddings, KV-shared layers), "
+                         "26B A4B (experts beside the dense MLP), 31B"),
 }
 ALIASES = {"mistral": "llama"}   # transformers' name for what llama.cpp writes as llama
 
@@ -268,18 +273,43 @@ def lookup(arch: str | None) -> Arch | None:
 
 def map_name(arch: Arch, name: str) -> str | None:
     """GGUF tensor name -> mlx-lm parameter name, or None when the model has no place for it."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias|scale))?", name)
     if m:
         i, part, suffix = m.groups()
+        if suffix == "scale":   # a scale vector beside a matrix (gemma4's router)
+            named = arch.blocks.get(f"{part}.scale")
+            return f"{arch.prefix}model.layers.{i}.{named}" if named else None
         if part in arch.bare:
             return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}"
         if suffix and part in arch.blocks:
             return f"{arch.prefix}model.layers.{i}.{arch.blocks[part]}.{suffix}"
         return None
     base, _, suffix = name.rpartition(".")
-    if suffix in SUFFIXES and base in GLOBAL_NAMES:
-        return f"{arch.prefix}{GLOBAL_NAMES[base]}.{suffix}"
+    names = {**GLOBAL_NAMES, **arch.extra_globals}
+    if suffix in SUFFIXES and base in names:
+        return f"{arch.prefix}{names[base]}.{suffix}"
     return None
+
+
+# fused experts split along their rows into two modules, as mlx-lm's sanitize splits them
+# (gemma4's gate/up; phi3's dense mlp.gate_up_proj stays fused: mlx-lm's phi3 holds it so)
+FUSED = {"switch_glu.gate_up_proj": ("switch_glu.gate_proj", "switch_glu.up_proj")}
+
+
+def placed(target: str, arrays: dict[str, Any], quantized: bool) -> dict[str, Any]:
+    """mlx-lm name -> array for one converted tensor: its arrays (suffix -> array) under the
+    target's module when quantized, else the target itself; fused experts split in two."""
+    base = target.rpartition(".")[0]
+    out = {(f"{base}.{suffix}" if quantized else target): a for suffix, a in arrays.items()}
+    fused = next((f for f in FUSED if base.endswith("." + f)), None)
+    if fused is None:
+        return out
+    split = {}
+    for name, a in out.items():
+        half = a.shape[-2] // 2
+        for part, piece in zip(FUSED[fused], (a[..., :half, :], a[..., half:, :])):
+            split[name.replace(f".{fused}.", f".{part}.")] = piece
+    return split
 
 
 def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:
@@ -293,7 +323,7 @@ def dropped(arch: Arch, meta: dict[str, Any], name: str) -> bool:
 
 
 # Tensors that hold configuration, not weights: read into config.json, not written.
-CONFIG_TENSORS = {"llama": ("rope_freqs.weight",),
+CONFIG_TENSORS = {"llama": ("rope_freqs.weight",), "gemma4_text": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 # Llama 3.x's rope scaling as its config.json states it; llama.cpp stores only the per-frequency
 # factors it implies (rope_freqs), so the conversion finds the setting that reproduces them.

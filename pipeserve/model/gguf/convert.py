@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeserve.model.gguf import arch as gguf_arch
+from pipeserve.model.gguf import arch as gguf_arch, gemma4
 from pipeserve.model.gguf import quants as gguf_quants
 from pipeserve.model.gguf import tokenizer as gguf_tokenizer
 from pipeserve.errors import ConfigError
@@ -42,7 +42,7 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
 SUPPORTED_TYPES = gguf_quants.SUPPORTED
 # metadata arrays read in full (the rest are kept as their length)
 ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-          "tokenizer.ggml.merges")
+          "tokenizer.ggml.merges", *gemma4.ARRAYS)
 
 
 # -- the header ---------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
     report.add(ttype, conv, int(np.prod(shape)))
     target = gguf_arch.map_name(arch, name)
     assert target is not None
-    base = target.rpartition(".")[0]
+    arrays = {}
     for suffix, arr in conv.arrays.items():
         if arch.permute_qk and (".self_attn.q_proj." in target or ".self_attn.k_proj." in target):
             arr = _unpermute(arr, heads[0] if ".q_proj." in target else heads[1])
@@ -261,9 +261,11 @@ def _convert_one(arch: Any, name: str, raw: Any, ttype: int, shape: Any,
             arr = arr - arch.norm_shift
         if arch.undo is not None:
             arr = arch.undo(target, suffix, arr, cfg)
-        out[f"{base}.{suffix}" if conv.bits else target] = arr
-    if conv.bits:
-        bits[base] = (conv.bits, conv.mode)
+        arrays[suffix] = arr
+    for key, arr in gguf_arch.placed(target, arrays, bool(conv.bits)).items():
+        out[key] = arr
+        if conv.bits:
+            bits[key.rpartition(".")[0]] = (conv.bits, conv.mode)
 
 
 def quantization(bits: dict[str, tuple[int, str]]) -> dict[str, Any]:
@@ -337,7 +339,11 @@ def model_config(src: Path, header: Header) -> dict[str, Any]:
             config_tensors[name] = gguf_quants.reference(ttype, np.fromfile(
                 src, np.uint8, gguf_quants.nbytes(ttype, shape), offset=header.data_offset + offset),
                 shape)
-    gguf_arch.apply_config_tensors(cfg, config_tensors)
+    if cfg["model_type"] == "gemma4_text":
+        gemma4.apply_tensors(cfg, config_tensors.get("rope_freqs.weight"),
+                             {n: shape for n, (_, shape, _) in header.tensors.items()})
+    else:
+        gguf_arch.apply_config_tensors(cfg, config_tensors)
     gen_ids = gguf_tokenizer.eos_ids(meta)
     cfg["eos_token_id"] = gen_ids[0] if len(gen_ids) == 1 else gen_ids
     if "tokenizer.ggml.bos_token_id" in meta:

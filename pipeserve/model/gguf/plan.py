@@ -48,14 +48,16 @@ def lazy_weights(header: gguf_convert.Header) -> tuple[dict[str, Any], dict[str,
             continue
         target = gguf_arch.map_name(arch, name)
         assert target is not None   # check_supported refused unmapped names
-        base = target.rpartition(".")[0]
         arrays, b = planned_arrays(ttype, shape, arch.scale_dtype)
+        lazy = {}
         for suffix, (shp, dtype) in arrays.items():
             if arch.shape is not None and not b:
                 shp = arch.shape(target, shp)
-            out[f"{base}.{suffix}" if b else target] = mx.zeros(shp, getattr(mx, dtype))
-        if b:
-            bits[base] = b
+            lazy[suffix] = mx.zeros(shp, getattr(mx, dtype))
+        for key, arr in gguf_arch.placed(target, lazy, b is not None).items():
+            out[key] = arr
+            if b:
+                bits[key.rpartition(".")[0]] = b
     return out, gguf_convert.quantization(bits)
 
 

@@ -1,5 +1,6 @@
 """A GGUF's tokenizer metadata -> tokenizer.json, tokenizer_config.json, special_tokens_map.json and
-generation_config.json: byte-level BPE (`tokenizer.ggml.model = gpt2`) built here, SentencePiece
+generation_config.json: byte-level BPE (`tokenizer.ggml.model = gpt2`) and Gemma 4's BPE
+(`gemma4`: merges over raw UTF-8 with spaces as U+2581, byte fallback) built here, SentencePiece
 (`llama`: Llama 2, Mistral, Gemma, Phi-3) through transformers' GGUF tokenizer builder; control
 tokens special, user-defined ones whole, BOS as the file says, EOS plus llama.cpp's end-of-generation
 tokens. Runs on the engine thread, at conversion."""
@@ -11,7 +12,7 @@ import numpy as np
 
 from pipeserve.errors import ConfigError
 
-TOKENIZER_MODELS = ("gpt2", "llama")
+TOKENIZER_MODELS = ("gpt2", "llama", "gemma4")
 # gpt-2's split is ByteLevel's own regex; the others are transformers' table of llama.cpp names.
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -43,7 +44,8 @@ def check(path: Any, meta: dict[str, Any]) -> None:
     model = meta.get("tokenizer.ggml.model")
     if model not in TOKENIZER_MODELS:
         raise ConfigError(f"model.path '{path}': GGUF tokenizer model {model!r} is not supported; "
-                          f"supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+                          f"supported: gpt2 (byte-level BPE), llama (SentencePiece), gemma4 "
+                          "(Gemma 4's BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if model == "gpt2" and pre not in pre_tokenizers_supported():
         raise ConfigError(f"model.path '{path}': GGUF pre-tokenizer {pre!r} is not supported; "
@@ -56,6 +58,8 @@ def build(meta: dict[str, Any], arch: str) -> Any:
 
     if meta["tokenizer.ggml.model"] == "gpt2":
         tok = _byte_level(meta)
+    elif meta["tokenizer.ggml.model"] == "gemma4":
+        tok = _gemma4(meta)
     else:
         tok = _sentencepiece(meta, arch)
     tokens = meta["tokenizer.ggml.tokens"]
@@ -106,6 +110,45 @@ def _byte_level(meta: dict[str, Any]) -> Any:
                for r in regexes),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    types = _types(meta)
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.nonzero(types == 3)[0]])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.nonzero(types == 4)[0]])
+    return tok
+
+
+def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """The file's merges, each split at its first space after the first character (a token
+    may itself start with one)."""
+    out = []
+    for m in meta.get("tokenizer.ggml.merges", []):
+        at = m.find(" ", 1)
+        if at < 0:
+            raise ConfigError(f"GGUF tokenizer.ggml.merges entry {m!r} is not two tokens")
+        out.append((m[:at], m[at + 1:]))
+    return out
+
+
+def _gemma4(meta: dict[str, Any]) -> Any:
+    """Gemma 4's tokenizer as llama.cpp runs a `gemma4` vocabulary: spaces written as U+2581,
+    the text split only into runs of newlines and runs of the rest (`[^\\n]+|[\\n]+`), BPE
+    merges by rank over each run's characters (no byte-level mapping), a run that is itself a
+    token kept whole, bytes with no token as their <0xXX> tokens; control tokens special,
+    user-defined ones whole. (llama.cpp keeps only newline runs whole that way; a line that is
+    one token but that the merges would not rebuild is the one place the two can differ.)"""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    vocab = {t: i for i, t in enumerate(tokens)}   # a text listed twice: the later id, as llama.cpp
+    unk = _token(meta, "unknown")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(meta), fuse_unk=False,
+                               byte_fallback=True, unk_token=unk, ignore_merges=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
     types = _types(meta)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i in np.nonzero(types == 3)[0]])

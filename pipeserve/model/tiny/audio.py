@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeserve.model.tiny import text as tiny
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Gemma 4's own names (the released tokenizer's): image and audio begin/end and soft tokens
 TOKENS = ("<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>", "<|audio|>", "<|video|>")
 AUDIO_MARK, IMAGE_MARK = "<|audio|>", "<|image|>"   # what a content part renders as
@@ -62,6 +62,8 @@ def _config(ids: dict[str, int], eos: list[int]) -> dict[str, Any]:
                                       "rope_type": "default"}},
             "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
             "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+            # as the 26B and 31B: image tokens attend to their image's other tokens both ways
+            "use_bidirectional_attention": "vision",
             "pad_token_id": eos[1], "eos_token_id": eos}
     vision = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
