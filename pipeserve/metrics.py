@@ -265,6 +265,10 @@ class Metrics:
             "Draft length chosen for one decoding row in one step (0: the row paused drafting "
             "after its drafts kept failing; draft.adaptive)",
             proposer, buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.spec_batch_off_steps = Counter(
+            f"{PREFIX}_speculation_batch_off_steps",
+            "Decode steps that did not draft because more rows decoded than "
+            "draft.disable_by_batch_size", proposer, registry=r)
         self.fast_forward_tokens = Counter(
             f"{PREFIX}_fast_forward_tokens",
             "Output tokens a grammar forced that rows appended without sampling one step each "
@@ -364,7 +368,7 @@ class Metrics:
         for outcome in ("done", "cancelled", "failed"):
             self.warmups.labels(outcome)
         for family in (self.spec_proposed, self.spec_accepted, self.spec_verifies,
-                       self.spec_emitted, self.spec_draft_length):
+                       self.spec_emitted, self.spec_draft_length, self.spec_batch_off_steps):
             for name in registry.labels("draft"):
                 family.labels(name)
         for state in ("used", "free", "shared"):

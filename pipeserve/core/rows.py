@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from pipeserve.core.plan import PlannedRow
+from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
 
 Replay = Callable[[list[PlannedRow], "RowStore"], Any]   # Forward.feed: rows feed host tokens
 
@@ -252,7 +253,8 @@ class RowStore:
             return None
         saved = tuple((i, list(c.cache), getattr(c, "lengths", None),
                        getattr(c, "left_padding", None))
-                      for i, c in enumerate(self._caches) if not c.is_trimmable())
+                      for i, c in enumerate(self._caches)
+                      if not (c.is_trimmable() or is_rotating(c)))
         return Snapshot(tuple(self._rows), saved) if saved else None
 
     def restore(self, snap: Snapshot, drop: int = 0) -> None:
@@ -266,7 +268,9 @@ class RowStore:
             c.lengths, c.left_padding = lengths, left
         if drop:
             for c in self._caches:
-                if c.is_trimmable():
+                if is_rotating(c):
+                    rewind(c, [drop] * len(self._rows), self.solo)
+                elif c.is_trimmable():
                     c.trim(drop)
 
     def before_verify(self, width: int) -> None:
@@ -311,7 +315,10 @@ class RowStore:
             return
         if self.solo:
             for c in self._caches:
-                c.trim(drop[0])
+                if is_rotating(c):
+                    rewind(c, drop, solo=True)
+                else:
+                    c.trim(drop[0])
             return
         trim_rows(self._caches, list(drop))
         drop_shared_padding(self._caches, len(drop))
@@ -374,21 +381,33 @@ def drop_shared_padding(caches: list[Any], rows: int) -> None:
     keep = None
     for c in caches:
         pad = getattr(c, "left_padding", None)
-        if pad is None or isinstance(pad, list) and not pad:
-            continue
+        if pad is None or isinstance(pad, list) and not pad or is_rotating(c):
+            continue   # (a rotating buffer's padding leaves as it wraps)
         shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
         if shared >= SHARED_PADDING_MAX:
             keep = mx.arange(rows) if keep is None else keep
             c.filter(keep)
 
 
+def rewind(cache: Any, drop: Sequence[int], solo: bool) -> None:
+    """A sliding-window layer drops each row's last `drop[i]` positions
+    (pipeserve/kv/rotating.py)."""
+    if solo:
+        rewind_rotating(cache, drop[0])
+    else:
+        rewind_rotating_rows(cache, drop)
+
+
 def trim_rows(caches: list[Any], drop: list[int]) -> None:
     """Batched attention caches: trim what every row drops, then roll each row's remaining
     surplus to its left edge, where it becomes masked padding (mlx-lm's right-padding
-    finalize)."""
+    finalize). Sliding-window layers are rewound their own way."""
     common = min(drop)
     rest = [d - common for d in drop]
     for c in caches:
+        if is_rotating(c):
+            rewind_rotating_rows(c, drop)
+            continue
         if common:
             c.trim(common)
         if any(rest):

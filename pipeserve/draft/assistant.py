@@ -30,6 +30,7 @@ from mlx_vlm.speculative.drafters import load_drafter, validate_drafter_compatib
 from pipeserve.core.rows import RowStore
 from pipeserve.draft.taps import load_head
 from pipeserve.errors import ConfigError
+from pipeserve.kv.rotating import window_of
 from pipeserve.model.tiny.assistant import ensure_assistant
 
 log = logging.getLogger("pipeserve")
@@ -88,13 +89,12 @@ class AssistantProposer:
         path, (self.head, self.layers) = load_head(cfg, ctx, "Gemma 4 assistant",
                                                    ensure_assistant, load_assistant)
         probe = ctx.layout.make_cache(ctx.model)
-        plain = [i for i in self.layers.values() if type(probe[i]) is not KVCache]
+        plain = [i for i in self.layers.values()
+                 if type(probe[i]) not in (KVCache, RotatingKVCache)]
         if plain:
-            why = ("sliding-window layers cannot be rolled back after a verify"
-                   if isinstance(probe[plain[0]], RotatingKVCache) else "use kv=dense")
             raise ConfigError(f"draft=assistant reads the target's KV as plain keys and "
                               f"values; kv={cfg.kv.name} stores target layers {plain} as "
-                              f"{type(probe[plain[0]]).__name__} ({why})")
+                              f"{type(probe[plain[0]]).__name__} (use kv=dense)")
         self.dtype = self.head.pre_projection.weight.dtype
         self.rows: dict[str, _Row] = {}
         self.target_store: RowStore | None = None
@@ -125,22 +125,24 @@ class AssistantProposer:
         return out
 
     def _target_kv(self, rid: str, n: int) -> dict[str, tuple[mx.array, mx.array]] | None:
-        """The row's K/V of the layers the assistant reads, (1, heads, n, dim) each; None when
-        the target store does not hold exactly n positions for it."""
+        """The row's K/V of the layers the assistant reads, (1, heads, n, dim) each (a
+        sliding-window layer's: its last min(n, window) positions, as mlx-vlm reads a rotating
+        cache); None when the target store does not hold exactly n positions for it."""
         shared = {}
         for kind, layer in self.layers.items():
             cache = self.target_store.layer_of(rid, layer) if self.target_store else None
             if cache is None or cache.offset != n:
                 return None
-            shared[kind] = (cache.keys[..., :n, :], cache.values[..., :n, :])
+            shared[kind] = (window_of(cache, n) if isinstance(cache, RotatingKVCache)
+                            else (cache.keys[..., :n, :], cache.values[..., :n, :]))
         return shared
 
     def _draft(self, inputs: list[int], ready: list[Any], width: int) -> mx.array:
         """(rows, width) greedy drafts of the rows in `ready`, in one chain of forwards."""
         lengths = [n for _, n, _, _ in ready]
-        longest = max(lengths)
         shared = {}
         for kind in self.layers:
+            longest = max(s[kind][0].shape[2] for _, _, s, _ in ready)
             keys = [_pad(s[kind][0], longest) for _, _, s, _ in ready]
             values = [_pad(s[kind][1], longest) for _, _, s, _ in ready]
             shared[kind] = (mx.concatenate(keys).astype(self.dtype),

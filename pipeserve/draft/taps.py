@@ -32,8 +32,8 @@ class Taps:
 def _tapped(cls: type, taps: Taps, index: int) -> type:
     def __call__(self: Any, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         out = cls.__call__(self, x, *args, **kwargs)
-        if taps.active:
-            taps.seen[index] = out if taps.outputs else x
+        if taps.active:   # (Gemma 4's layers return (hidden, shared K/V, offset))
+            taps.seen[index] = (out[0] if isinstance(out, tuple) else out) if taps.outputs else x
         return out
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
 

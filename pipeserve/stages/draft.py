@@ -41,6 +41,11 @@ class Draft:
         self.lengths = DraftLengths(self.k, cfg.draft.adaptive)
         self._length_metric = (deps.metrics.spec_draft_length.labels(cfg.draft.name)
                                if self.proposes else None)
+        self.name = cfg.draft.name
+        self.off_above = cfg.draft.disable_by_batch_size if self.proposes else None
+        self._off_metric = (deps.metrics.spec_batch_off_steps.labels(cfg.draft.name)
+                            if self.proposes else None)
+        self._off = False   # the last decode step had more rows than off_above
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Drafts:
         rows: list[PlannedRow] = []
@@ -48,6 +53,9 @@ class Draft:
         contexts: list[list[int]] = []
         forced: dict[str, list[int]] = {}
         decoding = plan.decode
+        if self.off_above is not None and decoding:
+            # rows past their prompt: those the scheduler holds against the threshold
+            self._batch_size(sum(r.start >= r.request.num_prompt_tokens - 1 for r in decoding))
         if not any(r.max_drafts for r in decoding):
             return Drafts(sync=False)   # a busy batch decodes plainly (and pipelined)
         sync = False   # whether a row may draft next step (it then needs this step's tokens)
@@ -89,6 +97,18 @@ class Draft:
         tokens.update(forced)
         # proposals continue the rows' host tokens: no step may run ahead of them
         return Drafts(tokens, sync=True, forced={rid: len(d) for rid, d in forced.items()})
+
+    def _batch_size(self, rows: int) -> None:
+        """Count a step the batch size keeps from drafting (the scheduler gave its rows no
+        room), and say when drafting turns off or on again."""
+        off = rows > self.off_above
+        if off:
+            self._off_metric.inc()
+        if off != self._off:
+            self._off = off
+            log.info("draft=%s: %d rows decode, %s draft.disable_by_batch_size=%d: drafting %s",
+                     self.name, rows, "above" if off else "within", self.off_above,
+                     "off" if off else "on again")
 
     def _forced(self, row: PlannedRow, room: int) -> list[int]:
         """Fast-forward: the tokens the row's grammar forces next (at most draft.fast_forward),

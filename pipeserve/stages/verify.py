@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache
 
 from pipeserve.config import ServeConfig
 from pipeserve.errors import ConfigError
@@ -25,6 +25,7 @@ from pipeserve.core.plan import Logits, RowOutput, Sampled, StepOutput, StepPlan
 from pipeserve.request import Request
 from pipeserve.core.sampler_states import RowSampling, SamplerStates
 from pipeserve.core.stage import Sample, StageDeps
+from pipeserve.kv.rotating import is_rotating
 
 
 @dataclass(slots=True)
@@ -51,12 +52,12 @@ class Verify:
         self._emitted = m.spec_emitted.labels(label)
         self._forwarded = m.fast_forward_tokens
         for c in deps.layout.make_cache(deps.model):
-            if isinstance(c, RotatingKVCache) or not (c.is_trimmable() or
-                                                      isinstance(c, ArraysCache)):
+            # sliding-window layers: a verify's multi-token update never overwrites what
+            # its rollback needs (pipeserve/kv/rotating.py)
+            if not (c.is_trimmable() or isinstance(c, ArraysCache) or is_rotating(c)):
                 raise ConfigError(
                     f"draft={cfg.draft.name} needs KV that can be rolled back; layer type "
-                    f"{type(c).__name__} (kv={cfg.kv.name}) cannot be (sliding-window layers "
-                    "are not supported with speculative decoding)")
+                    f"{type(c).__name__} (kv={cfg.kv.name}) cannot be")
 
     def __call__(self, logits: Logits, plan: StepPlan, rows: Sequence[Request],
                  kv: RowStore) -> StepOutput:

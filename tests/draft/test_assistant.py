@@ -21,9 +21,11 @@ from pipeserve.core.rows import RowStore
 from pipeserve.draft.assistant import AssistantProposer, load_assistant
 from pipeserve.errors import ConfigError
 from pipeserve.model.tiny.assistant import ensure_assistant
+from pipeserve.model.tiny.dflash import ensure_dflash
+from pipeserve.model.tiny.eagle3 import ensure_eagle3
 from pipeserve.model.tiny.text import ensure_model
 from tests.conftest import make_config, startup_error
-from tests.draft.test_speculative import counter, run, wait_idle
+from tests.draft.test_speculative import counter, prompts, run, wait_idle
 
 LOGPROB_TOL = 1e-4   # a verify forward is wider than a decode step: the same sums, reordered
 
@@ -126,15 +128,6 @@ def test_drafters_that_do_not_fit_are_refused(pair, tmp_path: Path, model_cache:
     (wide / "config.json").write_text(json.dumps(cfg))
     msg = startup_error(model_cache, *GEMMA, "draft=assistant", f"draft.path={wide}")
     assert "hidden_size" in msg
-    # a Gemma 4 with sliding-window layers, as the released ones have: refused, named
-    sliding = tmp_path / "sliding"
-    shutil.copytree(pair[0], sliding)
-    cfg = json.loads((sliding / "config.json").read_text())
-    cfg["layer_types"] = ["sliding_attention", "full_attention"]
-    (sliding / "config.json").write_text(json.dumps(cfg))
-    msg = startup_error(model_cache, *GEMMA, f"model.path={sliding}", "draft=assistant",
-                        f"draft.path={head_dir}")
-    assert "sliding-window" in msg
     with pytest.raises(ConfigError, match="eagle3, dflash and assistant"):
         make_config("draft=ngram", f"draft.path={head_dir}")
 
@@ -159,3 +152,58 @@ def test_prompt_cache_hot_and_ssd_restore_keep_drafted_output(engine_factory,
     restored = second.generate(prompt, max_tokens=24)
     assert restored["cached"] > 0 and restored["ids"] == expected
     assert counter(second, "spec_accepted", "assistant") > 0
+
+
+WINDOW = 8   # tokens a sliding-window layer keeps: fewer than any prompt, so its buffer wraps
+
+
+@pytest.fixture(scope="module")
+def sliding(pair, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The generated Gemma 4 with a sliding-window layer (window WINDOW) and a full-attention
+    one, as the released ones alternate them, and an assistant with one layer of each type
+    (both the target's last layer run on the next token, one reading its sliding KV)."""
+    root = tmp_path_factory.mktemp("sliding")
+    target, head = root / "gemma4-sliding", root / "assistant"
+    shutil.copytree(pair[0], target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+    (target / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(pair[1], head)
+    cfg = json.loads((head / "config.json").read_text())
+    text = cfg["text_config"]
+    text.update(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2,
+                num_kv_shared_layers=2, sliding_window=WINDOW)
+    (head / "config.json").write_text(json.dumps(cfg))
+    weights = mx.load(str(head / "model.safetensors"))
+    weights |= {k.replace("layers.0.", "layers.1."): v for k, v in weights.items()
+                if "layers.0." in k}
+    mx.save_safetensors(str(head / "model.safetensors"), weights, metadata={"format": "pt"})
+    return target, head
+
+
+def test_sliding_window_layers_roll_back(engine_factory, sliding) -> None:
+    """A Gemma 4 with a sliding-window layer whose window is smaller than every prompt: the
+    ring buffer wraps before and during the drafted steps. draft=assistant (reading the sliding
+    layer's KV too), draft=ngram and the hidden-state drafters (EAGLE-3, DFlash: generated
+    heads) give draft=none's greedy tokens, a row alone and three rows batched (the
+    assistant's rows accept raggedly; most other drafts are rejected here).
+    Before: both were refused at launch."""
+    target, head = sliding
+    model = (*GEMMA, f"model.path={target}")
+    plain = engine_factory(*model)
+    alone, batched = run(plain, 1, max_tokens=24), run(plain, 3, max_tokens=24)
+    assert all(len(p) > WINDOW for p in prompts(plain, 3))
+    drafts = [["draft=assistant", f"draft.path={head}"], ["draft=ngram"],
+              ["draft=eagle3", f"draft.path={ensure_eagle3(target)}"],
+              ["draft=dflash", f"draft.path={ensure_dflash(target)}"]]
+    for draft in drafts:
+        spec = engine_factory(*model, *draft)
+        assert [g["ids"] for g in run(spec, 1, max_tokens=24)] == [g["ids"] for g in alone]
+        assert [g["ids"] for g in run(spec, 3, max_tokens=24)] == [g["ids"] for g in batched]
+        name = draft[0].split("=")[1]
+        proposed = counter(spec, "spec_proposed", name)
+        accepted = counter(spec, "spec_accepted", name)
+        assert accepted < proposed   # drafts were rejected: the rollback ran on wrapped buffers
+        if name == "assistant":   # it reads the sliding layer's window: right some of the time
+            assert accepted > 0
+        wait_idle(spec)
