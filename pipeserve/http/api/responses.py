@@ -21,6 +21,7 @@ from pipeserve.http.api.http import (Scope, check_ready, json_response, read_bod
                                      route, sse_event)
 from pipeserve.http.api.openai import sampling_fields, tool_call_body
 from pipeserve.http.api.reasoning import thinking_from_effort
+from pipeserve.http.api.responses_reasoning import reasoning_text, think
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
@@ -138,11 +139,14 @@ def _items(value: Any) -> list[dict[str, Any]]:
         raise InvalidRequest("input must be a string or a non-empty array of items",
                              param="input")
     out: list[dict[str, Any]] = []
+    reasoning: list[str] = []   # reasoning items not yet given to an assistant turn
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             out.append(_message(item, where))
+            if out[-1]["role"] == "assistant":
+                think(out[-1], reasoning)
         elif kind in ("function_call", "custom_tool_call"):
             call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
             last = out[-1] if out else None
@@ -150,12 +154,15 @@ def _items(value: Any) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            think(out[-1], reasoning)
+        elif kind == "reasoning":
+            reasoning += reasoning_text(item, where)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": text})
-        elif kind != "reasoning":
+        else:
             raise InvalidRequest(f"{where}.type is {kind!r}; supported: message, function_call, "
                                  "function_call_output, custom_tool_call, "
                                  "custom_tool_call_output, reasoning", param="input")
