@@ -117,6 +117,21 @@ def test_batch_outputs_equal_live_requests(state: dict[str, Any]) -> None:
     assert done.id in [b.id for b in client.batches.list()]
 
 
+def test_a_responses_batch_equals_the_live_response(state: dict[str, Any]) -> None:
+    client = client_of(state["srv"])
+    body = {"model": "tiny", "input": "Name a colour.", "max_output_tokens": 6,
+            "temperature": 0, "logit_bias": NO_EOS}
+    live = client.responses.create(**{k: v for k, v in body.items() if k != "logit_bias"},
+                                   extra_body={"logit_bias": NO_EOS})
+    batch = submit(client, [line("r", body, "/v1/responses")], "/v1/responses")
+    done = poll(client, batch.id, ended)
+    assert done.status == "completed" and done.error_file_id is None, done
+    (out,) = read_lines(client, done.output_file_id)
+    got = out["response"]["body"]
+    assert got["object"] == "response" and got["id"] == out["response"]["request_id"]
+    assert got["output"][0]["content"][0]["text"] == live.output_text
+
+
 def test_a_bad_file_or_field_is_a_400_at_create(state: dict[str, Any]) -> None:
     client = client_of(state["srv"])
     with pytest.raises(openai.BadRequestError, match="no line of the input file is a request"):
@@ -144,6 +159,14 @@ def test_cancel_stops_a_running_batch(state: dict[str, Any]) -> None:
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
     assert cancelled.request_counts.completed == 0 and cancelled.output_file_id is None
+    stopped = ""
+    for _ in range(POLLS):   # its line's request was aborted, not run to its 3000 tokens
+        stopped = next((x for x in state["srv"].log().splitlines()
+                        if "endpoint=chat outcome=cancelled" in x), "")
+        if stopped:
+            break
+        time.sleep(0.02)
+    assert stopped and "generated_tokens=3000" not in stopped
     after = client.chat.completions.create(**chat_body("hi", 3))   # the server serves on
     assert after.usage.completion_tokens == 3
 

@@ -104,6 +104,7 @@ async def _read_upload(http: sanic.Request, cap_mb: float) -> tuple[bytes, str, 
         await http.receive_body()
     except sanic.exceptions.PayloadTooLarge:
         raise too_large from None
+    await asyncio.to_thread(lambda: (http.form, http.files))   # parsed (and kept) off the loop
     upload = http.files.get("file") if http.files else None
     if upload is None:
         raise InvalidRequest("the body must be multipart/form-data with a `file` part (the "

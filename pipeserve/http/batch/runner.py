@@ -71,12 +71,12 @@ class BatchRunner:
             await self.client.aclose()
 
     async def _run(self, batch_id: str) -> None:
-        claim = await asyncio.to_thread(self.store.claim, batch_id)
-        if claim is None:
-            log.info("batch %s: another server on server.files_dir runs it", batch_id)
-            self.tasks.pop(batch_id, None)
-            return
+        claim = None
         try:
+            claim = await asyncio.to_thread(self.store.claim, batch_id)
+            if claim is None:
+                log.info("batch %s: another server on server.files_dir runs it", batch_id)
+                return
             await self._lines(batch_id)
         except asyncio.CancelledError:
             if batch_id in self.cancelling:
@@ -91,7 +91,8 @@ class BatchRunner:
                  "param": None, "line": None}]}
             await self._finish(batch, "failed", {})
         finally:
-            claim.close()
+            if claim is not None:
+                claim.close()
             self.tasks.pop(batch_id, None)
             self.cancelling.discard(batch_id)
 
@@ -160,7 +161,8 @@ class BatchRunner:
             answer = r.json()
         except ValueError:
             answer = {"error": {"message": r.text[:1000], "type": "server_error"}}
-        rid = answer.get("id") if isinstance(answer, dict) and "error" not in answer else None
+        # the id the server's request log line names (chatcmpl-…, resp_…), when the body has one
+        rid = answer.get("id") if isinstance(answer, dict) and not answer.get("error") else None
         return r.status_code, rid or f"req_{uuid.uuid4().hex}", answer
 
     async def _finish(self, batch: dict[str, Any], status: str,
