@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from tests.serve.test_openai import NO_EOS, TIMEOUT
+from tests.serve.test_openapi_conformance import conforms   # OpenAI's published schemas
 
 POLLS = 3000   # a bound on polling, not a time limit
 PROMPTS = ["Name a river.", "Count to three.", "Say hello."]
@@ -78,10 +79,15 @@ def test_files_upload_list_content_delete_and_limits(state: dict[str, Any]) -> N
     up = client.files.create(file=("mine.jsonl", data), purpose="batch")
     assert (up.object, up.purpose, up.bytes, up.filename) == ("file", "batch", len(data),
                                                              "mine.jsonl")
+    conforms("OpenAIFile", up.model_dump(exclude_unset=True))
     assert client.files.retrieve(up.id).id == up.id
-    assert up.id in [f.id for f in client.files.list(purpose="batch")]
+    listed = httpx.get(f"{state['srv'].base_url}/v1/files?purpose=batch").json()
+    conforms("ListFilesResponse", listed)
+    assert up.id in [f["id"] for f in listed["data"]]
     assert client.files.content(up.id).content == data
-    assert client.files.delete(up.id).deleted is True
+    deleted = client.files.delete(up.id)
+    conforms("DeleteFileResponse", deleted.model_dump(exclude_unset=True))
+    assert deleted.deleted is True
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(up.id)
     with pytest.raises(openai.APIStatusError, match=r"server.files_max_mb \(0.02 MB\)") as e:
@@ -103,6 +109,9 @@ def test_batch_outputs_equal_live_requests(state: dict[str, Any]) -> None:
     assert batch.status == "validating" and batch.request_counts.total == 5
     done = poll(client, batch.id, ended)
     assert done.status == "completed", done
+    for shown in (batch, done):
+        conforms("Batch", shown.model_dump(exclude_unset=True))
+    conforms("ListBatchesResponse", httpx.get(f"{srv.base_url}/v1/batches").json())
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 2)
     outs = read_lines(client, done.output_file_id)
     assert [o["custom_id"] for o in outs] == ["q0", "q1", "q2"]
@@ -158,6 +167,7 @@ def test_cancel_stops_a_running_batch(state: dict[str, Any]) -> None:
     poll(client, batch.id, lambda b: b.status == "in_progress")
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    conforms("Batch", cancelled.model_dump(exclude_unset=True))
     assert cancelled.request_counts.completed == 0 and cancelled.output_file_id is None
     stopped = ""
     for _ in range(POLLS):   # its line's request was aborted, not run to its 3000 tokens

@@ -42,7 +42,7 @@ def add_routes(app: Sanic) -> None:
     @app.post("/v1/files", stream=True)
     async def upload(http: sanic.Request) -> HTTPResponse:
         data, name, purpose = await _read_upload(http, server.files_max_mb)
-        return json_response(await asyncio.to_thread(files.create, data, name, purpose))
+        return _object(await asyncio.to_thread(files.create, data, name, purpose))
 
     @app.get("/v1/files")
     async def list_files(http: sanic.Request) -> HTTPResponse:
@@ -53,7 +53,7 @@ def add_routes(app: Sanic) -> None:
 
     @app.get("/v1/files/<file_id:str>")
     async def get_file(http: sanic.Request, file_id: str) -> HTTPResponse:
-        return json_response(_found(await asyncio.to_thread(files.get, file_id), "file", file_id))
+        return _object(_found(await asyncio.to_thread(files.get, file_id), "file", file_id))
 
     @app.get("/v1/files/<file_id:str>/content")
     async def file_content(http: sanic.Request, file_id: str) -> HTTPResponse:
@@ -70,7 +70,7 @@ def add_routes(app: Sanic) -> None:
         batch = await _create(read_body(http), files)
         await asyncio.to_thread(store.save, batch)
         runner.start(batch["id"])
-        return json_response(batch)
+        return _object(batch)
 
     @app.get("/v1/batches")
     async def list_batches(http: sanic.Request) -> HTTPResponse:
@@ -78,8 +78,7 @@ def add_routes(app: Sanic) -> None:
 
     @app.get("/v1/batches/<batch_id:str>")
     async def get_batch(http: sanic.Request, batch_id: str) -> HTTPResponse:
-        return json_response(_found(await asyncio.to_thread(store.get, batch_id), "batch",
-                                    batch_id))
+        return _object(_found(await asyncio.to_thread(store.get, batch_id), "batch", batch_id))
 
     @app.post("/v1/batches/<batch_id:str>/cancel")
     async def cancel_batch(http: sanic.Request, batch_id: str) -> HTTPResponse:
@@ -91,7 +90,7 @@ def add_routes(app: Sanic) -> None:
             await asyncio.to_thread(store.save, batch)
             await runner.cancel(batch_id)
             batch = await asyncio.to_thread(store.get, batch_id)
-        return json_response(batch)
+        return _object(batch)
 
 
 async def _read_upload(http: sanic.Request, cap_mb: float) -> tuple[bytes, str, str]:
@@ -146,6 +145,16 @@ async def _create(body: dict[str, Any], files: FileStore) -> dict[str, Any]:
     return new_batch(fid, endpoint, window, metadata, len(parsed))
 
 
+def _shown(obj: dict[str, Any]) -> dict[str, Any]:
+    """A file or batch object as OpenAI's schema has it: a field with no value yet (a
+    timestamp still to come, no error file) is left out, not null."""
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+def _object(obj: dict[str, Any]) -> HTTPResponse:
+    return json_response(_shown(obj))
+
+
 def _found(item: Any, kind: str, item_id: str) -> Any:
     if item is None:
         raise NotFound(f"{kind} {item_id!r:.80} is unknown or deleted", param=f"{kind}_id")
@@ -163,7 +172,7 @@ def _page(items: list[dict[str, Any]], http: sanic.Request) -> dict[str, Any]:
     except ValueError:
         raise InvalidRequest(f"limit is {http.args.get('limit')!r:.20}; an integer >= 1",
                              param="limit") from None
-    page = items[:max(limit, 1)]
+    page = [_shown(x) for x in items[:max(limit, 1)]]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
