@@ -18,7 +18,7 @@ MAX_LINES = 50_000   # OpenAI's limit of requests in one batch
 
 @dataclass(frozen=True, slots=True)
 class Line:
-    index: int                      # its place in the input file (0-based)
+    index: int                      # its place among the requests (0-based; blank lines skipped)
     custom_id: str | None
     body: dict[str, Any] | None     # the request body; None when the line cannot be sent
     code: str | None = None         # why it cannot be: an OpenAI error code and message
@@ -35,42 +35,43 @@ def parse(data: bytes, endpoint: str) -> list[Line]:
         raise InvalidRequest(f"the input file is not UTF-8 text (byte {e.start}); a batch "
                              "input is JSONL, one request per line", param="input_file_id",
                              code="invalid_file") from None
-    raw = [s for s in text.splitlines() if s.strip()]
+    # split on newlines only: a JSON string may hold U+2028 and the like, which splitlines cuts
+    raw = [(n, s) for n, s in enumerate(text.split("\n"), 1) if s.strip()]
     if not raw:
         raise InvalidRequest("the input file has no lines; a batch input is JSONL, one "
                              "request per line", param="input_file_id", code="invalid_file")
     if len(raw) > MAX_LINES:
         raise InvalidRequest(f"the input file has {len(raw)} lines; a batch holds at most "
                              f"{MAX_LINES}", param="input_file_id", code="too_many_lines")
-    lines = [_line(i, s, endpoint) for i, s in enumerate(raw)]
+    lines = [_line(i, n, s, endpoint) for i, (n, s) in enumerate(raw)]
     seen: set[str] = set()
     for line in lines:
         if line.custom_id is not None and line.custom_id in seen:
-            raise InvalidRequest(f"line {line.index + 1}: custom_id {line.custom_id!r:.80} is "
+            raise InvalidRequest(f"request {line.index + 1}: custom_id {line.custom_id!r:.80} is "
                                  "used by an earlier line; each line needs its own",
                                  param="input_file_id", code="duplicate_custom_id")
         if line.custom_id is not None:
             seen.add(line.custom_id)
     if all(line.body is None for line in lines):
         first = lines[0]
-        raise InvalidRequest(f"no line of the input file is a request; line 1: "
-                             f"{first.message}", param="input_file_id", code="invalid_file")
+        raise InvalidRequest(f"no line of the input file is a request; {first.message}",
+                             param="input_file_id", code="invalid_file")
     return lines
 
 
-def _line(index: int, text: str, endpoint: str) -> Line:
+def _line(index: int, number: int, text: str, endpoint: str) -> Line:
+    """Line `number` of the file (1-based, blank lines counted), the `index`-th request."""
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as e:
-        return Line(index, None, None, "invalid_json_line", f"line {index + 1} is not JSON: {e}")
+        return Line(index, None, None, "invalid_json_line", f"line {number} is not JSON: {e}")
     if not isinstance(obj, dict):
-        return Line(index, None, None, "invalid_json_line",
-                    f"line {index + 1} is not a JSON object")
+        return Line(index, None, None, "invalid_json_line", f"line {number} is not a JSON object")
     cid = obj.get("custom_id")
     cid = cid if isinstance(cid, str) else None
 
     def bad(code: str, message: str) -> Line:
-        return Line(index, cid, None, code, f"line {index + 1}: {message}")
+        return Line(index, cid, None, code, f"line {number}: {message}")
     if cid is None:
         return bad("missing_required_parameter", "custom_id is missing or not a string")
     if obj.get("method") != "POST":
