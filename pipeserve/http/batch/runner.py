@@ -94,6 +94,7 @@ class BatchRunner:
             if claim is not None:
                 claim.close()
             self.tasks.pop(batch_id, None)
+            self.locks.pop(batch_id, None)
             self.cancelling.discard(batch_id)
 
     async def _lines(self, batch_id: str) -> None:
