@@ -2,8 +2,9 @@
 uploaded, listed, read back and deleted (a file over server.files_max_mb is a 413 naming it); a
 batch of chat lines polled to completed whose greedy outputs equal the same requests sent live,
 run at the least urgent priority class, with a bad line and a refused line in the error file;
-a file with no request, an unknown endpoint or window is a 400 at create; a cancel stops a
-running batch; and a batch cut by a restart resumes its unfinished lines only."""
+a file with no request, an unknown endpoint or window is a 400 at create; batch lines leave a
+row free, so a live request runs beside them; a cancel stops a running batch; and a batch cut
+by a restart resumes its unfinished lines only."""
 from __future__ import annotations
 
 import re
@@ -20,7 +21,9 @@ from tests.serve.test_openapi_conformance import conforms   # OpenAI's published
 
 POLLS = 3000   # a bound on polling, not a time limit
 PROMPTS = ["Name a river.", "Count to three.", "Say hello."]
-ARGS = ["server.files_max_mb=0.02", "server.batch_concurrency=1"]
+# three rows: batch lines take at most two (one stays free for live requests), however many
+# server.batch_concurrency allows
+ARGS = ["server.files_max_mb=0.02", "server.batch_concurrency=16", "scheduler.max_batch=3"]
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +164,16 @@ def test_a_bad_file_or_field_is_a_400_at_create(state: dict[str, Any]) -> None:
                               completion_window="24h")
 
 
-def test_cancel_stops_a_running_batch(state: dict[str, Any]) -> None:
-    client = client_of(state["srv"])
+def test_a_live_request_beside_a_batch_and_a_cancel(state: dict[str, Any]) -> None:
+    """Batch lines leave a row free: a live request runs while every line is still going
+    (none of them finished first); then the cancel stops them."""
+    srv = state["srv"]
+    client = client_of(srv)
     batch = submit(client, [line(f"c{i}", chat_body("Tell a story.", 3000)) for i in range(3)])
-    poll(client, batch.id, lambda b: b.status == "in_progress")
+    poll(client, batch.id, lambda b: _inflight(srv) == 2)   # two lines hold two of 3 rows
+    live = client.chat.completions.create(**chat_body("hi", 3))
+    assert live.usage.completion_tokens == 3 and _inflight(srv) == 2   # never a third line
+    assert client.batches.retrieve(batch.id).request_counts.completed == 0
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
     conforms("Batch", cancelled.model_dump(exclude_unset=True))
@@ -203,6 +212,10 @@ def test_a_restart_resumes_the_unfinished_lines(state: dict[str, Any]) -> None:
     outs = read_lines(client, done.output_file_id)
     assert [o["custom_id"] for o in outs] == [f"r{i}" for i in range(5)]
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in outs] == live
+
+
+def _inflight(srv: Any) -> int:
+    return httpx.get(srv.base_url + "/health").json()["inflight"]
 
 
 def _batch_waits(srv: Any) -> float:

@@ -28,7 +28,8 @@ def add_routes(app: Sanic) -> None:
     root = Path(server.files_dir).expanduser()
     files, store = FileStore(root), BatchStore(root)
     runner = BatchRunner(files, store, _self_url(server.host, server.port),
-                         _headers(app), server.batch_concurrency)
+                         _headers(app), server.batch_concurrency,
+                         lambda inflight: _room(app, inflight))
     app.ctx.batches = runner
 
     @app.after_server_start
@@ -175,6 +176,19 @@ def _page(items: list[dict[str, Any]], http: sanic.Request) -> dict[str, Any]:
     page = [_shown(x) for x in items[:max(limit, 1)]]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def _room(app: Sanic, inflight: int) -> bool:
+    """A batch line may go now: the engine's rows, taken or asked for, and the batch lines in
+    flight (some not at the engine yet) leave one row free for the next live request (on a
+    one-row engine: it is idle). True while the model loads (the line gets a 503 and waits)."""
+    engine = app.ctx.engine
+    limits = engine.limits
+    if limits is None:
+        return True
+    load = engine.load()
+    most = max(1, limits.max_rows - 1)
+    return load.num_waiting + load.num_running < most and inflight < most
 
 
 def _self_url(host: str, port: int) -> str:

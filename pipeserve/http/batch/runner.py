@@ -1,17 +1,18 @@
 """BatchRunner: runs each open batch's lines through the server's own endpoints, over HTTP to
 the server itself, so a line is answered by the handler a live request gets (validation,
 admission, generation, the response body) and nothing else. Lines go at the least urgent
-priority class (the `x-pipeserve-priority` header; a line's own `priority` wins), and at most
-`server.batch_concurrency` of them are in flight across all batches, so live requests keep
-the engine's rows and their place at the head of the queue. A 429 or 503 (queue full,
-loading, draining) is retried after its Retry-After. Event loop; disk I/O on threads."""
+priority class (the `x-pipeserve-priority` header; a line's own `priority` wins), at most
+`server.batch_concurrency` of them are in flight across all batches, and one is sent only
+while the engine has a row to spare (nothing queues, and one row stays free for a live
+request), so live requests keep the engine's rows and their place at the head of the queue. A 429 or 503 (queue full, loading, draining) is retried after its
+Retry-After. Event loop; disk I/O on threads."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import orjson
@@ -25,12 +26,16 @@ log = logging.getLogger("pipeserve")
 # httpx logs every request at INFO: the lines' own request log lines say it all already
 logging.getLogger("httpx").setLevel(logging.WARNING)
 RETRY_S = 5.0   # the longest wait before a refused (429, 503) line is sent again
+IDLE_POLL_S = 0.05   # how often a held line looks again for room in the engine
 
 
 class BatchRunner:
     def __init__(self, files: FileStore, store: BatchStore, base_url: str,
-                 headers: dict[str, str], concurrency: int) -> None:
+                 headers: dict[str, str], concurrency: int,
+                 room: Callable[[int], bool] | None = None) -> None:
         self.files, self.store = files, store
+        self.room = room   # whether the engine has a row to spare, given the lines in flight
+        self.inflight = 0
         self.base_url, self.headers = base_url, headers
         self.slots = asyncio.Semaphore(concurrency)
         self.concurrency = concurrency
@@ -113,12 +118,14 @@ class BatchRunner:
         try:
             for line in left:
                 await self.slots.acquire()
+                await self._room()
                 if time.time() >= batch["expires_at"]:
                     self.slots.release()
                     break
                 task = asyncio.create_task(self._one(batch, line))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), self.slots.release()))
+                self.inflight += 1   # counted now: the task has not reached the engine yet
+                task.add_done_callback(lambda t: self._done(tasks, t))
             await asyncio.gather(*tasks)
         finally:   # cancelled: the lines in flight stop (their requests are aborted)
             for task in tasks:
@@ -127,6 +134,17 @@ class BatchRunner:
         done = await asyncio.to_thread(self.store.results, batch_id)
         expired = len(done) < len(todo)
         await self._finish(batch, "expired" if expired else "completed", done, todo)
+
+    def _done(self, tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        self.inflight -= 1
+        self.slots.release()
+
+    async def _room(self) -> None:
+        """Wait until the engine has a row to spare (`room`): batch lines fill idle capacity
+        only."""
+        while self.room is not None and not self.room(self.inflight):
+            await asyncio.sleep(IDLE_POLL_S)
 
     async def _one(self, batch: dict[str, Any], line: L.Line) -> None:
         """One line: sent, and its result stored and counted."""
