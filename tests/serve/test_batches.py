@@ -117,6 +117,8 @@ def test_batch_outputs_equal_live_requests(state: dict[str, Any]) -> None:
     conforms("ListBatchesResponse", httpx.get(f"{srv.base_url}/v1/batches").json())
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 2)
     outs = read_lines(client, done.output_file_id)
+    prompts = sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in outs)
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (prompts, 3 * 6)
     assert [o["custom_id"] for o in outs] == ["q0", "q1", "q2"]
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in outs)
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in outs] == live

@@ -99,3 +99,22 @@ def error_line(line: Line, code: str, message: str) -> dict[str, Any]:
     """The error file's line of a request that was never answered."""
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
             "response": None, "error": {"code": code, "message": message}}
+
+
+def usage(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batch's `usage`: the tokens of its answered lines summed, whichever endpoint's
+    usage shape they carry (chat and completions, Responses, embeddings)."""
+    got = {"input": 0, "cached": 0, "output": 0, "reasoning": 0}
+    for out in outs:
+        u = (out["response"]["body"] or {}).get("usage") or {}
+        details_in = u.get("input_tokens_details") or u.get("prompt_tokens_details") or {}
+        details_out = (u.get("output_tokens_details") or u.get("completion_tokens_details")
+                       or {})
+        got["input"] += u.get("input_tokens", u.get("prompt_tokens", 0)) or 0
+        got["output"] += u.get("output_tokens", u.get("completion_tokens", 0)) or 0
+        got["cached"] += details_in.get("cached_tokens", 0) or 0
+        got["reasoning"] += details_out.get("reasoning_tokens", 0) or 0
+    return {"input_tokens": got["input"], "input_tokens_details": {"cached_tokens": got["cached"]},
+            "output_tokens": got["output"],
+            "output_tokens_details": {"reasoning_tokens": got["reasoning"]},
+            "total_tokens": got["input"] + got["output"]}

@@ -208,6 +208,7 @@ class BatchRunner:
                 batch[key] = made["id"]
         batch["request_counts"] = {"total": batch["request_counts"]["total"],
                                    "completed": len(outs), "failed": len(errs)}
+        batch["usage"] = L.usage(outs)
         batch.update(status=status, **{f"{status}_at": int(time.time())})
         await asyncio.to_thread(self.store.save, batch)
         log.info("batch %s %s: %d completed, %d failed", name, status, len(outs), len(errs))

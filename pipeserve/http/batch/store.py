@@ -30,7 +30,7 @@ def new_batch(input_file_id: str, endpoint: str, window: str,
             "finalizing_at": None, "completed_at": None, "failed_at": None,
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": total, "completed": 0, "failed": 0},
-            "metadata": metadata}
+            "metadata": metadata, "usage": None}
 
 
 class BatchStore:
