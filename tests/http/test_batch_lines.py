@@ -1,7 +1,8 @@
 """A batch input read as OpenAI reads it, without a server: every line a request or an error
 line of its own (with the file's line number), a JSON string holding U+2028 kept whole, a file
 with no request refused; and a batch past its completion window ends `expired`, its unsent
-lines in the error file as `batch_expired`."""
+lines in the error file as `batch_expired`; a batch a stopped server left `cancelling` ends
+cancelled with the lines that had finished."""
 from __future__ import annotations
 
 import asyncio
@@ -64,3 +65,22 @@ def test_a_batch_past_its_window_expires(tmp_path: Path) -> None:
     errors = [orjson.loads(x) for x in files.content(done["error_file_id"]).splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("a", "batch_expired"),
                                                                       ("b", "batch_expired")]
+
+
+def test_a_batch_left_cancelling_ends_cancelled_with_its_finished_lines(tmp_path: Path) -> None:
+    """A server that stopped mid-cancel: the next one ends the batch with what had finished."""
+    files, store = FileStore(tmp_path), BatchStore(tmp_path)
+    up = files.create(row("a") + b"\n" + row("b"), "in.jsonl", "batch")
+    batch = new_batch(up["id"], URL, "24h", None, 2)
+    batch["status"] = "cancelling"
+    store.save(batch)
+    answered = L.response_line(L.parse(row("a"), URL)[0], 200, "chatcmpl-1", {"id": "chatcmpl-1"})
+    store.append(batch["id"], 0, True, answered)
+
+    async def run() -> None:
+        await BatchRunner(files, store, "http://127.0.0.1:9", {}, 1).resume()
+    asyncio.run(run())
+    done = store.get(batch["id"])
+    assert done["status"] == "cancelled" and done["cancelled_at"] is not None
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+    assert orjson.loads(files.content(done["output_file_id"]))["custom_id"] == "a"

@@ -52,7 +52,7 @@ class BatchRunner:
         """Pick up every batch a previous run left open."""
         for batch in await asyncio.to_thread(self.store.list):
             if batch["status"] == "cancelling":
-                await self._finish(batch, "cancelled", {})
+                await self._cancelled(batch["id"])
             elif batch["status"] in OPEN:
                 log.info("batch %s: resuming (%s)", batch["id"], batch["status"])
                 self.start(batch["id"])
@@ -60,7 +60,8 @@ class BatchRunner:
     async def cancel(self, batch_id: str) -> None:
         """Stop sending lines, stop those in flight, and finish as cancelled with what is done."""
         task = self.tasks.get(batch_id)
-        if task is None:
+        if task is None:   # not running here: ended here unless another server runs it
+            await self._cancelled(batch_id)
             return
         self.cancelling.add(batch_id)
         task.cancel()
@@ -85,9 +86,7 @@ class BatchRunner:
             await self._lines(batch_id)
         except asyncio.CancelledError:
             if batch_id in self.cancelling:
-                batch = await asyncio.to_thread(self.store.get, batch_id)
-                done = await asyncio.to_thread(self.store.results, batch_id)
-                await self._finish(batch, "cancelled", done)
+                await self._finish_cancelled(batch_id)
         except Exception as e:   # a fault of this batch only: it fails, the server serves on
             log.exception("batch %s failed", batch_id)
             batch = await asyncio.to_thread(self.store.get, batch_id)
@@ -134,6 +133,21 @@ class BatchRunner:
         done = await asyncio.to_thread(self.store.results, batch_id)
         expired = len(done) < len(todo)
         await self._finish(batch, "expired" if expired else "completed", done, todo)
+
+    async def _cancelled(self, batch_id: str) -> None:
+        """End as cancelled a batch no task of this server runs, if no other server does."""
+        claim = await asyncio.to_thread(self.store.claim, batch_id)
+        if claim is None:
+            return
+        try:
+            await self._finish_cancelled(batch_id)
+        finally:
+            claim.close()
+
+    async def _finish_cancelled(self, batch_id: str) -> None:
+        batch = await asyncio.to_thread(self.store.get, batch_id)
+        done = await asyncio.to_thread(self.store.results, batch_id)
+        await self._finish(batch, "cancelled", done)
 
     def _done(self, tasks: set[asyncio.Task[None]], task: asyncio.Task[None]) -> None:
         tasks.discard(task)
