@@ -58,6 +58,11 @@ class ServerConfig:
     # share their prefix in the prompt cache: name → regular expression (null turns them off;
     # pipeserve/http/api/volatile.py)
     volatile_spans: Optional[dict[str, str]] = field(default_factory=lambda: dict(VOLATILE_SPANS))
+    # /v1/files and /v1/batches: the uploaded and produced files and each batch's state live
+    # here, so a batch goes on after a restart (pipeserve/http/batch/)
+    files_dir: str = "~/.cache/pipeserve/files"
+    files_max_mb: float = 200.0   # one uploaded file's size cap (decimal MB); more is a 413
+    batch_concurrency: int = 2    # batch lines in flight at once, over every batch
 
     def __post_init__(self) -> None:
         for name, pattern in (self.volatile_spans or {}).items():
@@ -76,6 +81,10 @@ class ServerConfig:
             raise ConfigError(
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
+        _positive("server.files_max_mb", self.files_max_mb, allow_none=False)
+        if self.batch_concurrency < 1:
+            raise ConfigError(f"server.batch_concurrency must be >= 1, got "
+                              f"{self.batch_concurrency}")
         _positive("server.shutdown_timeout_s", self.shutdown_timeout_s, allow_none=False)
         _positive("server.keep_alive_s", self.keep_alive_s, allow_none=False)
         _positive("server.request_template_timeout_s", self.request_template_timeout_s,

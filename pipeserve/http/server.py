@@ -32,6 +32,7 @@ from pipeserve.http.api.resume import StreamStore
 from pipeserve.http.api.volatile import HEADER as VOLATILE_HEADER
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
+from pipeserve.http.batch import routes as batch_routes
 from pipeserve.http.chat_page import add_chat_page
 from pipeserve.config import ServeConfig, config_hash
 from pipeserve.core.client import EngineClient, EngineState
@@ -211,6 +212,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
 
     _add_middleware(app, cfg)
     _add_routes(app)
+    batch_routes.add_routes(app)   # /v1/files, /v1/batches
     add_chat_page(app, cfg.server.chat_page)
     return app
 

@@ -24,6 +24,13 @@ def sdk(base_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
+def server(server_factory: Any) -> Any:
+    """Request templates allowed: the reasoning-items test renders with one that keeps
+    reasoning (tiny's own drops it)."""
+    return server_factory("server.allow_request_templates=true")
+
+
+@pytest.fixture(scope="module")
 def client(server: Any) -> openai.OpenAI:
     return sdk(server.base_url)
 
@@ -142,6 +149,47 @@ def test_tool_items_round_trip(client: openai.OpenAI) -> None:
     assert r.usage.input_tokens > with_tools.usage.input_tokens
     assert r.status in ("incomplete", "completed")
     assert all(o.type in ("message", "function_call") for o in r.output)
+
+
+# renders an assistant turn's reasoning_content as a think span, as Qwen3's template does
+THINKING = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+            "{%- if m.reasoning_content %}{{- '<think>' + m.reasoning_content + '</think>' }}"
+            "{%- endif %}{{- (m.content or '') + '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_reasoning_items_render_as_the_assistant_turns_reasoning(server: Any) -> None:
+    """A reasoning item sent back (ours: reasoning_text content; another's: a summary) is the
+    next assistant turn's reasoning_content, the prompt a chat request with it renders; one
+    with only encrypted_content adds nothing; a malformed one is a 400 naming input."""
+    kwargs = {"chat_template": THINKING}
+    thought = "The user greets me; greet back."
+
+    def responses_tokens(reasoning: list[dict[str, Any]]) -> int:
+        items = [{"role": "user", "content": "Hello"}, *reasoning,
+                 {"type": "message", "role": "assistant", "content": "Hi there."},
+                 {"role": "user", "content": "And again?"}]
+        r = httpx.post(server.base_url + "/v1/responses/input_tokens", timeout=TIMEOUT, json={
+            "model": MODEL, "input": items, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+    chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "model": MODEL, "max_tokens": 1, "chat_template_kwargs": kwargs, "messages": [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi there.", "reasoning_content": thought},
+            {"role": "user", "content": "And again?"}]}).json()["usage"]["prompt_tokens"]
+    ours = {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": thought}]}
+    summary = {"type": "reasoning", "id": "rs_2",
+               "summary": [{"type": "summary_text", "text": thought}]}
+    sealed = {"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": "gAAA"}
+    none = responses_tokens([])
+    assert responses_tokens([ours]) == responses_tokens([summary]) == chat > none
+    assert responses_tokens([sealed]) == none
+    r = httpx.post(server.base_url + "/v1/responses", timeout=TIMEOUT, json={
+        "model": MODEL, "input": [{"type": "reasoning", "content": "not parts"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "input[0].content must be an array" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -2,7 +2,9 @@
 answers at once with a queued response that GET polls to its end, the finished output is the
 one the same request gives in the foreground, the request ran at the least urgent priority
 class, a cancel stops a running one (stored as cancelled) and the server goes on serving, and
-a background request that cannot be polled (store false, stream true) is a 400 naming the field."""
+a background request that cannot be polled (store false) is a 400 naming the field; a
+background stream left by its client runs on and resumes after a sequence number, and its
+cancel stops it."""
 from __future__ import annotations
 
 import time
@@ -83,5 +85,35 @@ def test_cancel_of_a_foreground_response_and_bad_bodies(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError, match="background is true with store false") as e:
         create(client, 4, background=True, store=False)
     assert e.value.body["param"] == "store"
-    with pytest.raises(openai.BadRequestError, match="background is true with stream true"):
-        create(client, 4, background=True, stream=True)
+
+
+def test_a_background_stream_left_by_its_client_resumes_after_a_sequence_number(
+        client: openai.OpenAI) -> None:
+    """The client reads a few events and leaves; the generation runs on; the stream resumes
+    from `starting_after` (OpenAI's retrieve with stream=true) to the foreground's answer."""
+    plain = create(client, 40)
+    first = []
+    with create(client, 40, background=True, stream=True) as events:
+        for event in events:
+            first.append(event)
+            if event.type == "response.output_text.delta" and len(first) > 4:
+                break
+    rid = first[0].response.id
+    assert first[0].response.background is True
+    done, _ = poll(client, rid)   # it ran on to its end without a reader
+    assert done.status == "incomplete" and done.output_text == plain.output_text
+    cut = first[-1].sequence_number
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=cut))
+    assert [e.sequence_number for e in rest] == list(range(cut + 1, cut + 1 + len(rest)))
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
+    assert text == plain.output_text and rest[-1].type == "response.incomplete"
+
+
+def test_cancel_stops_a_background_stream(client: openai.OpenAI) -> None:
+    with create(client, 3000, background=True, stream=True) as events:
+        rid = next(iter(events)).response.id
+    assert client.responses.retrieve(rid).status in ("queued", "in_progress")
+    cancelled = client.post(f"/responses/{rid}/cancel", cast_to=httpx.Response).json()
+    assert cancelled["status"] == "cancelled"
+    assert client.responses.retrieve(rid).status == "cancelled"
+    assert create(client, 4).usage.output_tokens == 4   # the server serves on

@@ -26,6 +26,7 @@ from pipeserve.http.api import json_body
 from pipeserve.http.api.fields import keep_alive
 
 log = logging.getLogger("pipeserve")
+PRIORITY_HEADER = "x-pipeserve-priority"   # a request's priority class, as the body's field
 
 
 def json_response(body: Any, status: int = 200,
@@ -142,6 +143,9 @@ class Scope:
 
     async def prepare(self, request: Request) -> Request:
         """The request stages (tokenize, admission); `submit` sends the result to the engine."""
+        asked = self.http.headers.get(PRIORITY_HEADER)   # a body's own `priority` wins
+        if asked is not None and request.requested.get("priority") is None:
+            request.requested["priority"] = asked
         self._check_priority(request)
         try:
             request = await ready_front(self.app, self.ctx).prepare(request)

@@ -21,6 +21,7 @@ from pipeserve.http.api.http import (Scope, check_ready, json_response, read_bod
                                      route, sse_event)
 from pipeserve.http.api.openai import sampling_fields, tool_call_body
 from pipeserve.http.api.reasoning import thinking_from_effort
+from pipeserve.http.api.responses_reasoning import reasoning_text, think
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
@@ -138,11 +139,14 @@ def _items(value: Any) -> list[dict[str, Any]]:
         raise InvalidRequest("input must be a string or a non-empty array of items",
                              param="input")
     out: list[dict[str, Any]] = []
+    reasoning: list[str] = []   # reasoning items not yet given to an assistant turn
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             out.append(_message(item, where))
+            if out[-1]["role"] == "assistant":
+                think(out[-1], reasoning)
         elif kind in ("function_call", "custom_tool_call"):
             call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
             last = out[-1] if out else None
@@ -150,12 +154,15 @@ def _items(value: Any) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            think(out[-1], reasoning)
+        elif kind == "reasoning":
+            reasoning += reasoning_text(item, where)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else _text(output, f"{where}.output")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": text})
-        elif kind != "reasoning":
+        else:
             raise InvalidRequest(f"{where}.type is {kind!r}; supported: message, function_call, "
                                  "function_call_output, custom_tool_call, "
                                  "custom_tool_call_output, reasoning", param="input")
@@ -295,13 +302,21 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store, parsed.tools.custom)
         if parsed.stream:
+            def save(b: dict[str, Any]) -> None:
+                _save(app.ctx.responses, b, parsed.conversation, gen)
+
             async def produce(log: StreamLog) -> None:
-                final = await _stream(log, gen, shape)
-                scope.failed = final is None
-                if final is not None and parsed.store:   # stored even when the client left
-                    _save(app.ctx.responses, final, parsed.conversation, gen)
+                if parsed.background:   # stored as it goes; POST .../cancel stops the task
+                    final = await background.streamed(app, gen, shape, save,
+                                                      lambda: _stream(log, gen, shape))
+                else:
+                    final = await _stream(log, gen, shape)
+                scope.failed = final["status"] == "failed"
+                if not scope.failed and parsed.store:   # stored even when the client left
+                    save(final)
             await resume.serve(http, app.ctx.streams, req.request_id, keep,
-                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
+                               ctx.cfg.server.keep_alive_s, produce, scope.detach,
+                               background=parsed.background)
             return None
         if parsed.background:
             return background.launch(app, scope, gen, shape, lambda b: _save(
@@ -332,11 +347,9 @@ async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
 
 def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
     """A background response is read back from the store, and runs behind interactive work."""
-    if not parsed.store or parsed.stream:
-        field, value = ("store", "false") if not parsed.store else ("stream", "true")
-        raise InvalidRequest(f"background is true with {field} {value}; a background response "
-                             "is polled from the store: send store true and stream false",
-                             param=field)
+    if not parsed.store:
+        raise InvalidRequest("background is true with store false; a background response is "
+                             "polled from the store: send store true", param="store")
     if parsed.requested.get("priority") is None:
         parsed.requested["priority"] = background.least_urgent(classes)
 
@@ -393,9 +406,9 @@ def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[st
                     body["id"])
 
 
-async def _stream(log: StreamLog, gen: Generation,
-                  shape: ResponseShape) -> dict[str, Any] | None:
-    """Append the event chain to `log`; the final response body, or None after an error."""
+async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape) -> dict[str, Any]:
+    """Append the event chain to `log`; the final response body (status "failed" after an
+    error)."""
     events = ResponseEvents(shape)
 
     async def send(batch: list[dict[str, Any]]) -> None:
@@ -408,8 +421,9 @@ async def _stream(log: StreamLog, gen: Generation,
             if delta:
                 await send(events.feed(delta))
     except ServeError as e:
-        await send(events.fail(e))
-        return None
+        failed = events.fail(e)
+        await send(failed)
+        return failed[-1]["response"]
     final = events.end(gen)
     await send(final)
     return final[-1]["response"]

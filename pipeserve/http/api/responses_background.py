@@ -7,7 +7,7 @@ Event loop."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from sanic import Sanic
 from sanic.response import HTTPResponse
@@ -57,6 +57,29 @@ def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
     running[rid] = task
     scope.detach(task)
     return json_response(queued)
+
+
+async def streamed(app: Sanic, gen: Generation, shape: ResponseShape, save: Save,
+                   stream: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """`background` with `stream`: the event chain is the stream's (resumable with
+    `GET /v1/responses/{id}?stream=true&starting_after=N`), and the response is stored as it
+    goes, so polling and cancel work as for an unstreamed one. The final body."""
+    running: Running = app.ctx.background
+    rid = gen.request.request_id
+    task = asyncio.current_task()
+    assert task is not None
+    running[rid] = task
+    save(shape.body([], None, status="in_progress"))
+    try:
+        final = await stream()
+    except asyncio.CancelledError:
+        save(shape.body([], gen, status="cancelled"))
+        raise
+    finally:
+        running.pop(rid, None)
+    if final["status"] == "failed":
+        save(final)
+    return final
 
 
 async def cancel(app: Sanic, response_id: str) -> HTTPResponse:

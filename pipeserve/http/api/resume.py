@@ -51,6 +51,7 @@ class StreamLog:
         self.nbytes = 0
         self.ended = False
         self.cancelled = False   # ended because its client left (not resumable)
+        self.background = False   # runs to its end without readers (a background response)
         self.ended_at = 0.0
         self.readers: dict[int, int] = {}   # reader token → next frame it will send
         self.task: asyncio.Task[Any] | None = None   # the producer
@@ -199,6 +200,8 @@ class StreamLog:
     def _arm(self) -> None:
         """Nobody reads a live stream: a resumable one runs on for stream_resume_s, then its
         generation is cancelled; any other is cancelled now."""
+        if self.background:   # only its own cancel stops it
+            return
         if not self.resumable:
             self.cancel()
             return
@@ -334,11 +337,14 @@ def parse_after(http: sanic.Request) -> int:
 
 async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumable: bool,
                 keep_alive_s: float, produce: Callable[[StreamLog], Awaitable[T]],
-                detach: Callable[[asyncio.Task[T]], None]) -> T:
+                detach: Callable[[asyncio.Task[T]], None], background: bool = False) -> T:
     """Run `produce(log)` (it appends the stream's frames) as its own task and send the log to
     this connection. When the client leaves, a resumable stream's producer runs on (`detach`
-    hands it the request's settling), any other is cancelled and awaited."""
+    hands it the request's settling), any other is cancelled and awaited. `background`: it
+    runs on however long nobody reads it."""
+    resumable = resumable or background
     stream = store.open(stream_id, resumable)
+    stream.background = background
 
     async def run() -> T:
         try:

@@ -14,7 +14,8 @@ from typing import Any
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateCompletionResponse", "Response", "ResponseStreamEvent", "ErrorResponse",
-         "Error", "ListModelsResponse"]
+         "Error", "ListModelsResponse", "OpenAIFile", "ListFilesResponse", "DeleteFileResponse",
+         "Batch", "ListBatchesResponse"]
 DOC_ONLY = {"description", "title", "example", "examples", "deprecated", "discriminator"}
 
 
