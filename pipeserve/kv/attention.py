@@ -4,7 +4,11 @@ mlx-lm's attention layers call `scaled_dot_product_attention(queries, keys, valu
 scale=..., mask=...)`, imported by name into each model module. `install()` rebinds that name in
 every loaded mlx-lm model module to `dispatch`, which hands the call to the cache when it has an
 `attend` method (TurboQuant, mixed-bit, delayed conversion) and to mlx-lm otherwise, so dense,
-q4/q8 and recurrent layers keep mlx-lm's exact arithmetic. Engine thread, at load.
+q4/q8 and recurrent layers keep mlx-lm's exact arithmetic. mlx-vlm's model modules (its own
+copy of the function) are rebound too. A KV-shared layer (Gemma 4 E2B / E4B) has no cache and
+attends over what its source layer's update_and_fetch returned; a layout's quantized K/V come
+`Fetched`, naming the cache that reads them, so the shared layer attends as its source does.
+Engine thread, at load.
 
 On CUDA, MLX 0.32 runs attention with more than one query per row through cuDNN graphs cached
 by exact shape, key length included: every new (rows, prompt length) pair builds a graph,
@@ -76,8 +80,27 @@ def _composable(queries: mx.array, keys: mx.array, mask: Any) -> bool:
     return B * n_q * L * keys.shape[2] * 4 <= COMPOSED_MAX_SCORE_BYTES
 
 
+class Fetched(tuple):
+    """K or V as a layout's cache fetched them (quantized parts, or a batch's dense and
+    quantized halves), with `cache`, whose `attend` reads them: a KV-shared layer gets these
+    from its source layer and no cache of its own."""
+
+    cache: Any
+
+
+def tag_fetched(kv: Any, cache: Any) -> Any:
+    """`kv` tagged with the cache that reads it; dense arrays need no tag."""
+    if not isinstance(kv, (tuple, list)):
+        return kv
+    out = Fetched(kv)
+    out.cache = cache
+    return out
+
+
 def dispatch(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
              sinks: Any = None) -> Any:
+    if cache is None and isinstance(keys, Fetched):
+        cache = keys.cache   # a KV-shared layer: attend as the source layer's cache does
     attend = getattr(cache, "attend", None)
     if attend is not None:
         if sinks is not None:
@@ -100,15 +123,17 @@ def install(model: Any = None, composed_on_cuda: bool = False,
     global composed, composed_decode
     composed = composed or (composed_on_cuda and on_cuda())
     composed_decode = compose_decode
-    names = [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]
+    names = [n for n in list(sys.modules) if n.startswith(("mlx_lm.models.", "mlx_vlm.models."))]
+    vlm_base = sys.modules.get("mlx_vlm.models.base")   # loaded with a model mlx-vlm serves
+    stocks = (_stock, getattr(vlm_base, "scaled_dot_product_attention", _stock))
     if model is not None:
         names.append(type(model).__module__)
     patched = 0
     for name in names:
         module = sys.modules.get(name)
-        if module is None or module is base:
+        if module is None or module is base or name == "mlx_vlm.models.base":
             continue
-        if getattr(module, "scaled_dot_product_attention", None) is _stock:
+        if getattr(module, "scaled_dot_product_attention", None) in stocks:
             module.scaled_dot_product_attention = dispatch
             patched += 1
     return patched

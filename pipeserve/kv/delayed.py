@@ -41,7 +41,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache
-from pipeserve.kv.attention import dense_attention
+from pipeserve.kv.attention import dense_attention, tag_fetched
 
 OnConvert = Callable[[int], None]
 
@@ -135,7 +135,8 @@ class DelayedKVCache(_Settings, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if self.converted_at is not None:
             self.attend_dense = False
-            return self.inner.update_and_fetch(keys, values)
+            k, v = self.inner.update_and_fetch(keys, values)
+            return tag_fetched(k, self), tag_fetched(v, self)
         self._learn_dims(keys, values)
         self.attend_dense = True
         fetched = self.inner.update_and_fetch(keys, values)
@@ -249,7 +250,8 @@ class DelayedBatchKVCache(_Settings, _BaseCache):
             self._convert_due()
         if not any(self.attend_target):
             target_kv = (None, None)
-        return (dense_kv[0], target_kv[0]), (dense_kv[1], target_kv[1])
+        return (tag_fetched((dense_kv[0], target_kv[0]), self),
+                tag_fetched((dense_kv[1], target_kv[1]), self))
 
     def _convert_due(self) -> None:
         due = [i for i, (c, m) in enumerate(zip(self.converted_at, self.lengths))

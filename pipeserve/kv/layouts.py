@@ -159,7 +159,7 @@ class _Converting(DenseLayout, ABC):
             self.on_convert(1 / max(1, self.converting))
 
     def check(self) -> None:
-        group = getattr(self.cfg, "group_size", 64)
+        group = getattr(self, "group", None) or getattr(self.cfg, "group_size", 64)
         for a in self.layers.values():
             if a.head_dim % group:
                 raise ConfigError(
@@ -271,6 +271,8 @@ def load_kv_config(path: str, layer_indices: list[int]) -> tuple[int, dict[int, 
 
 class MixedLayout(_Converting):
     """kv=mixed: per-layer key/value bits from kv_config.json."""
+
+    group: int | None = None   # kv_config.json's group_size (read by check)
 
     def check(self) -> None:
         self.group, self.table = load_kv_config(self.cfg.config_path, sorted(self.layers))

@@ -76,8 +76,13 @@ def decode(model: Any, caches: Caches, token: int, n: int) -> list[int]:
     return out
 
 
+def n_caches(model: Any) -> int:
+    """Caches the model takes: one per layer, less a Gemma 4's KV-shared layers."""
+    return len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+
+
 def solo(model: Any, make: Callable[[], Any], prompt: list[int], n: int) -> list[int]:
-    caches = [make() for _ in model.layers]
+    caches = [make() for _ in range(n_caches(model))]
     prefill(model, caches, prompt)
     return decode(model, caches, prompt[-1], n)
 
@@ -93,7 +98,7 @@ def batched(model: Any, make: Callable[[], Any], prompts: list[list[int]], quota
     leaves (filter) once it has its quota, after `extra` more tokens decoded alone from its
     extracted caches (so extract is checked too)."""
     def own(j: int) -> Caches:
-        caches = [make() for _ in model.layers]
+        caches = [make() for _ in range(n_caches(model))]
         prefill(model, caches, prompts[j])
         out[j] = []
         return caches
