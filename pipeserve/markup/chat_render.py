@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import (_alias_reasoning_fields,
                                                     _compile_jinja_template,
                                                     _plain_template_data)
@@ -36,7 +37,12 @@ class ChatRender:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.inner = getattr(tokenizer, "_tokenizer", tokenizer)
-        self.direct = hasattr(self.inner, "get_chat_template")
+        # a tokenizer class with a renderer of its own (mistral-common's) keeps it
+        kind = type(self.inner)
+        self.direct = (getattr(kind, "apply_chat_template", None)
+                       is PreTrainedTokenizerBase.apply_chat_template
+                       and getattr(kind, "get_chat_template", None)
+                       is PreTrainedTokenizerBase.get_chat_template)
         self.special = plain(dict(self.inner.special_tokens_map)) if self.direct else {}
 
     def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:

@@ -56,6 +56,7 @@ def test_the_prompt_equals_apply_chat_template(model_path: Path, name: str) -> N
     if name != "own":
         tok._tokenizer.chat_template = (TEMPLATES / name).read_text()
     chat = ChatRender(tok)
+    assert chat.direct   # renders itself; apply_chat_template is only the reference here
     rendered = 0
     for label, messages in CHATS.items():
         for tools in (None, TOOLS):
