@@ -5,6 +5,7 @@ template and tokenize, admission, the first SSE frame) and the per-token output 
 (tests/http/scripted.py) so no model runs. Microseconds per request and per token event.
 
     python scripts/http_host_cost.py --requests 400
+    python scripts/http_host_cost.py --output-lengths 100,1000,8000   # µs a token, long outputs
 """
 from __future__ import annotations
 
@@ -180,11 +181,47 @@ def stream_cost(app: Any, loop: asyncio.AbstractEventLoop, reqs: list[Any], toks
     return out
 
 
+def output_cost(app: Any, loop: asyncio.AbstractEventLoop, lengths: list[int],
+                rounds: int = 3) -> dict[str, float]:
+    """µs a token of a Generation's own output path (detokenize, stop strings, output chain,
+    the text kept for the response) over a whole output of each length, its events all
+    there: whether the cost a token grows with the output."""
+    ctx = app.ctx
+    front = ctx.front
+    body = orjson.loads(body_bytes(0, max(lengths)))
+    body["stop"] = ["never in this text"]
+    req = openai_http._choice_request(oa.parse_chat(body), "chatcmpl-long", "chat", 0, None)
+    req = loop.run_until_complete(front.tokenize(front.normalise(req)))
+    text = " ".join(WORDS) + ". "
+    ids = list(front.tokenize.tokenizer.encode(text * (max(lengths) // 8 + 1),
+                                               add_special_tokens=False))[:max(lengths)]
+
+    async def one(count: int) -> None:
+        stream = RequestStream(loop)
+        for t in ids[:count]:
+            stream._put(TokenDelta(req.request_id, [t]))
+        stream._put(Finished(req.request_id, FinishReason.LENGTH, req.num_prompt_tokens, count,
+                             0, extras={"batch_size_max": 1}))
+        await Generation(ctx, req, stream, True).run()
+
+    out = {}
+    for count in lengths:
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            loop.run_until_complete(one(count))
+            best = min(best, time.perf_counter() - t0)
+        out[f"output path a token, {count} tokens out"] = best / count * 1e6
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=76)
+    p.add_argument("--output-lengths", default="",
+                   help="comma-separated output lengths: measure only the output path a token")
     args = p.parse_args()
     cfg = make_config("scheduler.max_batch=128", "admission.max_queue=512",
                       f"model.cache_dir={Path(tempfile.gettempdir()) / 'pipeserve-host-cost'}")
@@ -192,7 +229,11 @@ def main() -> None:
     try:
         app = next(a for a in __import__("sanic").Sanic._app_registry.values()
                    if a.ctx.front is not None)
-        rows = measure(app, proc.loop, args.requests, args.tokens, args.prompt_tokens)
+        if args.output_lengths:
+            lengths = [int(n) for n in args.output_lengths.split(",")]
+            rows = output_cost(app, proc.loop, lengths)
+        else:
+            rows = measure(app, proc.loop, args.requests, args.tokens, args.prompt_tokens)
     finally:
         proc.close()
     for name, us in rows.items():

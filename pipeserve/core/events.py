@@ -74,9 +74,14 @@ Command = Submit | Abort | Flush | AdapterSwap
 
 @dataclass(slots=True)
 class TokenDelta:
+    """New output tokens of one request. `batch_size_max`: the most rows in one engine step
+    while it ran, so far (the record's batch size of a request that a stop string ends before
+    its Finished event; 0 where unknown)."""
+
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    batch_size_max: int = 0
 
 
 @dataclass(slots=True)

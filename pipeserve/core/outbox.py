@@ -37,7 +37,8 @@ class Outbox:
         for req in running:
             if req.replay_ids:
                 req.first_token_s = req.last_token_s = time.perf_counter()
-                self.post(req.request_id, TokenDelta(req.request_id, req.replay_ids))
+                self.post(req.request_id, TokenDelta(req.request_id, req.replay_ids,
+                                                           None, req.batch_size_max))
                 req.replay_ids = None
 
     def post(self, request_id: str, event: TokenDelta | Finished | Failed) -> None:

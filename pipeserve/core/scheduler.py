@@ -293,7 +293,7 @@ class Scheduler:
                 break
         if tokens:
             req.output_ids.extend(tokens)
-            yield req, TokenDelta(req.request_id, tokens, lps)
+            yield req, TokenDelta(req.request_id, tokens, lps, req.batch_size_max)
         if reason is not None:
             self.running.remove(req)
             self._finish(req, reason)

@@ -79,7 +79,7 @@ def encode_event(event: Event) -> list[Any]:
     if isinstance(event, TokenDelta):
         lps = ([[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs]
                if event.logprobs is not None else None)
-        return ["t", event.request_id, event.token_ids, lps]
+        return ["t", event.request_id, event.token_ids, lps, event.batch_size_max]
     if isinstance(event, Finished):
         return ["f", event.request_id, event.reason.value, event.num_prompt_tokens,
                 event.num_output_tokens, event.num_cached_tokens, event.extras]
@@ -89,11 +89,13 @@ def encode_event(event: Event) -> list[Any]:
 
 def encode_step(events: list[Event], waiting: int, running: int) -> dict[str, Any]:
     """One engine step's events as one message, column by column: the rows with new tokens
-    (`rid`), how many each got (`n`), every new token id in one flat array (`tok`), each
-    row's logprobs or null (`lp`: null when no row asked), then the rows that ended (`end`:
-    finished or failed), and the engine's waiting and running counts after the step."""
+    (`rid`), how many each got (`n`), each row's most rows in one step so far (`b`), every
+    new token id in one flat array (`tok`), each row's logprobs or null (`lp`: null when no
+    row asked), then the rows that ended (`end`: finished or failed), and the engine's
+    waiting and running counts after the step."""
     rids: list[str] = []
     counts: list[int] = []
+    sizes: list[int] = []
     toks: list[int] = []
     lps: list[Any] = []
     ends: list[list[Any]] = []
@@ -101,12 +103,13 @@ def encode_step(events: list[Event], waiting: int, running: int) -> dict[str, An
         if isinstance(event, TokenDelta):
             rids.append(event.request_id)
             counts.append(len(event.token_ids))
+            sizes.append(event.batch_size_max)
             toks.extend(event.token_ids)
             lps.append(None if event.logprobs is None else
                        [[lp.token_id, lp.logprob, lp.top] for lp in event.logprobs])
         else:
             ends.append(encode_event(event))
-    return {"op": "ev", "rid": rids, "n": counts, "tok": toks,
+    return {"op": "ev", "rid": rids, "n": counts, "b": sizes, "tok": toks,
             "lp": lps if any(x is not None for x in lps) else None, "end": ends,
             "w": waiting, "r": running}
 
@@ -116,10 +119,10 @@ def decode_step(msg: dict[str, Any]) -> list[Event]:
     tokens of the step come before its end, as the engine posted them)."""
     out: list[Event] = []
     toks, lps, at = msg["tok"], msg["lp"], 0
-    for i, (rid, n) in enumerate(zip(msg["rid"], msg["n"])):
+    for i, (rid, n, size) in enumerate(zip(msg["rid"], msg["n"], msg["b"])):
         row_lps = lps[i] if lps is not None else None
         out.append(TokenDelta(rid, toks[at:at + n], None if row_lps is None else [
-            TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in row_lps]))
+            TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in row_lps], size))
         at += n
     out.extend(decode_event(d) for d in msg["end"])
     return out
@@ -130,7 +133,7 @@ def decode_event(d: list[Any]) -> Event:
     if kind == "t":
         lps = ([TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d[3]]
                if d[3] is not None else None)
-        return TokenDelta(rid, d[2], lps)
+        return TokenDelta(rid, d[2], lps, d[4])
     if kind == "f":
         return Finished(rid, FinishReason(d[2]), d[3], d[4], d[5], d[6])
     return Failed(rid, decode_error(d[2]))

@@ -18,6 +18,7 @@ from pipeserve.eventloop import template_sandbox
 from pipeserve.config import ServeConfig
 from pipeserve.errors import InvalidRequest
 from pipeserve.model.loader import LoadedModel
+from pipeserve.markup.chat_render import ChatRender
 from pipeserve.markup.output import OutputMarkup
 from pipeserve.eventloop.offload import INLINE_LIMIT, MediaPool, off_loop
 from pipeserve.prompt_cache.protocol import rewinds
@@ -59,6 +60,7 @@ class Tokenize:
                               or len(self.tokenizer))
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
         self.markup = markup
+        self.chat = ChatRender(self.tokenizer)   # the model's template, as apply_chat_template
         self.enable_thinking = cfg.model.enable_thinking
         self.max_context = min(cfg.admission.max_context or loaded.max_context, loaded.max_context)
         self.allow_templates = cfg.server.allow_request_templates
@@ -355,12 +357,11 @@ class Tokenize:
                       continue_final_message=continued)
         try:
             try:
-                return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+                return self.chat.render(messages, **dict(kwargs))
             except TypeError:   # a template that joins arguments as text: give it text
                 if not any(m.get("tool_calls") for m in messages):
                     raise
-                return tok.apply_chat_template(template_messages(messages, as_text=True),
-                                               tokenize=False, **kwargs)
+                return self.chat.render(template_messages(messages, as_text=True), **kwargs)
         except TEMPLATE_ERRORS as e:
             raise InvalidRequest(f"the chat template rejected these messages: "
                                  f"{type(e).__name__}: {str(e)[:300]}", param="messages") from e

@@ -85,7 +85,7 @@ class ScriptedEngine:
         ids = list(self.model.tokenizer.encode(reply.text, add_special_tokens=False))
         out = ids[:request.sampling.max_tokens]
         for token in out:
-            stream.post(TokenDelta(rid, [token]))
+            stream.post(TokenDelta(rid, [token], None, 1))
         reason = FinishReason.STOP if len(out) == len(ids) else FinishReason.LENGTH
         stream.post(Finished(rid, reason, len(request.prompt_ids), len(out), reply.cached,
                              extras={"batch_size_max": 1}))

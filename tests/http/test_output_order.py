@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pipeserve.http.api import anthropic
-from pipeserve.http.api.generation import Generation, Usage
+from pipeserve.http.api.generation import Delta, Generation, Usage
 from pipeserve.http.api.responses_shape import ResponseShape
 from pipeserve.http.api.tools import ToolCall
 from pipeserve.request import SamplingParams
@@ -15,9 +15,20 @@ CALL = ToolCall(0, "now", {"tz": "UTC"})
 
 
 def finished(parts: list[tuple[str, object]]) -> Generation:
-    gen = Generation.__new__(Generation)
-    gen.parts, gen.usage, gen.finish_reason, gen.stop_sequence = parts, Usage(5, 3), "stop", None
-    gen.request = SimpleNamespace(pins=())
+    """A generation that recorded `parts` as the output path records deltas (text in two
+    deltas each, so a run is kept whole across them)."""
+    request = SimpleNamespace(pins=(), num_prompt_tokens=5, requested={},
+                              sampling=SamplingParams())
+    gen = Generation(None, request, None)
+    for kind, part in parts:
+        if kind == "call":
+            gen._record(Delta(tool_calls=[part]))
+            continue
+        text = str(part)
+        for piece in (text[:2], text[2:]):
+            gen._record(Delta(content=piece) if kind == "text" else Delta(reasoning=piece))
+    gen.usage, gen.finish_reason, gen.stop_sequence = Usage(5, 3), "stop", None
+    assert gen.parts == parts
     return gen
 
 

@@ -95,6 +95,8 @@ def test_stop_string_ends_the_text_before_it_and_aborts_the_row(setup) -> None:
     (plain, stream), eng = run(setup, scenario)
     choice = plain.json()["choices"][0]
     assert choice["message"]["content"] == "Hello there, " and choice["finish_reason"] == "stop"
+    # the row ends before its Finished event: the record's batch size came with its tokens
+    assert plain.json()["usage"]["pipeserve"]["batch_size"] == 1
     chunks = data_of(sse_frames(stream.text))[:-1]
     streamed = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     assert streamed == "Hello there, " and "friend" not in stream.text

@@ -40,7 +40,7 @@ def test_a_request_crosses_the_wire_with_what_the_engine_reads() -> None:
 
 
 def test_events_and_errors_cross_the_wire_as_they_were() -> None:
-    events = [TokenDelta("r", [5, 6], [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)])]),
+    events = [TokenDelta("r", [5, 6], [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)])], 3),
               TokenDelta("r", [7]),
               Finished("r", FinishReason.LENGTH, 10, 4, 3, {"batch_size_max": 2,
                                                             "speculation": {"proposed": 1}}),
@@ -57,7 +57,8 @@ def test_events_and_errors_cross_the_wire_as_they_were() -> None:
 
 def test_a_step_crosses_as_one_columnar_message_in_the_engine_order() -> None:
     lp = [TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)]), TokenLogprob(6, -0.5, [])]
-    step = [TokenDelta("a", [5, 6], lp), TokenDelta("b", [7]), TokenDelta("a", [8], None),
+    # the batch size so far travels with each row's tokens (a stop string's record needs it)
+    step = [TokenDelta("a", [5, 6], lp, 2), TokenDelta("b", [7]), TokenDelta("a", [8], None, 3),
             Finished("a", FinishReason.STOP, 3, 3), TokenDelta("c", [1]),
             Failed("b", AdmissionRejected("busy", retry_after_s=3, code="queue_full"))]
     msg = codec.loads(codec.dumps(codec.encode_step(step, 4, 2)))

@@ -97,6 +97,15 @@ def test_sdk_streams_equal_the_whole_answer(process_core: Any, thread_core: Any)
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text == whole and final.stop_reason == "max_tokens"
+    # a stop string ends the row in the server process, before the core's finished event: the
+    # record's batch size came across with the tokens
+    stop = whole[8:12]
+    r = sdk(process_core.base_url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32,
+        temperature=0, logit_bias=NO_EOS, stop=[stop])
+    assert r.choices[0].message.content == whole[:whole.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.model_extra["pipeserve"]["batch_size"] >= 1
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(process_core: Any) -> None:

@@ -75,6 +75,26 @@ class Delta:
         return self
 
 
+class Pieces:
+    """Text appended piece by piece and joined when read: adding to a str copies all of it,
+    so a response kept as one str costs more per token the longer it gets."""
+
+    __slots__ = ("_pieces",)
+
+    def __init__(self, text: str = "") -> None:
+        self._pieces = [text] if text else []
+
+    def add(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+
+    def text(self) -> str:
+        pieces = self._pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]   # joined once; later reads and adds build on it
+        return pieces[0] if pieces else ""
+
+
 class OutputChain:
     """Text → Delta through the request's parsers, in order: reasoning, then tool calls.
     `prefix` is assistant text the prompt already holds; it sets the parsers' state."""
@@ -152,11 +172,10 @@ class Generation:
         if isinstance(asked, int) and asked > request.sampling.max_tokens:
             self.usage.max_tokens_clamped = request.sampling.max_tokens
         self.all_logprobs: list[TokenLogprob] = []
-        self.content = ""
-        self.reasoning = ""
+        self._content, self._reasoning = Pieces(), Pieces()
         self.tool_calls: list[ToolCall] = []
-        # the output in the order it came: ("reasoning" | "text", text) runs and ("call", call)
-        self.parts: list[tuple[str, str | ToolCall]] = []
+        # the output in the order it came: ("reasoning" | "text", run) and ("call", call)
+        self._parts: list[tuple[str, Pieces | ToolCall]] = []
         self.first_token_s: float | None = None   # perf_counter when the first token arrived
         self.batch_size_max = 0
         self.record: Record | None = None
@@ -167,16 +186,35 @@ class Generation:
             return OutputChain(None, None)
         return OutputChain.for_request(self.request, self.app_ctx.front.markup)
 
+    @property
+    def content(self) -> str:
+        return self._content.text()
+
+    @property
+    def reasoning(self) -> str:
+        return self._reasoning.text()
+
+    @property
+    def parts(self) -> list[tuple[str, str | ToolCall]]:
+        """The output in the order it came: ("reasoning" | "text", text) runs, ("call", call)."""
+        return [(kind, part.text() if isinstance(part, Pieces) else part)
+                for kind, part in self._parts]
+
     def _record(self, delta: Delta) -> Delta:
-        self.content += delta.content
-        self.reasoning += delta.reasoning
+        """Keep the delta for the whole response: appended, joined only where it is read."""
+        self._content.add(delta.content)
+        self._reasoning.add(delta.reasoning)
         self.tool_calls.extend(delta.tool_calls)
+        parts = self._parts
         for kind, text in (("reasoning", delta.reasoning), ("text", delta.content)):
-            if text and self.parts and self.parts[-1][0] == kind:
-                self.parts[-1] = (kind, str(self.parts[-1][1]) + text)
-            elif text:
-                self.parts.append((kind, text))
-        self.parts.extend(("call", call) for call in delta.tool_calls)
+            if not text:
+                continue
+            last = parts[-1] if parts else None
+            if last is not None and last[0] == kind and isinstance(last[1], Pieces):
+                last[1].add(text)
+            else:
+                parts.append((kind, Pieces(text)))
+        parts.extend(("call", call) for call in delta.tool_calls)
         return delta
 
     def _settle(self, reason: str, event: Finished | None = None) -> None:
@@ -184,7 +222,7 @@ class Generation:
         self.finish_reason = "tool_calls" if self.tool_calls and reason == "stop" else reason
         reported = event.extras.get("batch_size_max") if event is not None else None
         if isinstance(reported, int) and reported > 0:
-            self.batch_size_max = reported   # the engine saw every step; better than our samples
+            self.batch_size_max = reported   # every step this request ran, the last included
         adapters = self.app_ctx.engine.limits.adapters
         self.record = self.app_ctx.record.with_adapter(adapters, self.request.adapter) \
             .with_batch_size(self.batch_size_max or None).with_media(self.request.media)
@@ -194,15 +232,6 @@ class Generation:
             metrics = self.app_ctx.metrics
             metrics.adapter_requests.labels(label).inc()
             metrics.adapter_tokens.labels(label).inc(self.usage.completion_tokens)
-
-    def _observe_batch(self) -> None:
-        """Rows running now (left the queue, not done), sampled as this request's tokens
-        arrive. Approximate; a Finished event's extras["batch_size_max"] replaces it."""
-        engine = self.app_ctx.engine
-        load = engine.load()
-        rows = load.num_inflight - load.num_waiting
-        rows = min(max(rows, 1), engine.limits.max_rows)
-        self.batch_size_max = max(self.batch_size_max, rows)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The output, delta by delta. A fault of the output path itself (not a ServeError) is
@@ -234,7 +263,8 @@ class Generation:
                 n = len(event.token_ids)
                 if self.first_token_s is None and n:
                     self.first_token_s = time.perf_counter()
-                self._observe_batch()
+                if event.batch_size_max > self.batch_size_max:   # a stop string ends it early
+                    self.batch_size_max = event.batch_size_max
                 self.usage.completion_tokens += n
                 self.usage.reasoning_tokens += n if chain.in_reasoning else 0
                 self.all_logprobs.extend(event.logprobs or [])
