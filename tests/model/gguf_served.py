@@ -11,6 +11,11 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from pipeserve.model.config import ComputeDType, ModelConfig
+from pipeserve.model.fit import estimate
+from pipeserve.model.loader import load
+from tests.conftest import make_config
+
 
 def served_equals_mlx_lm(engine_factory: Any, converted: Path, prompt: list[int],
                          *overrides: str) -> tuple[Any, list[int]]:
@@ -25,3 +30,15 @@ def served_equals_mlx_lm(engine_factory: Any, converted: Path, prompt: list[int]
     req.stop_token_ids = frozenset()     # random weights: decode all 8, as generate_step does
     assert asyncio.run(engine.generate_many([req]))[0]["ids"] == mlx_ids
     return engine, mlx_ids
+
+
+def converted(tmp_path: Path, src: Path) -> tuple[tuple[str, ...], Any, Any]:
+    """(the launch overrides serving `src`, `pipeserve fit`'s estimate from its header before
+    any conversion, the loader's conversion of it into tmp_path/cache)."""
+    cache = tmp_path / "cache"
+    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
+            "model.use_generation_config=false")
+    fit = estimate(make_config("model=llama", *args))
+    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(cache),
+                          compute_dtype=ComputeDType.checkpoint))
+    return args, fit, lm

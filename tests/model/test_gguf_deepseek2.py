@@ -16,13 +16,9 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from pipeserve.model.config import ComputeDType, ModelConfig
-from pipeserve.model.fit import estimate
-from pipeserve.model.loader import load
-from tests.conftest import make_config
 from tests.model.test_gguf import tokenizer_metadata
 from tests.model.test_gguf_quants import written
-from tests.model.gguf_served import served_equals_mlx_lm
+from tests.model.gguf_served import converted, served_equals_mlx_lm
 
 HIDDEN, HEADS, Q_LORA, KV_LORA, ROPE, NOPE, V_HEAD = 64, 4, 32, 32, 8, 16, 16
 INTER, MOE_INTER, EXPERTS, TOP_K, SCALE = 128, 32, 4, 2, 2.5
@@ -142,12 +138,7 @@ def test_deepseek2_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any) 
             name = next(k for k in hf if gguf_name(k) == t.name)
             deq[name] = ggufpy.quants.dequantize(t.data, T.Q8_0).reshape(hf[name].shape)
 
-    cache = tmp_path / "cache"
-    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
-            "model.use_generation_config=false")
-    fit = estimate(make_config("model=llama", *args))   # from the header, before converting
-    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(cache),
-                          compute_dtype=ComputeDType.checkpoint))
+    args, fit, lm = converted(tmp_path, src)   # the header's fit, then the conversion
     cfg = json.loads((lm.path / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v3" and cfg["num_hidden_layers"] == 2
     assert (cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["rope_scaling"]) == (NOPE, V_HEAD, YARN)

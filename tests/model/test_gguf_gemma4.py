@@ -25,10 +25,8 @@ from gguf import GGMLQuantizationType as T
 from pipeserve.errors import ConfigError
 from pipeserve.model.config import ComputeDType, ModelConfig
 from pipeserve.model.gguf import convert as gguf
-from pipeserve.model.fit import estimate
 from pipeserve.model.loader import load
-from tests.conftest import make_config
-from tests.model.gguf_served import served_equals_mlx_lm
+from tests.model.gguf_served import converted, served_equals_mlx_lm
 from tests.model.test_gguf_quants import written
 
 PROMPT = [5, 17, 260, 3, 99, 300, 12, 7]   # within the tokenizer's 397 ids
@@ -206,12 +204,7 @@ def test_gemma4_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, sha
                                   np.array(reference(cfg, weights)(mx.array([ids]))[0]))
     # Q8_0 matrices (as llama.cpp's files hold them): served as mlx-lm serves the conversion
     src = written(tmp_path, gguf_tensors(weights), meta, arch="gemma4")
-    cache = tmp_path / "cache"
-    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
-            "model.use_generation_config=false")
-    fit = estimate(make_config("model=llama", *args))   # from the header, before converting
-    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(cache),
-                          compute_dtype=ComputeDType.checkpoint))
+    args, fit, lm = converted(tmp_path, src)   # the header's fit, then the conversion
     assert json.loads((lm.path / "config.json").read_text())["quantization"]["bits"] == 8
     engine, _ = served_equals_mlx_lm(engine_factory, lm.path, PROMPT, *args)
     assert engine.engine.memory == fit.memory

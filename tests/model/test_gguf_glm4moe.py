@@ -16,13 +16,9 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from pipeserve.model.config import ComputeDType, ModelConfig
-from pipeserve.model.fit import estimate
-from pipeserve.model.loader import load
-from tests.conftest import make_config
 from tests.model.test_gguf import tokenizer_metadata
 from tests.model.test_gguf_quants import written
-from tests.model.gguf_served import served_equals_mlx_lm
+from tests.model.gguf_served import converted, served_equals_mlx_lm
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, MOE_INTER, EXPERTS, TOP_K = 64, 4, 2, 16, 128, 32, 4, 2
 SCALE = 2.5   # routed_scaling_factor
@@ -133,12 +129,7 @@ def test_glm4moe_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any) ->
             name = next(k for k in hf if gguf_name(k) == t.name)
             deq[name] = ggufpy.quants.dequantize(t.data, T.Q8_0).reshape(hf[name].shape)
 
-    cache = tmp_path / "cache"
-    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
-            "model.use_generation_config=false")
-    fit = estimate(make_config("model=llama", *args))   # from the header, before converting
-    lm = load(ModelConfig(name="g", path=str(src), cache_dir=str(cache),
-                          compute_dtype=ComputeDType.checkpoint))
+    args, fit, lm = converted(tmp_path, src)   # the header's fit, then the conversion
     cfg = json.loads((lm.path / "config.json").read_text())
     assert cfg["model_type"] == "glm4_moe" and cfg["num_hidden_layers"] == 2
     assert cfg["partial_rotary_factor"] == 0.5 and cfg["use_qk_norm"] and cfg["attention_bias"]

@@ -14,14 +14,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from pipeserve.model.config import ComputeDType, ModelConfig
-from pipeserve.model.fit import estimate
 from pipeserve.model.gguf import quants as gguf_quants
-from pipeserve.model.loader import load
-from tests.conftest import make_config
 from tests.model.test_gguf import gguf_name, hf_weights, llama_metadata, tokenizer_metadata
 from tests.model.test_gguf_quants import written
-from tests.model.gguf_served import served_equals_mlx_lm
+from tests.model.gguf_served import converted, served_equals_mlx_lm
 
 PROMPT = [5, 17, 260, 3, 99, 400, 12, 7]
 HEADS, KV_HEADS = 4, 2
@@ -79,13 +75,7 @@ def test_mxfp4_llama_serves_in_mxfp4_mode_like_mlx_lm(tmp_path: Path,
     from mlx_lm.models.llama import Model, ModelArgs
 
     src, ref = mxfp4_llama(tmp_path)
-    cache = tmp_path / "cache"
-    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
-            "model.use_generation_config=false")
-    fit = estimate(make_config("model=llama", *args))   # from the header, before converting
-
-    lm = load(ModelConfig(name="m", path=str(src), cache_dir=str(cache),
-                          compute_dtype=ComputeDType.checkpoint))
+    args, fit, lm = converted(tmp_path, src)   # the header's fit, then the conversion
     cfg = json.loads((lm.path / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     report = json.loads((lm.path / "source.json").read_text())["tensors"]

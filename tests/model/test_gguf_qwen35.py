@@ -19,13 +19,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from pipeserve.model.config import ComputeDType, ModelConfig
-from pipeserve.model.fit import estimate
-from pipeserve.model.loader import load
-from tests.conftest import make_config
 from tests.model.test_gguf import tokenizer_metadata
 from tests.model.test_gguf_quants import written
-from tests.model.gguf_served import served_equals_mlx_lm
+from tests.model.gguf_served import converted, served_equals_mlx_lm
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM, INTER, LAYERS = 64, 4, 2, 32, 8, 128, 4
 K_HEADS, V_HEADS, DK, DV, KERNEL = 2, 4, 16, 32, 4   # two value heads per key head
@@ -201,12 +197,7 @@ def test_qwen35_gguf_serves_like_mlx_lm(tmp_path: Path, engine_factory: Any, moe
     arch = "qwen35moe" if moe else "qwen35"
     src = written(tmp_path, tensors, {**metadata(vocab, moe), **tok}, arch=arch)
 
-    cache = tmp_path / "cache"
-    args = (f"model.path={src}", f"model.cache_dir={cache}", "model.compute_dtype=checkpoint",
-            "model.use_generation_config=false")
-    fit = estimate(make_config("model=llama", *args))   # from the header, before converting
-    lm = load(ModelConfig(name="q", path=str(src), cache_dir=str(cache),
-                          compute_dtype=ComputeDType.checkpoint))
+    args, fit, lm = converted(tmp_path, src)   # the header's fit, then the conversion
     cfg = json.loads((lm.path / "config.json").read_text())
     assert cfg["model_type"] == ("qwen3_5_moe" if moe else "qwen3_5")
     assert cfg["num_hidden_layers"] == LAYERS and cfg["linear_num_value_heads"] == V_HEADS

@@ -85,7 +85,7 @@ def add_bos(meta: dict[str, Any]) -> bool:
 
 
 def _byte_level(meta: dict[str, Any]) -> Any:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens = list(meta["tokenizer.ggml.tokens"])
     vocab: dict[str, int] = {}
@@ -110,6 +110,14 @@ def _byte_level(meta: dict[str, Any]) -> Any:
                for r in regexes),
              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    return _added(tok, meta, tokens)
+
+
+def _added(tok: Any, meta: dict[str, Any], tokens: list[str]) -> Any:
+    """The file's control tokens (type 3) added as special, its user-defined ones (type 4)
+    whole; returns `tok`."""
+    from tokenizers import AddedToken
+
     types = _types(meta)
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i in np.nonzero(types == 3)[0]])
@@ -137,7 +145,7 @@ def _gemma4(meta: dict[str, Any]) -> Any:
     token kept whole, bytes with no token as their <0xXX> tokens; control tokens special,
     user-defined ones whole. (llama.cpp keeps only newline runs whole that way; a line that is
     one token but that the merges would not rebuild is the one place the two can differ.)"""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers
 
     tokens = list(meta["tokenizer.ggml.tokens"])
@@ -149,12 +157,7 @@ def _gemma4(meta: dict[str, Any]) -> Any:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                      decoders.Fuse()])
-    types = _types(meta)
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in np.nonzero(types == 3)[0]])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in np.nonzero(types == 4)[0]])
-    return tok
+    return _added(tok, meta, tokens)
 
 
 def _sentencepiece(meta: dict[str, Any], arch: str) -> Any:
