@@ -188,8 +188,8 @@ def test_the_page_attaches_an_image_and_shows_it(browser: Any, server_factory: A
 
 def test_the_page_attaches_an_audio_clip_for_a_model_with_an_audio_tower(
         browser: Any, server_factory: Any, tmp_path: Path) -> None:
-    """A model with an audio tower (model=tiny_vlm model.arch=gemma4, text and audio): the
-    attach button offers audio, sends the WAV as an input_audio part, shows a player for it in
+    """A model with an audio tower (model=tiny_vlm model.arch=gemma4: text, images and audio):
+    the attach button offers images and audio, sends the WAV as an input_audio part, shows a player for it in
     the transcript, and the answer is the API's for that message."""
     import base64
     import wave
@@ -205,8 +205,8 @@ def test_the_page_attaches_an_audio_clip_for_a_model_with_an_audio_tower(
         w.writeframes((np.sin(2 * np.pi * 440 * t) * 12000).astype("<i2").tobytes())
     page = open_page(browser, server.base_url)
     page.wait_for_selector("#attach-label:not([hidden])", timeout=10_000)
-    assert page.inner_text("#attach-text") == "Audio"
-    assert page.get_attribute("#attach", "accept") == "audio/*"
+    assert page.inner_text("#attach-text") == "Attach"
+    assert page.get_attribute("#attach", "accept") == "image/*,audio/*"
     page.fill("#max-tokens", "12")
     page.fill("#temperature", "0")
     page.set_input_files("#attach", str(path))
