@@ -104,6 +104,8 @@ def _is_harmony(text: str) -> bool:
 # <tool_call>, so the markers inside a call decide.
 _INFERENCE: tuple[tuple[str, Any], ...] = (
     ("harmony", _is_harmony),
+    ("minimax_m3", lambda t: "]<]minimax[>[" in t),
+    ("step3", lambda t: "<steptml:invoke" in t),
     ("minimax_m2", lambda t: "<minimax:tool_call>" in t),
     ("gemma4", lambda t: "<|tool_call>" in t and "<tool_call|>" in t),
     ("function_gemma", lambda t: "<start_function_call>" in t),

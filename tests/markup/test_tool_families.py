@@ -1,6 +1,6 @@
 """The families added beside Hermes/Qwen/Llama/Gemma: gpt-oss harmony, Mistral (v3, v11+), GLM,
-DeepSeek (V3/R1, V3.1), Kimi-K2, MiniMax-M2, pythonic (Llama 4), MiniCPM5, Kimi-K3, LongCat
-and Muse Spark. Scripted model outputs of
+DeepSeek (V3/R1, V3.1), Kimi-K2, MiniMax-M2, pythonic (Llama 4), MiniCPM5, Kimi-K3, LongCat,
+Muse Spark, MiniMax-M3 and Step-3. Scripted model outputs of
 real calls, cut at every position, parse to the same calls and content as the whole text;
 malformed calls stay content; no marker ever reaches streamed content. No model."""
 from __future__ import annotations
@@ -35,6 +35,9 @@ K_CALL, K_ARGS, K_CEND = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", 
 O, S, C = "<|open|>", "<|sep|>", "<|close|>"   # Kimi-K3's XTML tokens
 LC_K, LC_KE = "<longcat_arg_key>", "</longcat_arg_key>"
 LC_V, LC_VE = "<longcat_arg_value>", "</longcat_arg_value>"
+NS = "]<]minimax[>["   # MiniMax-M3's namespace marker on every tag
+ST_B, ST_E = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"   # Step-3's markers
+ST_C, ST_S, ST_CE = "<｜tool_call_begin｜>", "<｜tool_sep｜>", "<｜tool_call_end｜>"
 
 
 def splits(text: str) -> list[list[str]]:
@@ -127,6 +130,19 @@ CASES: list[tuple[str, str, str, str, Calls]] = [
                    ' name="city" string="true">"Paris"</atem:parameter><atem:parameter name='
                    '"hourly">true</atem:parameter></atem:invoke></atem:function_calls>', "",
      "Let me look.", [("get_weather", {"city": "Paris", "hourly": True})]),
+    ("minimax_m3", f'<think>Hm.</think>On it.{NS}<tool_call>\n{NS}<invoke name="get_weather">'
+                   f"{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>{NS}</invoke>\n"
+                   f'{NS}<invoke name="now">{NS}</invoke>\n{NS}</tool_call>', "Hm.", "On it.",
+     [PARIS, NOW]),
+    ("minimax_m3", f'{NS}<tool_call>{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>'
+                   f"{NS}<tags>{NS}<item>a{NS}</item>{NS}<item>b{NS}</item>{NS}</tags>"
+                   f"{NS}<hourly>true{NS}</hourly>{NS}</invoke>{NS}</tool_call>", "", "",
+     [("get_weather", {"city": "Paris", "tags": ["a", "b"], "hourly": True})]),
+    ("step3", f'Let me check.\n{ST_B}\n{ST_C}function{ST_S}<steptml:invoke name="get_weather">'
+              '\n<steptml:parameter name="city">Paris</steptml:parameter>\n<steptml:parameter '
+              f'name="days">3</steptml:parameter>\n</steptml:invoke>{ST_CE}\n{ST_C}function'
+              f'{ST_S}<steptml:invoke name="now"></steptml:invoke>{ST_CE}\n{ST_E}', "",
+     "Let me check.", [PARIS, NOW]),
 ]
 
 
@@ -179,6 +195,14 @@ def test_family_outputs_parse_identically_at_every_chunk_boundary(
                    "</atem:function_calls>", "outside <atem:parameter"),
     ("muse_spark", '<atem:function_calls><atem:invoke name="launch"></atem:invoke>'
                    "</atem:function_calls>", "launch"),
+    ("minimax_m3", f'{NS}<tool_call>{NS}<invoke name="now">hello{NS}</invoke>{NS}</tool_call>',
+     "elements only"),
+    ("minimax_m3", f'{NS}<tool_call>{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</invoke>'
+                   f"{NS}</tool_call>", "closes no open"),
+    ("step3", f'{ST_B}{ST_C}function{ST_S}<steptml:invoke name="now">hi</steptml:invoke>{ST_CE}'
+              f"{ST_E}", "outside <steptml:parameter"),
+    ("step3", f"{ST_B}stray{ST_C}function{ST_S}<steptml:invoke name=\"now\"></steptml:invoke>"
+              f"{ST_CE}{ST_E}", "outside"),
 ])
 def test_malformed_family_calls_stay_content(fmt: str, text: str, reason: str,
                                              caplog: pytest.LogCaptureFixture) -> None:

@@ -199,6 +199,8 @@ def test_arguments_that_do_not_fit_the_schema_are_refused(prop: dict[str, Any], 
     ("{{ '<function name=\"' ~ name ~ '\"><param name=\"' }}", "minicpm5"),
     ("{{ '<longcat_tool_call>' }}{{ '<longcat_arg_key>' }}", "longcat"),
     ("{{ '<atem:function_calls>' }}", "muse_spark"),
+    ("{{ ']<]minimax[>[' ~ '<tool_call>' }}", "minimax_m3"),
+    ("{{ '<｜tool_calls_begin｜>' }}<steptml:invoke name=", "step3"),
     ("{{ messages[0].content }}", None),
 ])
 def test_format_is_inferred_from_the_chat_template(template: str, want: str | None) -> None:
@@ -239,7 +241,11 @@ def test_forced_prefix_opens_a_call_the_parser_then_closes(fmt: str) -> None:
             "longcat": "<longcat_arg_key>city</longcat_arg_key>\n<longcat_arg_value>Paris"
                        "</longcat_arg_value>\n</longcat_tool_call>",
             "muse_spark": '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n'
-                          "</atem:function_calls>"}[fmt]
+                          "</atem:function_calls>",
+            "minimax_m3": "]<]minimax[>[<city>Paris]<]minimax[>[</city>]<]minimax[>[</invoke>\n"
+                          "]<]minimax[>[</tool_call>",
+            "step3": '<steptml:parameter name="city">Paris</steptml:parameter></steptml:invoke>'
+                     "<｜tool_call_end｜><｜tool_calls_end｜>"}[fmt]
     p = ToolCallParser(f, TOOLS)
     assert p.feed(f.forced("get_weather")) == ("", [])
     text, calls = p.feed(rest)

@@ -1,8 +1,8 @@
-"""End to end: the MiniCPM5, Kimi-K3, LongCat and Muse Spark tool formats on real `serve.py`
-processes through the real `openai` and `anthropic` SDKs. The tiny model cannot choose to call
-a tool, so a named tool_choice constrains decoding to the grammar of a well-formed call in the
-format's own markup; the server parses that markup back into the protocol's call objects, and
-the call and its result go back into the next turn."""
+"""End to end: the MiniCPM5, Kimi-K3, LongCat, Muse Spark, MiniMax-M3 and Step-3 tool formats on
+real `serve.py` processes through the real `openai` and `anthropic` SDKs. The tiny model cannot
+choose to call a tool, so a named tool_choice constrains decoding to the grammar of a well-formed
+call in the format's own markup; the server parses that markup back into the protocol's call
+objects, and the call and its result go back into the next turn."""
 from __future__ import annotations
 
 import json
@@ -20,10 +20,12 @@ SCHEMA = {"type": "object", "required": ["city"], "properties": {
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL_TOKENS = 256   # room for a whole call under the grammar (XTML markers are many tiny-model tokens)
-MARKUP = ("<function", "<|open|>", "<longcat", "<atem:", "<param", "argument")
+MARKUP = ("<function", "<|open|>", "<longcat", "<atem:", "<param", "argument", "]<]minimax",
+          "steptml", "tool_call")
 
 
-@pytest.fixture(scope="module", params=["minicpm5", "kimi_k3", "longcat", "muse_spark"])
+@pytest.fixture(scope="module", params=["minicpm5", "kimi_k3", "longcat", "muse_spark",
+                                                "minimax_m3", "step3"])
 def srv(request: pytest.FixtureRequest, server_factory: Any) -> Any:
     return server_factory(f"model.tool_call_format={request.param}")
 
