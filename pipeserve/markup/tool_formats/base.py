@@ -176,11 +176,13 @@ def regex_literal(text: str) -> str:
     return "".join(out)
 
 
-def xml_params(specs: list[Spec], lit: Lit, open_param: Callable[[str], str], close: str) -> str:
+def xml_params(specs: list[Spec], lit: Lit, open_param: Callable[[str], str], close: str,
+               after: Callable[[str], str] | None = None) -> str:
     """Rules `params{i}` for tools whose arguments are written one element each: for every
     declared property in order, `open_param(key)`, the value, `close` (optional unless
     required). String values are free text (that never holds `close`; at most maxLength),
-    others JSON valid under the property's schema."""
+    others JSON valid under the property's schema. `after(key)`: grammar text that follows
+    `close` (a closing tag named after the key, where `close` is only its prefix)."""
     out = []
     for i, (_, schema) in enumerate(specs):
         props = (schema or {}).get("properties") or {}
@@ -195,6 +197,8 @@ def xml_params(specs: list[Spec], lit: Lit, open_param: Callable[[str], str], cl
             else:
                 value = f"v{i}_{j} {lit(close)}"
                 out.append(json_rule(f"v{i}_{j}", prop))
+            if after is not None:
+                value += f" {after(key)}"
             item = f"{open_param(key)} {value}"
             items.append(item if key in required else f"({item})?")
         out.append(f"params{i}: {' '.join(items) or quoted('')}\n")

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from pipeserve.markup.tool_formats.base import (Lit, RawCall, Spec, ToolFormat, alternatives,
-                                                json_rule, quoted, repeat, text_until)
+                                                quoted, repeat, xml_params)
 
 NS = "]<]minimax[>["
 BEGIN, END = NS + "<tool_call>", NS + "</tool_call>"
@@ -80,25 +80,8 @@ def _tag(tag: str, lit: Lit) -> str:
 def _params(specs: list[Spec], lit: Lit) -> str:
     """Rules `params{i}`: each declared property in order as `NS<key>value NS</key>`; a string
     is free text, anything else JSON under its schema (a nested value written as JSON text)."""
-    out = []
-    for i, (_, schema) in enumerate(specs):
-        props = (schema or {}).get("properties") or {}
-        required = set((schema or {}).get("required") or [])
-        items = []
-        for j, (key, prop) in enumerate(props.items()):
-            prop = prop if isinstance(prop, dict) else {}
-            if prop.get("type") == "string" and "enum" not in prop:
-                limit = prop.get("maxLength") if isinstance(prop.get("maxLength"), int) else None
-                value, rule = text_until(f"s{i}_{j}", NS, lit, limit)
-                out.append(rule)
-                value += f" {lit(f'</{key}>')}"
-            else:
-                value = f"v{i}_{j} {_tag(f'</{key}>', lit)}"
-                out.append(json_rule(f"v{i}_{j}", prop))
-            item = f"{_tag(f'<{key}>', lit)} {value}"
-            items.append(item if key in required else f"({item})?")
-        out.append(f"params{i}: {' '.join(items) or quoted('')}\n")
-    return "".join(out)
+    return xml_params(specs, lit, lambda key: _tag(f"<{key}>", lit), NS,
+                      after=lambda key: lit(f"</{key}>"))
 
 
 def grammar(specs: list[Spec], single: bool, lit: Lit) -> str:
