@@ -48,7 +48,10 @@ def shared_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _source_bits(bits: int) -> Any:
-    """mlx-lm's attention, a shared layer's quantized K/V read at its source cache's bits."""
+    """mlx-lm's attention, a shared layer's quantized K/V read at its source cache's bits. The
+    reference only is patched: mlx-lm's own quantized cache fails on shared layers (it hands
+    them the tuple with no cache), so this is mlx-lm's quantized attention made to run there;
+    the side under test is pipeserve's real KV layouts, unpatched."""
     def sdpa(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
              sinks: Any = None) -> mx.array:
         if cache is None and isinstance(keys, (tuple, list)):
