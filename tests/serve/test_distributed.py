@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,17 +35,24 @@ def launcher() -> str:
     return str(Path(sys.executable).with_name("mlx.launch"))
 
 
-def free_port_pair() -> int:
-    """A port p with p and p+1 free (mlx.launch's ring gives rank r port p + r)."""
-    for _ in range(50):
-        p = free_port()
+def ring_ports(n: int) -> int:
+    """A port p with p … p+n-1 free (mlx.launch's ring gives rank r port p + r), taken below
+    the kernel's ephemeral range, so no port-0 bind or outgoing connection of another test
+    takes one between this check and the ranks' bind, and from a band of its own for each
+    xdist worker (the CI run of 2026-12-04 lost rank 2's port p+2 that way)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + 1000 * (index % 12)
+    for _ in range(200):
+        p = random.randrange(low, low + 1000 - n)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
+            for r in range(n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + r))
             return p
         except OSError:
             continue
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports in {low}..{low + 999}")
 
 
 class Group:
@@ -55,7 +63,7 @@ class Group:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = run_dir / f"group-{self.port}.log"
         args = [launcher(), "--backend", "ring", "-n", str(n), "--starting-port",
-                str(free_port_pair()), sys.executable, str(ROOT / "serve.py"),
+                str(ring_ports(n)), sys.executable, str(ROOT / "serve.py"),
                 f"server.port={self.port}", f"model.cache_dir={model_cache}",
                 f"hydra.run.dir={run_dir / str(self.port)}", *overrides]
         self._log = open(self.log_path, "wb")
@@ -148,11 +156,19 @@ def launch(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Itera
     run_dir = tmp_path_factory.mktemp("groups")
 
     def start(*overrides: str, n: int = 2, wait: bool = True) -> Group:
-        g = Group(list(overrides), run_dir, model_cache, n)
-        started.append(g)
-        if wait:
-            g.wait_ready()
-        return g
+        for attempt in range(3):   # a ring port taken by something outside the suite: again
+            g = Group(list(overrides), run_dir, model_cache, n)
+            started.append(g)
+            if not wait:
+                return g
+            try:
+                g.wait_ready()
+                return g
+            except BaseException:
+                if attempt == 2 or "Couldn't bind socket" not in g.log():
+                    raise
+                g.stop()
+        raise AssertionError("unreachable")
     yield start
     for g in started:
         g.stop()
@@ -350,8 +366,11 @@ def test_sigterm_to_rank0_is_a_clean_leave_for_every_rank(launch: Any) -> None:
 def test_refusals_at_launch(launch: Any, model_cache: Path) -> None:
     assert "needs 2 or more ranks" in startup_error(model_cache, "distributed=tensor")
     assert "qwen3 has no pipeline()" in startup_error(model_cache, "distributed=pipeline")
-    group = launch("model=tiny", "distributed=tensor", n=3, wait=False)   # a real 3-rank launch
-    assert group.wait_exit(120) is not None, "the 3-rank launch did not exit"
+    for _ in range(3):   # a real 3-rank launch (again if a ring port was taken meanwhile)
+        group = launch("model=tiny", "distributed=tensor", n=3, wait=False)
+        assert group.wait_exit(120) is not None, "the 3-rank launch did not exit"
+        if "Couldn't bind socket" not in group.log():
+            break
     assert "num_attention_heads is 4, not a multiple of 3" in group.log(), group.log()[-3000:]
     for overrides, why in [(["cache=ssd"], "cache=ssd with distributed=tensor"),
                            (["draft=ngram"], "draft=ngram with distributed=tensor"),
