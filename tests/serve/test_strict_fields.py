@@ -22,7 +22,7 @@ MESSAGE = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
 CASES = [
     ("/v1/chat/completions", CHAT, "prompt_logprobs", 1),
     ("/v1/chat/completions", CHAT, "modalities", ["text", "audio"]),
-    ("/v1/chat/completions", CHAT, "priority", 5),
+    ("/v1/chat/completions", CHAT, "top_a", 0.5),
     ("/v1/chat/completions", CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     ("/v1/chat/completions", CHAT, "prediction", {"type": "content", "content": "x"}),
     ("/v1/chat/completions", CHAT, "min_tokens", 3),
@@ -74,7 +74,8 @@ def test_supported_fields_and_default_values_pass_strict_mode(strict: Any) -> No
     r = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=CHAT["messages"], max_tokens=2, temperature=0.5, top_p=0.9,
         seed=3, stop=["\n"], logprobs=True, top_logprobs=2, n=2, user="u1",
-        modalities=["text"], parallel_tool_calls=True, frequency_penalty=0.1)
+        modalities=["text"], parallel_tool_calls=True, frequency_penalty=0.1,
+        extra_body={"priority": "batch", "deadline_ms": 600_000})   # admission reads both
     assert r.http_response.status_code == 200
     assert "x-pipeserve-ignored" not in r.headers
     claude = anthropic.Anthropic(base_url=strict.base_url, api_key="x", max_retries=0)
@@ -105,11 +106,11 @@ def test_parallel_tool_calls_false_is_honoured_and_reported_so(kind: str, reques
 def test_ignored_fields_are_counted_by_endpoint_and_name(lax: Any) -> None:
     before = metric_families(lax.base_url)
     r = httpx.post(lax.base_url + "/v1/chat/completions",
-                   json={**CHAT, "priority": 1, "prompt_logprobs": 1, "zz_unknown": 1},
+                   json={**CHAT, "top_a": 1, "prompt_logprobs": 1, "zz_unknown": 1},
                    timeout=TIMEOUT)
-    assert r.headers["x-pipeserve-ignored"] == "priority, prompt_logprobs, zz_unknown"
+    assert r.headers["x-pipeserve-ignored"] == "top_a, prompt_logprobs, zz_unknown"
     after = metric_families(lax.base_url)
-    for field in ("priority", "prompt_logprobs", "other"):
+    for field in ("top_a", "prompt_logprobs", "other"):
         def count(fams: dict[str, Any]) -> float:
             return sample_value(fams, "pipeserve_ignored_fields", "pipeserve_ignored_fields_total",
                                 endpoint="chat", field=field)

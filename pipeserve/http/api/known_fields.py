@@ -22,7 +22,8 @@ _SAMPLING = frozenset({
     "model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "repetition_context_size", "presence_penalty", "frequency_penalty", "xtc_probability",
     "xtc_threshold", "seed", "logit_bias", "n", "stream", "stream_options", "adapter",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "keep_alive", "user"})
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "keep_alive", "user",
+    "priority", "deadline_ms"})
 _CHAT_PROMPT = frozenset({"messages", "tools", "tool_choice", "chat_template_kwargs",
                           "reasoning_effort"})
 _TOKENIZE = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs",
