@@ -4,7 +4,7 @@ batch of chat lines polled to completed whose greedy outputs equal the same requ
 run at the least urgent priority class, with a bad line and a refused line in the error file;
 a file with no request, an unknown endpoint or window is a 400 at create; batch lines leave a
 row free, so a live request runs beside them; a cancel stops a running batch; and a batch cut
-by a restart resumes its unfinished lines only."""
+by a restart resumes its unfinished lines only, on a server of the same model."""
 from __future__ import annotations
 
 import re
@@ -205,6 +205,13 @@ def test_a_restart_resumes_the_unfinished_lines(state: dict[str, Any]) -> None:
     assert seen.status == "in_progress", seen   # cut while lines were left
     srv.stop()
     first = _ok_lines(srv) - ran_before
+    # a server of another model on the same directory leaves it open (a single-model server
+    # answers whatever `model` a line names, so it would answer with the wrong model)
+    other = state["start"](*state["args"], "model.name=other")
+    assert client_of(other).batches.retrieve(batch.id).status == "in_progress"
+    assert f"batch {batch.id}: its lines go to tiny, not served here" in other.log()
+    assert "resuming" not in other.log()
+    other.stop()
     srv = state["srv"] = state["start"](*state["args"])
     client = client_of(srv)
     done = poll(client, batch.id, ended)

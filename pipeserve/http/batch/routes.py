@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import sanic
 import sanic.exceptions
@@ -34,7 +34,7 @@ def add_routes(app: Sanic) -> None:
 
     @app.after_server_start
     async def _resume(app: Sanic) -> None:
-        await runner.resume()
+        await runner.resume(lambda models: _serves(app, models))
 
     @app.before_server_stop
     async def _close(app: Sanic) -> None:
@@ -68,7 +68,7 @@ def add_routes(app: Sanic) -> None:
 
     @app.post("/v1/batches")
     async def create_batch(http: sanic.Request) -> HTTPResponse:
-        batch = await _create(read_body(http), files)
+        batch = await _create(read_body(http), files, lambda model: _answering(app, model))
         await asyncio.to_thread(store.save, batch)
         runner.start(batch["id"])
         return _object(batch)
@@ -118,9 +118,10 @@ async def _read_upload(http: sanic.Request, cap_mb: float) -> tuple[bytes, str, 
     return upload.body, upload.name or "upload.jsonl", purpose
 
 
-async def _create(body: dict[str, Any], files: FileStore) -> dict[str, Any]:
+async def _create(body: dict[str, Any], files: FileStore,
+                  answering: Callable[[Any], str | None]) -> dict[str, Any]:
     """A validated batch in status `validating`: a 400 for a bad field or an input file that
-    holds no request, a 404 for an unknown file."""
+    holds no request, a 404 for an unknown file. It records the models its lines go to."""
     endpoint, window = body.get("endpoint"), body.get("completion_window")
     if endpoint not in L.ENDPOINTS:
         raise InvalidRequest(f"endpoint is {endpoint!r:.80}; allowed: {', '.join(L.ENDPOINTS)}",
@@ -143,13 +144,36 @@ async def _create(body: dict[str, Any], files: FileStore) -> dict[str, Any]:
                              "purpose 'batch'", param="input_file_id")
     data = _found(await asyncio.to_thread(files.content, fid), "file", fid)
     parsed = await asyncio.to_thread(L.parse, data, endpoint)
-    return new_batch(fid, endpoint, window, metadata, len(parsed))
+    models = {answering(line.body.get("model")) for line in parsed if line.body is not None}
+    return new_batch(fid, endpoint, window, metadata, len(parsed),
+                     sorted(m for m in models if m is not None))
 
 
 def _shown(obj: dict[str, Any]) -> dict[str, Any]:
     """A file or batch object as OpenAI's schema has it: a field with no value yet (a
-    timestamp still to come, no error file) is left out, not null."""
-    return {k: v for k, v in obj.items() if v is not None}
+    timestamp still to come, no error file) is left out, not null; the store's own fields
+    (named with a leading `_`) are not shown."""
+    return {k: v for k, v in obj.items() if v is not None and not k.startswith("_")}
+
+
+def _answering(app: Sanic, model: Any) -> str | None:
+    """The model that answers a line naming `model` here: the one model of a server without a
+    pool (it answers whatever a line names), else the pool member it routes to (None: none)."""
+    pool = app.ctx.pool
+    if pool is None:
+        return str(app.ctx.cfg.model.name)
+    try:
+        return str(pool.member(model).id)
+    except NotFound:
+        return None
+
+
+def _serves(app: Sanic, models: list[str]) -> bool:
+    """Whether this server answers with each of the models a batch's lines went to where it
+    was created: a server on the same server.files_dir serving another model leaves it open."""
+    pool = app.ctx.pool
+    served = {str(app.ctx.cfg.model.name)} if pool is None else set(pool.members)
+    return set(models) <= served
 
 
 def _object(obj: dict[str, Any]) -> HTTPResponse:

@@ -48,10 +48,14 @@ class BatchRunner:
         if batch_id not in self.tasks:
             self.tasks[batch_id] = asyncio.create_task(self._run(batch_id))
 
-    async def resume(self) -> None:
-        """Pick up every batch a previous run left open."""
+    async def resume(self, serves: Callable[[list[str]], bool]) -> None:
+        """Pick up every batch a previous run left open, unless its lines went to a model this
+        server does not serve (another server on the same directory created it)."""
         for batch in await asyncio.to_thread(self.store.list):
-            if batch["status"] == "cancelling":
+            if not serves(batch.get("_models", [])):
+                log.info("batch %s: its lines go to %s, not served here; left open for the "
+                         "server that serves it", batch["id"], ", ".join(batch["_models"]))
+            elif batch["status"] == "cancelling":
                 await self._cancelled(batch["id"])
             elif batch["status"] in OPEN:
                 log.info("batch %s: resuming (%s)", batch["id"], batch["status"])

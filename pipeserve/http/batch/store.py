@@ -21,7 +21,8 @@ OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 
 
 def new_batch(input_file_id: str, endpoint: str, window: str,
-              metadata: dict[str, str] | None, total: int) -> dict[str, Any]:
+              metadata: dict[str, str] | None, total: int,
+              models: list[str] | None = None) -> dict[str, Any]:
     now = int(time.time())
     return {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint,
             "errors": None, "input_file_id": input_file_id, "completion_window": window,
@@ -30,7 +31,8 @@ def new_batch(input_file_id: str, endpoint: str, window: str,
             "finalizing_at": None, "completed_at": None, "failed_at": None,
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": total, "completed": 0, "failed": 0},
-            "metadata": metadata, "usage": None}
+            "metadata": metadata, "usage": None,
+            "_models": models or []}   # the models its lines go to (not shown)
 
 
 class BatchStore:
