@@ -1,8 +1,8 @@
 """Reliability end to end: on a real `serve.py` pool (two generated tiny
 models, each engine in its own process) and a real single-model server, every pipe command is
 answered under its own id however many run at once, and the errors that used to invite useless
-retries (or hide a bad request) are 400s and 501s that name the limit. Every request has a
-timeout; every wait is bounded."""
+retries (or hide a bad request) are 400s that name the limit; a pool member mounts its own
+adapters over HTTP. Every request has a timeout; every wait is bounded."""
 from __future__ import annotations
 
 import json
