@@ -77,14 +77,6 @@ class EngineUnavailable(ServeError):
     error_type = "service_unavailable"
 
 
-class NotSupported(ServeError):
-    """This server's configuration does not offer what the request asks for (501): retrying
-    cannot help; another configuration can."""
-
-    status = 501
-    error_type = "invalid_request_error"
-
-
 class StageError(ServeError):
     """A fault inside a step stage; fails that step's requests (500)."""
 

@@ -45,6 +45,17 @@ class Adapter:
                 "target_modules": list(self.target_modules), "bytes": self.nbytes,
                 "digest": self.digest}
 
+    def to_wire(self) -> dict[str, Any]:
+        """Plain JSON data (an engine process publishes its adapters to the server's)."""
+        return {**self.describe(), "path": str(self.path)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Adapter:
+        return cls(id=d["id"], path=Path(d["path"]), digest=d["digest"],
+                   fine_tune_type=d["fine_tune_type"], rank=d["rank"], scale=d["scale"],
+                   num_layers=d["num_layers"], target_modules=tuple(d["target_modules"]),
+                   nbytes=d["bytes"])
+
 
 def resolve(adapter_dir: str, adapter_id: str) -> Path:
     """model.adapter_dir/<id>, refused when it resolves outside the directory (a symlink out),
@@ -204,6 +215,22 @@ class AdapterSet:
         snap.adapters, snap.slots, snap.retired = (dict(self.adapters), dict(self.slots),
                                                    dict(self.retired))
         snap.indices = snap.row_scales = None
+        return snap
+
+    def to_wire(self) -> dict[str, Any]:
+        """A snapshot as plain JSON data, for the server process when the engine runs in its
+        own (pipeserve/pool/codec.py): what the HTTP side reads of it (the mounted adapters,
+        the default, `merged`, the retired that a running request may still name)."""
+        return {"mounted": [a.to_wire() for a in self.adapters.values()],
+                "default": self.default, "merged": self.merged,
+                "retired": [a.to_wire() for a, _ in self.retired.values()]}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> AdapterSet:
+        """The server process's copy of an engine process's snapshot (no tensors, no slots
+        it would use: requests are checked and recorded against it, never run)."""
+        snap = cls([Adapter.from_wire(a) for a in d["mounted"]], d["default"], d["merged"])
+        snap.retired = {a["id"]: (Adapter.from_wire(a), 0.0) for a in d["retired"]}
         return snap
 
     @property

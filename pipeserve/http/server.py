@@ -37,7 +37,7 @@ from pipeserve.http.chat_page import add_chat_page
 from pipeserve.config import ServeConfig, config_hash
 from pipeserve.core.client import EngineClient, EngineState
 from pipeserve.core.engine import Engine
-from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable, NotSupported,
+from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable,
                              ServeError, Unauthorized)
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
@@ -421,49 +421,56 @@ def _add_routes(app: Sanic) -> None:
     async def adapters(http: sanic.Request) -> HTTPResponse:
         """The mounted adapters (at launch: model.adapter and model.adapters; at runtime:
         POST /v1/adapters); the launch default (what requests naming none run with) has
-        `default: true`."""
-        limits = app.ctx.engine.limits
-        if limits is None and app.ctx.pool is None:   # a pool's members mount none
+        `default: true`. A pool lists every member's (each entry names its `model`), as
+        last loaded; one model in its own process (server.isolate=true) lists as in-process."""
+        pool = app.ctx.pool
+        if pool is not None and not pool.single:
+            return json_response({"object": "list", "data": [
+                {**entry, "model": m.id} for m in pool.members.values()
+                for entry in _mounted(m.engine.limits if m.engine is not None else None)]})
+        engine = app.ctx.engine if pool is None else pool.members[pool.default_id].engine
+        limits = engine.limits if engine is not None else None
+        if limits is None:
             raise EngineUnavailable("the model is still loading; retry after Retry-After seconds")
-        set_ = limits.adapters if limits is not None else None
-        mounted = ([{**a.describe(), "default": a.id == set_.default}
-                    for a in set_.adapters.values()] if set_ is not None else [])
-        return json_response({"object": "list", "data": mounted})
+        return json_response({"object": "list", "data": _mounted(limits)})
 
-    def _no_pool_swap() -> None:
-        if app.ctx.pool is not None:   # never a retryable 503: no retry can make it work
-            raise NotSupported(
-                "adapter hot-swap is not supported when models run in their own engine "
-                "processes (pool=… or server.isolate=true); serve the model alone (no pool) "
-                "with model.adapter_dir to mount adapters", code="adapters_unsupported")
+    def _mounted(limits: Any) -> list[dict[str, object]]:
+        set_ = limits.adapters if limits is not None else None
+        return ([{**a.describe(), "default": a.id == set_.default}
+                 for a in set_.adapters.values()] if set_ is not None else [])
 
     scripting_routes.add_routes(app, _admin)   # models, tokenizer, embeddings, rerank
 
-    async def _swap(adapter_id: str, mount: bool) -> dict[str, object]:
+    async def _swap(model: Any, adapter_id: str, mount: bool) -> dict[str, object]:
         """Hot-swap (pipeserve/adapters/swap.py): the engine thread mounts or unmounts between
-        steps; this handler only awaits its reply."""
-        return await adapter_swap.request(app.ctx.engine, AdapterSwap(adapter_id, mount))
+        steps; this handler only awaits its reply. Under a pool (or server.isolate=true) the
+        command crosses to the engine process of the member `model` names (the default one
+        when it names none), loaded first."""
+        pool = app.ctx.pool
+        engine = app.ctx.engine if pool is None else (await pool.context(model)).engine
+        return await adapter_swap.request(engine, AdapterSwap(adapter_id, mount))
 
     @app.post("/v1/adapters")
     async def mount_adapter(http: sanic.Request) -> HTTPResponse:
         """Mount model.adapter_dir/<id> at runtime: 200 with its /v1/adapters entry; 400 (not
         an id, a path out of the directory, files that do not fit the base model, DoRA), 404
-        (no such subdirectory), 409 (already mounted). Needs server.admin_key when set."""
+        (no such subdirectory), 409 (already mounted). Needs server.admin_key when set.
+        Under a pool, `model` names the member."""
         _admin(http)
-        _no_pool_swap()
         body = read_body(http)
         if not isinstance(body.get("id"), str):
             raise InvalidRequest('the body must be a JSON object {"id": "<subdirectory of '
                                  'model.adapter_dir>"}', param="id")
-        return json_response(await _swap(body["id"], True))
+        return json_response(await _swap(body.get("model"), body["id"], True))
 
     @app.delete("/v1/adapters/<adapter_id:str>")
     async def unmount_adapter(http: sanic.Request, adapter_id: str) -> HTTPResponse:
         """Unmount: 200 with the entry it had, `deleted: true`; 404 when not mounted; 409 for
-        the launch default or while running or waiting requests use it (the count named)."""
+        the launch default or while running or waiting requests use it (the count named).
+        Under a pool, `?model=` names the member."""
         _admin(http)
-        _no_pool_swap()
-        return json_response({**await _swap(adapter_id, False), "deleted": True})
+        return json_response({**await _swap(http.args.get("model"), adapter_id, False),
+                              "deleted": True})
 
     @app.post("/v1/chat/completions")
     async def chat(http: sanic.Request) -> HTTPResponse | None:

@@ -15,7 +15,7 @@ from typing import Any
 from pipeserve.config import ServeConfig
 from pipeserve.pool import codec
 from pipeserve.core.engine import Engine
-from pipeserve.core.events import Failed, Flush
+from pipeserve.core.events import AdapterSwap, Failed, Flush
 from pipeserve.core.scoring import Score
 from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
@@ -24,6 +24,7 @@ from pipeserve.grammar.constraint import GrammarCompiler
 from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve.pool")
+REMOUNT_S = 600.0   # the most a restarted core waits for one adapter to mount again
 
 
 class PipeLoop:
@@ -62,7 +63,9 @@ def _facts(engine: Any, load_s: float) -> dict[str, Any]:
             "pid": os.getpid(), "load_s": load_s}
 
 
-def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
+def main(conn: Connection, cfg: ServeConfig, model_id: str,
+         adapters: list[str] | None = None) -> None:
+    """`adapters`: the ids a restarted core had mounted (None: a first load, the launch's)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
                                "%(name)s: %(message)s")
@@ -84,6 +87,8 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str) -> None:
                                              f"{engine.startup_error}"})
         sender.close()
         _exit(0)
+    if adapters is not None:
+        _remount(engine, adapters)
     send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
     _serve(conn, send, engine, lambda: generate_latest(registry).decode())
     sender.close()   # what the engine said last (its final events, replies) goes out first
@@ -147,11 +152,31 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
             engine.command(Score(msg["ids"], msg["top"])).add_done_callback(
                 lambda f, n=msg["n"]: send({"op": "reply", "n": n,
                                             **codec.score_reply_fields(f)}))
+        elif op == "adapter":   # hot-swap (pipeserve/adapters/swap.py), between steps
+            engine.command(AdapterSwap(msg["id"], msg["mount"])).add_done_callback(
+                lambda f, n=msg["n"]: send({"op": "reply", "n": n, **codec.swap_reply_fields(
+                    f, engine.limits.adapters if engine.limits is not None else None)}))
         elif op == "metrics":
             send({"op": "reply", "of": "metrics", "n": msg["n"], "body": exposition()})
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
+
+
+def _remount(engine: Any, wanted: list[str]) -> None:
+    """A restarted core serves the adapters its predecessor had (mounted or unmounted over
+    HTTP since launch), through the same swaps; one that no longer mounts is logged and left
+    out, never a failed load."""
+    limits = engine.limits
+    have = limits.adapters.ids if limits is not None and limits.adapters is not None else []
+    swaps = ([AdapterSwap(i, False) for i in have if i not in wanted]
+             + [AdapterSwap(i, True) for i in wanted if i not in have])
+    for cmd in swaps:
+        try:
+            engine.command(cmd).result(REMOUNT_S)
+        except Exception as e:   # ServeError, or the engine did not answer in time
+            log.warning("adapter %s was not %s again after the restart: %s", cmd.adapter_id,
+                        "mounted" if cmd.mount else "unmounted", e)
 
 
 class _Grammars:

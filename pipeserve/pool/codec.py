@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from pipeserve import errors
+from pipeserve.adapters.lora import AdapterSet
 from pipeserve.core.limits import EngineLimits
-from pipeserve.core.events import Event, Failed, Finished, TokenDelta, answer
+from pipeserve.core.events import (AdapterSwap, Event, Failed, Finished, TokenDelta,
+                                   answer)
 from pipeserve.core.scoring import Score
 from pipeserve.core.submission import EngineRequest
 from pipeserve.memory import MemoryModel
@@ -47,15 +49,26 @@ def encode_limits(limits: EngineLimits) -> dict[str, Any]:
     return {"max_rows": limits.max_rows, "kv_pool_bytes": limits.kv_pool_bytes,
             "memory": dataclasses.asdict(memory) if memory is not None else None,
             "device": limits.device, "dimensions": limits.dimensions,
-            "rewinds": limits.rewinds}
+            "rewinds": limits.rewinds, "adapters": encode_adapters(limits.adapters)}
 
 
 def decode_limits(d: dict[str, Any], cfg: ServeConfig, loaded: LoadedModel) -> EngineLimits:
     """The parent's limits: its own host-side model (tokenizer, config) and the child's facts."""
-    return EngineLimits.of(cfg, loaded, max_rows=d["max_rows"], kv_pool_bytes=d["kv_pool_bytes"],
-                           memory=MemoryModel(**d["memory"]) if d["memory"] else None,
-                           device=d["device"], dimensions=d["dimensions"],
-                           rewinds=d.get("rewinds"))
+    limits = EngineLimits.of(cfg, loaded, max_rows=d["max_rows"],
+                             kv_pool_bytes=d["kv_pool_bytes"],
+                             memory=MemoryModel(**d["memory"]) if d["memory"] else None,
+                             device=d["device"], dimensions=d["dimensions"],
+                             rewinds=d.get("rewinds"))
+    return dataclasses.replace(limits, adapters=decode_adapters(d.get("adapters")))
+
+
+def encode_adapters(snapshot: AdapterSet | None) -> dict[str, Any] | None:
+    """The child's mounted adapters (EngineLimits.adapters), at ready and after every swap."""
+    return snapshot.to_wire() if snapshot is not None else None
+
+
+def decode_adapters(d: dict[str, Any] | None) -> AdapterSet | None:
+    return AdapterSet.from_wire(d) if d is not None else None
 
 
 # -- events (child → parent) -----------------------------------------------------------------
@@ -155,6 +168,31 @@ def score_reply_fields(future: Future[Any]) -> dict[str, Any]:
         return {"error": encode_error(error)}
     return {"lps": [None if t is None else [t.token_id, t.logprob, t.top]
                     for t in future.result()]}
+
+
+def swap_reply_fields(future: Future[Any], snapshot: AdapterSet | None) -> dict[str, Any]:
+    """Child process: an answered AdapterSwap (pipeserve/adapters/swap.py) and the set the
+    engine published after it (a refused swap publishes too: the parent keeps the newest)."""
+    error = future.exception()
+    return {"entry": None if error is not None else future.result(),
+            "error": encode_error(error) if error is not None else None,
+            "adapters": encode_adapters(snapshot)}
+
+
+def apply_swap_reply(cmd: AdapterSwap, msg: dict[str, Any]) -> None:
+    """Parent's pipe reader: a swap reply's entry or error into the command, then its future
+    (the caller has published the reply's adapters first: the handler's reply comes after
+    the set it names)."""
+    if msg.get("error") is not None:
+        cmd.error = decode_error(msg["error"])
+    elif msg.get("entry") is None:
+        done = "mounted" if cmd.mount else "unmounted"
+        cmd.error = errors.EngineUnavailable(
+            f"the model's engine process stopped before it {done} adapter {cmd.adapter_id!r}; "
+            "GET /v1/adapters says what is mounted once it is back")
+    else:
+        cmd.result = msg["entry"]
+    answer(cmd.future, cmd.result, cmd.error)
 
 
 def apply_score_reply(cmd: Score, msg: dict[str, Any]) -> None:

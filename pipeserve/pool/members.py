@@ -51,9 +51,6 @@ def compose_member(launch: list[str], model_id: str, overrides: list[str]) -> Se
         raise ConfigError(f"pool.models.{model_id}: {e}") from e
     except Exception as e:  # Hydra's compose errors (an unknown group option)
         raise ConfigError(f"pool.models.{model_id}: {str(e).splitlines()[0]}") from e
-    if cfg.model.adapter_ids:
-        raise ConfigError(f"pool.models.{model_id} mounts adapters; LoRA adapters are not "
-                          "carried to a pool's engine processes yet: serve that model alone")
     return cfg
 
 

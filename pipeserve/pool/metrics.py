@@ -13,10 +13,12 @@ from prometheus_client.samples import Sample
 from pipeserve.metrics import PREFIX
 
 LOAD_BUCKETS_S = (0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
-# families the parent updates for a member (the HTTP side: Scope and the admission stage)
-# (as written in /metrics: counters with `_total`)
+# families the parent updates for a member (the HTTP side: Scope, the admission stage, the
+# output path's adapter counts) (as written in /metrics: counters with `_total`)
 MEMBER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_e2e_request_latency_seconds",
-                             f"{PREFIX}_admission_decisions_total"})
+                             f"{PREFIX}_admission_decisions_total",
+                             f"{PREFIX}_adapter_requests_total",
+                             f"{PREFIX}_adapter_generation_tokens_total"})
 # families the server itself owns (requests before routing: an unknown model, a bad body)
 SERVER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_build_info",
                              f"{PREFIX}_admission_memory_budget_bytes",

@@ -180,8 +180,7 @@ class ModelPool:
             except EngineUnavailable:
                 outcome = "busy"   # traffic, not the model: it never started loading
                 raise
-            previous = (m.engine.limits.model if m.engine is not None
-                        and m.engine.limits is not None else None)
+            previous = m.engine.limits if m.engine is not None else None
             engine = ChildEngine(m.id, m.cfg, m.metrics, previous, self._exited)
             m.engine = engine
             log.info("model %s: loading (load %d; resident: %s)", m.id, m.num_loads + 1,
@@ -209,7 +208,9 @@ class ModelPool:
             await self._fit_memory(m)
             m.front = None if m.cfg.model.encoder else Front(m.cfg, engine, m.metrics)
             assert engine.limits is not None
-            m.record = base_record(m.cfg, m.config_hash, engine.limits.model.fingerprint, None)
+            adapters = engine.limits.adapters   # the launch default's names the record
+            m.record = base_record(m.cfg, m.config_hash, engine.limits.model.fingerprint,
+                                   adapters.identity(None) if adapters is not None else None)
             outcome = "ok"
             m.num_loads += 1
             self.metrics.resident.labels(m.id).set(1)

@@ -4,6 +4,7 @@ use (limits, load, submit, abort, state, flush), over a pipe. Its reader thread 
 of the event loop; a child that dies fails the requests it held. Any thread."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -18,8 +19,8 @@ from typing import Any, Callable
 from pipeserve.config import ServeConfig
 from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core.limits import EngineLimits
-from pipeserve.errors import EngineUnavailable, NotSupported, ServeError
-from pipeserve.core.events import Failed, Finished, Flush, answer
+from pipeserve.errors import EngineUnavailable, ServeError
+from pipeserve.core.events import AdapterSwap, Failed, Finished, Flush, answer
 from pipeserve.model.loader import LoadedModel, _chat_template
 from pipeserve.metrics import Metrics
 from pipeserve.pool import child, codec
@@ -35,8 +36,10 @@ SPAWN = mp.get_context("spawn")   # never fork: the parent may have imported MLX
 
 class ChildEngine:
     def __init__(self, model_id: str, cfg: ServeConfig, metrics: Metrics,
-                 previous: LoadedModel | None = None,
+                 previous: EngineLimits | None = None,
                  on_exit: Callable[[ChildEngine], None] | None = None) -> None:
+        """`previous`: the limits of the engine this one replaces (its tokenizer is reused,
+        its mounted adapters mounted again)."""
         self.model_id, self.cfg, self.metrics = model_id, cfg, metrics
         self.state = EngineState.LOADING
         self.limits: EngineLimits | None = None   # from the child's facts once it is ready
@@ -57,7 +60,10 @@ class ChildEngine:
         self._stopping = False
         self._num_submitted = self._num_done = self._child_waiting = self._child_running = 0
         self._conn, child_conn = SPAWN.Pipe()
-        self._proc = SPAWN.Process(target=child.main, args=(child_conn, cfg, model_id),
+        adapters = (previous.adapters.ids if previous is not None
+                    and previous.adapters is not None else None)
+        self._proc = SPAWN.Process(target=child.main,
+                                   args=(child_conn, cfg, model_id, adapters),
                                    name=f"pipeserve-{model_id}", daemon=True)
         self._child_conn = child_conn
         self._reader = threading.Thread(target=self._read, name=f"pipeserve-pipe-{model_id}",
@@ -133,19 +139,12 @@ class ChildEngine:
                 pass
 
     def command(self, cmd: Any) -> Future[Any]:
-        """A Flush, a prompt Score or an Embed goes over the pipe, its reply keyed by `n`;
-        adapter hot-swap is not carried over the pipe (the HTTP routes answer 501 before
-        they get here)."""
-        if not isinstance(cmd, (Flush, Score, Embed)):
-            answer(cmd.future, error=NotSupported(
-                "adapter hot-swap is not supported when the engine runs in its own process",
-                code="adapters_unsupported"))
-            return cmd.future
+        """A Flush, a prompt Score, an Embed or an AdapterSwap goes over the pipe, its reply
+        keyed by `n`; a swap's reply carries the child's new adapter set, published here
+        before the command's future is answered."""
         n = next(self._seq)
         self._commands[n] = cmd
-        message = ({"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
-                   if isinstance(cmd, Score) else {"op": "embed", "n": n, "ids": cmd.inputs}
-                   if isinstance(cmd, Embed) else {"op": "flush", "n": n})
+        message = _message(cmd, n)
         try:
             if self.state is not EngineState.READY:
                 raise EngineUnavailable(f"the engine of model {self.model_id} is "
@@ -209,7 +208,10 @@ class ChildEngine:
     def _control(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "reply" and msg["n"] in self._commands:
-            _reply(self._commands.pop(msg["n"]), msg)
+            cmd = self._commands.pop(msg["n"])
+            if isinstance(cmd, AdapterSwap):
+                self._publish_adapters(msg)
+            _reply(cmd, msg)
         elif op == "reply":
             with self._lock:
                 waiting = self._replies.pop(msg["n"], None)
@@ -244,9 +246,18 @@ class ChildEngine:
         self.last_event_s = time.monotonic()
         post_many(items)   # the step's events: one wake-up of the event loop
 
+    def _publish_adapters(self, msg: dict[str, Any]) -> None:
+        """A swap reply's adapter set replaces the limits' (whole, as the engine thread does);
+        a reply without one (the child exited) leaves them."""
+        limits = self.limits
+        if limits is not None and "adapters" in msg:
+            self.limits = dataclasses.replace(limits,
+                                              adapters=codec.decode_adapters(msg["adapters"]))
+
     def _became_ready(self, facts: dict[str, Any]) -> None:
         try:
-            loaded = parent_loaded(facts, self.cfg, self._previous)
+            loaded = parent_loaded(facts, self.cfg,
+                                   self._previous.model if self._previous is not None else None)
         except Exception as e:  # the tokenizer did not load here: the model cannot serve
             log.exception("model %s: tokenizer failed to load in the server process",
                           self.model_id)
@@ -295,6 +306,18 @@ class ChildEngine:
             self._on_exit(self)
 
 
+def _message(cmd: Any, n: int) -> dict[str, Any]:
+    """A command as its pipe message, numbered `n` for its reply."""
+    if isinstance(cmd, Score):
+        return {"op": "score", "n": n, "ids": cmd.token_ids, "top": cmd.top}
+    if isinstance(cmd, Embed):
+        return {"op": "embed", "n": n, "ids": cmd.inputs}
+    if isinstance(cmd, AdapterSwap):
+        return {"op": "adapter", "n": n, "id": cmd.adapter_id, "mount": cmd.mount}
+    assert isinstance(cmd, Flush), cmd
+    return {"op": "flush", "n": n}
+
+
 def _reply(cmd: Any, msg: dict[str, Any]) -> None:
     """The child's reply to a command (each module reads its own fields); `msg` is empty when
     the child exited before it replied."""
@@ -302,6 +325,8 @@ def _reply(cmd: Any, msg: dict[str, Any]) -> None:
         embedding.apply_reply(cmd, msg)
     elif isinstance(cmd, Score):
         codec.apply_score_reply(cmd, msg)
+    elif isinstance(cmd, AdapterSwap):
+        codec.apply_swap_reply(cmd, msg)
     elif msg.get("ok"):
         answer(cmd.future, True)
     else:

@@ -3,7 +3,10 @@ members' composed configs, the pool schema's checks, routing by `model`, and the
 /metrics exposition."""
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -88,6 +91,64 @@ def test_the_child_says_whether_its_model_cache_rewinds() -> None:
         assert codec.decode_limits(wire, cfg, loaded).rewinds is rewinds
 
 
+def _adapter(adapter_id: str) -> Any:
+    from pathlib import Path
+
+    from pipeserve.adapters.lora import Adapter
+    return Adapter(id=adapter_id, path=Path("/a") / adapter_id, digest="0123456789abcdef",
+                   fine_tune_type="lora", rank=4, scale=2.0, num_layers=2,
+                   target_modules=("self_attn.q_proj",), nbytes=128)
+
+
+def test_the_childs_adapters_cross_at_ready_and_after_every_swap() -> None:
+    """The server process checks a request's adapter against the child's published set: it
+    crosses in the ready message's limits and in every swap reply, and a reply's set is
+    published before the handler waiting on the swap is answered."""
+    from pipeserve.adapters.lora import AdapterSet
+    from pipeserve.core.events import AdapterSwap
+    from pipeserve.core.limits import EngineLimits
+    from pipeserve.pool.proxy import ChildEngine
+
+    mounted = AdapterSet([_adapter("lora"), _adapter("terse")], "lora")
+    mounted.retired = {"old": (_adapter("old"), 5.0)}   # a running request may still name it
+    loaded = SimpleNamespace(config={"vocab_size": 32}, tokenizer=[0] * 32, max_context=64,
+                             adapters=None, vision=None)
+    sent = EngineLimits(64, 32, adapters=mounted.snapshot())
+    wire = codec.loads(codec.dumps(codec.encode_limits(sent)))
+    got = codec.decode_limits(wire, make_config(), loaded).adapters
+    assert got.ids == ["lora", "terse"] and got.default == "lora" and not got.merged
+    assert got.adapters["terse"] == mounted.adapters["terse"]   # every field, the path too
+    assert got.identity("old") == "old@0123456789abcdef"
+    assert got.canonical("terse", "adapter") == "terse" and got.canonical("lora", "m") is None
+    with pytest.raises(NotFound, match="'old', which is not mounted; mounted: lora, terse"):
+        got.canonical("old", "adapter")
+    engine = ChildEngine("m", make_config(), metrics=None)   # type: ignore[arg-type]
+    engine.limits = dataclasses.replace(sent, adapters=got)
+    cmd = AdapterSwap("terse", False)
+    seen: list[Any] = []
+    cmd.future.add_done_callback(lambda f: seen.append(engine.limits.adapters.ids))
+    engine._commands[7] = cmd
+    after = AdapterSet([_adapter("lora")], "lora")
+    engine._control(codec.loads(codec.dumps({"op": "reply", "n": 7, **codec.swap_reply_fields(
+        _answered({"id": "terse", "deleted": False}), after)})))
+    assert cmd.future.result() == {"id": "terse", "deleted": False} and seen == [["lora"]]
+    refused = AdapterSwap("lora", False)
+    engine._commands[8] = refused
+    error = Future()
+    error.set_exception(NotFound("adapter 'x' is not mounted", param="id", code="adapter_nf"))
+    engine._control(codec.loads(codec.dumps({"op": "reply", "n": 8,
+                                             **codec.swap_reply_fields(error, after)})))
+    with pytest.raises(NotFound, match="adapter 'x' is not mounted") as info:
+        refused.future.result()
+    assert (info.value.param, info.value.code, info.value.status) == ("id", "adapter_nf", 404)
+
+
+def _answered(result: Any) -> Future:
+    f: Future = Future()
+    f.set_result(result)
+    return f
+
+
 def test_a_member_inherits_the_launch_overrides_but_not_the_pool_or_hydra() -> None:
     launch = ["model=tiny", "model.cache_dir=/m", "pool=example", "pool.max_resident=1",
               "hydra.run.dir=/r", "kv=q8", "server.port=9"]
@@ -114,7 +175,6 @@ def test_pool_example_composes_two_models_of_different_architectures(tmp_path) -
     ([], ["kv=nope"], "pool.models.m"),
     ([], ["model.arch=gpt"], "pool.models.m"),
     ([], ["server.port=1"], "a member sets its model"),
-    ([], ["model.adapter_dir=/a", "model.adapter=x"], "mounts adapters"),
 ])
 def test_a_bad_member_fails_at_launch_naming_it(launch, member, message) -> None:
     cfg = make_config("pool=example", *launch)

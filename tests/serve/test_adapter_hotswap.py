@@ -3,10 +3,14 @@ POST /v1/adapters mounts a subdirectory of model.adapter_dir at runtime — its 
 equals a server launched with that adapter — and DELETE /v1/adapters/{id} unmounts it (404
 for it afterwards); a mount while another request streams leaves that stream's tokens as
 they are alone; DELETE of an adapter a request uses is a 409 and that request goes on; the
-admin key guards both; bad ids are 400/404 in OpenAI's error shape; the server keeps serving."""
+admin key guards both; bad ids are 400/404 in OpenAI's error shape; the server keeps serving.
+The same tests run with the engine core in its own process (server.isolate=true): the swap and
+the adapter set cross the pipe, the output equals the thread core's launched reference, and a
+core process that dies comes back with the adapters it had."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -18,7 +22,9 @@ import pytest
 
 from pipeserve.model.tiny.text import ensure_model
 from tests.adapters.test_adapters import write_adapter
+from tests.serve.test_engine_process import wait_health
 from tests.serve.test_openai import NO_EOS, TIMEOUT
+from tests.serve.test_pool import engine_pid
 
 ADMIN = "swap-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -46,10 +52,18 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def hot(server_factory: Any, adapter_dir: Path) -> Any:
-    """No adapter at launch, only the directory; the admin key set."""
+def hot(server_factory: Any, adapter_dir: Path, request: pytest.FixtureRequest) -> Any:
+    """No adapter at launch, only the directory; the admin key set. Its engine core runs on a
+    thread ("thread", the default) or in its own process ("process": server.isolate=true,
+    where swaps and the adapter set cross the pipe), as a test parametrizes it."""
+    core = getattr(request, "param", "thread")
     return server_factory(f"model.adapter_dir={adapter_dir}", f"server.admin_key={ADMIN}",
-                          "scheduler=continuous", "scheduler.max_batch=8")
+                          "scheduler=continuous", "scheduler.max_batch=8",
+                          *(["server.isolate=true"] if core == "process" else []))
+
+
+BOTH_CORES = pytest.mark.parametrize("hot", ["thread", "process"], indirect=True)
+THREAD_CORE = pytest.mark.parametrize("hot", ["thread"], indirect=True)   # one server
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +115,7 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
     return err
 
 
+@BOTH_CORES
 def test_mount_equals_launch_and_unmount_404s(hot: Any, launched: Any) -> None:
     assert _listed(hot) == (["tiny"], [])
     want_terse = _text(launched, "tiny:terse")
@@ -148,6 +163,7 @@ def _stream(s: Any, first: threading.Event, out: dict[str, Any], max_tokens: int
     out["done_at"] = time.monotonic()
 
 
+@BOTH_CORES
 def test_mount_while_streaming_leaves_the_stream_alone(hot: Any, launched: Any) -> None:
     solo = _text(hot, max_tokens=1500, adapter="none")
     first, out = threading.Event(), {}
@@ -165,6 +181,7 @@ def test_mount_while_streaming_leaves_the_stream_alone(hot: Any, launched: Any) 
     assert _unmount(hot, "lora").status_code == 200
 
 
+@BOTH_CORES
 def test_delete_of_a_busy_adapter_is_409_and_the_stream_goes_on(hot: Any) -> None:
     assert _mount(hot, "terse").status_code == 200
     solo = _text(hot, "tiny:terse", max_tokens=1500)
@@ -182,6 +199,7 @@ def test_delete_of_a_busy_adapter_is_409_and_the_stream_goes_on(hot: Any) -> Non
     _still_serving(hot)
 
 
+@BOTH_CORES
 def test_repeated_swaps_under_load_change_no_stream(hot: Any) -> None:
     """Streams on an adapter, a stack holding it and the base model run while another adapter
     is mounted and unmounted again and again: none fails, each equals its solo output."""
@@ -209,6 +227,7 @@ def test_repeated_swaps_under_load_change_no_stream(hot: Any) -> None:
     _still_serving(hot)
 
 
+@THREAD_CORE
 def test_admin_key_is_enforced(hot: Any) -> None:
     assert _error(_mount(hot, "lora", headers=None), 401)["type"] == "authentication_error"
     assert _mount(hot, "lora", headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -217,6 +236,7 @@ def test_admin_key_is_enforced(hot: Any) -> None:
     _still_serving(hot)
 
 
+@BOTH_CORES
 def test_bad_ids_are_400_404_409_in_openais_shape(hot: Any, launched: Any) -> None:
     err = _error(_mount(hot, "nope"), 404)
     assert err["param"] == "id" and "'nope'" in err["message"] and "lora" in err["message"]
@@ -247,6 +267,27 @@ def test_bad_ids_are_400_404_409_in_openais_shape(hot: Any, launched: Any) -> No
     assert _error(_unmount(hot, "lora"), 404)["code"] == "adapter_not_found"
     assert _error(_unmount(hot, "nope"), 404)["param"] == "id"
     _still_serving(hot)
+
+
+@pytest.mark.parametrize("hot", ["process"], indirect=True)
+def test_a_restarted_core_process_mounts_what_it_had(hot: Any, launched: Any) -> None:
+    """kill -9 of the core process: the new one mounts the adapters mounted over HTTP before
+    (and not those unmounted), so the list and the output are as before the crash."""
+    assert _mount(hot, "terse").status_code == 200
+    assert _mount(hot, "lora").status_code == 200
+    assert _unmount(hot, "lora").status_code == 200
+    victim = engine_pid(hot, "tiny")
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(1200):   # the server sees the exit and starts a new core (bounded)
+        if "exited (killed by signal 9)" in hot.log():
+            break
+        time.sleep(0.05)
+    wait_health(hot.base_url, 200)
+    assert engine_pid(hot, "tiny") != victim
+    assert _listed(hot) == (["tiny", "tiny:terse"], ["terse"])
+    assert _text(hot, "tiny:terse") == _text(launched, "tiny:terse")
+    assert _unmount(hot, "terse").status_code == 200
+    assert _listed(hot) == (["tiny"], [])
 
 
 def test_launch_default_cannot_be_unmounted(launched: Any) -> None:

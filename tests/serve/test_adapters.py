@@ -1,6 +1,8 @@
 """End to end: `serve.py model.adapter_dir=... model.adapter=<id>` as a real process —
 GET /v1/adapters lists what is mounted (behind server.api_key like every /v1 route), the
-reproducibility record names the adapter, and a bad adapter stops the launch with its reason."""
+reproducibility record names the adapter, and a bad adapter stops the launch with its reason.
+Several adapters at launch, chosen per request, behave the same with the engine core in its
+own process (server.isolate=true)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 from pipeserve.model.tiny.text import ensure_model
 from tests.adapters.test_adapters import write_adapter
-from tests.serve.test_openai import NO_EOS, TIMEOUT
+from tests.serve.test_openai import NO_EOS, TIMEOUT, metric_families, sample_value
 
 KEY = "adapter-key"
 
@@ -67,15 +69,27 @@ def test_unknown_adapter_stops_the_launch(server_factory: Any, adapter_dir: Path
 
 # -- several adapters, chosen per request (model.adapters) ---------------------------------
 @pytest.fixture(scope="module")
-def multi(server_factory: Any, tmp_path_factory: pytest.TempPathFactory,
-          model_cache: Path) -> Any:
+def multi_dir(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
     root = tmp_path_factory.mktemp("multi")
     base = ensure_model(cache_dir=model_cache)
     write_adapter(root, "lora", base, rank=4, seed=5)
     write_adapter(root, "terse", base, rank=8, num_layers=1, seed=6,
                   keys=["self_attn.q_proj", "mlp.down_proj"])
-    return server_factory(f"model.adapter_dir={root}", "model.adapters=[lora,terse]",
-                          "scheduler=continuous", "scheduler.max_batch=8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def multi(server_factory: Any, multi_dir: Path, request: pytest.FixtureRequest) -> Any:
+    """Two adapters mounted at launch; the engine core on a thread ("thread", the default) or
+    in its own process ("process": server.isolate=true mounts them in the core process and
+    publishes the set to the server's), as a test parametrizes it."""
+    isolate = ["server.isolate=true"] if getattr(request, "param", "thread") == "process" else []
+    return server_factory(f"model.adapter_dir={multi_dir}", "model.adapters=[lora,terse]",
+                          "scheduler=continuous", "scheduler.max_batch=8", *isolate)
+
+
+BOTH_CORES = pytest.mark.parametrize("multi", ["thread", "process"], indirect=True)
+THREAD_CORE = pytest.mark.parametrize("multi", ["thread"], indirect=True)   # one server
 
 
 def _openai(s: Any) -> Any:
@@ -90,6 +104,7 @@ def _text(client: Any, model: str = "tiny", **extra: Any) -> str:
     return done.choices[0].text
 
 
+@BOTH_CORES
 def test_models_lists_base_and_every_adapter(multi: Any) -> None:
     assert [m.id for m in _openai(multi).models.list()] == ["tiny", "tiny:lora", "tiny:terse"]
     listed = httpx.get(multi.base_url + "/v1/adapters", timeout=TIMEOUT).json()["data"]
@@ -97,6 +112,7 @@ def test_models_lists_base_and_every_adapter(multi: Any) -> None:
                                                                     ("terse", 8, False)]
 
 
+@BOTH_CORES
 def test_model_suffix_and_adapter_field_select_the_same(multi: Any) -> None:
     client = _openai(multi)
     by_model = _text(client, "tiny:lora")
@@ -111,6 +127,7 @@ def test_model_suffix_and_adapter_field_select_the_same(multi: Any) -> None:
     assert chat.parse().usage.model_extra["pipeserve"]["adapter"].startswith("terse@")
 
 
+@BOTH_CORES
 def test_unknown_adapter_is_a_404_in_each_protocols_shape(multi: Any) -> None:
     import anthropic
     import openai
@@ -145,6 +162,7 @@ def test_unknown_adapter_is_a_404_in_each_protocols_shape(multi: Any) -> None:
     assert _text(client) == _text(client, adapter="none")   # still serving
 
 
+@THREAD_CORE
 def test_cached_tokens_never_cross_adapters(multi: Any) -> None:
     client = _openai(multi)
     prompt = "The lighthouse keeper counted ships " * 12
@@ -160,6 +178,7 @@ def test_cached_tokens_never_cross_adapters(multi: Any) -> None:
     assert cached(adapter="lora") > 0
 
 
+@BOTH_CORES
 def test_stacked_adapters_over_http(multi: Any) -> None:
     """`adapter: [ids]` stacks adapters on every endpoint: the record names the stack, the
     output is neither adapter's alone, a bad stack is a 400/404 naming the field, and the
@@ -185,15 +204,19 @@ def test_stacked_adapters_over_http(multi: Any) -> None:
         with pytest.raises(status) as info:
             _text(client, adapter=bad)
         assert info.value.body["param"] == "adapter", bad
-    metrics = httpx.get(multi.base_url + "/metrics", timeout=TIMEOUT).text
-    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-              if line.startswith("pipeserve_adapter_requests_total{")}
-    assert series['pipeserve_adapter_requests_total{adapter="lora+terse"}'] >= 2
-    assert series['pipeserve_adapter_requests_total{adapter="terse+lora"}'] >= 1
-    assert series['pipeserve_adapter_requests_total{adapter="none"}'] >= 1
-    assert 'pipeserve_adapter_generation_tokens_total{adapter="lora"}' in metrics
+    fams = metric_families(multi.base_url)   # (a core process's server adds a model label)
+
+    def requests(adapter: str) -> float:
+        return sample_value(fams, "pipeserve_adapter_requests",
+                            "pipeserve_adapter_requests_total", adapter=adapter)
+
+    assert requests("lora+terse") >= 2 and requests("terse+lora") >= 1
+    assert requests("none") >= 1
+    assert sample_value(fams, "pipeserve_adapter_generation_tokens",
+                        "pipeserve_adapter_generation_tokens_total", adapter="lora") > 0
 
 
+@THREAD_CORE
 def test_structured_output_holds_under_adapters(multi: Any, model_cache: Path) -> None:
     """A json_schema request validates whichever adapter (or stack) its row runs, several at
     once in one batch; the adapters still change what is written inside the schema."""

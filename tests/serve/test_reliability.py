@@ -1,18 +1,21 @@
 """Reliability end to end: on a real `serve.py` pool (two generated tiny
 models, each engine in its own process) and a real single-model server, every pipe command is
 answered under its own id however many run at once, and the errors that used to invite useless
-retries (or hide a bad request) are 400s and 501s that name the limit. Every request has a
-timeout; every wait is bounded."""
+retries (or hide a bad request) are 400s that name the limit; a pool member mounts its own
+adapters over HTTP. Every request has a timeout; every wait is bounded."""
 from __future__ import annotations
 
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pipeserve.model.tiny.text import ensure_model
+from tests.adapters.test_adapters import write_adapter
 from tests.serve.test_openai import NO_EOS
 
 QWEN, LLAMA = "tiny-qwen3", "tiny-llama"
@@ -26,8 +29,15 @@ ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
 @pytest.fixture(scope="module")
-def pool(server_factory: Any) -> Any:
-    srv = server_factory("pool=example", f"server.admin_key={ADMIN}")
+def pool(server_factory: Any, tmp_path_factory: pytest.TempPathFactory,
+         model_cache: Path) -> Any:
+    """pool=example, every member with one adapter directory holding an adapter of
+    tiny-llama's shapes (none mounted at launch)."""
+    adapters = tmp_path_factory.mktemp("pool-adapters")
+    write_adapter(adapters, "llama-lora", ensure_model("llama", cache_dir=model_cache), rank=4,
+                  seed=3)
+    srv = server_factory("pool=example", f"server.admin_key={ADMIN}",
+                         f"model.adapter_dir={adapters}")
     for m in IDS:   # both engine processes up before the storm
         r = _chat(srv.base_url, m, max_tokens=2)
         assert r.status_code == 200, r.text
@@ -123,16 +133,39 @@ def test_an_overlong_adapter_id_is_a_400_naming_the_limit(single: Any) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
 
 
-def test_adapter_swaps_on_a_pool_are_a_501_not_a_retry(pool: Any) -> None:
-    for r in (httpx.post(pool.base_url + "/v1/adapters", json={"id": "lora"},
-                         headers=ADMIN_AUTH, timeout=TIMEOUT),
-              httpx.delete(pool.base_url + "/v1/adapters/lora", headers=ADMIN_AUTH,
-                           timeout=TIMEOUT)):
-        assert r.status_code == 501, r.text
-        assert "retry-after" not in r.headers
-        err = r.json()["error"]
-        assert err["code"] == "adapters_unsupported" and "pool" in err["message"]
-    assert httpx.get(pool.base_url + "/v1/adapters", timeout=TIMEOUT).json()["data"] == []
+def test_a_pool_member_mounts_its_own_adapters_over_http(pool: Any) -> None:
+    """Hot-swap on a pool crosses to the engine process of the member `model` names: the
+    adapter is that member's (listed, served as `<member>:<id>`), never another's."""
+    url = pool.base_url + "/v1/adapters"
+    r = httpx.post(url, json={"id": "llama-lora", "model": LLAMA}, headers=ADMIN_AUTH,
+                   timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["id"] == "llama-lora", r.text
+    listed = httpx.get(url, timeout=TIMEOUT).json()["data"]
+    assert [(a["id"], a["model"], a["rank"]) for a in listed] == [("llama-lora", LLAMA, 4)]
+    models = httpx.get(pool.base_url + "/v1/models", timeout=TIMEOUT).json()["data"]
+    assert [m["id"] for m in models] == [QWEN, LLAMA, f"{LLAMA}:llama-lora"]
+
+    def text(model: str, **extra: Any) -> str:
+        r = _chat(pool.base_url, model, max_tokens=8, logit_bias=NO_EOS, **extra)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    tuned = text(f"{LLAMA}:llama-lora")
+    assert tuned == text(LLAMA, adapter="llama-lora") != text(LLAMA)
+    r = _chat(pool.base_url, f"{QWEN}:llama-lora")   # the other member mounts none
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+    assert r.json()["error"]["param"] == "model" and "mounted: none" in r.json()["error"]["message"]
+    r = httpx.delete(url + "/llama-lora", params={"model": QWEN}, headers=ADMIN_AUTH,
+                     timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "id"
+    r = httpx.delete(url + "/llama-lora", params={"model": "nope"}, headers=ADMIN_AUTH,
+                     timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.delete(url + "/llama-lora", params={"model": LLAMA}, headers=ADMIN_AUTH,
+                     timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert httpx.get(url, timeout=TIMEOUT).json()["data"] == []
+    assert _chat(pool.base_url, f"{LLAMA}:llama-lora").status_code == 404
 
 
 def test_an_n_no_idle_server_can_admit_is_a_400_naming_n(single: Any) -> None:

@@ -72,7 +72,16 @@ def bodies(app: Sanic) -> list[dict[str, Any]]:
     pool = app.ctx.pool
     if pool is None:
         return single_bodies(app)
-    return [member_body(pool, m) for m in pool.members.values()]
+    return [b for m in pool.members.values() for b in with_adapters(member_body(pool, m), m)]
+
+
+def with_adapters(body: dict[str, Any], m: Any) -> list[dict[str, Any]]:
+    """A member's entry, then `id:adapter` for each adapter its engine mounts (as last loaded),
+    as one model in-process lists them."""
+    limits = m.engine.limits if m.engine is not None else None
+    ids = limits.adapters.ids if limits is not None and limits.adapters is not None else []
+    return [body, *({**body, "id": f"{m.id}:{a}", "default": False, "parent": m.id}
+                    for a in ids)]
 
 
 def find_model(app: Sanic, model_id: str) -> dict[str, Any]:
