@@ -108,6 +108,10 @@ def test_cancel_of_a_foreground_response_and_bad_bodies(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError, match="background is true with store false") as e:
         create(client, 4, background=True, store=False)
     assert e.value.body["param"] == "store"
+    # the header a restart resumes a response with is the server's own
+    forged = httpx.post(f"{client.base_url}responses", headers={"x-pipeserve-resume": "resp_a"},
+                        json={"model": "tiny", "input": "hi", "background": True}, timeout=TIMEOUT)
+    assert forged.status_code == 400 and forged.json()["error"]["param"] == "x-pipeserve-resume"
 
 
 def test_a_background_stream_left_by_its_client_resumes_after_a_sequence_number(
