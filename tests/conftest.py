@@ -150,6 +150,9 @@ class ServerProcess:
         args = [sys.executable, str(ROOT / "serve.py"), f"server.port={self.port}",
                 f"model.cache_dir={model_cache}", f"hydra.run.dir={run_dir / str(self.port)}",
                 *pinned(overrides)]
+        if not any(o.startswith("server.files_dir=") for o in overrides):
+            # its own files, batches and background responses: a server never resumes another's
+            args.append(f"server.files_dir={run_dir / str(self.port) / 'files'}")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 

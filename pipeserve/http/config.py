@@ -59,10 +59,14 @@ class ServerConfig:
     # pipeserve/http/api/volatile.py)
     volatile_spans: Optional[dict[str, str]] = field(default_factory=lambda: dict(VOLATILE_SPANS))
     # /v1/files and /v1/batches: the uploaded and produced files and each batch's state live
-    # here, so a batch goes on after a restart (pipeserve/http/batch/)
+    # here, so a batch goes on after a restart (pipeserve/http/batch/); so do background
+    # responses (responses/: pipeserve/http/api/background_store.py)
     files_dir: str = "~/.cache/pipeserve/files"
     files_max_mb: float = 200.0   # one uploaded file's size cap (decimal MB); more is a 413
     batch_concurrency: int = 2    # batch lines in flight at once, over every batch
+    # a running background response's output token ids are written to disk every this many
+    # tokens (and when it ends or the server stops), so a restart resumes it from there
+    background_checkpoint_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name, pattern in (self.volatile_spans or {}).items():
@@ -82,6 +86,9 @@ class ServerConfig:
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.files_max_mb", self.files_max_mb, allow_none=False)
+        if self.background_checkpoint_tokens < 1:
+            raise ConfigError(f"server.background_checkpoint_tokens must be >= 1, got "
+                              f"{self.background_checkpoint_tokens}")
         if self.batch_concurrency < 1:
             raise ConfigError(f"server.batch_concurrency must be >= 1, got "
                               f"{self.batch_concurrency}")

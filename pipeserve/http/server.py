@@ -8,10 +8,12 @@ import gc
 import hashlib
 import hmac
 import logging
+import secrets
 import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import sanic
@@ -22,7 +24,8 @@ from sanic.exceptions import SanicException
 
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
-from pipeserve.http.api import responses_background
+from pipeserve.http.api import background_resume, responses_background
+from pipeserve.http.api.background_store import BackgroundStore
 from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
@@ -123,6 +126,15 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.responses = ResponseStore(cfg.server.responses_ttl_s,
                                       int(cfg.server.responses_store_mb * 1_000_000))
     app.ctx.background = {}   # running background responses (responses_background.py)
+    # their state on disk, resumed by the next launch; the key of this process's own
+    # resubmissions (background_resume.py)
+    app.ctx.background_store = BackgroundStore(Path(cfg.server.files_dir).expanduser())
+    app.ctx.internal_key = secrets.token_urlsafe(24)
+    app.ctx.resume_task = None
+
+    @app.after_server_start
+    async def _restore(app: Sanic) -> None:
+        await background_resume.restore(app)
     app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
         if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
     app.ctx.streams = StreamStore(cfg.server.stream_resume_s,
@@ -194,6 +206,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
 
     @app.before_server_stop
     async def _stopping(app: Sanic) -> None:
+        if app.ctx.resume_task is not None:
+            app.ctx.resume_task.cancel()
         if not app.ctx.draining:   # stopped without a signal (engine failed to start)
             app.ctx.draining = True
             log.info("shutting down: %d request(s) in flight", engine.load().num_inflight)
@@ -249,6 +263,7 @@ async def _drain(app: Sanic, timeout: float) -> None:
     still open (a stream's last chunks, a request that was still being tokenized)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await responses_background.suspend(app)   # on disk, for the next launch to resume
     while app.ctx.engine.load().num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
     app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)

@@ -4,14 +4,19 @@ one the same request gives in the foreground, the request ran at the least urgen
 class, a cancel stops a running one (stored as cancelled) and the server goes on serving, and
 a background request that cannot be polled (store false) is a 400 naming the field; a
 background stream left by its client runs on and resumes after a sequence number, and its
-cancel stops it."""
+cancel stops it. Across a restart (kill -9, and SIGTERM) on the same server.files_dir, an
+interrupted response resumes from its checkpoint to the uninterrupted greedy output, a
+finished one stays readable (and continuable), and a resumed one can be cancelled."""
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.serve.test_openai import NO_EOS, TIMEOUT
@@ -19,15 +24,33 @@ from tests.serve.test_openai import NO_EOS, TIMEOUT
 POLLS = 3000   # a bound on polling, not a time limit
 
 
+# a checkpoint every 16 output tokens: a restart test sees one early in its generation
+ARGS = ["server.background_checkpoint_tokens=16"]
+
+
 @pytest.fixture(scope="module")
-def srv(server_factory: Any) -> Any:
-    return server_factory()
+def state(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The module's server and the directory it keeps background responses in; the restart
+    tests (last in the file) replace the server with another on the same directory."""
+    files_dir = tmp_path_factory.mktemp("files")
+    args = [f"server.files_dir={files_dir}", *ARGS]
+    return {"srv": server_factory(*args), "args": args, "start": server_factory,
+            "dir": files_dir}
+
+
+@pytest.fixture(scope="module")
+def srv(state: dict[str, Any]) -> Any:
+    return state["srv"]
+
+
+def client_of(srv: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def client(srv: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=TIMEOUT)
+    return client_of(srv)
 
 
 def create(client: openai.OpenAI, tokens: int, **extra: Any) -> Any:
@@ -85,6 +108,10 @@ def test_cancel_of_a_foreground_response_and_bad_bodies(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError, match="background is true with store false") as e:
         create(client, 4, background=True, store=False)
     assert e.value.body["param"] == "store"
+    # the header a restart resumes a response with is the server's own
+    forged = httpx.post(f"{client.base_url}responses", headers={"x-pipeserve-resume": "resp_a"},
+                        json={"model": "tiny", "input": "hi", "background": True}, timeout=TIMEOUT)
+    assert forged.status_code == 400 and forged.json()["error"]["param"] == "x-pipeserve-resume"
 
 
 def test_a_background_stream_left_by_its_client_resumes_after_a_sequence_number(
@@ -117,3 +144,94 @@ def test_cancel_stops_a_background_stream(client: openai.OpenAI) -> None:
     assert cancelled["status"] == "cancelled"
     assert client.responses.retrieve(rid).status == "cancelled"
     assert create(client, 4).usage.output_tokens == 4   # the server serves on
+
+
+# -- restarts (last in the file: they replace the module's server) ----------------------------
+LONG = 480   # output tokens of an interrupted response: most of it is left at the kill
+
+
+def uninterrupted(state: dict[str, Any], client: openai.OpenAI) -> Any:
+    """The foreground answer an interrupted response must equal (asked once)."""
+    if "plain" not in state:
+        state["plain"] = create(client, LONG)
+    return state["plain"]
+
+
+def on_disk(state: dict[str, Any], rid: str) -> dict[str, Any]:
+    try:
+        return orjson.loads((Path(state["dir"]) / "responses" / f"{rid}.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+
+
+def checkpointed(state: dict[str, Any], rid: str) -> int:
+    """Wait (bounded) until a checkpoint of the running response is on disk; its length."""
+    for _ in range(POLLS):
+        record = on_disk(state, rid)
+        n = len(record.get("output_ids") or [])
+        assert record.get("status") in (None, "queued", "in_progress"), record.get("status")
+        if n >= 16:
+            return n
+        time.sleep(0.01)
+    raise AssertionError(f"{rid}: no checkpoint after {POLLS} polls")
+
+
+def relaunch(state: dict[str, Any]) -> openai.OpenAI:
+    state["srv"] = state["start"](*state["args"])
+    return client_of(state["srv"])
+
+
+def resumed_at(srv: Any, rid: str) -> int:
+    """The output tokens the relaunched server resumed `rid` from (its log line)."""
+    m = re.search(rf"response {rid}: resuming \(in_progress, (\d+) output tokens", srv.log())
+    assert m, srv.log()[-2000:]
+    return int(m.group(1))
+
+
+def test_kill_9_mid_generation_resumes_to_the_uninterrupted_output(
+        state: dict[str, Any]) -> None:
+    client = client_of(state["srv"])
+    plain = uninterrupted(state, client)
+    short = create(client, 8, background=True)
+    finished, _ = poll(client, short.id)
+    rid = create(client, LONG, background=True).id
+    seen = checkpointed(state, rid)
+    state["srv"].proc.kill()   # no drain, no last write: the periodic checkpoint is all
+    state["srv"].proc.wait(10)
+    client = relaunch(state)
+    first = client.responses.retrieve(rid)
+    assert first.status == "in_progress" and first.background is True
+    done, statuses = poll(client, rid)
+    assert set(statuses) <= {"in_progress", "incomplete"}
+    assert seen <= resumed_at(state["srv"], rid) < LONG
+    assert done.output_text == plain.output_text and done.usage.output_tokens == LONG
+    assert done.usage.input_tokens == plain.usage.input_tokens
+    assert done.created_at == first.created_at and done.id == rid
+    # one that ended before the restart is read back, and continues a conversation
+    kept = client.responses.retrieve(short.id)
+    assert kept.status == finished.status and kept.output_text == finished.output_text
+    more = client.responses.create(model="tiny", input="And then?", max_output_tokens=4,
+                                   previous_response_id=short.id, temperature=0)
+    assert more.usage.input_tokens > finished.usage.input_tokens
+
+
+def test_sigterm_suspends_and_the_next_launch_resumes_or_cancels(
+        state: dict[str, Any]) -> None:
+    client = client_of(state["srv"])
+    plain = uninterrupted(state, client)
+    rid = create(client, LONG, background=True).id
+    other = create(client, LONG, background=True).id
+    seen = checkpointed(state, rid)
+    stopped = state["srv"]
+    stopped.stop()   # SIGTERM: the drain suspends both at their last token, waiting for neither
+    assert "drained: no request in flight" in stopped.log_path.read_text(errors="replace")
+    left = len(on_disk(state, rid)["output_ids"])
+    assert on_disk(state, rid)["status"] == "in_progress" and seen <= left < LONG
+    client = relaunch(state)
+    cancelled = client.post(f"/responses/{other}/cancel", cast_to=httpx.Response).json()
+    assert cancelled["status"] == "cancelled"
+    done, _ = poll(client, rid)
+    assert resumed_at(state["srv"], rid) == left
+    assert done.output_text == plain.output_text and done.usage.output_tokens == LONG
+    assert client.responses.retrieve(other).status == "cancelled"
+    assert on_disk(state, other)["status"] == "cancelled"

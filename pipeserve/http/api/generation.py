@@ -180,6 +180,16 @@ class Generation:
         self.batch_size_max = 0
         self.record: Record | None = None
         self.engine_extras: dict[str, object] = {}   # the Finished event's (queue wait, ...)
+        self.ids: list[int] | None = None   # every output token id, when a caller keeps them
+        self._resumed: list[int] = []   # output of an earlier run its prompt continues
+
+    def resume(self, ids: list[int]) -> None:
+        """The request's prompt ends with `ids`, output an earlier run of it generated (a
+        background response's checkpoint): they are output here, first, as if decoded now."""
+        self._resumed = list(ids)
+        self.usage.prompt_tokens -= len(ids)
+        if self.ids is None:
+            self.ids = []
 
     def _chain(self) -> OutputChain:
         if not self.parse_output:
@@ -252,8 +262,10 @@ class Generation:
         text = ctx.front.detokenize.open(req.sampling.stop)
         chain = self._chain()
         keep_alive = ctx.cfg.server.keep_alive_s
+        replay = TokenDelta(req.request_id, self._resumed)   # not timed: decoded before
+        resumed = [replay] if self._resumed else []
         while True:
-            event = self.stream.poll()
+            event = resumed.pop() if resumed else self.stream.poll()
             if event is None:
                 event = await self.stream.wait(keep_alive)
                 if event is None:
@@ -261,11 +273,13 @@ class Generation:
                     continue
             if isinstance(event, TokenDelta):
                 n = len(event.token_ids)
-                if self.first_token_s is None and n:
+                if self.first_token_s is None and n and event is not replay:
                     self.first_token_s = time.perf_counter()
                 if event.batch_size_max > self.batch_size_max:   # a stop string ends it early
                     self.batch_size_max = event.batch_size_max
                 self.usage.completion_tokens += n
+                if self.ids is not None:
+                    self.ids.extend(event.token_ids)
                 self.usage.reasoning_tokens += n if chain.in_reasoning else 0
                 self.all_logprobs.extend(event.logprobs or [])
                 delta = chain.feed(text.feed(event.token_ids))
@@ -280,7 +294,7 @@ class Generation:
                     return
                 yield self._record(delta)
             elif isinstance(event, Finished):
-                self.usage.cached_tokens = event.num_cached_tokens
+                self.usage.cached_tokens = min(event.num_cached_tokens, self.usage.prompt_tokens)
                 self.engine_extras = event.extras
                 miss = event.extras.get("cache_miss")
                 self.usage.cache_miss = miss if isinstance(miss, dict) else None

@@ -3,11 +3,12 @@ tools, previous_response_id) → Request, the handlers for create / retrieve / d
 conversation kept in the ResponseStore. Event loop."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import sanic
 from sanic import HTTPResponse, Sanic
@@ -27,6 +28,7 @@ from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.http.api import cache_key
 from pipeserve.http.api import responses_background as background
+from pipeserve.http.api import background_resume
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.vision import video
 from pipeserve.vision.audio import from_input_audio
@@ -285,9 +287,11 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
         if parsed.background:
             _background_checks(parsed, ctx.cfg.admission.priority_classes)
+        resumed = await background_resume.resuming(app, http) if parsed.background else None
+        rid = resumed[0]["id"] if resumed is not None else f"resp_{uuid.uuid4().hex}"
 
         def make() -> Request:
-            req = Request(request_id=f"resp_{uuid.uuid4().hex}", endpoint="responses",
+            req = Request(request_id=rid, endpoint="responses",
                           inputs=parsed.inputs, requested=dict(parsed.requested),
                           constraint=parsed.constraint, adapter=adapter)
             dropped = parsed.tools.warning()
@@ -297,18 +301,31 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
                 req.warnings.append(NO_SUMMARY)
             return req
         keep = resume.resumable(body)
-        gen = await _start(scope, make, parsed)
+        try:
+            gen = await _start(scope, make, parsed,
+                               resumed[0].get("output_ids") if resumed is not None else None)
+        except BaseException:
+            if resumed is not None:
+                resumed[1].close()
+            raise
         req = gen.request
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store, parsed.tools.custom)
-        if parsed.stream:
-            def save(b: dict[str, Any]) -> None:
-                _save(app.ctx.responses, b, parsed.conversation, gen)
+        persisted = None
+        if parsed.background:   # on disk until it ends: a restart resumes it
+            if resumed is not None:
+                shape.created_at = resumed[0]["created_at"]
+            persisted = await background.Persisted.new(app, rid, body, shape.created_at,
+                                                       resumed)
 
+        def save(b: dict[str, Any]) -> list[dict[str, Any]]:
+            return _save(app.ctx.responses, b, parsed.conversation, gen)
+        if parsed.stream:
             async def produce(log: StreamLog) -> None:
-                if parsed.background:   # stored as it goes; POST .../cancel stops the task
-                    final = await background.streamed(app, gen, shape, save,
-                                                      lambda: _stream(log, gen, shape))
+                if persisted is not None:   # stored as it goes; POST .../cancel stops the task
+                    final = await background.streamed(
+                        app, gen, shape, save, persisted,
+                        lambda: _stream(log, gen, shape, persisted.tick))
                 else:
                     final = await _stream(log, gen, shape)
                 scope.failed = final["status"] == "failed"
@@ -318,9 +335,9 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
                                ctx.cfg.server.keep_alive_s, produce, scope.detach,
                                background=parsed.background)
             return None
-        if parsed.background:
-            return background.launch(app, scope, gen, shape, lambda b: _save(
-                app.ctx.responses, b, parsed.conversation, gen))
+        if persisted is not None:
+            return await background.launch(app, scope, gen, shape, save, persisted,
+                                           resumed=resumed is not None)
         await gen.run()
         body = shape.body(shape.output(gen), gen)
         if parsed.store:
@@ -357,19 +374,25 @@ def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
 MAX_TRUNCATIONS = 256   # oldest turns truncation "auto" drops at most
 
 
-async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed) -> Generation:
-    """Start a request built by `make()`. truncation "auto": while its prompt is past the
-    context, drop the conversation's oldest turn and try again, and say so."""
+async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed,
+                 resumed: list[int] | None = None) -> Generation:
+    """Start a request built by `make()`; `resumed`: output ids a restart checkpointed, which
+    its prompt continues. truncation "auto": while its prompt is past the context, drop the
+    conversation's oldest turn and try again, and say so."""
     dropped = 0
     for _ in range(MAX_TRUNCATIONS):
         try:
-            gen = await scope.start(make())
+            req = await scope.prepare(make())
         except InvalidRequest as e:
             if (e.code != "context_length_exceeded" or parsed.echo["truncation"] != "auto"
                     or not _drop_oldest(parsed.inputs)):
                 raise
             dropped += 1
             continue
+        ids = background_resume.continuation(req, resumed or [])
+        gen = scope.submit(req)
+        if ids:
+            gen.resume(ids)
         if dropped:
             gen.request.warnings.append(f"truncation auto: the {dropped} oldest turn(s) of the "
                                         "input were dropped to fit the context")
@@ -395,20 +418,24 @@ def _drop_oldest(inputs: PromptInput) -> bool:
 
 
 def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
-          gen: Generation) -> None:
+          gen: Generation) -> list[dict[str, Any]]:
+    """Store the response with its conversation (returned)."""
     turn: dict[str, Any] = {"role": "assistant", "content": gen.content}
     if gen.tool_calls:
         turn["tool_calls"] = [tool_call_body(c) for c in gen.tool_calls]
         for call in turn["tool_calls"]:
             call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    if not store.put(body["id"], body, conversation + [turn]):
+    stored = conversation + [turn]
+    if not store.put(body["id"], body, stored):
         log.warning("response %s is larger than server.responses_store_mb; not stored",
                     body["id"])
+    return stored
 
 
-async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape) -> dict[str, Any]:
+async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape,
+                  tick: Callable[[Generation], Awaitable[None]] | None = None) -> dict[str, Any]:
     """Append the event chain to `log`; the final response body (status "failed" after an
-    error)."""
+    error). `tick`: awaited after each delta (a background response's checkpoints)."""
     events = ResponseEvents(shape)
 
     async def send(batch: list[dict[str, Any]]) -> None:
@@ -420,6 +447,8 @@ async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape) -> dict
         async for delta in gen.deltas():
             if delta:
                 await send(events.feed(delta))
+            if tick is not None:
+                await tick(gen)
     except ServeError as e:
         failed = events.fail(e)
         await send(failed)
@@ -440,6 +469,7 @@ async def handle_get(app: Sanic, http: sanic.Request, response_id: str) -> HTTPR
 
 
 async def handle_delete(app: Sanic, http: sanic.Request, response_id: str) -> HTTPResponse:
-    if not app.ctx.responses.delete(response_id):
+    on_disk = await asyncio.to_thread(app.ctx.background_store.delete, response_id)
+    if not app.ctx.responses.delete(response_id) and not on_disk:
         raise NotFound(f"response {response_id!r} is unknown or expired", param="response_id")
     return json_response({"id": response_id, "object": "response", "deleted": True})

@@ -28,8 +28,9 @@ class ResponseStore:
         return len(self._items)
 
     def put(self, response_id: str, body: dict[str, Any],
-            conversation: list[dict[str, Any]]) -> bool:
-        """Store one response; False when it alone is over the byte cap (not stored)."""
+            conversation: list[dict[str, Any]], ttl_s: float | None = None) -> bool:
+        """Store one response (for `ttl_s`, the store's own by default); False when it alone
+        is over the byte cap (not stored)."""
         size = len(orjson.dumps(body)) + len(orjson.dumps(conversation))
         self.delete(response_id)
         if size > self.max_bytes:
@@ -37,8 +38,9 @@ class ResponseStore:
         self._expire()
         while self._items and self.nbytes + size > self.max_bytes:
             self._drop(next(iter(self._items)))
+        ttl = self.ttl_s if ttl_s is None else ttl_s
         self._items[response_id] = StoredResponse(body, conversation, size,
-                                                  time.monotonic() + self.ttl_s)
+                                                  time.monotonic() + ttl)
         self.nbytes += size
         return True
 

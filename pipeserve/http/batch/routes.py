@@ -27,7 +27,7 @@ def add_routes(app: Sanic) -> None:
     server = app.ctx.cfg.server
     root = Path(server.files_dir).expanduser()
     files, store = FileStore(root), BatchStore(root)
-    runner = BatchRunner(files, store, _self_url(server.host, server.port),
+    runner = BatchRunner(files, store, self_url(server.host, server.port),
                          _headers(app), server.batch_concurrency,
                          lambda inflight: _room(app, inflight))
     app.ctx.batches = runner
@@ -215,7 +215,7 @@ def _room(app: Sanic, inflight: int) -> bool:
     return load.num_waiting + load.num_running < most and inflight < most
 
 
-def _self_url(host: str, port: int) -> str:
+def self_url(host: str, port: int) -> str:
     """This server's own address: loopback when it listens on every interface."""
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
