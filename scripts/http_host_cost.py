@@ -71,7 +71,7 @@ def calibrate(front: Any, want: int) -> str:
         body = orjson.loads(body_bytes(0, 1))
         body["messages"][0]["content"] = text
         req = openai_http._choice_request(oa.parse_chat(body), "calibrate", "chat", 0, None)
-        if len(front.tokenize.encode_rendered(front.tokenize.render_text(req.inputs))) >= want:
+        if len(front.tokenize.encoder.encode_rendered(front.tokenize.prompt.render_text(req.inputs))) >= want:
             break
         text += ("" if not text else " ") + WORDS[i % len(WORDS)]
     return text
@@ -107,7 +107,7 @@ def measure(app: Any, loop: asyncio.AbstractEventLoop, n: int, tokens: int,
     out["first SSE frame (role chunk)"] = per_call(
         lambda i: sse_data(shape.chunk({"role": "assistant", "content": ""}, index=0)), n)
     del admitted
-    ids = front.tokenize.encode(TEXT * 4)[:tokens]
+    ids = front.tokenize.encoder.encode(TEXT * 4)[:tokens]
     out.update(stream_cost(app, loop, reqs, toks, ids, shape, parsed, n))
     return out
 

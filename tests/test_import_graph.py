@@ -259,7 +259,8 @@ ENGINE_INTERNALS = {"scheduler", "memory", "kv_pool_bytes", "loaded"}
 # the HTTP side: the server, the pool, and the request stages that run on the event loop
 FACE_READERS = ("pipeserve/http", "pipeserve/pool", "pipeserve/eventloop",
                 "pipeserve/stages/tokenize.py", "pipeserve/stages/admission.py",
-                "pipeserve/stages/detokenize.py")
+                "pipeserve/stages/detokenize.py", "pipeserve/markup/chat_prompt.py",
+                "pipeserve/vision/placeholders.py")
 
 
 def _names_an_engine(node: ast.expr) -> bool:

@@ -10,7 +10,7 @@ import openai.types.responses as rt
 import pytest
 from pydantic import TypeAdapter
 
-from pipeserve.http.api.anthropic import BlockStream, message_body
+from pipeserve.http.api.anthropic_shape import BlockStream, message_body
 from pipeserve.http.api.generation import Delta, Usage
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.tools import ToolCall

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pipeserve.http.api import anthropic
+from pipeserve.http.api import anthropic_shape
 from pipeserve.http.api.generation import Delta, Generation, Usage
 from pipeserve.http.api.responses_shape import ResponseShape
 from pipeserve.http.api.tools import ToolCall
@@ -35,7 +35,7 @@ def finished(parts: list[tuple[str, object]]) -> Generation:
 def test_text_after_a_call_stays_after_it() -> None:
     gen = finished([("reasoning", "Think."), ("text", "Checking."), ("call", CALL),
                     ("text", "Done.")])
-    body = anthropic.message_body("msg_1", "m", gen)
+    body = anthropic_shape.message_body("msg_1", "m", gen)
     assert [(b["type"], b.get("text") or b.get("thinking") or b.get("name"))
             for b in body["content"]] == [("thinking", "Think."), ("text", "Checking."),
                                           ("tool_use", "now"), ("text", "Done.")]
@@ -47,6 +47,6 @@ def test_text_after_a_call_stays_after_it() -> None:
 
 def test_nothing_said_is_one_empty_text() -> None:
     gen = finished([])
-    assert anthropic.message_body("msg_1", "m", gen)["content"] == [{"type": "text", "text": ""}]
+    assert anthropic_shape.message_body("msg_1", "m", gen)["content"] == [{"type": "text", "text": ""}]
     shape = ResponseShape("resp_1", "m", {}, SamplingParams(), True)
     assert [i["type"] for i in shape.output(gen)] == ["message"]

@@ -85,7 +85,7 @@ def test_real_template_renders_a_call_our_parser_reads_back(
     assert markup.channels == (reasoning == "harmony")
     assert (markup.think is not None) == (reasoning == "think")
 
-    prompt = stage.render_text(parse_chat(conversation(call_id)).inputs)
+    prompt = stage.prompt.render_text(parse_chat(conversation(call_id)).inputs)
     assert "get_weather" in prompt and "Sunny, 21 C" in prompt
     if fmt != "deepseek_v31":   # this template leaves the declaration to the system prompt
         assert prompt.count("get_weather") >= 2   # the tool's declaration and the history call
@@ -114,8 +114,8 @@ def test_each_template_honours_the_thinking_switches(tiny: tuple[Path, ServeConf
                                                      on: str, off: str) -> None:
     stage, markup, _ = tokenize_stage(tiny, (TEMPLATES / name).read_text())
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
-    thinking = stage.render_text(parse_chat({**body, "reasoning_effort": "high"}).inputs)
-    quiet = stage.render_text(parse_chat({**body, "reasoning_effort": "none"}).inputs)
+    thinking = stage.prompt.render_text(parse_chat({**body, "reasoning_effort": "high"}).inputs)
+    quiet = stage.prompt.render_text(parse_chat({**body, "reasoning_effort": "none"}).inputs)
     if name == "gpt-oss.jinja":
         assert on in thinking and off in quiet and on not in quiet
     else:
@@ -131,13 +131,13 @@ def test_gpt_oss_history_keeps_the_reasoning_before_a_call(tiny: tuple[Path, Ser
     stage, _, _ = tokenize_stage(tiny, (TEMPLATES / "gpt-oss.jinja").read_text())
     body = conversation("call_1")
     body["messages"][1]["reasoning_content"] = "Need the weather tool."
-    prompt = stage.render_text(parse_chat(body).inputs)
+    prompt = stage.prompt.render_text(parse_chat(body).inputs)
     assert ("<|start|>assistant<|channel|>analysis<|message|>Need the weather tool.<|end|>"
             "<|start|>assistant to=functions.get_weather") in prompt
 
 
 def test_history_ids_follow_what_each_family_was_trained_on() -> None:
-    from pipeserve.stages.tokenize import kimi_ids, mistral_ids
+    from pipeserve.markup.chat_prompt import kimi_ids, mistral_ids
     calls = [{"id": "call_abc", "type": "function", "function": {"name": "f", "arguments": {}}},
              {"id": "functions.g:7", "type": "function", "function": {"name": "g", "arguments": {}}}]
     history = [{"role": "assistant", "content": "", "tool_calls": calls},

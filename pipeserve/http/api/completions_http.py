@@ -50,10 +50,10 @@ def with_suffix(parsed: oa.Parsed, front: Any) -> None:
         raise InvalidRequest("echo with suffix is not supported: the prompt the model sees is "
                              "rewritten around the suffix", param="echo")
     pre, suf, mid = markers
-    tail = tokenize._encode(parsed.suffix, False, "suffix") if parsed.suffix else []
+    tail = tokenize.encoder.encode_text(parsed.suffix, False, "suffix") if parsed.suffix else []
     for inputs in parsed.prompts:
         head = (inputs.token_ids if inputs.token_ids is not None
-                else tokenize._encode(inputs.text or "", False, "prompt"))
+                else tokenize.encoder.encode_text(inputs.text or "", False, "prompt"))
         inputs.token_ids, inputs.text = [pre, *head, suf, *tail, mid], None
     parsed.inputs = parsed.prompts[0]
 

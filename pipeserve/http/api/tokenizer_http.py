@@ -15,8 +15,6 @@ from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body, ready_front, route
 from pipeserve.errors import InvalidRequest
 from pipeserve.eventloop.offload import off_loop
-from pipeserve.vision import video
-from pipeserve.vision.audio import check_modalities
 
 
 async def _front(app: Sanic, http: sanic.Request,
@@ -50,9 +48,10 @@ def _render_chat(front: Any, body: dict[str, Any]) -> tuple[str, Any]:
         raise InvalidRequest("continue_final_message=true needs the last message to be an "
                              "assistant message", param="continue_final_message")
     tokenize = front.tokenize
-    template = tokenize._request_template(parsed.inputs)
-    return tokenize.render_text(parsed.inputs, template, add_generation_prompt=add_generation,
-                                continue_final_message=continue_final), parsed.inputs
+    template = tokenize.prompt.request_template(parsed.inputs)
+    return tokenize.prompt.render_text(parsed.inputs, template,
+                                       add_generation_prompt=add_generation,
+                                       continue_final_message=continue_final), parsed.inputs
 
 
 def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
@@ -61,25 +60,24 @@ def _tokenize(front: Any, body: dict[str, Any]) -> tuple[list[int], str]:
         if "prompt" in body:
             raise InvalidRequest("send prompt or messages, not both", param="prompt")
         text, inputs = _render_chat(front, body)
-        tokenize._check_length(text, "messages")   # refused by its length, before encoding
+        tokenize.encoder.check_length(text, "messages")   # refused by its length, before encoding
         if inputs.media:   # images, video, audio: their tokens, as the chat request counts them
-            check_modalities(inputs.media, tokenize.vision, tokenize.model_name)
-            video.refuse_unserved(inputs.media, tokenize.vision, tokenize.model_name)
-            text, media = tokenize._images(inputs, text)
-            ids = tokenize.encode_rendered(text)
+            tokenize.media.check(inputs.media)
+            text, media = tokenize.media.expand(inputs.media, text)
+            ids = tokenize.encoder.encode_rendered(text)
             media.check_tokens(ids)
             return ids, text
         add_special = F.get(body, "add_special_tokens", bool, False)
-        return (tokenize.encode(text, "messages") if add_special
-                else tokenize.encode_rendered(text)), text
+        return (tokenize.encoder.encode(text, "messages") if add_special
+                else tokenize.encoder.encode_rendered(text)), text
     prompt = F.get(body, "prompt", str)
     if prompt is None:
         raise InvalidRequest("prompt (a string) or messages (chat messages) is required",
                              param="prompt")
-    tokenize._check_length(prompt, "prompt")
+    tokenize.encoder.check_length(prompt, "prompt")
     if F.get(body, "add_special_tokens", bool, True):
-        return tokenize.encode(prompt), prompt
-    return tokenize._encode(prompt, False, "prompt"), prompt
+        return tokenize.encoder.encode(prompt), prompt
+    return tokenize.encoder.encode_text(prompt, False, "prompt"), prompt
 
 
 async def _run(front: Any, http: sanic.Request, body: dict[str, Any]) -> tuple[list[int], str]:
@@ -135,7 +133,7 @@ def _detokenize(front: Any, tokens: list[Any]) -> str:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             raise InvalidRequest(f"tokens[{i}] is {F.short(t)}; token ids are integers in "
                                  f"[0, {vocab})", param="tokens")
-    return decode(front.tokenize.tokenizer, front.tokenize.backend, tokens)
+    return decode(front.tokenize.tokenizer, front.tokenize.encoder.backend, tokens)
 
 
 def decode(tokenizer: Any, backend: Any, ids: list[int]) -> str:

@@ -86,5 +86,5 @@ class Warmup:
 
     @staticmethod
     def _render(front: Any, inputs: PromptInput) -> list[int]:
-        text = front.tokenize.render_text(inputs, add_generation_prompt=False)
-        return list(front.tokenize.encode_rendered(text))
+        text = front.tokenize.prompt.render_text(inputs, add_generation_prompt=False)
+        return list(front.tokenize.encoder.encode_rendered(text))
