@@ -85,9 +85,19 @@ def test_background_is_polled_to_the_foreground_answer(client: openai.OpenAI, sr
 
 def test_cancel_stops_a_running_one(client: openai.OpenAI, srv: Any) -> None:
     queued = create(client, 3000, background=True)
+    for _ in range(POLLS):   # running: it has written tokens
+        if client.responses.retrieve(queued.id).status == "in_progress":
+            break
+        time.sleep(0.02)
     cancelled = client.post(f"/responses/{queued.id}/cancel", cast_to=httpx.Response).json()
     assert cancelled["status"] == "cancelled" and cancelled["id"] == queued.id
-    assert client.responses.retrieve(queued.id).status == "cancelled"
+    stored = client.responses.retrieve(queued.id)
+    assert stored.status == "cancelled"
+    # what it wrote before the cancel is kept (as the usage counts it), marked incomplete
+    written = stored.usage.output_tokens
+    assert written > 0 and stored.output[0].status == "incomplete", stored
+    plain = create(client, written)   # the same greedy tokens, not cut
+    assert stored.output_text and plain.output_text.startswith(stored.output_text.rstrip("\ufffd"))
     line = ""
     for _ in range(POLLS):   # the request's log line: stopped by the cancel, not by its end
         line = next((x for x in srv.log().splitlines() if f"request {queued.id} " in x), "")

@@ -149,7 +149,7 @@ async def _stopped(app: Sanic, gen: Generation, shape: ResponseShape, save: Save
     if stopping(app):
         await persisted.suspend(gen)
         return
-    body = shape.body([], gen, status="cancelled")
+    body = shape.body(shape.output(gen, cut=True), gen, status="cancelled")   # what it wrote
     await persisted.end(body, save(body), gen)
 
 

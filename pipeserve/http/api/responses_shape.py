@@ -92,9 +92,10 @@ class ResponseShape:
             out["usage"] = usage_body(gen.usage)
         return out
 
-    def output(self, gen: Generation) -> list[dict[str, Any]]:
-        """All output items of a finished generation (reasoning, messages, calls) in order."""
-        status = "incomplete" if gen.finish_reason == "length" else "completed"
+    def output(self, gen: Generation, cut: bool = False) -> list[dict[str, Any]]:
+        """All output items of a finished generation (reasoning, messages, calls) in order;
+        `cut`: it was stopped before its end (a cancel), so its messages are incomplete."""
+        status = "incomplete" if cut or gen.finish_reason == "length" else "completed"
         out = []
         for kind, part in gen.parts:   # in the order the model wrote them, as the stream's items
             if isinstance(part, ToolCall):
