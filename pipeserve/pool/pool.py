@@ -180,7 +180,7 @@ class ModelPool:
             except EngineUnavailable:
                 outcome = "busy"   # traffic, not the model: it never started loading
                 raise
-            previous = m.engine.limits if m.engine is not None else None
+            previous = m.engine.last_limits if m.engine is not None else None
             engine = ChildEngine(m.id, m.cfg, m.metrics, previous, self._exited)
             m.engine = engine
             log.info("model %s: loading (load %d; resident: %s)", m.id, m.num_loads + 1,

@@ -76,6 +76,12 @@ class ChildEngine:
         self._reader.start()
 
     @property
+    def last_limits(self) -> EngineLimits | None:
+        """This engine's limits, else (it never became ready) those of the one it replaced:
+        what a next engine reuses (the tokenizer) and mounts again (the adapters)."""
+        return self.limits if self.limits is not None else self._previous
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid
 

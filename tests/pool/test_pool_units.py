@@ -183,6 +183,16 @@ def test_a_bad_member_fails_at_launch_naming_it(launch, member, message) -> None
         compose_members(cfg, launch)
 
 
+def test_a_member_may_mount_adapters_of_its_own() -> None:
+    cfg = make_config("pool=example")
+    cfg.pool = PoolConfig(models={"m": PoolMemberConfig(["model.adapter_dir=/a",
+                                                         "model.adapter=x"]),
+                                  "n": PoolMemberConfig([])})
+    members = compose_members(cfg, [])
+    assert members is not None
+    assert members["m"].model.adapter_ids == ["x"] and members["n"].model.adapter_ids == []
+
+
 def test_a_pool_or_isolation_with_distributed_serving_is_refused() -> None:
     for extra in ("pool=example", "server.isolate=true"):   # pipeserve/distributed/config.py
         with pytest.raises(ConfigError, match="pool= / server.isolate=true with distributed"):
