@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeserve.core.events import Finished, TokenDelta  # noqa: E402
 from pipeserve.core.stream import RequestStream  # noqa: E402
-from pipeserve.http.api import openai as oa  # noqa: E402
+from pipeserve.http.api.openai_chat import parse_chat  # noqa: E402
+from pipeserve.http.api.openai_shape import ChatShape  # noqa: E402
 from pipeserve.http.api import openai_http  # noqa: E402
 from pipeserve.http.api.generation import Generation  # noqa: E402
 from pipeserve.http.api.http import read_body, sse_data  # noqa: E402
@@ -70,7 +71,7 @@ def calibrate(front: Any, want: int) -> str:
     for i in range(4 * want):
         body = orjson.loads(body_bytes(0, 1))
         body["messages"][0]["content"] = text
-        req = openai_http._choice_request(oa.parse_chat(body), "calibrate", "chat", 0, None)
+        req = openai_http._choice_request(parse_chat(body), "calibrate", "chat", 0, None)
         if len(front.tokenize.encoder.encode_rendered(front.tokenize.prompt.render_text(req.inputs))) >= want:
             break
         text += ("" if not text else " ") + WORDS[i % len(WORDS)]
@@ -84,12 +85,12 @@ def measure(app: Any, loop: asyncio.AbstractEventLoop, n: int, tokens: int,
     front = ctx.front
     TEXT = calibrate(front, prompt_tokens)
     bodies = [body_bytes(i, tokens) for i in range(n + 20)]
-    parsed = [oa.parse_chat(read_body(FakeHttp(b))) for b in bodies]
+    parsed = [parse_chat(read_body(FakeHttp(b))) for b in bodies]
     reqs = [openai_http._choice_request(p, f"chatcmpl-{i}", "chat", 0, None)
             for i, p in enumerate(parsed)]
     out: dict[str, float] = {}
     out["parse (JSON body, fields)"] = per_call(
-        lambda i: oa.parse_chat(read_body(FakeHttp(bodies[i]))), n)
+        lambda i: parse_chat(read_body(FakeHttp(bodies[i]))), n)
     toks = [loop.run_until_complete(front.tokenize(front.normalise(r))) for r in reqs]
     fresh = [openai_http._choice_request(p, f"chatcmpl-t{i}", "chat", 0, None)
              for i, p in enumerate(parsed)]
@@ -103,7 +104,7 @@ def measure(app: Any, loop: asyncio.AbstractEventLoop, n: int, tokens: int,
         lambda i: loop.run_until_complete(front.tokenize(front.normalise(fresh[i]))), n)
     admitted = [loop.run_until_complete(front.admission(r)) for r in toks[:20]]
     out["admission"] = per_call(lambda i: loop.run_until_complete(front.admission(toks[i])), n)
-    shape = oa.ChatShape("chatcmpl-x", "tiny", front.token_info, "fp_x")
+    shape = ChatShape("chatcmpl-x", "tiny", front.token_info, "fp_x")
     out["first SSE frame (role chunk)"] = per_call(
         lambda i: sse_data(shape.chunk({"role": "assistant", "content": ""}, index=0)), n)
     del admitted
@@ -190,7 +191,7 @@ def output_cost(app: Any, loop: asyncio.AbstractEventLoop, lengths: list[int],
     front = ctx.front
     body = orjson.loads(body_bytes(0, max(lengths)))
     body["stop"] = ["never in this text"]
-    req = openai_http._choice_request(oa.parse_chat(body), "chatcmpl-long", "chat", 0, None)
+    req = openai_http._choice_request(parse_chat(body), "chatcmpl-long", "chat", 0, None)
     req = loop.run_until_complete(front.tokenize(front.normalise(req)))
     text = " ".join(WORDS) + ". "
     ids = list(front.tokenize.tokenizer.encode(text * (max(lengths) // 8 + 1),

@@ -14,7 +14,7 @@ import pytest
 
 from pipeserve.http.api.generation import Delta, OutputChain
 from pipeserve.http.api.harmony import HarmonySplitter
-from pipeserve.http.api.openai import parse_chat
+from pipeserve.http.api.openai_chat import parse_chat
 from pipeserve.http.api.tools import ToolCallParser
 from pipeserve.config import ServeConfig
 from pipeserve.model.loader import LoadedModel

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeserve.http.api.generation import Delta, Generation, Usage
-from pipeserve.http.api.openai import incomplete_fields, miss_fields
+from pipeserve.http.api.openai_shape import incomplete_fields, miss_fields
 from pipeserve.http.api.tools import ToolCall
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.http.api import openai as oa
+from pipeserve.http.api.openai_shape import CompletionShape
 from pipeserve.http.api.generation import Choices, Generation, Usage
 from pipeserve.http.api.http import Scope
 from pipeserve.errors import InvalidRequest
@@ -82,14 +83,14 @@ class Echo:
         return cls("".join(pieces), [front.token_info(t)[0] for t in ids], offsets)
 
 
-def _top(shape: oa.CompletionShape, lp: TokenLogprob) -> dict[str, float]:
+def _top(shape: CompletionShape, lp: TokenLogprob) -> dict[str, float]:
     top: dict[str, float] = {}
     for i, v in lp.top:   # tokens sharing a text (byte pieces): keep the likeliest
         top.setdefault(shape.token_info(i)[0], v)
     return top
 
 
-def _logprobs(shape: oa.CompletionShape, index: int, echo: Echo | None,
+def _logprobs(shape: CompletionShape, index: int, echo: Echo | None,
               generated: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """The legacy logprobs object of one choice: the echoed prompt's entries, then the
     generated tokens' (offsets continue after the prompt's text)."""
@@ -138,7 +139,7 @@ async def _run(scope: Scope, reqs: list[Request], wait_first: bool) -> list[Gene
 
 
 async def respond(scope: Scope, parsed: oa.Parsed, front: Any, rid: str,
-                  adapter: str | None, shape: oa.CompletionShape) -> dict[str, Any]:
+                  adapter: str | None, shape: CompletionShape) -> dict[str, Any]:
     """The text_completion body of every prompt's choices."""
     ctx, n = scope.ctx, parsed.n
     generate = parsed.requested["max_tokens"] != 0

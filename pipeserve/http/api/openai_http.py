@@ -13,6 +13,9 @@ from pipeserve.http.api import completions_http
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
 from pipeserve.http.api import openai as oa
+from pipeserve.http.api import openai_shape as shapes
+from pipeserve.http.api.openai_chat import parse_chat
+from pipeserve.http.api.openai_completions import parse_completion
 from pipeserve.http.api import resume
 from pipeserve.http.api.generation import Choices, Delta, Generation, Usage
 from pipeserve.http.api.resume import Frames, StreamLog
@@ -28,7 +31,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
     async with Scope(app, endpoint, http) as scope:
         check_ready(app)
         chat = endpoint == "chat"
-        parse = oa.parse_chat if chat else oa.parse_completion
+        parse = parse_chat if chat else parse_completion
         body = await off_loop(len(http.body or b""), read_body, http)
         known_fields.check(app.ctx, http, endpoint, body)
         parsed = await off_loop(len(http.body or b""), parse, body)
@@ -43,7 +46,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         if rows > 1 and parsed.requested.get("max_tokens") != 0:
             _check_room(ctx, rows)
         if not chat and not parsed.stream:   # prompt arrays, echo scoring, max_tokens 0
-            shape = oa.CompletionShape(rid, ctx.cfg.model.name, front.token_info, fp)
+            shape = shapes.CompletionShape(rid, ctx.cfg.model.name, front.token_info, fp)
             return json_response(await completions_http.respond(scope, parsed, front, rid,
                                                                 adapter, shape))
         # every choice is its own row: tokenized and admitted now (errors before any output)
@@ -51,7 +54,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
                 for i in range(parsed.n)]
         gen = scope.submit(reqs[0], parse_output=chat)
         choices = _choices(scope, gen, reqs[1:], chat)
-        shape: Any = (oa.ChatShape if chat else oa.CompletionShape)(
+        shape: Any = (shapes.ChatShape if chat else shapes.CompletionShape)(
             rid, ctx.cfg.model.name, front.token_info, fp)
         if parsed.stream:
             gens = choices.gens if choices is not None else [gen]
@@ -163,7 +166,7 @@ async def _stream(log: StreamLog, gens: list[Generation], choices: Choices | Non
             if not chat:
                 send(sse_data(shape.chunk(delta.content, lps=delta.logprobs, index=i)))
             else:
-                parts = oa.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
+                parts = shapes.chat_deltas(delta) or [{"content": ""}]   # logprobs of held-back text
                 for j, part in enumerate(parts):
                     lps = delta.logprobs if j == 0 else None
                     send(sse_data(shape.chunk(part, lps=lps, index=i)))

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from pipeserve.http.api.generation import Delta, Generation, Usage
-from pipeserve.http.api.openai import incomplete_fields, miss_fields
+from pipeserve.http.api.openai_shape import incomplete_fields, miss_fields
 from pipeserve.http.api.responses_tools import custom_input
 from pipeserve.http.api.tools import ToolCall
 from pipeserve.errors import ServeError

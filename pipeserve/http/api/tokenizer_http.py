@@ -11,7 +11,7 @@ from sanic import HTTPResponse, Sanic
 
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import known_fields
-from pipeserve.http.api import openai as oa
+from pipeserve.http.api.openai_chat import parse_chat
 from pipeserve.http.api.http import json_response, read_body, ready_front, route
 from pipeserve.errors import InvalidRequest
 from pipeserve.eventloop.offload import off_loop
@@ -36,7 +36,7 @@ def _render(front: Any, body: dict[str, Any]) -> str:
 def _render_chat(front: Any, body: dict[str, Any]) -> tuple[str, Any]:
     """The chat messages of `body` as the chat template writes them (the same rendering, tools
     and chat_template_kwargs included, that /v1/chat/completions runs)."""
-    parsed = oa.parse_chat({k: v for k, v in body.items()
+    parsed = parse_chat({k: v for k, v in body.items()
                             if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
                                      "reasoning_effort")})
     add_generation = F.get(body, "add_generation_prompt", bool, True)
