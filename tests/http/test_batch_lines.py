@@ -2,7 +2,7 @@
 line of its own (with the file's line number), a JSON string holding U+2028 kept whole, a file
 with no request refused; and a batch past its completion window ends `expired`, its unsent
 lines in the error file as `batch_expired`; a batch a stopped server left `cancelling` ends
-cancelled with the lines that had finished."""
+cancelled with the lines that had finished, unless its lines went to a model not served here."""
 from __future__ import annotations
 
 import asyncio
@@ -78,9 +78,29 @@ def test_a_batch_left_cancelling_ends_cancelled_with_its_finished_lines(tmp_path
     store.append(batch["id"], 0, True, answered)
 
     async def run() -> None:
-        await BatchRunner(files, store, "http://127.0.0.1:9", {}, 1).resume()
+        await BatchRunner(files, store, "http://127.0.0.1:9", {}, 1).resume(lambda _: True)
     asyncio.run(run())
     done = store.get(batch["id"])
     assert done["status"] == "cancelled" and done["cancelled_at"] is not None
     assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
     assert orjson.loads(files.content(done["output_file_id"]))["custom_id"] == "a"
+
+
+def test_a_batch_for_a_model_not_served_here_is_left_open(tmp_path: Path) -> None:
+    """Another server on the same directory created it: this one neither runs nor ends it."""
+    files, store = FileStore(tmp_path), BatchStore(tmp_path)
+    up = files.create(row("a"), "in.jsonl", "batch")
+    batch = new_batch(up["id"], URL, "24h", None, 1, ["other-model"])
+    batch["status"] = "cancelling"
+    store.save(batch)
+    asked: list[list[str]] = []
+
+    def serves(models: list[str]) -> bool:
+        asked.append(models)
+        return "other-model" not in models
+
+    async def run() -> None:
+        await BatchRunner(files, store, "http://127.0.0.1:9", {}, 1).resume(serves)
+    asyncio.run(run())
+    assert asked == [["other-model"]]
+    assert store.get(batch["id"])["status"] == "cancelling"   # left for its own server
