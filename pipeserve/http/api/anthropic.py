@@ -27,8 +27,8 @@ from pipeserve.request import Request
 # HTTP status → Anthropic's error type: clients (Claude Code) pick their recovery by it
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 501: "invalid_request_error",
-               503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+               504: "timeout_error", 529: "overloaded_error"}
 # our context-limit messages (pipeserve/eventloop/encode.py, pipeserve/stages/admission.py) and
 # Anthropic's own wording of the same, which Claude Code parses to compact or to retry with a
 # smaller max_tokens
