@@ -1,17 +1,17 @@
-"""build_app(cfg): the Sanic app — routes, auth, errors, metrics endpoint — around one Engine.
+"""build_app(cfg): the Sanic app — routes, startup, drain, metrics endpoint — around one Engine;
+its middleware (middleware.py) and error handlers (error_handlers.py) live beside it.
 Handlers run on the event loop and never call MLX; the engine thread does."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import gc
-import hashlib
-import hmac
 import logging
 import secrets
 import signal
 import sys
 import time
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -20,19 +20,14 @@ import sanic
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sanic import HTTPResponse, Sanic
-from sanic.exceptions import SanicException
 
 from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
 from pipeserve.http.api import background_resume, responses_background
 from pipeserve.http.api.background_store import BackgroundStore
-from pipeserve.http.api import openai as oa
 from pipeserve.http.api.http import json_response, read_body
-from pipeserve.http.api.known_fields import HEADER as IGNORED_HEADER
-from pipeserve.http.api.record import HEADER as RECORD_HEADER
 from pipeserve.http.api.record import base_record
 from pipeserve.http.api.resume import StreamStore
-from pipeserve.http.api.volatile import HEADER as VOLATILE_HEADER
 from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.batch import routes as batch_routes
@@ -40,8 +35,10 @@ from pipeserve.http.chat_page import add_chat_page
 from pipeserve.config import ServeConfig, config_hash
 from pipeserve.core.client import EngineClient, EngineState
 from pipeserve.core.engine import Engine
-from pipeserve.errors import (AdmissionRejected, ConfigError, EngineUnavailable,
-                             ServeError, Unauthorized)
+from pipeserve.errors import ConfigError, EngineUnavailable, Unauthorized
+from pipeserve.http.error_handlers import add_error_handlers
+from pipeserve.http.keys import key_ok, require_admin
+from pipeserve.http.middleware import add_middleware
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
 from pipeserve.http.waits import flushed
@@ -54,8 +51,6 @@ from pipeserve.pool.client import PoolEngine
 from pipeserve.pool.pool import ModelPool
 
 log = logging.getLogger("pipeserve")
-WARNING_HEADER = "x-pipeserve-warning"
-RETRY_AFTER_S = 5   # Retry-After of a 503 (loading, or draining: a restart or another replica)
 
 
 def _version(pkg: str) -> str:
@@ -63,31 +58,6 @@ def _version(pkg: str) -> str:
         return version(pkg)
     except PackageNotFoundError:
         return "unknown"
-
-
-def _error(http: sanic.Request, message: str, error_type: str, param: str | None,
-           code: str | None, status: int, headers: dict[str, str] | None = None) -> HTTPResponse:
-    """An error in the shape of the protocol the route speaks (Anthropic under /v1/messages)."""
-    if http.path.startswith("/v1/messages"):
-        return json_response(anthropic.error_body(message, error_type, status, code), status,
-                             headers)
-    return json_response(oa.error_body(message, error_type, param, code), status, headers)
-
-
-def _presented_key(http: sanic.Request) -> str | None:
-    """The key a client sent: `Authorization: Bearer <key>` or `x-api-key` (Anthropic)."""
-    auth = http.headers.get("authorization", "")
-    return auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-api-key")
-
-
-def _key_ok(http: sanic.Request, key: str) -> bool:
-    """Constant time: digests of equal length compared with hmac.compare_digest, so neither
-    a right prefix nor the key's length shows in the timing."""
-    presented = _presented_key(http)
-    if presented is None:
-        return False
-    return hmac.compare_digest(hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest(),
-                               hashlib.sha256(key.encode("utf-8")).digest())
 
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
@@ -224,7 +194,8 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
                  time.perf_counter() - t0)
         engine.stop()
 
-    _add_middleware(app, cfg)
+    add_middleware(app, cfg)
+    add_error_handlers(app, cfg)
     _add_routes(app)
     batch_routes.add_routes(app)   # /v1/files, /v1/batches
     add_chat_page(app, cfg.server.chat_page)
@@ -276,117 +247,8 @@ async def _drain(app: Sanic, timeout: float) -> None:
     app.stop(terminate=False)
 
 
-# Paths outside /v1/ that the API key guards and a drain closes, as /v1/ (vLLM's tokenizer routes)
-API_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/rerank", "/v2/rerank")
-
-
-def _api_path(path: str) -> bool:
-    return path.startswith("/v1/") or path in API_PATHS
-
-
-def route_path(http: sanic.Request) -> str:
-    """The path of the route a request matched, as declared ("/tokenize", "/v1/models/<target:path>"):
-    one rule whatever slashes the client sent (Sanic routes "/tokenize/" to "/tokenize")."""
-    route = http.route
-    return "/" + route.path.strip("/") if route is not None else http.path
-
-
-def _add_middleware(app: Sanic, cfg: ServeConfig) -> None:
-    origins = cfg.server.cors_origins
-
-    @app.on_request
-    async def _auth(http: sanic.Request) -> HTTPResponse | None:
-        if origins and http.method == "OPTIONS":
-            return HTTPResponse(status=204)
-        key = cfg.server.api_key
-        path = route_path(http)
-        # POST/DELETE /v1/adapters and POST /v1/models/... (load, unload, rescan) take the
-        # admin key instead, when one is set (their handlers check it)
-        swap = (http.method in ("POST", "DELETE") and bool(cfg.server.admin_key)
-                and (path == "/v1/adapters" or path.startswith("/v1/adapters/")
-                     or (http.method == "POST" and path.startswith("/v1/models/"))))
-        # priorities more urgent than the default class are granted to the admin key only,
-        # when one is set (pipeserve/http/api/http.py checks the request's)
-        http.ctx.urgent_ok = bool(cfg.server.admin_key) and _key_ok(http, cfg.server.admin_key)
-        if key and _api_path(path) and not swap:
-            if not _key_ok(http, key) and not http.ctx.urgent_ok:   # the admin key: all of it
-                raise Unauthorized("invalid or missing API key; send Authorization: Bearer <key> "
-                                   "or x-api-key: <key>")
-        if app.ctx.draining and _api_path(path):
-            if http.stream is not None:
-                http.stream.keep_alive = False
-            raise EngineUnavailable("the server is shutting down; retry after Retry-After "
-                                    "seconds or send this request elsewhere")
-        return None
-
-    @app.on_response
-    async def _record(http: sanic.Request, response: HTTPResponse) -> None:
-        """Every /v1/ response names what it ran under; a generation's own record (with its
-        batch size) once it has one, else the server's (stream headers go out before it)."""
-        if http.path.startswith("/v1/") and RECORD_HEADER not in response.headers:
-            gen = getattr(http.ctx, "generation", None)
-            record = gen.record if gen is not None and gen.record is not None else app.ctx.record
-            response.headers[RECORD_HEADER] = record.header()
-            if gen is not None and gen.request.warnings:   # what the request asked and was ignored
-                response.headers[WARNING_HEADER] = " | ".join(gen.request.warnings)
-            if gen is not None and gen.request.volatile:   # spans removed before tokenize
-                response.headers[VOLATILE_HEADER] = ", ".join(gen.request.volatile)
-
-    @app.on_response
-    async def _ignored(http: sanic.Request, response: HTTPResponse) -> None:
-        names = getattr(http.ctx, "ignored", None)   # pipeserve/http/api/known_fields.py
-        if names:
-            response.headers[IGNORED_HEADER] = names
-
-    if origins:
-        @app.on_response
-        async def _cors(http: sanic.Request, response: HTTPResponse) -> None:
-            origin = http.headers.get("origin")
-            if origin and ("*" in origins or origin in origins):
-                response.headers["Access-Control-Allow-Origin"] = origin
-                response.headers["Access-Control-Allow-Headers"] = (
-                    "authorization, content-type, x-api-key, anthropic-version, anthropic-beta")
-                response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-                response.headers["Access-Control-Expose-Headers"] = (
-                    f"{RECORD_HEADER}, {IGNORED_HEADER}, {WARNING_HEADER}, {VOLATILE_HEADER}")
-
-    @app.exception(ServeError)
-    async def _serve_error(http: sanic.Request, e: ServeError) -> HTTPResponse:
-        headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, AdmissionRejected)
-                   else {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, EngineUnavailable)
-                   else None)
-        return _error(http, e.message, e.error_type, e.param, e.code, e.status, headers)
-
-    @app.exception(SanicException)
-    async def _sanic_error(http: sanic.Request, e: SanicException) -> HTTPResponse:
-        status = getattr(e, "status_code", 500) or 500
-        kind = {404: "not_found_error", 405: "invalid_request_error",
-                413: "invalid_request_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
-        message = str(e)
-        if status == 413:
-            message = f"request body is larger than server.max_body_mb ({cfg.server.max_body_mb} MB)"
-        return _error(http, message, kind, None, None, status)
-
-    @app.exception(Exception)
-    async def _fault(http: sanic.Request, e: Exception) -> HTTPResponse:
-        # the exception goes to the log only; the client gets an id to quote
-        gen = getattr(http.ctx, "generation", None)
-        rid = gen.request.request_id if gen is not None else f"req_{http.id}"
-        log.exception("unhandled error on %s %s (request %s)", http.method, http.path, rid)
-        return _error(http, f"internal error (request {rid}); the server log has the details",
-                      "server_error", None, None, 500)
-
-
 def _add_routes(app: Sanic) -> None:
-    def _admin(http: sanic.Request) -> None:
-        """Admin routes (cache flush, adapter mount/unmount) take server.admin_key; when only
-        server.api_key is set, they take that (never open while the API is guarded)."""
-        server = app.ctx.cfg.server
-        name = "admin_key" if server.admin_key else "api_key"
-        key = getattr(server, name)
-        if key and not _key_ok(http, key):
-            raise Unauthorized(f"invalid or missing {name.replace('_', ' ')}; send "
-                               f"Authorization: Bearer <server.{name}>")
+    _admin = partial(require_admin, app)
 
     async def head(http: sanic.Request) -> HTTPResponse:
         """Agents probe the root and the API root with HEAD before their first request."""
@@ -425,7 +287,7 @@ def _add_routes(app: Sanic) -> None:
         server = app.ctx.cfg.server
         if server.metrics_auth:   # the admin key guards /metrics; the API key when none is set
             name = "admin_key" if server.admin_key else "api_key"
-            if not _key_ok(http, getattr(server, name)):
+            if not key_ok(http, getattr(server, name)):
                 raise Unauthorized(f"/metrics needs a key (server.metrics_auth=true); send "
                                    f"Authorization: Bearer <server.{name}>")
         text = (await app.ctx.pool.exposition() if app.ctx.pool is not None
