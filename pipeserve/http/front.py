@@ -1,6 +1,6 @@
 """Front: the request stages (tokenize, admission, detokenize) of one served model, built on
 the event loop's side once its engine has loaded the model, and the model's output markup.
-The server builds one per model (pipeserve/http/server.py), the model pool one per member
+The server builds one per model (pipeserve/http/startup.py), the model pool one per member
 (pipeserve/pool/pool.py). Event loop; never touches MLX."""
 from __future__ import annotations
 

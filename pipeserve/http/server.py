@@ -1,18 +1,13 @@
-"""build_app(cfg): the Sanic app — routes, startup, drain, metrics endpoint — around one Engine;
-its middleware (middleware.py) and error handlers (error_handlers.py) live beside it.
+"""build_app(cfg): the Sanic app — routes, metrics endpoint — around one Engine; its startup
+(startup.py), drain (drain.py), middleware (middleware.py) and error handlers
+(error_handlers.py) live beside it.
 Handlers run on the event loop and never call MLX; the engine thread does."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import gc
-import logging
 import secrets
-import signal
-import sys
 import time
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sanic import HTTPResponse, Sanic
 
-from pipeserve.model import blas
 from pipeserve.http.api import anthropic, openai_http, responses, resume, scripting_routes
-from pipeserve.http.api import background_resume, responses_background
+from pipeserve.http.api import responses_background
 from pipeserve.http.api.background_store import BackgroundStore
 from pipeserve.http.api.http import json_response, read_body
 from pipeserve.http.api.record import base_record
@@ -32,32 +26,22 @@ from pipeserve.http.api.store import ResponseStore
 from pipeserve.http.api.warmup import Warmup
 from pipeserve.http.batch import routes as batch_routes
 from pipeserve.http.chat_page import add_chat_page
+from pipeserve.http.waits import flushed
+from pipeserve.http import drain, startup
 from pipeserve.config import ServeConfig, config_hash
 from pipeserve.core.client import EngineClient, EngineState
 from pipeserve.core.engine import Engine
-from pipeserve.errors import ConfigError, EngineUnavailable, Unauthorized
+from pipeserve.errors import EngineUnavailable, Unauthorized
 from pipeserve.http.error_handlers import add_error_handlers
 from pipeserve.http.keys import key_ok, require_admin
 from pipeserve.http.middleware import add_middleware
-from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.metrics import Metrics
-from pipeserve.http.waits import flushed
-from pipeserve.http.front import Front
 from pipeserve.adapters import swap as adapter_swap
 from pipeserve.core.events import AdapterSwap
 from pipeserve.embed.engine import EmbedEngine
 from pipeserve.errors import InvalidRequest
 from pipeserve.pool.client import PoolEngine
 from pipeserve.pool.pool import ModelPool
-
-log = logging.getLogger("pipeserve")
-
-
-def _version(pkg: str) -> str:
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
@@ -79,7 +63,6 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.pool = None
     if members:
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
-    embedder = cfg.model.encoder   # an embedding or reranking model (pipeserve/embed/engine.py)
     if engine is None:
         engine = _engine(cfg, app.ctx.pool, metrics)
     app.ctx.cfg, app.ctx.metrics, app.ctx.registry, app.ctx.engine = cfg, metrics, registry, engine
@@ -101,99 +84,13 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     app.ctx.background_store = BackgroundStore(Path(cfg.server.files_dir).expanduser())
     app.ctx.internal_key = secrets.token_urlsafe(24)
     app.ctx.resume_task = None
-
-    @app.after_server_start
-    async def _restore(app: Sanic) -> None:
-        await background_resume.restore(app)
     app.ctx.warmup = Warmup(cfg.cache.warmup_budget_tokens, metrics) \
         if cfg.cache.warmup_budget_tokens and cfg.cache.name != "off" else None
     app.ctx.streams = StreamStore(cfg.server.stream_resume_s,
                                   int(cfg.server.stream_resume_mb * 1_000_000), metrics)
 
-    @app.before_server_start
-    async def _start(app: Sanic) -> None:
-        sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # process-wide
-        engine.start()
-
-    @app.after_server_start
-    async def _wait_ready(app: Sanic) -> None:
-        page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
-                if cfg.server.chat_page else "")
-
-        async def wait() -> None:
-            ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
-            if not ok:
-                err = engine.startup_error
-                # reported by serve.py as the launch error, one line on stderr
-                if isinstance(err, ConfigError):
-                    app.ctx.launch_error = f"config error: {err}"
-                else:
-                    log.error("engine failed to start: %r; stopping", err)
-                    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-                    app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
-                                            f"{first}); the log above has the details")
-                app.ctx.exit_code = LAUNCH_ERROR
-                app.stop()
-                return
-            if app.ctx.pool is not None:   # models load on first use (pipeserve/pool/)
-                app.ctx.pool.started({"version": _version("pipeserve"),
-                                      "mlx_version": _version("mlx"),
-                                      "config_hash": app.ctx.config_hash,
-                                      "blas": blas.name or "bundled"})
-                log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
-                         cfg.server.host, cfg.server.port, page)
-                return
-            limits = engine.limits
-            loaded = limits.model
-            adapter = loaded.adapter.identity if loaded.adapter is not None else None
-            app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
-            app.ctx.front = None if embedder else Front(cfg, engine, metrics)
-            # what startup made lives as long as the process: out of the collector's view, a full
-            # collection no longer walks it (a long pause holding the GIL, stalling the loop)
-            gc.collect()
-            gc.freeze()
-            metrics.build.info({
-                "version": _version("pipeserve"), "mlx_version": _version("mlx"),
-                "device": limits.device, "model": cfg.model.name,
-                "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
-                "blas": blas.name or "bundled"})
-            log.info("CPU BLAS: %s", blas.describe())
-            log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
-                     cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
-                     cfg.server.host, cfg.server.port, page)
-        app.add_task(wait())
-
-    app.ctx.draining = False
-    app.ctx.drain_task = None
-
-    @app.after_server_start
-    async def _signals(app: Sanic) -> None:
-        # Replaces Sanic's handlers (installed just before this event), which stop the
-        # listener at once: drain with the listener open instead (see _drain).
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _on_signal, app, sig)
-
-    @app.before_server_stop
-    async def _stopping(app: Sanic) -> None:
-        if app.ctx.resume_task is not None:
-            app.ctx.resume_task.cancel()
-        if not app.ctx.draining:   # stopped without a signal (engine failed to start)
-            app.ctx.draining = True
-            log.info("shutting down: %d request(s) in flight", engine.load().num_inflight)
-
-    @app.after_server_stop
-    async def _stop(app: Sanic) -> None:
-        left = engine.load().num_inflight
-        if left:
-            log.warning("shutdown timeout: %d request(s) were cut off", left)
-        t0 = time.perf_counter()
-        ok = await flushed(engine, 300)
-        metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
-        log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
-                 time.perf_counter() - t0)
-        engine.stop()
-
+    startup.add_startup(app, cfg, engine, metrics)
+    drain.add_drain(app, cfg, engine, metrics)
     add_middleware(app, cfg)
     add_error_handlers(app, cfg)
     _add_routes(app)
@@ -206,45 +103,9 @@ def _engine(cfg: ServeConfig, pool: Any, metrics: Metrics) -> EngineClient:
     """The engine cfg names: a pool's, an embedding model's, or the generation engine."""
     if pool is not None:
         return PoolEngine(pool, metrics)
-    if cfg.model.encoder:
+    if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
         return EmbedEngine(cfg, metrics)
     return Engine(cfg, metrics)
-
-
-def _on_signal(app: Sanic, sig: signal.Signals) -> None:
-    """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
-    if app.ctx.draining:
-        log.warning("%s again: stopping now, %d request(s) in flight are cut off",
-                    sig.name, app.ctx.engine.load().num_inflight)
-        if app.ctx.drain_task is not None:
-            app.ctx.drain_task.cancel()
-        app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
-        app.stop(terminate=False)
-        return
-    app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
-    timeout = app.ctx.cfg.server.shutdown_timeout_s
-    log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
-             sig.name, app.ctx.engine.load().num_inflight, timeout)
-    app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
-
-
-async def _drain(app: Sanic, timeout: float) -> None:
-    """The listener stays open while the engine finishes what it holds (or the timeout hits);
-    then Sanic's own shutdown gets what is left of the timeout to finish writing responses
-    still open (a stream's last chunks, a request that was still being tokenized)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    await responses_background.suspend(app)   # on disk, for the next launch to resume
-    while app.ctx.engine.load().num_inflight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
-    left = app.ctx.engine.load().num_inflight
-    if left:
-        log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
-                    left, timeout)
-    else:
-        log.info("drained: no request in flight; stopping the listener")
-    app.stop(terminate=False)
 
 
 def _add_routes(app: Sanic) -> None:

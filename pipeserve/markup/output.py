@@ -1,7 +1,7 @@
 """The model's output markup: its reasoning format (think markers or harmony channels) and its
 tool-call format, inferred once at load from the tokenizer, the chat template and
 `model.tool_call_format` / `model.reasoning_format`. One OutputMarkup is built with the
-request stages (pipeserve/http/server.py) and handed to tokenize (open think spans, tool grammars),
+request stages (pipeserve/http/front.py) and handed to tokenize (open think spans, tool grammars),
 detokenize (markers that decoding keeps) and the output path (pipeserve/http/api: the reasoning
 splitter and the tool-call parser). Pure Python."""
 from __future__ import annotations

@@ -139,7 +139,7 @@ async def served(cfg: ServeConfig, engine: ScriptedEngine) -> AsyncIterator[http
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         Sanic._app_registry.pop(app.name, None)
-        gc.unfreeze()   # the app's startup froze the test process's objects (server.py)
+        gc.unfreeze()   # the app's startup froze the test process's objects (startup.py)
 
 
 class InProcess:

@@ -1,0 +1,88 @@
+"""The server's stop: the first SIGINT/SIGTERM drains (new API requests get 503 while the
+engine finishes what it holds), a second stops at once; then the prompt cache is flushed and
+the engine stopped. Event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from sanic import Sanic
+
+from pipeserve.config import ServeConfig
+from pipeserve.core.client import EngineClient
+from pipeserve.http.api import responses_background
+from pipeserve.http.waits import flushed
+from pipeserve.metrics import Metrics
+
+log = logging.getLogger("pipeserve")
+
+
+def add_drain(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
+    app.ctx.draining = False
+    app.ctx.drain_task = None
+
+    @app.after_server_start
+    async def _signals(app: Sanic) -> None:
+        # Replaces Sanic's handlers (installed just before this event), which stop the
+        # listener at once: drain with the listener open instead (see _drain).
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, _on_signal, app, sig)
+
+    @app.before_server_stop
+    async def _stopping(app: Sanic) -> None:
+        if app.ctx.resume_task is not None:
+            app.ctx.resume_task.cancel()
+        if not app.ctx.draining:   # stopped without a signal (engine failed to start)
+            app.ctx.draining = True
+            log.info("shutting down: %d request(s) in flight", engine.load().num_inflight)
+
+    @app.after_server_stop
+    async def _stop(app: Sanic) -> None:
+        left = engine.load().num_inflight
+        if left:
+            log.warning("shutdown timeout: %d request(s) were cut off", left)
+        t0 = time.perf_counter()
+        ok = await flushed(engine, 300)
+        metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
+        log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
+                 time.perf_counter() - t0)
+        engine.stop()
+
+
+def _on_signal(app: Sanic, sig: signal.Signals) -> None:
+    """First SIGINT/SIGTERM: drain. A second one: stop now, cutting off what is in flight."""
+    if app.ctx.draining:
+        log.warning("%s again: stopping now, %d request(s) in flight are cut off",
+                    sig.name, app.ctx.engine.load().num_inflight)
+        if app.ctx.drain_task is not None:
+            app.ctx.drain_task.cancel()
+        app.config.GRACEFUL_SHUTDOWN_TIMEOUT = 0
+        app.stop(terminate=False)
+        return
+    app.ctx.draining = True   # new /v1/ requests get 503 + Retry-After, /health 503 draining
+    timeout = app.ctx.cfg.server.shutdown_timeout_s
+    log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
+             sig.name, app.ctx.engine.load().num_inflight, timeout)
+    app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
+
+
+async def _drain(app: Sanic, timeout: float) -> None:
+    """The listener stays open while the engine finishes what it holds (or the timeout hits);
+    then Sanic's own shutdown gets what is left of the timeout to finish writing responses
+    still open (a stream's last chunks, a request that was still being tokenized)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    await responses_background.suspend(app)   # on disk, for the next launch to resume
+    while app.ctx.engine.load().num_inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    app.config.GRACEFUL_SHUTDOWN_TIMEOUT = max(deadline - loop.time(), 0.0)
+    left = app.ctx.engine.load().num_inflight
+    if left:
+        log.warning("drain timeout: %d request(s) still in flight after %.0f s; stopping",
+                    left, timeout)
+    else:
+        log.info("drained: no request in flight; stopping the listener")
+    app.stop(terminate=False)

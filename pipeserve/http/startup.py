@@ -1,0 +1,104 @@
+"""The server's start: the engine starts before the listener, background responses left open
+by the last launch resume, and the server turns ready once the engine is (or the launch
+fails with one line saying why). Event loop."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from sanic import Sanic
+
+from pipeserve.model import blas
+from pipeserve.config import ServeConfig
+from pipeserve.core.client import EngineClient
+from pipeserve.errors import ConfigError
+from pipeserve.http.api import background_resume
+from pipeserve.http.api.record import base_record
+from pipeserve.http.front import Front
+from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
+from pipeserve.metrics import Metrics
+
+log = logging.getLogger("pipeserve")
+
+
+def _version(pkg: str) -> str:
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def add_startup(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
+    @app.after_server_start
+    async def _restore(app: Sanic) -> None:
+        await background_resume.restore(app)
+
+    @app.before_server_start
+    async def _start(app: Sanic) -> None:
+        sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # process-wide
+        engine.start()
+
+    @app.after_server_start
+    async def _wait_ready(app: Sanic) -> None:
+        app.add_task(_ready(app, cfg, engine, metrics))
+
+
+async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
+    """Waits (off the loop) for the engine to load, then makes the server ready."""
+    page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
+            if cfg.server.chat_page else "")
+    ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
+    if not ok:
+        _failed(app, engine)
+        return
+    if app.ctx.pool is not None:   # models load on first use (pipeserve/pool/)
+        app.ctx.pool.started({"version": _version("pipeserve"),
+                              "mlx_version": _version("mlx"),
+                              "config_hash": app.ctx.config_hash,
+                              "blas": blas.name or "bundled"})
+        log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
+                 cfg.server.host, cfg.server.port, page)
+        return
+    _model_ready(app, cfg, engine, metrics, page)
+
+
+def _failed(app: Sanic, engine: EngineClient) -> None:
+    """The engine failed to start: the launch error (reported by serve.py, one line on
+    stderr) and its exit code, and the server stops."""
+    err = engine.startup_error
+    if isinstance(err, ConfigError):
+        app.ctx.launch_error = f"config error: {err}"
+    else:
+        log.error("engine failed to start: %r; stopping", err)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
+                                f"{first}); the log above has the details")
+    app.ctx.exit_code = LAUNCH_ERROR
+    app.stop()
+
+
+def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics,
+                 page: str) -> None:
+    """One model loaded: its record, its request front (none for an embedding model), the
+    build info metric and the ready line."""
+    limits = engine.limits
+    loaded = limits.model
+    adapter = loaded.adapter.identity if loaded.adapter is not None else None
+    app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
+    app.ctx.front = None if cfg.model.encoder else Front(cfg, engine, metrics)
+    # what startup made lives as long as the process: out of the collector's view, a full
+    # collection no longer walks it (a long pause holding the GIL, stalling the loop)
+    gc.collect()
+    gc.freeze()
+    metrics.build.info({
+        "version": _version("pipeserve"), "mlx_version": _version("mlx"),
+        "device": limits.device, "model": cfg.model.name,
+        "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
+        "blas": blas.name or "bundled"})
+    log.info("CPU BLAS: %s", blas.describe())
+    log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
+             cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
+             cfg.server.host, cfg.server.port, page)
