@@ -57,34 +57,47 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         shape: Any = (shapes.ChatShape if chat else shapes.CompletionShape)(
             rid, ctx.cfg.model.name, front.token_info, fp)
         if parsed.stream:
-            gens = choices.gens if choices is not None else [gen]
-
-            async def produce(log: StreamLog) -> None:
-                try:
-                    scope.failed = not await _stream(log, gens, choices, shape, parsed, chat)
-                finally:
-                    if choices is not None:
-                        choices.close()
-            await resume.serve(http, app.ctx.streams, rid, parsed.resumable,
-                               ctx.cfg.server.keep_alive_s, produce, scope.detach)
+            await _serve_stream(scope, http, gen, choices, shape, parsed, chat, rid)
             return None
+        return json_response(await _body(gen, choices, shape, parsed, chat, front, reqs[0]))
+
+
+async def _serve_stream(scope: Scope, http: sanic.Request, gen: Generation,
+                        choices: Choices | None, shape: Any, parsed: oa.Parsed, chat: bool,
+                        rid: str) -> None:
+    """The SSE response: its frames go through the resumable stream log (resume.py)."""
+    gens = choices.gens if choices is not None else [gen]
+
+    async def produce(log: StreamLog) -> None:
         try:
-            async for _ in choices.deltas() if choices is not None else _one(gen):
-                pass
+            scope.failed = not await _stream(log, gens, choices, shape, parsed, chat)
         finally:
             if choices is not None:
                 choices.close()
-        gens = choices.gens if choices is not None else [gen]
-        usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gen.usage
-        prompt_text = front.detokenize.decode(reqs[0].prompt_ids) if parsed.echo else ""
-        out = []
-        for i, g in enumerate(gens):
-            lps = g.all_logprobs if g.request.sampling.logprobs else None
-            out.append(shape.choice(i, g.content, g.finish_reason, lps, g.reasoning,
-                                    g.tool_calls) if chat else
-                       shape.choice(i, prompt_text + g.content, g.finish_reason, lps))
-        return json_response(shape.body(out, usage))
+    await resume.serve(http, scope.app.ctx.streams, rid, parsed.resumable,
+                       scope.ctx.cfg.server.keep_alive_s, produce, scope.detach)
 
+
+async def _body(gen: Generation, choices: Choices | None, shape: Any, parsed: oa.Parsed,
+                chat: bool, front: Any, first: Request) -> dict[str, Any]:
+    """The JSON body once every choice has finished (with echo, the prompt before each
+    completion's text)."""
+    try:
+        async for _ in choices.deltas() if choices is not None else _one(gen):
+            pass
+    finally:
+        if choices is not None:
+            choices.close()
+    gens = choices.gens if choices is not None else [gen]
+    usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gen.usage
+    prompt_text = front.detokenize.decode(first.prompt_ids) if parsed.echo else ""
+    out = []
+    for i, g in enumerate(gens):
+        lps = g.all_logprobs if g.request.sampling.logprobs else None
+        out.append(shape.choice(i, g.content, g.finish_reason, lps, g.reasoning,
+                                g.tool_calls) if chat else
+                   shape.choice(i, prompt_text + g.content, g.finish_reason, lps))
+    return shape.body(out, usage)
 
 def _check_room(ctx: Any, n: int) -> None:
     """n choices are n rows: refuse (429) when the last of them would find the queue full,
