@@ -29,6 +29,13 @@ def route_path(http: sanic.Request) -> str:
 
 
 def add_middleware(app: Sanic, cfg: ServeConfig) -> None:
+    _add_guard(app, cfg)
+    _add_headers(app, cfg.server.cors_origins)
+
+
+def _add_guard(app: Sanic, cfg: ServeConfig) -> None:
+    """Before the route: the API key (the admin key where the route takes it instead) and,
+    while draining, a 503 for API paths."""
     origins = cfg.server.cors_origins
 
     @app.on_request
@@ -56,6 +63,10 @@ def add_middleware(app: Sanic, cfg: ServeConfig) -> None:
                                     "seconds or send this request elsewhere")
         return None
 
+
+def _add_headers(app: Sanic, origins: list[str]) -> None:
+    """After the route: what the response ran under, what the request asked and was ignored,
+    and the CORS headers for an allowed origin."""
     @app.on_response
     async def _record(http: sanic.Request, response: HTTPResponse) -> None:
         """Every /v1/ response names what it ran under; a generation's own record (with its
