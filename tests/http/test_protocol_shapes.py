@@ -16,12 +16,13 @@ from tests.http.scripted import (InProcess, Reply, ScriptedEngine, data_of, sse_
 
 TEXT = "Hello there, friend."
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}]}
+ORIGIN = "https://app.example"   # the one browser origin the module's server allows
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
     cache = tmp_path_factory.mktemp("models")
-    cfg = make_config(f"model.cache_dir={cache}")
+    cfg = make_config(f"model.cache_dir={cache}", f"server.cors_origins=[{ORIGIN}]")
     app = InProcess(cfg, tokenizer_side(cfg))
     yield app
     app.close()
@@ -211,6 +212,23 @@ def test_health_reads_the_engines_published_load(setup) -> None:
     r, _ = run(setup, scenario, waiting=3)
     assert r.status_code == 200
     assert r.json() == {**r.json(), "status": "ok", "waiting": 3, "inflight": 3}
+
+
+def test_an_allowed_origin_gets_cors_headers_and_another_none(setup) -> None:
+    """A browser page on server.cors_origins: its preflight is a 204 and its responses name
+    the origin and expose pipeserve's headers; a page elsewhere gets no CORS header."""
+    async def scenario(client):
+        preflight = await client.options("/v1/chat/completions", headers={
+            "origin": ORIGIN, "access-control-request-method": "POST"})
+        return (preflight, await client.get("/v1/models", headers={"origin": ORIGIN}),
+                await client.get("/v1/models", headers={"origin": "https://elsewhere.example"}))
+    (preflight, allowed, other), _ = run(setup, scenario)
+    assert preflight.status_code == 204
+    for r in (preflight, allowed):
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+        assert "x-pipeserve-record" in r.headers["access-control-expose-headers"]
+    assert other.status_code == 200
+    assert not any(k.startswith("access-control") for k in other.headers)
 
 
 def test_models_lists_the_published_context(setup) -> None:
