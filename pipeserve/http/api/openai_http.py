@@ -52,6 +52,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         # every choice is its own row: tokenized and admitted now (errors before any output)
         reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i, adapter))
                 for i in range(parsed.n)]
+        prompt_ids = reqs[0].prompt_ids   # as sent: a preempted row's grows on the engine side
         gen = scope.submit(reqs[0], parse_output=chat)
         choices = _choices(scope, gen, reqs[1:], chat)
         shape: Any = (shapes.ChatShape if chat else shapes.CompletionShape)(
@@ -76,7 +77,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
                 choices.close()
         gens = choices.gens if choices is not None else [gen]
         usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gen.usage
-        prompt_text = front.detokenize.decode(reqs[0].prompt_ids) if parsed.echo else ""
+        prompt_text = front.detokenize.decode(prompt_ids) if parsed.echo else ""
         out = []
         for i, g in enumerate(gens):
             lps = g.all_logprobs if g.request.sampling.logprobs else None
