@@ -80,11 +80,12 @@ def test_what_keeps_its_row() -> None:
 NO_EOS = {0: -100.0, 2: -100.0}
 
 
-async def preempted(h: Any, prompt: list[int], tokens: int) -> tuple[list[int], Finished]:
+async def preempted(h: Any, prompt: list[int], tokens: int,
+                    **sampling: Any) -> tuple[list[int], Finished]:
     """A batch request runs alone until it has output; an interactive one then comes and
     takes its row (max_batch 1). The batch's ids and its Finished event."""
     loop = asyncio.get_running_loop()
-    batch = h.request(prompt, max_tokens=tokens, logit_bias=NO_EOS)
+    batch = h.request(prompt, max_tokens=tokens, logit_bias=NO_EOS, **sampling)
     batch.priority = 9
     urgent = h.request(prompt[:5], max_tokens=4, logit_bias=NO_EOS)
     urgent.priority = 0
@@ -109,13 +110,17 @@ def hit_tokens(h: Any) -> float:
                if x.name.endswith("_total"))
 
 
-@pytest.mark.parametrize("cache", ["ram", "off"])
-def test_a_preempted_greedy_row_equals_its_solo_run(engine_factory: Any, cache: str) -> None:
+@pytest.mark.parametrize("cache, sampling", [("ram", {}), ("off", {}),
+                                             ("ram", {"temperature": 0.9, "seed": 11})],
+                         ids=["greedy-ram", "greedy-off", "seeded-ram"])
+def test_a_preempted_row_equals_its_solo_run(engine_factory: Any, cache: str,
+                                             sampling: dict[str, Any]) -> None:
+    """Greedy, and seeded sampling: its sampler stream goes on where it stopped."""
     h = engine_factory("scheduler=continuous", "scheduler.max_batch=1", f"cache={cache}")
     prompt = list(range(10, 40))
-    solo = h.generate(prompt, max_tokens=48, logit_bias=NO_EOS)
+    solo = h.generate(prompt, max_tokens=48, logit_bias=NO_EOS, **sampling)
     before = hit_tokens(h)
-    ids, done = asyncio.run(asyncio.wait_for(preempted(h, prompt, 48), 120))
+    ids, done = asyncio.run(asyncio.wait_for(preempted(h, prompt, 48, **sampling), 120))
     assert done.extras.get("preemptions", 0) >= 1
     if cache == "ram":   # its prompt from the solo run, then prompt + output at readmission
         assert hit_tokens(h) - before >= (len(prompt) - 1) + (len(prompt) + 4 - 1)
