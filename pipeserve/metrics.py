@@ -64,6 +64,9 @@ class Metrics:
         self.active_rows = Gauge(
             f"{PREFIX}_active_rows", "Requests the engine is running now (prefill or decode)",
             registry=r)
+        self.preemptions = Counter(
+            f"{PREFIX}_preemptions", "Running rows the scheduler gave to a more urgent request "
+            "(admission.preemptible); each goes on later from where it stopped", registry=r)
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "Rows in each engine step",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)

@@ -126,6 +126,8 @@ class Request:
     batch_size_max: int = 0           # largest engine step this row ran in (for the record)
     checkpointed_tokens: int = 0      # output tokens covered by this row's latest checkpoint
     replay_ids: list[int] | None = None   # resumed output the client has not seen yet
+    preemptions: int = 0              # times the scheduler took its row for a more urgent one
+    num_folded: int = 0               # output tokens a preemption moved into prompt_ids
     first_token_s: float | None = None
     last_token_s: float = 0.0
     spec_proposed: int = 0            # draft tokens offered for this row (usage.speculation)

@@ -210,6 +210,8 @@ class Engine:
                 plan = None if self.stopping else sched.schedule()
             if self.stopping:
                 break
+            if sched.preempted:
+                self._preempted()
             self._count_waiting()
             self._out.replay(sched.running)
             launched = None
@@ -294,6 +296,14 @@ class Engine:
                 self._out.post(cmd.request.request_id, Failed(cmd.request.request_id, err))
             elif not isinstance(cmd, Abort):
                 answer(cmd.future, error=err)
+
+    def _preempted(self) -> None:
+        sched = self.scheduler
+        self.metrics.preemptions.inc(len(sched.preempted))
+        for req in sched.preempted:
+            log.info("preempted %s (priority %d) at %d output tokens for a more urgent request",
+                     req.request_id, req.priority, req.num_folded)
+        sched.preempted.clear()
 
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))

@@ -12,6 +12,7 @@ from pipeserve.config import ServeConfig
 from pipeserve.core.events import Event, Finished, TokenDelta
 from pipeserve.memory import MemoryModel
 from pipeserve.core.plan import CacheHit, PlannedRow, StepOutput, StepPlan
+from pipeserve.core import preempt
 from pipeserve.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 SHARED_PREFIX_MIN = 64   # prompt tokens two requests must share for one to wait for the other
@@ -62,29 +63,42 @@ class Scheduler:
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
         self._lockstep = cfg.distributed.name != "none"
+        # the priorities whose running rows a more urgent request may take (core/preempt.py);
+        # a distributed group's followers hold KV this rank does not evict: none there
+        adm = cfg.admission
+        self.preemptible = frozenset() if self._lockstep else preempt.preemptible_priorities(
+            adm.priority_classes, adm.preemptible)
+        # the engine's: persist a preempted row's KV to the prompt cache, then free it
+        self.evict: Callable[[Request], None] | None = None
+        self.preempted: list[Request] = []   # rows preempted since the engine last read it
 
     @property
     def max_batch(self) -> int:
         return self.limits.max_batch
 
     def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
-                  lookup: Callable[[Request], CacheHit | None] | None = None) -> None:
+                  lookup: Callable[[Request], CacheHit | None] | None = None,
+                  evict: Callable[[Request], None] | None = None) -> None:
         """At load, once the device and the stages are known: the step's shape, the memory
-        model, and the cache_lookup stage when a prompt cache can hand prefixes over."""
+        model, the cache_lookup stage when a prompt cache can hand prefixes over, and the
+        step's `evict` (no preemption without it)."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
-        self.lookup = lookup
+        self.lookup, self.evict = lookup, evict
 
     # -- membership -------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        """Into the queue in priority order (lower first; FIFO within a priority)."""
+    def add(self, request: Request, first: bool = False) -> None:
+        """Into the queue in priority order (lower first; FIFO within a priority, or ahead of
+        its priority when `first`: a preempted row)."""
         w = self.waiting
-        if not w or request.priority >= w[-1].priority:
+        if not first and (not w or request.priority >= w[-1].priority):
             w.append(request)
             return
         for i, other in enumerate(w):
-            if other.priority > request.priority:
+            if other.priority > request.priority or (first and
+                                                     other.priority == request.priority):
                 w.insert(i, request)
                 return
+        w.append(request)
 
     def _promote_starved(self) -> None:
         """A request that has waited scheduler.max_wait_s goes ahead of every priority
@@ -191,15 +205,18 @@ class Scheduler:
         (prompt + max_tokens) are free; later requests never overtake it. With a prompt
         cache, a request whose prompt starts like one still being prefilled waits for that
         prefill (then reuses its prefix) while others go ahead: N agents sharing a system
-        prompt pay for one prefill."""
+        prompt pay for one prefill. With every row taken, a less urgent preemptible row gives
+        its row to the head (core/preempt.py)."""
         deferred: list[Request] = []
         self._promote_starved()
         try:
-            while self.waiting and len(self.running) < self.limits.max_batch:
+            while self.waiting:
                 req = self.waiting[0]
                 if self.lookup is not None and self._donor_prefilling(req):
                     deferred.append(self.waiting.popleft())
                     continue
+                if len(self.running) >= self.limits.max_batch and not self._preempt_for(req):
+                    return
                 if self.kv_budget is not None and self.memory is not None:
                     need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
                     if self.running and self.kv_reserved + need > self.kv_budget:
@@ -207,12 +224,30 @@ class Scheduler:
                     req.kv_reserved_bytes = need
                     self.kv_reserved += need
                 self.waiting.popleft()
-                req.queue_wait_s = time.perf_counter() - req.arrival_s
+                if req.queue_wait_s is None:   # a readmission keeps its first wait
+                    req.queue_wait_s = time.perf_counter() - req.arrival_s
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 self._apply_hit(req)
         finally:
             self.waiting.extendleft(reversed(deferred))
+
+    def _preempt_for(self, req: Request) -> bool:
+        """Every row is taken: free one for `req` if a less urgent, preemptible row runs."""
+        if self.evict is None or not self.preemptible:
+            return False
+        out = preempt.victim(self.running, req.priority, self.preemptible)
+        if out is None:
+            return False
+        self.running.remove(out)
+        self.evict(out)   # its KV, with the in-flight tokens the ledger still counts
+        self.release(out.request_id)
+        self.kv_reserved -= out.kv_reserved_bytes
+        out.kv_reserved_bytes = 0
+        preempt.fold(out)
+        self.add(out, first=True)
+        self.preempted.append(out)
+        return True
 
     def _apply_hit(self, req: Request) -> None:
         hit = self.lookup(req) if self.lookup is not None and not req.num_computed_tokens \
@@ -221,6 +256,8 @@ class Scheduler:
             return
         self._hits.append((req.request_id, hit))
         req.num_computed_tokens = hit.num_tokens
+        if req.preemptions:   # a readmission: the client's prompt was cached as it first was
+            return
         req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens - 1)
         if hit.output_ids:   # a checkpoint resume: its output is replayed, the last fed next
             req.output_ids = list(hit.output_ids)
@@ -331,5 +368,9 @@ def finished_event(req: Request) -> Finished:
         extras["cache_miss"] = req.cache_miss
     if req.queue_wait_s is not None:
         extras["queue_wait_s"] = req.queue_wait_s
-    return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens,
-                    len(req.output_ids), num_cached_tokens=req.num_cached_tokens, extras=extras)
+    if req.preemptions:
+        extras["preemptions"] = req.preemptions
+    # a preempted row's prompt holds its earlier output (core/preempt.py): counted as output
+    return Finished(req.request_id, req.finish_reason, req.num_prompt_tokens - req.num_folded,
+                    len(req.output_ids) + req.num_folded, num_cached_tokens=req.num_cached_tokens,
+                    extras=extras)

@@ -60,6 +60,7 @@ class Step:
         self.samplers = SamplerStates()   # every row's sampling state (sample, persist)
         self._metrics, self._layout, self._cache, self._steps = metrics, layout, prompt_cache, 0
         self._ticking = prompt_cache is not None and prompt_cache.idle_work
+        self._ledger = ledger
         deps = StageDeps(cfg, loaded, metrics, layout, prompt_cache, self.samplers, ledger)
         slots = cfg.pipeline
         # a verify's rollback replays kept tokens of recurrent layers through the target
@@ -199,6 +200,23 @@ class Step:
             for req in finished:
                 self._release_state(req)
 
+    def evict(self, req: Request) -> None:
+        """A row the scheduler preempts: what it computed goes into the prompt cache (so its
+        readmission is a hit), then its KV and row state are freed; its sampler stream goes on
+        at readmission from the key of its first token not applied yet (a seeded sampled row's
+        output equals its unpreempted run). A persist that fails costs only the recompute."""
+        try:
+            if self.caching:
+                self._timed("persist", lambda: self.persist.keep(req, self.kv))
+        except Exception:
+            log.exception("persist failed; preempted row %s computes its KV again",
+                          req.request_id)
+        rid = req.request_id
+        key = self.samplers.checkpoint_key(rid, self._ledger.outputs_ahead(rid) > 0)
+        self.release(req)
+        if key is not None:
+            self.samplers.resume(rid, key)
+
     def release(self, req: Request) -> None:
         self.kv.release(req.request_id)
         self._release_state(req)
@@ -267,7 +285,8 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     step = Step(cfg, loaded, metrics, layout, prompt_cache, scheduler)
     # with a prompt cache, admission looks each request up (and may wait for a shared prefix)
     scheduler.configure(limits, memory, kv_budget,
-                        lookup=step.lookup if prompt_cache is not None else None)
+                        lookup=step.lookup if prompt_cache is not None else None,
+                        evict=step.evict)
     log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
              limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
     return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)

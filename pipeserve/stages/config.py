@@ -31,6 +31,9 @@ class AdmissionConfig:
     priority_classes: dict[str, int] = field(
         default_factory=lambda: {"interactive": 0, "default": 5, "batch": 9})
     default_priority: str = "default"         # the class of a request that sends none
+    # classes whose running rows a request of a more urgent class may take when every row is
+    # taken (preempted: cached, and continued later from where they stopped); [] never
+    preemptible: list[str] = field(default_factory=lambda: ["batch"])
     buffer_cache_gb: Optional[float] = None   # MLX's cache of freed buffers, at most (decimal
     #                                         GB); default: 10% of device memory on CUDA,
     #                                         MLX's own limit elsewhere
@@ -57,6 +60,11 @@ class AdmissionConfig:
         if self.default_priority not in self.priority_classes:
             raise ConfigError(f"admission.default_priority {self.default_priority!r} is not in "
                               f"admission.priority_classes ({', '.join(self.priority_classes)})")
+        for name in self.preemptible:
+            if name not in self.priority_classes:
+                raise ConfigError(f"admission.preemptible names {name!r}, not a class of "
+                                  "admission.priority_classes "
+                                  f"({', '.join(self.priority_classes)})")
         if self.buffer_cache_gb is not None and self.buffer_cache_gb < 0:
             raise ConfigError(f"admission.buffer_cache_gb must be >= 0, got {self.buffer_cache_gb}")
 

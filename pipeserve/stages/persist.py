@@ -55,6 +55,12 @@ class Persist:
             for req in running:
                 self._checkpoint(req, kv)
 
+    def keep(self, req: Request, kv: RowStore) -> None:
+        """A preempted row, before its KV is freed: what it computed (prompt and output so
+        far) goes into the prompt cache, so its readmission is a hit."""
+        if self.cache is not None:
+            self._finished(req, kv)
+
     def _finished(self, req: Request, kv: RowStore) -> None:
         """Before its KV is freed: keep what the finished (or cancelled) row computed; a
         completed row's checkpoint is no longer needed (a client cancel keeps it)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -190,6 +191,38 @@ def test_a_live_request_beside_a_batch_and_a_cancel(state: dict[str, Any]) -> No
     assert stopped and "generated_tokens=3000" not in stopped
     after = client.chat.completions.create(**chat_body("hi", 3))   # the server serves on
     assert after.usage.completion_tokens == 3
+
+
+def test_live_requests_preempt_batch_lines(state: dict[str, Any]) -> None:
+    """Every row taken (two lines and a live request): a second live request takes a line's
+    row (preempted: its KV cached, its output kept), and the preempted line's output equals
+    its live run."""
+    srv = state["srv"]
+    client = client_of(srv)
+    prompts = ["Tell a long story.", "Tell a longer story."]
+    solo = [client.chat.completions.create(**chat_body(p, 300)).choices[0].message.content
+            for p in prompts]
+    before = _preemptions(srv)
+    batch = submit(client, [line(f"p{i}", chat_body(p, 300)) for i, p in enumerate(prompts)])
+    poll(client, batch.id, lambda b: _inflight(srv) == 2)   # two lines hold two of 3 rows
+    with ThreadPoolExecutor(2) as pool:   # the first takes the free row, the second a line's
+        lives = list(pool.map(lambda p: client.chat.completions.create(**chat_body(p, 24)),
+                              ["Hi.", "Hello."]))
+    assert [x.usage.completion_tokens for x in lives] == [24, 24]
+    assert client.batches.retrieve(batch.id).request_counts.completed == 0   # lines still ran
+    done = poll(client, batch.id, ended)
+    assert done.status == "completed", done
+    outs = read_lines(client, done.output_file_id)
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in outs] == solo
+    assert _preemptions(srv) >= before + 1
+    assert any("preemptions=1" in x for x in srv.log().splitlines()
+               if "endpoint=chat outcome=ok" in x)
+
+
+def _preemptions(srv: Any) -> float:
+    text = httpx.get(srv.base_url + "/metrics").text
+    m = re.search(r"^pipeserve_preemptions_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def test_a_restart_resumes_the_unfinished_lines(state: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ POLLS = 3000   # a bound on polling, not a time limit
 
 
 # a checkpoint every 16 output tokens: a restart test sees one early in its generation
-ARGS = ["server.background_checkpoint_tokens=16"]
+ARGS = ["server.background_checkpoint_tokens=16", "server.admin_key=adm"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,8 @@ def client(srv: Any) -> openai.OpenAI:
 def create(client: openai.OpenAI, tokens: int, **extra: Any) -> Any:
     return client.responses.create(
         model="tiny", input="Tell me a long story about the river.", max_output_tokens=tokens,
-        temperature=0, extra_body={"logit_bias": NO_EOS}, **extra)
+        temperature=0, extra_body={"logit_bias": NO_EOS, **extra.pop("extra_body", {})},
+        **extra)
 
 
 def poll(client: openai.OpenAI, response_id: str) -> tuple[Any, list[str]]:
@@ -204,7 +205,9 @@ def test_kill_9_mid_generation_resumes_to_the_uninterrupted_output(
     plain = uninterrupted(state, client)
     short = create(client, 8, background=True)
     finished, _ = poll(client, short.id)
-    rid = create(client, LONG, background=True).id
+    # an urgent class the admin key granted: the resume keeps it (it has no admin key)
+    admin = client.with_options(api_key="adm")
+    rid = create(admin, LONG, background=True, extra_body={"priority": "interactive"}).id
     seen = checkpointed(state, rid)
     state["srv"].proc.kill()   # no drain, no last write: the periodic checkpoint is all
     state["srv"].proc.wait(10)

@@ -38,6 +38,7 @@ async def resuming(app: Sanic, http: sanic.Request) -> tuple[dict[str, Any], IO[
         raise InvalidRequest(f"header {RESUME_HEADER} is the server's own (a restart resumes "
                              "background responses with it); a client cannot send it",
                              param=RESUME_HEADER)
+    http.ctx.urgent_ok = True   # it was admitted at its priority once: a restart keeps it
     store: BackgroundStore = app.ctx.background_store
     record = await asyncio.to_thread(store.get, rid)
     if record is None or record.get("status") not in OPEN:

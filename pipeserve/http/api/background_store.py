@@ -7,7 +7,6 @@ runs the response, so two servers sharing the directory never run it twice. Bloc
 callers run it off the loop."""
 from __future__ import annotations
 
-import fcntl
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import IO, Any
 
 import orjson
 
-from pipeserve.http.batch.files import read_json, write_atomic
+from pipeserve.http.batch.files import read_json, try_lock, write_atomic
 
 OPEN = ("queued", "in_progress")   # states a restart resumes
 
@@ -59,14 +58,7 @@ class BackgroundStore:
         path = self._path(response_id, ".lock")
         if path is None:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "ab")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            return None
-        return f
+        return try_lock(path)
 
     def delete(self, response_id: str) -> bool:
         path = self._path(response_id, ".json")

@@ -28,7 +28,7 @@ WAIT_S = 600.0
 
 def parse_input(body: dict[str, Any]) -> list[str | list[int]]:
     value = body.get("input")
-    if isinstance(value, str) or _ids(value):
+    if isinstance(value, str) or F.token_ids(value):
         items: list[Any] = [value]
     elif isinstance(value, list) and value:
         items = value
@@ -41,15 +41,11 @@ def parse_input(body: dict[str, Any]) -> list[str | list[int]]:
     for i, item in enumerate(items):
         if isinstance(item, str) and item:
             continue
-        if not _ids(item):
+        if not F.token_ids(item):
             raise InvalidRequest(f"input[{i}] must be a non-empty string or a non-empty array "
                                  f"of token ids, got {F.short(item)}", param="input")
     return items
 
-
-def _ids(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 _BOUNDS: dict[int, CharBound | None] = {}   # by tokenizer: built once, on first use

@@ -92,6 +92,12 @@ def json_text(text: str, where: str, param: str) -> Any:
     return check_depth(value, where, param)
 
 
+def token_ids(value: Any) -> bool:
+    """A non-empty array of integer token ids (bools are not ids)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
 def seed(body: dict[str, Any]) -> int | None:
     """`seed`: an unsigned 64-bit integer. JSON integers past 2^64 arrive as floats."""
     value = body.get("seed")

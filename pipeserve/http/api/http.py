@@ -236,7 +236,7 @@ class Scope:
             metrics.queue_wait.labels(g.request.priority_class).observe(wait)
             first = g.first_token_s
             ratio = latency.finish(
-                rid, g.request.num_prompt_tokens - g.usage.cached_tokens,
+                rid, g.usage.prompt_tokens - g.usage.cached_tokens,
                 g.usage.completion_tokens,
                 prefill_s=first - self.t0 - wait if first is not None else None,
                 decode_s=now - first if first is not None else None,
@@ -255,13 +255,18 @@ class Scope:
         fields: dict[str, Any] = {
             "request_id": req.request_id if req is not None else None,
             "endpoint": self.endpoint, "outcome": outcome,
-            "prompt_tokens": req.num_prompt_tokens if req is not None else None,
+            # the client's prompt (the engine's grows by what a preemption or a resume folds in)
+            "prompt_tokens": (gen.usage.prompt_tokens if gen is not None
+                              else req.num_prompt_tokens if req is not None else None),
             "cached_tokens": gen.usage.cached_tokens if gen is not None else None,
             "generated_tokens": sum(g.usage.completion_tokens for g in [gen, *self.more])
                                 if gen is not None else None,
             "ttft_s": round(ttft, 4) if ttft is not None else None,
             "total_s": round(elapsed, 4),
             "finish": gen.finish_reason if gen is not None else None}
+        preempted = sum(_preemptions(g) for g in ([gen] if gen is not None else []) + self.more)
+        if preempted:   # its row was taken by more urgent requests this often
+            fields["preemptions"] = preempted
         if isinstance(exc, ServeError):
             fields["status"] = exc.status
             fields["reason"] = exc.message[:300]   # what the client's error body says
@@ -280,3 +285,9 @@ class Scope:
         if isinstance(exc, asyncio.CancelledError):
             return "cancelled"
         return "error"
+
+
+def _preemptions(gen: Generation) -> int:
+    """Times the scheduler gave this generation's row to a more urgent request."""
+    n = gen.engine_extras.get("preemptions")
+    return n if isinstance(n, int) else 0

@@ -20,7 +20,7 @@ def _prompts(body: dict[str, Any]) -> list[PromptInput]:
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
-    if isinstance(prompt, str) or _token_ids(prompt):
+    if isinstance(prompt, str) or F.token_ids(prompt):
         items, single = [prompt], True
     elif isinstance(prompt, list) and prompt:
         items, single = prompt, False
@@ -34,7 +34,7 @@ def _prompts(body: dict[str, Any]) -> list[PromptInput]:
     for i, item in enumerate(items):
         if isinstance(item, str):
             out.append(PromptInput(text=item))
-        elif _token_ids(item):
+        elif F.token_ids(item):
             out.append(PromptInput(token_ids=list(item)))
         else:
             where = "prompt" if single else f"prompt[{i}]"
@@ -42,10 +42,6 @@ def _prompts(body: dict[str, Any]) -> list[PromptInput]:
                                  f"got {F.short(item)}", param="prompt")
     return out
 
-
-def _token_ids(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def parse_completion(body: dict[str, Any]) -> Parsed:

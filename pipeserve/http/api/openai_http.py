@@ -52,6 +52,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         # every choice is its own row: tokenized and admitted now (errors before any output)
         reqs = [await scope.prepare(_choice_request(parsed, rid, endpoint, i, adapter))
                 for i in range(parsed.n)]
+        prompt_ids = reqs[0].prompt_ids   # as sent: a preempted row's grows on the engine side
         gen = scope.submit(reqs[0], parse_output=chat)
         choices = _choices(scope, gen, reqs[1:], chat)
         shape: Any = (shapes.ChatShape if chat else shapes.CompletionShape)(
@@ -59,7 +60,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         if parsed.stream:
             await _serve_stream(scope, http, gen, choices, shape, parsed, chat, rid)
             return None
-        return json_response(await _body(gen, choices, shape, parsed, chat, front, reqs[0]))
+        return json_response(await _body(gen, choices, shape, parsed, chat, front, prompt_ids))
 
 
 async def _serve_stream(scope: Scope, http: sanic.Request, gen: Generation,
@@ -79,9 +80,9 @@ async def _serve_stream(scope: Scope, http: sanic.Request, gen: Generation,
 
 
 async def _body(gen: Generation, choices: Choices | None, shape: Any, parsed: oa.Parsed,
-                chat: bool, front: Any, first: Request) -> dict[str, Any]:
-    """The JSON body once every choice has finished (with echo, the prompt before each
-    completion's text)."""
+                chat: bool, front: Any, prompt_ids: list[int]) -> dict[str, Any]:
+    """The JSON body once every choice has finished (with echo, the prompt as sent before
+    each completion's text)."""
     try:
         async for _ in choices.deltas() if choices is not None else _one(gen):
             pass
@@ -90,7 +91,7 @@ async def _body(gen: Generation, choices: Choices | None, shape: Any, parsed: oa
             choices.close()
     gens = choices.gens if choices is not None else [gen]
     usage = Usage.total([g.usage for g in gens]) if len(gens) > 1 else gen.usage
-    prompt_text = front.detokenize.decode(first.prompt_ids) if parsed.echo else ""
+    prompt_text = front.detokenize.decode(prompt_ids) if parsed.echo else ""
     out = []
     for i, g in enumerate(gens):
         lps = g.all_logprobs if g.request.sampling.logprobs else None
@@ -98,6 +99,7 @@ async def _body(gen: Generation, choices: Choices | None, shape: Any, parsed: oa
                                 g.tool_calls) if chat else
                    shape.choice(i, prompt_text + g.content, g.finish_reason, lps))
     return shape.body(out, usage)
+
 
 def _check_room(ctx: Any, n: int) -> None:
     """n choices are n rows: refuse (429) when the last of them would find the queue full,

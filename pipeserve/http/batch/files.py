@@ -4,12 +4,13 @@ so a crash leaves either the old state or the new. Blocking disk I/O: callers ru
 event loop."""
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -34,6 +35,19 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return orjson.loads(path.read_bytes())
     except (OSError, orjson.JSONDecodeError):
         return None
+
+
+def try_lock(path: Path) -> IO[bytes] | None:
+    """`path` opened and locked (flock, exclusive) for as long as the file stays open; None when
+    another process sharing the directory holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "ab")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 class FileStore:

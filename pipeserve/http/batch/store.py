@@ -4,7 +4,6 @@
 short by a crash is read as not finished). Blocking disk I/O: callers run it off the loop."""
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 import uuid
@@ -13,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from pipeserve.http.batch.files import read_json, write_atomic
+from pipeserve.http.batch.files import read_json, try_lock, write_atomic
 
 WINDOW_S = {"24h": 24 * 3600}   # completion_window values and their seconds
 # the states a batch can still move out of: a restart picks these up again
@@ -58,13 +57,7 @@ class BatchStore:
     def claim(self, batch_id: str) -> Any:
         """An open lock file while this process runs the batch; None when another process
         sharing the directory already does (each line runs once)."""
-        f = open(self.dir / batch_id / "lock", "ab")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            return None
-        return f
+        return try_lock(self.dir / batch_id / "lock")
 
     def append(self, batch_id: str, index: int, ok: bool, line: dict[str, Any]) -> None:
         """One finished request, durable before the counts say so."""
