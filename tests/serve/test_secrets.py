@@ -80,13 +80,14 @@ def on_port(server_factory: Any, port: int, *overrides: str) -> Any:
 @pytest.fixture(scope="module")
 def launches(server_factory: Any, tmp_path_factory: pytest.TempPathFactory,
              model_cache: Path) -> dict[str, Any]:
-    """Two launches on one port (the port is part of the config hash) with different keys:
+    """Two launches on one port and files_dir (both in the config hash) with different keys:
     `literal` gives the API key on the command line; `refs` takes it from an environment
     reference and the admin key from a file. Both put /metrics behind a key."""
     work = tmp_path_factory.mktemp("secrets")
     port = quiet_port()
     lit_dir = work / "run-literal"
-    literal = on_port(server_factory, port, f"server.api_key={LIT_API}",
+    files = f"server.files_dir={work / 'files'}"   # one for both: it is in the hash too
+    literal = on_port(server_factory, port, f"server.api_key={LIT_API}", files,
                              "server.metrics_auth=true", f"hydra.run.dir={lit_dir}")
     seen_literal = observe(literal, LIT_API, LIT_API)
     literal_rc = literal.stop()
@@ -99,10 +100,10 @@ def launches(server_factory: Any, tmp_path_factory: pytest.TempPathFactory,
     try:
         refs = on_port(server_factory, port, f"server.api_key=${{oc.env:{ENV_VAR}}}",
                               f"server.admin_key_file={key_file}", "server.metrics_auth=true",
-                              f"hydra.run.dir={refs_dir}")
+                              f"hydra.run.dir={refs_dir}", files)
     finally:
         del os.environ[ENV_VAR]
-    return {"port": port, "literal": seen_literal, "literal_log": literal_log,
+    return {"port": port, "files": files, "literal": seen_literal, "literal_log": literal_log,
             "literal_rc": literal_rc, "literal_dir": lit_dir, "refs": refs,
             "seen_refs": observe(refs, ENV_API, FILE_ADMIN), "refs_dir": refs_dir,
             "key_file": key_file, "model_cache": model_cache}
@@ -118,7 +119,7 @@ def test_config_hash_is_the_same_whatever_the_keys(launches: dict[str, Any]) -> 
     # and it is the hash of the same config with no key at all (the admin key it needs for
     # metrics_auth is a fourth, different value)
     keyless = make_config(f"server.port={launches['port']}",
-                          f"model.cache_dir={launches['model_cache']}",
+                          f"model.cache_dir={launches['model_cache']}", launches["files"],
                           "server.metrics_auth=true", "server.admin_key=something-else")
     assert config_hash(keyless) == lit["build_hash"]
 
