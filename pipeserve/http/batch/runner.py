@@ -17,7 +17,6 @@ from typing import Any, Callable
 import httpx
 import orjson
 
-from pipeserve.http.api.http import PRIORITY_HEADER
 from pipeserve.http.batch import lines as L
 from pipeserve.http.batch.files import FileStore
 from pipeserve.http.batch.store import OPEN, BatchStore
