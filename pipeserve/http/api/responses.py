@@ -1,13 +1,14 @@
-"""OpenAI Responses routes: create, input_tokens, retrieve and delete, and the conversation
-each stored response keeps for previous_response_id. The bodies are parsed in
-responses_request.py and shaped in responses_shape.py. Event loop."""
+"""OpenAI Responses routes: create (a Response body, its streaming event chain, or a
+background response), input_tokens, retrieve and delete, and the conversation each stored response
+keeps for previous_response_id. The bodies are parsed in responses_request.py and shaped in
+responses_shape.py. Event loop."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import IO, Any, Awaitable, Callable
 
 import sanic
 from sanic import HTTPResponse, Sanic
@@ -19,9 +20,9 @@ from pipeserve.http.api.generation import Generation
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body, ready_front,
                                      route, sse_event)
 from pipeserve.http.api.openai import tool_call_body
-from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.responses_input import conversation_media
 from pipeserve.http.api.responses_request import NO_SUMMARY, Looked, Parsed, parse
+from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.http.api import responses_background as background
 from pipeserve.http.api import background_resume
@@ -31,19 +32,13 @@ from pipeserve.eventloop.offload import off_loop
 from pipeserve.request import PromptInput, Request
 
 log = logging.getLogger("pipeserve")
+Resumed = tuple[dict[str, Any], IO[bytes]]   # the record and lock of a response a restart resumes
 
 
-# -- handlers ------------------------------------------------------------------------------
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
         check_ready(app)
-        # the JSON and its validation off the loop when large; the response store (event loop
-        # only) is read here, and parse gets the one entry it may ask for
-        size = len(http.body or b"")
-        body = await off_loop(size, read_body, http)
-        known_fields.check(app.ctx, http, "responses", body)
-        parsed = await off_loop(size, parse, body, Looked(body, app.ctx.responses),
-                                app.ctx.cfg.server.strict_fields)
+        body, parsed = await _read(app, http)
         await scope.route(body)
         ctx = scope.ctx
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
@@ -51,51 +46,24 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
             _background_checks(parsed, ctx.cfg.admission.priority_classes)
         resumed = await background_resume.resuming(app, http) if parsed.background else None
         rid = resumed[0]["id"] if resumed is not None else f"resp_{uuid.uuid4().hex}"
-
-        def make() -> Request:
-            req = Request(request_id=rid, endpoint="responses",
-                          inputs=parsed.inputs, requested=dict(parsed.requested),
-                          constraint=parsed.constraint, adapter=adapter)
-            dropped = parsed.tools.warning()
-            if dropped is not None:
-                req.warnings.append(dropped)
-            if parsed.echo["reasoning"]["summary"] is not None:
-                req.warnings.append(NO_SUMMARY)
-            return req
         keep = resume.resumable(body)
         try:
-            gen = await _start(scope, make, parsed,
+            gen = await _start(scope, lambda: _request(rid, parsed, adapter), parsed,
                                resumed[0].get("output_ids") if resumed is not None else None)
         except BaseException:
             if resumed is not None:
                 resumed[1].close()
             raise
-        req = gen.request
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store, parsed.tools.custom)
         persisted = None
         if parsed.background:   # on disk until it ends: a restart resumes it
-            if resumed is not None:
-                shape.created_at = resumed[0]["created_at"]
-            persisted = await background.Persisted.new(app, rid, body, shape.created_at,
-                                                       resumed)
+            persisted = await _persist(app, rid, body, shape, resumed)
 
         def save(b: dict[str, Any]) -> list[dict[str, Any]]:
             return _save(app.ctx.responses, b, parsed.conversation, gen)
         if parsed.stream:
-            async def produce(log: StreamLog) -> None:
-                if persisted is not None:   # stored as it goes; POST .../cancel stops the task
-                    final = await background.streamed(
-                        app, gen, shape, save, persisted,
-                        lambda: _stream(log, gen, shape, persisted.tick))
-                else:
-                    final = await _stream(log, gen, shape)
-                scope.failed = final["status"] == "failed"
-                if not scope.failed and parsed.store:   # stored even when the client left
-                    save(final)
-            await resume.serve(http, app.ctx.streams, req.request_id, keep,
-                               ctx.cfg.server.keep_alive_s, produce, scope.detach,
-                               background=parsed.background)
+            await _serve_stream(app, http, scope, gen, shape, parsed, persisted, save, keep)
             return None
         if persisted is not None:
             return await background.launch(app, scope, gen, shape, save, persisted,
@@ -111,17 +79,66 @@ async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """POST /v1/responses/input_tokens: the prompt's token count of a Responses body, equal to
     the input_tokens a request with the same body reports."""
     check_ready(app)
-    size = len(http.body or b"")
-    body = await off_loop(size, read_body, http)
-    known_fields.check(app.ctx, http, "responses", body)
-    parsed = await off_loop(size, parse, body, Looked(body, app.ctx.responses),
-                            app.ctx.cfg.server.strict_fields)
+    body, parsed = await _read(app, http)
     front = ready_front(app, await route(app, body))
     req = await front.tokenize(front.normalise(Request(
         request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=parsed.inputs,
         constraint=parsed.constraint)))
     return json_response({"object": "response.input_tokens",
                           "input_tokens": req.num_prompt_tokens})
+
+
+async def _read(app: Sanic, http: sanic.Request) -> tuple[dict[str, Any], Parsed]:
+    """The body and what parse makes of it: the JSON and its validation off the loop when
+    large; the response store (event loop only) is read here, and parse gets the one entry it
+    may ask for."""
+    size = len(http.body or b"")
+    body = await off_loop(size, read_body, http)
+    known_fields.check(app.ctx, http, "responses", body)
+    parsed = await off_loop(size, parse, body, Looked(body, app.ctx.responses),
+                            app.ctx.cfg.server.strict_fields)
+    return body, parsed
+
+
+def _request(rid: str, parsed: Parsed, adapter: str | None) -> Request:
+    """A fresh Request of the parsed body (truncation auto builds one per try)."""
+    req = Request(request_id=rid, endpoint="responses", inputs=parsed.inputs,
+                  requested=dict(parsed.requested), constraint=parsed.constraint,
+                  adapter=adapter)
+    dropped = parsed.tools.warning()
+    if dropped is not None:
+        req.warnings.append(dropped)
+    if parsed.echo["reasoning"]["summary"] is not None:
+        req.warnings.append(NO_SUMMARY)
+    return req
+
+
+async def _persist(app: Sanic, rid: str, body: dict[str, Any], shape: ResponseShape,
+                   resumed: Resumed | None) -> background.Persisted:
+    """A background response's record on disk; one a restart resumes keeps its created_at."""
+    if resumed is not None:
+        shape.created_at = resumed[0]["created_at"]
+    return await background.Persisted.new(app, rid, body, shape.created_at, resumed)
+
+
+async def _serve_stream(app: Sanic, http: sanic.Request, scope: Scope, gen: Generation,
+                        shape: ResponseShape, parsed: Parsed,
+                        persisted: background.Persisted | None,
+                        save: background.Save, keep: bool) -> None:
+    """`stream`: the event chain, resumable when `keep`; stored at its end."""
+    async def produce(log: StreamLog) -> None:
+        if persisted is not None:   # stored as it goes; POST .../cancel stops the task
+            final = await background.streamed(
+                app, gen, shape, save, persisted,
+                lambda: _stream(log, gen, shape, persisted.tick))
+        else:
+            final = await _stream(log, gen, shape)
+        scope.failed = final["status"] == "failed"
+        if not scope.failed and parsed.store:   # stored even when the client left
+            save(final)
+    await resume.serve(http, app.ctx.streams, gen.request.request_id, keep,
+                       scope.ctx.cfg.server.keep_alive_s, produce, scope.detach,
+                       background=parsed.background)
 
 
 def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
