@@ -1,12 +1,10 @@
 """OpenAI Responses routes: create (a Response body, its streaming event chain, or a
-background response), input_tokens, retrieve and delete, and the conversation each stored response
-keeps for previous_response_id. The bodies are parsed in responses_request.py and shaped in
-responses_shape.py. Event loop."""
+background response), input_tokens, retrieve and delete. The bodies are parsed in
+responses_request.py, shaped in responses_shape.py, and stored with their conversation in
+responses_conversation.py. Event loop."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import uuid
 from typing import IO, Any, Awaitable, Callable
 
@@ -19,19 +17,16 @@ from pipeserve.http.api import resume
 from pipeserve.http.api.generation import Generation
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body, ready_front,
                                      route, sse_event)
-from pipeserve.http.api.openai import tool_call_body
-from pipeserve.http.api.responses_input import conversation_media
-from pipeserve.http.api.responses_request import NO_SUMMARY, Looked, Parsed, parse
+from pipeserve.http.api.responses_conversation import Looked, drop_oldest, save_response
+from pipeserve.http.api.responses_request import NO_SUMMARY, Parsed, parse
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
 from pipeserve.http.api.resume import StreamLog
 from pipeserve.http.api import responses_background as background
 from pipeserve.http.api import background_resume
-from pipeserve.http.api.store import ResponseStore
 from pipeserve.errors import InvalidRequest, NotFound, ServeError
 from pipeserve.eventloop.offload import off_loop
-from pipeserve.request import PromptInput, Request
+from pipeserve.request import Request
 
-log = logging.getLogger("pipeserve")
 Resumed = tuple[dict[str, Any], IO[bytes]]   # the record and lock of a response a restart resumes
 
 
@@ -61,7 +56,7 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
             persisted = await _persist(app, rid, body, shape, resumed)
 
         def save(b: dict[str, Any]) -> list[dict[str, Any]]:
-            return _save(app.ctx.responses, b, parsed.conversation, gen)
+            return save_response(app.ctx.responses, b, parsed.conversation, gen)
         if parsed.stream:
             await _serve_stream(app, http, scope, gen, shape, parsed, persisted, save, keep)
             return None
@@ -71,7 +66,7 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         await gen.run()
         body = shape.body(shape.output(gen), gen)
         if parsed.store:
-            _save(app.ctx.responses, body, parsed.conversation, gen)
+            save_response(app.ctx.responses, body, parsed.conversation, gen)
         return json_response(body)
 
 
@@ -164,7 +159,7 @@ async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed,
             req = await scope.prepare(make())
         except InvalidRequest as e:
             if (e.code != "context_length_exceeded" or parsed.echo["truncation"] != "auto"
-                    or not _drop_oldest(parsed.inputs)):
+                    or not drop_oldest(parsed.inputs)):
                 raise
             dropped += 1
             continue
@@ -179,36 +174,6 @@ async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed,
     raise InvalidRequest(f"truncation auto dropped {MAX_TRUNCATIONS} turns and the input is "
                          "still past the context; shorten it", param="input",
                          code="context_length_exceeded")
-
-
-def _drop_oldest(inputs: PromptInput) -> bool:
-    """Drop the first turn after the system messages, and what answers it, up to the next user
-    message; False when only the last user turn is left."""
-    messages = inputs.messages or []
-    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    end = first + 1
-    while end < len(messages) and messages[end]["role"] != "user":
-        end += 1
-    if end >= len(messages):
-        return False
-    inputs.messages = messages[:first] + messages[end:]
-    inputs.media = conversation_media(inputs.messages)
-    return True
-
-
-def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
-          gen: Generation) -> list[dict[str, Any]]:
-    """Store the response with its conversation (returned)."""
-    turn: dict[str, Any] = {"role": "assistant", "content": gen.content}
-    if gen.tool_calls:
-        turn["tool_calls"] = [tool_call_body(c) for c in gen.tool_calls]
-        for call in turn["tool_calls"]:
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    stored = conversation + [turn]
-    if not store.put(body["id"], body, stored):
-        log.warning("response %s is larger than server.responses_store_mb; not stored",
-                    body["id"])
-    return stored
 
 
 async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape,

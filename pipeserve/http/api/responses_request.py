@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeserve.errors import InvalidRequest, NotFound
+from pipeserve.errors import InvalidRequest
 from pipeserve.grammar.constraint import Constraint
 from pipeserve.http.api import cache_key
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import structured
 from pipeserve.http.api.openai import sampling_fields
 from pipeserve.http.api.reasoning import thinking_from_effort
+from pipeserve.http.api.responses_conversation import Looked, history
 from pipeserve.http.api.responses_input import conversation_media, input_messages
 from pipeserve.http.api.responses_tools import ResponseTools, parse_tools
 from pipeserve.http.api.store import ResponseStore
@@ -33,23 +34,9 @@ class Parsed:
     background: bool = False
 
 
-class Looked:
-    """The response store as parse sees it off the loop: the one entry the body's
-    previous_response_id names, looked up on the loop beforehand."""
-
-    def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
-        previous = body.get("previous_response_id")
-        self.id = previous
-        self.item = store.get(previous) if isinstance(previous, str) else None
-
-    def get(self, response_id: str) -> Any:
-        return self.item if response_id == self.id else None
-
-
-
 def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = False) -> Parsed:
     previous = F.get(body, "previous_response_id", str)
-    conversation = _history(store, previous) + input_messages(body.get("input"))
+    conversation = history(store, previous) + input_messages(body.get("input"))
     instructions = F.get(body, "instructions", str)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     served = parse_tools(F.get(body, "tools", list) or [], strict)
@@ -84,19 +71,6 @@ def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = Fa
                          cache_breakpoints=pins)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served, echo["background"])
-
-
-def _history(store: ResponseStore | Looked, previous: str | None) -> list[dict[str, Any]]:
-    """The conversation previous_response_id continues (none without it)."""
-    if previous is None:
-        return []
-    item = store.get(previous)
-    if item is None:
-        raise NotFound(f"previous_response_id {previous!r} is unknown or expired (responses "
-                       "are kept for server.responses_ttl_s and within "
-                       "server.responses_store_mb)", param="previous_response_id",
-                       code="previous_response_not_found")
-    return list(item.conversation)
 
 
 def _truncation(body: dict[str, Any]) -> str:
