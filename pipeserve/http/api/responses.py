@@ -1,14 +1,12 @@
-"""OpenAI Responses adapter: /v1/responses bodies (input string or items, instructions,
-tools, previous_response_id) → Request, the handlers for create / retrieve / delete, and the
-conversation kept in the ResponseStore. Event loop."""
+"""OpenAI Responses routes: create (a Response body, its streaming event chain, or a
+background response), input_tokens, retrieve and delete. The bodies are parsed in
+responses_request.py, shaped in responses_shape.py, and stored with their conversation in
+responses_conversation.py. Event loop."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import IO, Any, Awaitable, Callable
 
 import sanic
 from sanic import HTTPResponse, Sanic
@@ -16,272 +14,26 @@ from sanic import HTTPResponse, Sanic
 from pipeserve.http.api import known_fields
 from pipeserve.http.api import fields as F
 from pipeserve.http.api import resume
-from pipeserve.http.api import structured
 from pipeserve.http.api.generation import Generation
 from pipeserve.http.api.http import (Scope, check_ready, json_response, read_body, ready_front,
                                      route, sse_event)
-from pipeserve.http.api.openai import sampling_fields, tool_call_body
-from pipeserve.http.api.reasoning import thinking_from_effort
-from pipeserve.http.api.responses_reasoning import reasoning_text, think
+from pipeserve.http.api.responses_conversation import Looked, drop_oldest, save_response
+from pipeserve.http.api.responses_request import NO_SUMMARY, Parsed, parse
 from pipeserve.http.api.responses_shape import ResponseEvents, ResponseShape
-from pipeserve.http.api.responses_tools import INPUT, ResponseTools, parse_tools
 from pipeserve.http.api.resume import StreamLog
-from pipeserve.http.api import cache_key
 from pipeserve.http.api import responses_background as background
 from pipeserve.http.api import background_resume
-from pipeserve.http.api.store import ResponseStore
-from pipeserve.vision import video
-from pipeserve.vision.audio import from_input_audio
-from pipeserve.vision.media import MediaPart, from_url
 from pipeserve.errors import InvalidRequest, NotFound, ServeError
-from pipeserve.grammar.constraint import Constraint
 from pipeserve.eventloop.offload import off_loop
-from pipeserve.request import PromptInput, Request
+from pipeserve.request import Request
 
-log = logging.getLogger("pipeserve")
-ROLES = ("user", "system", "developer", "assistant")
-
-
-@dataclass
-class Parsed:
-    inputs: PromptInput
-    requested: dict[str, Any]
-    conversation: list[dict[str, Any]]   # template messages without the instructions
-    echo: dict[str, Any] = field(default_factory=dict)   # request fields the body repeats
-    stream: bool = False
-    store: bool = True
-    constraint: Constraint | None = None   # text.format / guided_* (structured output)
-    tools: ResponseTools = field(default_factory=ResponseTools)
-    background: bool = False
-
-
-def parse(body: dict[str, Any], store: ResponseStore | _Looked, strict: bool = False) -> Parsed:
-    history: list[dict[str, Any]] = []
-    previous = F.get(body, "previous_response_id", str)
-    if previous is not None:
-        item = store.get(previous)
-        if item is None:
-            raise NotFound(f"previous_response_id {previous!r} is unknown or expired (responses "
-                           "are kept for server.responses_ttl_s and within "
-                           "server.responses_store_mb)", param="previous_response_id",
-                           code="previous_response_not_found")
-        history = list(item.conversation)
-    conversation = history + _items(body.get("input"))
-    instructions = F.get(body, "instructions", str)
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    served = parse_tools(F.get(body, "tools", list) or [], strict)
-    tools = served.tools
-    choice, name = _tool_choice(body.get("tool_choice"), tools)
-    kwargs = dict(F.get(body, "chat_template_kwargs", dict) or {})
-    reasoning = F.get(body, "reasoning", dict) or {}
-    effort = reasoning.get("effort")
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning.effort"))
-        kwargs.setdefault("reasoning_effort", effort)
-    constraint, fmt = structured.from_text_format(body)
-    requested = sampling_fields(body)
-    requested["max_tokens"] = F.get(body, "max_output_tokens", int)
-    parallel = F.get(body, "parallel_tool_calls", bool, True)
-    truncation = F.get(body, "truncation", str, "disabled")
-    if truncation not in ("auto", "disabled"):
-        raise InvalidRequest(f"truncation is {F.short(truncation)}; allowed: auto, disabled",
-                             param="truncation")
-    echo = {"instructions": instructions, "parallel_tool_calls": parallel,
-            "truncation": truncation, "max_output_tokens": requested["max_tokens"],
-            "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": served.echo,
-            "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
-            "reasoning": {"effort": effort, "summary": _summary(reasoning)},
-            "text": {"format": fmt}}
-    user = F.get(body, "user", str)
-    if user is not None:   # OpenAI's Response omits `user` when none was given
-        echo["user"] = user
-    echo["background"] = F.get(body, "background", bool, False)
-    cache_echo, pins = cache_key.pin(body, messages)   # the session's history kept in cache
-    echo.update(cache_echo)
-    inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
-                         tool_choice=choice, tool_name=name, media=_media(messages),
-                         parallel_tool_calls=parallel, reasoning_budget=F.reasoning_budget(body),
-                         cache_breakpoints=pins)
-    return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
-                  F.get(body, "store", bool, True), constraint, served, echo["background"])
-
-
-SUMMARIES = ("auto", "concise", "detailed")
-NO_SUMMARY = ("reasoning.summary: this server writes no summary; the reasoning comes whole as "
-              "the reasoning item's reasoning_text")
-
-
-def _summary(reasoning: dict[str, Any]) -> str | None:
-    """reasoning.summary, checked and echoed as sent (the handler names it as not produced)."""
-    summary = reasoning.get("summary")
-    if summary is not None and summary not in SUMMARIES:
-        raise InvalidRequest(f"reasoning.summary is {F.short(summary)}; allowed: "
-                             f"{', '.join(SUMMARIES)}", param="reasoning.summary")
-    return summary
-
-
-def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> tuple[str, str | None]:
-    if value is None or value in ("none", "auto", "required"):
-        return F.tool_choice(value or "auto", None, tools, "tool_choice")
-    if not isinstance(value, dict) or value.get("type") not in ("function", "custom") or \
-            not isinstance(value.get("name"), str):
-        raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or "
-                             '{"type": "function" | "custom", "name": ...}, got '
-                             f"{F.short(value, 80)}", param="tool_choice")
-    return F.tool_choice("named", value["name"], tools, "tool_choice")
-
-
-def _items(value: Any) -> list[dict[str, Any]]:
-    """`input` → template messages: message items become turns, function_call items the
-    assistant's tool_calls, function_call_output items `tool` messages."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("input must be a string or a non-empty array of items",
-                             param="input")
-    out: list[dict[str, Any]] = []
-    reasoning: list[str] = []   # reasoning items not yet given to an assistant turn
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            out.append(_message(item, where))
-            if out[-1]["role"] == "assistant":
-                think(out[-1], reasoning)
-        elif kind in ("function_call", "custom_tool_call"):
-            call = _call(item, where) if kind == "function_call" else _custom_call(item, where)
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            think(out[-1], reasoning)
-        elif kind == "reasoning":
-            reasoning += reasoning_text(item, where)
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                        "content": text})
-        else:
-            raise InvalidRequest(f"{where}.type is {kind!r}; supported: message, function_call, "
-                                 "function_call_output, custom_tool_call, "
-                                 "custom_tool_call_output, reasoning", param="input")
-    return out
-
-
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in ROLES:
-        raise InvalidRequest(f"{where}.role is {role!r}; allowed: {', '.join(ROLES)}",
-                             param="input")
-    content = item.get("content")
-    text = content if isinstance(content, str) else _parts(content, f"{where}.content")
-    return {"role": "system" if role == "developer" else role, "content": text}
-
-
-def _parts(parts: Any, where: str) -> str | list[dict[str, Any]]:
-    """Text parts joined; with an input_image (input_video), the parts a template renders —
-    each image (video) keeps its URL and where it was sent, so a stored conversation carries it
-    to the next turn."""
-    if not isinstance(parts, list) or not any(
-            isinstance(p, dict) and p.get("type") in ("input_image", "input_audio", *video.KINDS)
-            for p in parts):
-        return _text(parts, where)
-    out: list[dict[str, Any]] = []
-    for j, part in enumerate(parts):
-        at = f"{where}[{j}]"
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            out.append({"type": "image", "image_url": url, "where": at})
-        elif isinstance(part, dict) and part.get("type") in video.KINDS:
-            out.append({"type": "video", "video_url": video.part_url(part), "where": at})
-        elif isinstance(part, dict) and part.get("type") == "input_audio":
-            from_input_audio(part.get("input_audio"), at)   # refused now, not at the next turn
-            out.append({"type": "audio", "input_audio": part["input_audio"], "where": at})
-        else:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(
-                    part.get("text"), str):
-                raise InvalidRequest(f"{at} has type {kind!r}; allowed: input_text, input_image, "
-                                     "input_video, input_audio", param="input")
-            out.append({"type": "text", "text": part["text"]})
-    return out
-
-
-def _media(messages: list[dict[str, Any]]) -> list[MediaPart]:
-    """The images, videos and audio clips of the whole conversation (history included), in
-    prompt order."""
-    def part(p: dict[str, Any]) -> MediaPart:
-        if p["type"] == "image":
-            return from_url(p["image_url"], p["where"])
-        if p["type"] == "video":
-            return video.from_url(p["video_url"], p["where"])
-        return from_input_audio(p["input_audio"], p["where"])
-    return [part(p) for m in messages if isinstance(m.get("content"), list)
-            for p in m["content"] if p.get("type") in ("image", "video", "audio")]
-
-
-def _text(parts: Any, where: str) -> str:
-    if not isinstance(parts, list):
-        raise InvalidRequest(f"{where} must be a string or an array of text parts", param="input")
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}[{j}] has type {kind!r}; this model takes text parts "
-                                 "only", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    name, args = item.get("name"), item.get("arguments", "{}")
-    if not isinstance(name, str) or not isinstance(args, str):
-        raise InvalidRequest(f"{where} needs a string name and string arguments", param="input")
-    arguments = F.json_text(args, f"{where}.arguments", "input") if args.strip() else {}
-    if not isinstance(arguments, dict):
-        raise InvalidRequest(f"{where}.arguments must hold a JSON object, got "
-                             f"{F.short(arguments)}", param="input")
-    return {"id": item.get("call_id"), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def _custom_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """A custom tool's call: its freeform `input` is the call's one argument."""
-    name, text = item.get("name"), item.get("input")
-    if not isinstance(name, str) or not isinstance(text, str):
-        raise InvalidRequest(f"{where} needs a string name and a string input", param="input")
-    return {"id": item.get("call_id"), "type": "function",
-            "function": {"name": name, "arguments": {INPUT: text}}}
-
-
-# -- handlers ------------------------------------------------------------------------------
-class _Looked:
-    """The response store as parse sees it off the loop: the one entry the body's
-    previous_response_id names, looked up on the loop beforehand."""
-
-    def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
-        previous = body.get("previous_response_id")
-        self.id = previous
-        self.item = store.get(previous) if isinstance(previous, str) else None
-
-    def get(self, response_id: str) -> Any:
-        return self.item if response_id == self.id else None
+Resumed = tuple[dict[str, Any], IO[bytes]]   # the record and lock of a response a restart resumes
 
 
 async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
     async with Scope(app, "responses", http) as scope:
         check_ready(app)
-        # the JSON and its validation off the loop when large; the response store (event loop
-        # only) is read here, and parse gets the one entry it may ask for
-        size = len(http.body or b"")
-        body = await off_loop(size, read_body, http)
-        known_fields.check(app.ctx, http, "responses", body)
-        parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses),
-                                app.ctx.cfg.server.strict_fields)
+        body, parsed = await _read(app, http)
         await scope.route(body)
         ctx = scope.ctx
         adapter = F.adapter(body, ctx.cfg.model.name, ctx.engine.limits.adapters)
@@ -289,51 +41,24 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
             _background_checks(parsed, ctx.cfg.admission.priority_classes)
         resumed = await background_resume.resuming(app, http) if parsed.background else None
         rid = resumed[0]["id"] if resumed is not None else f"resp_{uuid.uuid4().hex}"
-
-        def make() -> Request:
-            req = Request(request_id=rid, endpoint="responses",
-                          inputs=parsed.inputs, requested=dict(parsed.requested),
-                          constraint=parsed.constraint, adapter=adapter)
-            dropped = parsed.tools.warning()
-            if dropped is not None:
-                req.warnings.append(dropped)
-            if parsed.echo["reasoning"]["summary"] is not None:
-                req.warnings.append(NO_SUMMARY)
-            return req
         keep = resume.resumable(body)
         try:
-            gen = await _start(scope, make, parsed,
+            gen = await _start(scope, lambda: _request(rid, parsed, adapter), parsed,
                                resumed[0].get("output_ids") if resumed is not None else None)
         except BaseException:
             if resumed is not None:
                 resumed[1].close()
             raise
-        req = gen.request
         shape = ResponseShape(gen.request.request_id, ctx.cfg.model.name, parsed.echo,
                               gen.request.sampling, parsed.store, parsed.tools.custom)
         persisted = None
         if parsed.background:   # on disk until it ends: a restart resumes it
-            if resumed is not None:
-                shape.created_at = resumed[0]["created_at"]
-            persisted = await background.Persisted.new(app, rid, body, shape.created_at,
-                                                       resumed)
+            persisted = await _persist(app, rid, body, shape, resumed)
 
         def save(b: dict[str, Any]) -> list[dict[str, Any]]:
-            return _save(app.ctx.responses, b, parsed.conversation, gen)
+            return save_response(app.ctx.responses, b, parsed.conversation, gen)
         if parsed.stream:
-            async def produce(log: StreamLog) -> None:
-                if persisted is not None:   # stored as it goes; POST .../cancel stops the task
-                    final = await background.streamed(
-                        app, gen, shape, save, persisted,
-                        lambda: _stream(log, gen, shape, persisted.tick))
-                else:
-                    final = await _stream(log, gen, shape)
-                scope.failed = final["status"] == "failed"
-                if not scope.failed and parsed.store:   # stored even when the client left
-                    save(final)
-            await resume.serve(http, app.ctx.streams, req.request_id, keep,
-                               ctx.cfg.server.keep_alive_s, produce, scope.detach,
-                               background=parsed.background)
+            await _serve_stream(app, http, scope, gen, shape, parsed, persisted, save, keep)
             return None
         if persisted is not None:
             return await background.launch(app, scope, gen, shape, save, persisted,
@@ -341,7 +66,7 @@ async def handle_create(app: Sanic, http: sanic.Request) -> HTTPResponse | None:
         await gen.run()
         body = shape.body(shape.output(gen), gen)
         if parsed.store:
-            _save(app.ctx.responses, body, parsed.conversation, gen)
+            save_response(app.ctx.responses, body, parsed.conversation, gen)
         return json_response(body)
 
 
@@ -349,17 +74,66 @@ async def handle_input_tokens(app: Sanic, http: sanic.Request) -> HTTPResponse:
     """POST /v1/responses/input_tokens: the prompt's token count of a Responses body, equal to
     the input_tokens a request with the same body reports."""
     check_ready(app)
-    size = len(http.body or b"")
-    body = await off_loop(size, read_body, http)
-    known_fields.check(app.ctx, http, "responses", body)
-    parsed = await off_loop(size, parse, body, _Looked(body, app.ctx.responses),
-                            app.ctx.cfg.server.strict_fields)
+    body, parsed = await _read(app, http)
     front = ready_front(app, await route(app, body))
     req = await front.tokenize(front.normalise(Request(
         request_id=f"count-{uuid.uuid4().hex}", endpoint="count_tokens", inputs=parsed.inputs,
         constraint=parsed.constraint)))
     return json_response({"object": "response.input_tokens",
                           "input_tokens": req.num_prompt_tokens})
+
+
+async def _read(app: Sanic, http: sanic.Request) -> tuple[dict[str, Any], Parsed]:
+    """The body and what parse makes of it: the JSON and its validation off the loop when
+    large; the response store (event loop only) is read here, and parse gets the one entry it
+    may ask for."""
+    size = len(http.body or b"")
+    body = await off_loop(size, read_body, http)
+    known_fields.check(app.ctx, http, "responses", body)
+    parsed = await off_loop(size, parse, body, Looked(body, app.ctx.responses),
+                            app.ctx.cfg.server.strict_fields)
+    return body, parsed
+
+
+def _request(rid: str, parsed: Parsed, adapter: str | None) -> Request:
+    """A fresh Request of the parsed body (truncation auto builds one per try)."""
+    req = Request(request_id=rid, endpoint="responses", inputs=parsed.inputs,
+                  requested=dict(parsed.requested), constraint=parsed.constraint,
+                  adapter=adapter)
+    dropped = parsed.tools.warning()
+    if dropped is not None:
+        req.warnings.append(dropped)
+    if parsed.echo["reasoning"]["summary"] is not None:
+        req.warnings.append(NO_SUMMARY)
+    return req
+
+
+async def _persist(app: Sanic, rid: str, body: dict[str, Any], shape: ResponseShape,
+                   resumed: Resumed | None) -> background.Persisted:
+    """A background response's record on disk; one a restart resumes keeps its created_at."""
+    if resumed is not None:
+        shape.created_at = resumed[0]["created_at"]
+    return await background.Persisted.new(app, rid, body, shape.created_at, resumed)
+
+
+async def _serve_stream(app: Sanic, http: sanic.Request, scope: Scope, gen: Generation,
+                        shape: ResponseShape, parsed: Parsed,
+                        persisted: background.Persisted | None,
+                        save: background.Save, keep: bool) -> None:
+    """`stream`: the event chain, resumable when `keep`; stored at its end."""
+    async def produce(log: StreamLog) -> None:
+        if persisted is not None:   # stored as it goes; POST .../cancel stops the task
+            final = await background.streamed(
+                app, gen, shape, save, persisted,
+                lambda: _stream(log, gen, shape, persisted.tick))
+        else:
+            final = await _stream(log, gen, shape)
+        scope.failed = final["status"] == "failed"
+        if not scope.failed and parsed.store:   # stored even when the client left
+            save(final)
+    await resume.serve(http, app.ctx.streams, gen.request.request_id, keep,
+                       scope.ctx.cfg.server.keep_alive_s, produce, scope.detach,
+                       background=parsed.background)
 
 
 def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
@@ -385,7 +159,7 @@ async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed,
             req = await scope.prepare(make())
         except InvalidRequest as e:
             if (e.code != "context_length_exceeded" or parsed.echo["truncation"] != "auto"
-                    or not _drop_oldest(parsed.inputs)):
+                    or not drop_oldest(parsed.inputs)):
                 raise
             dropped += 1
             continue
@@ -400,36 +174,6 @@ async def _start(scope: Scope, make: Callable[[], Request], parsed: Parsed,
     raise InvalidRequest(f"truncation auto dropped {MAX_TRUNCATIONS} turns and the input is "
                          "still past the context; shorten it", param="input",
                          code="context_length_exceeded")
-
-
-def _drop_oldest(inputs: PromptInput) -> bool:
-    """Drop the first turn after the system messages, and what answers it, up to the next user
-    message; False when only the last user turn is left."""
-    messages = inputs.messages or []
-    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    end = first + 1
-    while end < len(messages) and messages[end]["role"] != "user":
-        end += 1
-    if end >= len(messages):
-        return False
-    inputs.messages = messages[:first] + messages[end:]
-    inputs.media = _media(inputs.messages)
-    return True
-
-
-def _save(store: ResponseStore, body: dict[str, Any], conversation: list[dict[str, Any]],
-          gen: Generation) -> list[dict[str, Any]]:
-    """Store the response with its conversation (returned)."""
-    turn: dict[str, Any] = {"role": "assistant", "content": gen.content}
-    if gen.tool_calls:
-        turn["tool_calls"] = [tool_call_body(c) for c in gen.tool_calls]
-        for call in turn["tool_calls"]:
-            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    stored = conversation + [turn]
-    if not store.put(body["id"], body, stored):
-        log.warning("response %s is larger than server.responses_store_mb; not stored",
-                    body["id"])
-    return stored
 
 
 async def _stream(log: StreamLog, gen: Generation, shape: ResponseShape,
