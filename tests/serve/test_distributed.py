@@ -356,7 +356,7 @@ def test_sigterm_to_rank0_is_a_clean_leave_for_every_rank(launch: Any) -> None:
     ranks = group.ranks()
     os.kill(ranks[0], signal.SIGTERM)
     assert group.wait_exit(30) == 0
-    assert _all_gone(list(ranks.values()), 5)
+    assert _all_gone(list(ranks.values()), 20)   # bounded; generous for a loaded machine
     log = group.log()
     assert "[rank 1] stopped with rank 0" in log, log[-3000:]
     assert "connection to a peer was lost" not in log and "ERROR" not in log, log[-3000:]

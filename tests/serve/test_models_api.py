@@ -87,7 +87,7 @@ def test_requests_for_two_models_while_one_loads_all_succeed(srv: Any) -> None:
     threads = [threading.Thread(target=send, args=(LLAMA,)) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_state(srv, LLAMA, "loading", timeout_s=10)
+    wait_state(srv, LLAMA, "loading")
     threads += [threading.Thread(target=send, args=(QWEN,)) for _ in range(2)]
     for t in threads[3:]:
         t.start()
@@ -155,7 +155,7 @@ def test_load_and_unload_need_the_admin_key_and_stream_progress(srv: Any) -> Non
 def test_keep_alive_overrides_idle_unload(srv: Any) -> None:
     r = chat(srv, QWEN, keep_alive=0)   # unload as soon as it is done
     assert r.status_code == 200
-    wait_state(srv, QWEN, "unloaded", timeout_s=10)
+    wait_state(srv, QWEN, "unloaded")
     fams = metric_families(srv.base_url)
     assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
                         model=QWEN, reason="keep_alive") == 1
