@@ -205,8 +205,8 @@ class Scheduler:
         (prompt + max_tokens) are free; later requests never overtake it. With a prompt
         cache, a request whose prompt starts like one still being prefilled waits for that
         prefill (then reuses its prefix) while others go ahead: N agents sharing a system
-        prompt pay for one prefill. With every row taken, a less urgent preemptible row gives
-        its row to the head (core/preempt.py)."""
+        prompt pay for one prefill. With every row taken, or the KV budget spent, a less
+        urgent preemptible row gives its row and its KV to the head (core/preempt.py)."""
         deferred: list[Request] = []
         self._promote_starved()
         try:
@@ -219,8 +219,9 @@ class Scheduler:
                     return
                 if self.kv_budget is not None and self.memory is not None:
                     need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
-                    if self.running and self.kv_reserved + need > self.kv_budget:
-                        return
+                    while self.running and self.kv_reserved + need > self.kv_budget:
+                        if not self._preempt_for(req):   # what a less urgent row holds
+                            return
                     req.kv_reserved_bytes = need
                     self.kv_reserved += need
                 self.waiting.popleft()
@@ -233,7 +234,8 @@ class Scheduler:
             self.waiting.extendleft(reversed(deferred))
 
     def _preempt_for(self, req: Request) -> bool:
-        """Every row is taken: free one for `req` if a less urgent, preemptible row runs."""
+        """Every row, or the KV budget, is taken: free a row and its KV for `req` if a less
+        urgent, preemptible row runs."""
         if self.evict is None or not self.preemptible:
             return False
         out = preempt.victim(self.running, req.priority, self.preemptible)

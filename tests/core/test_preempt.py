@@ -15,8 +15,9 @@ from pipeserve.core.events import Finished, TokenDelta
 from pipeserve.core.stream import RequestStream
 from pipeserve.core.scheduler import finished_event
 from pipeserve.grammar.constraint import Constraint, ConstraintKind
-from pipeserve.request import FinishReason
-from tests.core.test_scheduler import output, req, sched
+from pipeserve.core.scheduler import Limits
+from pipeserve.request import FinishReason, RequestStatus
+from tests.core.test_scheduler import memory, output, req, sched
 
 
 def running(s: Any, priority: int, rid: str, outputs: int) -> Any:
@@ -48,6 +49,26 @@ def test_an_urgent_request_takes_a_batch_row() -> None:
     event = finished_event(batch)   # as the client sent and saw it
     assert (event.num_prompt_tokens, event.num_output_tokens) == (8, 5)
     assert event.extras["preemptions"] == 1
+
+
+def test_an_urgent_request_takes_the_kv_budget_a_batch_row_holds() -> None:
+    """Rows are free but the KV budget is not: the head takes what batch rows reserved, as
+    many as it needs, and no more; a row of a class not preemptible keeps its KV."""
+    s = sched("scheduler=continuous", "scheduler.max_batch=8")
+    s.configure(Limits(8, 512, 512), memory(kv_bytes_per_token=1), kv_budget=100)
+    evicted: list[str] = []
+    s.evict = lambda r: evicted.append(r.request_id)
+    default = running(s, 5, "default", 1)        # 8 + 20 bytes each
+    batch = [running(s, 9, f"b{i}", 1) for i in range(2)]
+    assert s.kv_reserved == 84
+    urgent = req(25, 25, "urgent")               # 50 bytes: one batch row's 28 is not enough
+    urgent.priority = 0
+    s.add(urgent)
+    s.schedule()
+    assert evicted == ["b1", "b0"] and s.kv_reserved == 28 + 50   # the latest admitted first
+    assert [r.request_id for r in s.running] == ["default", "urgent"]
+    assert [r.request_id for r in s.waiting] == ["b0", "b1"]   # in their first order again
+    assert default.status is RequestStatus.RUNNING and batch[0].preemptions == 1
 
 
 def test_what_keeps_its_row() -> None:
