@@ -1,5 +1,6 @@
 """bench.workload=ttft: every scenario it promises is a row of its table, pipeserve's beside the
-library's (a real server on the tiny model, mlx-lm on the same weights)."""
+library's (a real server on the tiny model, mlx-lm on the same weights), for each engine core
+placement bench.cores names."""
 from __future__ import annotations
 
 import csv
@@ -16,20 +17,25 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
     res = subprocess.run(
         [sys.executable, "bench.py", "bench.workload=ttft", "model=tiny",
          "bench.ttft_cold=[96,96,48]", "bench.ttft_bursts=[3]", "bench.ttft_first_burst=2",
-         "bench.ttft_prefix=8", f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
+         "bench.ttft_prefix=8", "bench.cores=[thread,process]", f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
          f"hydra.run.dir={tmp_path}/run"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     got = {(r["target"], r["workload"], r["streams"]) for r in rows}
     assert got == {
-        ("pipeserve", "ttft:first burst after launch", "2"),
-        ("pipeserve", "ttft:the same burst again", "2"),
-        *{("pipeserve", f"ttft:cold prompt {i}", "1") for i in (1, 2, 3)},
-        ("pipeserve", "ttft:burst", "3"), ("pipeserve", "ttft:burst + logit_bias", "3"),
+        *{(target, what, n) for target in ("pipeserve", "pipeserve, core process")
+          for what, n in [("ttft:first burst after launch", "2"),
+                          ("ttft:the same burst again", "2"),
+                          *[(f"ttft:cold prompt {i}", "1") for i in (1, 2, 3)],
+                          ("ttft:burst", "3"), ("ttft:burst + logit_bias", "3")]},
         *{("mlx-lm generate_step", f"ttft:cold prompt {i}", "1") for i in (1, 2, 3)},
         ("mlx-lm BatchGenerator", "ttft:burst", "3")}, got
     for r in rows:
         assert math.isfinite(float(r["ttft_p50_s"])) and float(r["ttft_p50_s"]) > 0, r
     cold = [r for r in rows if r["workload"].startswith("ttft:cold")]
     assert sorted({r["prompt_tokens"] for r in cold}) == ["48", "96"]
+    # the process core's server ran with its engine in a child process (its own log)
+    assert "server.isolate=true" in {r["overrides"] for r in rows
+                                     if r["target"] == "pipeserve, core process"}.pop()
+    assert (tmp_path / "core-process" / "pipeserve.log").exists()

@@ -38,6 +38,7 @@ from pipeserve.bench.server import (
     _get,
     _peak_rss_mb,
     _ranks,
+    _with_children,
 )
 from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive
@@ -183,15 +184,6 @@ def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
         ours.stop()
         for rank in others:   # they leave with rank 0; stop() waits for that
             rank.stop()
-
-
-def _with_children(pid: int) -> list[int]:
-    """`pid` and its child processes (an engine core process's peak counts too)."""
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        kids = []
-    return [pid, *map(int, kids)]
 
 
 def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Path, out: Path,

@@ -106,3 +106,12 @@ def _ranks(cfg: ServeConfig, b: BenchConfig, serve: list[str], out: Path
     env = [{**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(r)} for r in range(b.ranks)]
     others = [Process(serve, out / f"rank{r}.log", env=env[r]) for r in range(1, b.ranks)]
     return [], env[0], others
+
+
+def _with_children(pid: int) -> list[int]:
+    """`pid` and its child processes (an engine core process's peak counts too)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]

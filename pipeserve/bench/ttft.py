@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeserve.bench.config import BenchConfig, Row
-from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb
+from pipeserve.bench.config import CORES, BenchConfig, Row
+from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb, _with_children
 from pipeserve.bench.workload import _one, _pct, _session
 
 BURST_TOKENS = 76   # prompt length of a burst's requests
@@ -87,8 +87,9 @@ async def _burst(base: str, model: str, prompts: list[list[int]],
 
 def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str],
         model_dir: Path, out: Path, eos_bias: dict[str, float]) -> list[Row]:
-    """The rows of each scenario; `chunk` is the server's prompt chunk (scheduler.prefill_chunk),
-    the library's prefill step here."""
+    """The rows of each scenario, one server per bench.cores placement given the same prompts;
+    `chunk` is the server's prompt chunk (scheduler.prefill_chunk), the library's prefill step
+    here."""
     rng = random.Random(17)
     vocab = min(vocab, 500)
     head = [rng.randrange(3, vocab) for _ in range(b.ttft_prefix)]
@@ -96,41 +97,14 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     sizes = [int(n) for n in b.ttft_bursts]
     bursts = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
     warm = _ids(rng, max((len(c) for c in cold), default=BURST_TOKENS), vocab, [])
-    port = _free_port()
-    server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
-                      f"model.path={model_dir}", f"model.name={model}", f"server.port={port}",
-                      f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
-    base, said = f"http://127.0.0.1:{port}", " ".join(overrides)
+    first = [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(b.ttft_first_burst)]
+    shapes = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
     rows: list[Row] = []
-    try:
-        t0 = time.perf_counter()
-        server.wait_http(f"{base}/health")
-        ready_s = time.perf_counter() - t0
-        if b.ttft_first_burst:
-            first = [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(b.ttft_first_burst)]
-            for label in ("first burst after launch", "the same burst again"):
-                ttft = asyncio.run(_burst(base, model, first, {}))
-                rows.append(_row("pipeserve", label, len(first), ttft, OUT_TOKENS, said,
-                                 prompt_tokens=BURST_TOKENS))
-                rows[-1].wall_s = round(ready_s, 1)   # launch to ready
-        asyncio.run(_burst(base, model, [warm], {}))   # the chunk shapes, as the library gets
-        for n, prompts in bursts.items():                # and each burst's batch shapes
-            asyncio.run(_burst(base, model, [_ids(rng, BURST_TOKENS, vocab, [])
-                                             for _ in range(n)], {}))
-        for i, ids in enumerate(cold):
-            ttft = asyncio.run(_burst(base, model, [ids], {}))
-            rows.append(_row("pipeserve", f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
-                             prompt_tokens=len(ids)))
-        for n, prompts in bursts.items():
-            for bias in ({}, eos_bias):
-                ttft = asyncio.run(_burst(base, model, prompts, bias))
-                label = f"burst{' + logit_bias' if bias else ''}"
-                rows.append(_row("pipeserve", label, n, ttft, OUT_TOKENS, said,
-                                 prompt_tokens=BURST_TOKENS))
-        for r in rows:
-            r.peak_rss_mb = round(_peak_rss_mb(server.proc.pid), 1)
-    finally:
-        server.stop()
+    for core in b.cores:
+        target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
+        rows += _serve(target, [*overrides, *CORES[core]], model, model_dir,
+                       out / ("" if core == "thread" else f"core-{core}"),
+                       first, warm, shapes, cold, bursts, eos_bias)
     if not (b.batch_generator or b.bare_loop):
         return rows
     spec = out / "ttft-prompts.json"
@@ -146,4 +120,47 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     for n, ttft in lib["bursts"].items():
         rows.append(_row("mlx-lm BatchGenerator", "burst", int(n), ttft, 2, "",
                          prompt_tokens=BURST_TOKENS))
+    return rows
+
+
+def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: Path,
+           first: list[list[int]], warm: list[int], shapes: dict[int, list[list[int]]],
+           cold: list[list[int]], bursts: dict[int, list[list[int]]],
+           eos_bias: dict[str, float]) -> list[Row]:
+    """One server launched with `overrides`, each scenario sent to it in turn: its rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
+                      f"model.path={model_dir}", f"model.name={model}", f"server.port={port}",
+                      f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
+    base, said = f"http://127.0.0.1:{port}", " ".join(overrides)
+    rows: list[Row] = []
+    try:
+        t0 = time.perf_counter()
+        server.wait_http(f"{base}/health")
+        ready_s = time.perf_counter() - t0
+        if first:
+            for label in ("first burst after launch", "the same burst again"):
+                ttft = asyncio.run(_burst(base, model, first, {}))
+                rows.append(_row(target, label, len(first), ttft, OUT_TOKENS, said,
+                                 prompt_tokens=BURST_TOKENS))
+                rows[-1].wall_s = round(ready_s, 1)   # launch to ready
+        asyncio.run(_burst(base, model, [warm], {}))   # the chunk shapes, as the library gets
+        for prompts in shapes.values():                  # and each burst's batch shapes
+            asyncio.run(_burst(base, model, prompts, {}))
+        for i, ids in enumerate(cold):
+            ttft = asyncio.run(_burst(base, model, [ids], {}))
+            rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
+                             prompt_tokens=len(ids)))
+        for n, prompts in bursts.items():
+            for bias in ({}, eos_bias):
+                ttft = asyncio.run(_burst(base, model, prompts, bias))
+                label = f"burst{' + logit_bias' if bias else ''}"
+                rows.append(_row(target, label, n, ttft, OUT_TOKENS, said,
+                                 prompt_tokens=BURST_TOKENS))
+        rss = sum(_peak_rss_mb(pid) for pid in _with_children(server.proc.pid))
+        for r in rows:
+            r.peak_rss_mb = round(rss, 1)
+    finally:
+        server.stop()
     return rows

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Time to first token on an H200, round 3 (run by the device tool after .gpu-b/install.sh):
+#   bf16: bench.py's ttft workload at the defaults from an empty kernel cache, ten cold 16k
+#         prompts in a row and a 4k one, bursts of 32 and 128 with and without logit_bias,
+#         through both engine core placements (thread, process), beside the library; then the
+#         engine alone on four cold 16k prompts and bursts of 32 and 128, its time split by
+#         part; then 32k and 64k.
+#   q4:   the 4-bit 8B, kernel warm-up on, twice on one kernel cache: launch to ready and the
+#         first burst from an empty cache, then again on the warm one.
+# Usage: scripts/h200_ttft_round3.sh bf16|q4
+set -uo pipefail
+python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
+  || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
+kind=${1:-bf16}
+out=${OUT:-bench-out}
+export MLX_PTX_CACHE_DIR=$(mktemp -d)
+model="model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models"
+cold="bench.ttft_cold=[16384,16384,16384,16384,16384,16384,16384,16384,16384,16384,4096]"
+if [ "$kind" = bf16 ]; then
+  # shellcheck disable=SC2086
+  timeout 330 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
+    'bench.cores=[thread,process]' bench.out="$out/8b" 2>&1 | tail -40
+  # shellcheck disable=SC2086
+  timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 -- \
+    $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
+  # shellcheck disable=SC2086
+  timeout 150 python3 bench.py bench.workload=ttft $model model.max_context=65600 \
+    'bench.ttft_cold=[32768,65536,4096]' 'bench.ttft_bursts=[]' bench.out="$out/long" 2>&1 \
+    | tail -12
+else
+  for launch in empty-kernel-cache warm-kernel-cache; do
+    echo "== q4 $launch"
+    # shellcheck disable=SC2086
+    timeout 280 python3 bench.py bench.workload=ttft $model bench.quantize_bits=4 \
+      bench.ttft_first_burst=32 'bench.ttft_cold=[4096]' 'bench.ttft_bursts=[32]' \
+      bench.out="$out/q4-$launch" 2>&1 | tail -14
+    grep -h "kernel warm-up:\|ready:" "$out/q4-$launch/pipeserve.log" | cut -c1-900
+  done
+fi
