@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import (_alias_reasoning_fields,
-                                                    _compile_jinja_template,
-                                                    _plain_template_data)
+
+try:   # transformers' private helpers (5.25): an older release renders through its own call
+    from transformers.utils.chat_template_utils import (_alias_reasoning_fields,
+                                                        _compile_jinja_template,
+                                                        _plain_template_data)
+    HELPERS = True
+except ImportError:
+    HELPERS = False
 
 SCALARS = (str, int, float, bool)
 
@@ -39,7 +44,7 @@ class ChatRender:
         self.inner = getattr(tokenizer, "_tokenizer", tokenizer)
         # a tokenizer class with a renderer of its own (mistral-common's) keeps it
         kind = type(self.inner)
-        self.direct = (getattr(kind, "apply_chat_template", None)
+        self.direct = (HELPERS and getattr(kind, "apply_chat_template", None)
                        is PreTrainedTokenizerBase.apply_chat_template
                        and getattr(kind, "get_chat_template", None)
                        is PreTrainedTokenizerBase.get_chat_template)
