@@ -48,6 +48,37 @@ def instrument_more(engine: Any, clock: StepClock) -> None:
                 clock.wrap(cache, name, f"cache.{name}")
 
 
+class Timeline:
+    """Each engine-thread call of the wrapped parts, (part, start ms, ms, rows, prompt rows,
+    prompt tokens), from `reset()`: where a burst's first step goes, in order."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.on = False
+        self.events: list[tuple[str, float, float, int, int, int]] = []
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                if self.on:
+                    plan = getattr(a[0], "plan", a[0]) if a else None
+                    rows = getattr(plan, "rows", ())
+                    pre = [r for r in rows if not r.samples]
+                    self.events.append((label, round(1000 * (t - self.t0), 1),
+                                        round(1000 * (time.perf_counter() - t), 1), len(rows),
+                                        len(pre), sum(r.num_tokens for r in pre)))
+        setattr(obj, name, timed)
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events = []
+
+
 async def one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, float]:
     from pipeserve.core.events import Failed, Finished, TokenDelta
     from pipeserve.core.stream import RequestStream
@@ -109,6 +140,8 @@ def main() -> None:
     ap.add_argument("--cold", default="16384,16384,16384,4096",
                     help="prompt lengths sent one after another (none: skip)")
     ap.add_argument("--burst", default="none", help="burst sizes of 76-token prompts")
+    ap.add_argument("--timeline", action="store_true",
+                    help="each burst's engine calls in order (launch, read, apply, persist)")
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread (cold)")
     ap.add_argument("--prefix", type=int, default=0,
@@ -133,6 +166,13 @@ def main() -> None:
     clock = StepClock()
     instrument(engine, clock)
     instrument_more(engine, clock)
+    line = Timeline()
+    if args.timeline:   # outermost: the timers above count inside these
+        line.wrap(engine.step, "launch", "launch")
+        line.wrap(engine.step, "read", "read")
+        line.wrap(engine.step.persist, "prompts", "persist.prompts")
+        line.wrap(engine.step, "retire", "retire")
+        line.wrap(engine, "_apply", "apply")
     print(json.dumps({"what": "loaded", "s": round(time.perf_counter() - t0, 1),
                       "device": str(mx.default_device()), "overrides": args.overrides}),
           flush=True)
@@ -172,11 +212,17 @@ def main() -> None:
                                            for _ in range(n)], 8, bias))
             for rep in range(2):
                 clock.reset()
-                clock.on = True
+                line.reset()
+                clock.on = line.on = True
                 r = asyncio.run(run_batch(engine, [list(p) for p in burst], 8, bias))
-                clock.on = False
+                clock.on = line.on = False
                 print(json.dumps({"what": "engine burst", "streams": n, "logit_bias": with_bias,
                                   "rep": rep, **r, "per_step_ms": clock.report()}), flush=True)
+                if args.timeline:
+                    print(json.dumps({"what": "timeline", "streams": n, "rep": rep,
+                                      "logit_bias": with_bias, "columns": "part, start ms, ms, "
+                                      "rows, prompt rows, prompt tokens",
+                                      "events": line.events[:40]}), flush=True)
     model_dir = engine.loaded.path
     engine.stop()
     del engine

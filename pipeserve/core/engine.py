@@ -228,6 +228,7 @@ class Engine:
             self._out.flush()
             if launched is not None:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
+            self.step.between(launched is not None, plan)
             pending = launched
             self.step.passed()
             if trace is not None and plan is not None:

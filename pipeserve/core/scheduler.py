@@ -59,6 +59,8 @@ class Scheduler:
         self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
         self.kv_reserved = 0
         self.lookup: Callable[[Request], CacheHit | None] | None = None   # cache_lookup stage
+        # persist's: whether a row's prompt copy still waits (a donor until it is made)
+        self.copying: Callable[[str], bool] | None = None
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
@@ -78,12 +80,14 @@ class Scheduler:
 
     def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
                   lookup: Callable[[Request], CacheHit | None] | None = None,
-                  evict: Callable[[Request], None] | None = None) -> None:
+                  evict: Callable[[Request], None] | None = None,
+                  copying: Callable[[str], bool] | None = None) -> None:
         """At load, once the device and the stages are known: the step's shape, the memory
         model, the cache_lookup stage when a prompt cache can hand prefixes over, and the
-        step's `evict` (no preemption without it)."""
+        step's `evict` (no preemption without it) and persist's `copying` (a shared prefix is
+        waited for until its copy is in the prompt cache)."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
-        self.lookup, self.evict = lookup, evict
+        self.lookup, self.evict, self.copying = lookup, evict, copying
 
     # -- membership -------------------------------------------------------------------
     def add(self, request: Request, first: bool = False) -> None:
@@ -271,8 +275,9 @@ class Scheduler:
         if req.num_prompt_tokens <= n:
             return False
         head = req.key_ids[:n]   # images by digest: two images never share a prefix
-        return any(self._prefilling(r) and r.num_prompt_tokens > n and r.key_ids[:n] == head
-                   for r in self.running)
+        copying = self.copying
+        return any((self._prefilling(r) or (copying is not None and copying(r.request_id)))
+                   and r.num_prompt_tokens > n and r.key_ids[:n] == head for r in self.running)
 
     def _prefilling(self, req: Request) -> bool:
         return req.num_computed_tokens + self._ahead.get(req.request_id, 0) \

@@ -83,10 +83,15 @@ class Ledger(Protocol):
 
 class Persist(Protocol):
     """Engine thread: put reusable KV into the prompt cache — `prompts` right after the
-    forward (prompts whose prefill finished in it); `__call__` after a step is applied
+    forward (prompts whose prefill finished in it; their copies may wait for `drain`, between
+    steps, up to `rows` of them a call); `__call__` after a step is applied
     (finished rows' prompt + output before their KV is freed, due checkpoints)."""
 
     def prompts(self, plan: StepPlan, kv: RowStore) -> None: ...
+
+    def drain(self, kv: RowStore, rows: int) -> None: ...
+
+    def waiting(self, rid: str) -> bool: ...
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None: ...

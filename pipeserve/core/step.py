@@ -33,6 +33,7 @@ from pipeserve.core.stage import Ledger, StageDeps
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PERSIST_ROWS = 8   # waiting prompt copies made per loop pass (pipeserve/stages/persist.py)
 
 
 @dataclass(slots=True)
@@ -239,6 +240,13 @@ class Step:
         if self._ticking:
             self._cache.tick()
 
+    def between(self, busy: bool, plan: StepPlan | None) -> None:
+        """After a pass's tokens are out: a few waiting prompt copies, while the device runs
+        the step in flight (`busy`). Never in a pass that prefilled with no step in flight:
+        its rows' first step comes next, and the copies would delay those first tokens."""
+        if self.caching and (busy or plan is None or all(r.samples for r in plan.rows)):
+            self._timed("persist", lambda: self.persist.drain(self.kv, PERSIST_ROWS))
+
     def passed(self) -> None:
         """After each loop pass: memory gauges every 16th, MLX's buffer cache back every 256th."""
         self._steps += 1
@@ -286,7 +294,7 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     # with a prompt cache, admission looks each request up (and may wait for a shared prefix)
     scheduler.configure(limits, memory, kv_budget,
                         lookup=step.lookup if prompt_cache is not None else None,
-                        evict=step.evict)
+                        evict=step.evict, copying=step.persist.waiting)
     log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
              limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
     return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)

@@ -34,6 +34,10 @@ class CacheConfig:
     # history with this answer (the next turn's likely prefix) when it costs at most this many
     # new tokens; a real request cancels it at the next step. 0: off
     warmup_budget_tokens: int = 0
+    # a reusable prefix shorter than this is computed again instead: a hit's copies and batch
+    # merge cost the host a few operations per layer, more than a short prefix's share of a
+    # batched prefill (a chat template's first tokens in a burst of arrivals). 0: any hit
+    min_reuse_tokens: int = 0
 
     @property
     def name(self) -> str:
@@ -49,6 +53,9 @@ class CacheConfig:
         if self.ram_gb < 0:
             raise ConfigError(f"cache.ram_gb must be >= 0, got {self.ram_gb}")
         _positive("cache.checkpoint_every", self.checkpoint_every)
+        if self.min_reuse_tokens < 0:
+            raise ConfigError(
+                f"cache.min_reuse_tokens must be >= 0 (0: any hit), got {self.min_reuse_tokens}")
         if self.warmup_budget_tokens < 0:
             raise ConfigError(
                 f"cache.warmup_budget_tokens must be >= 0 (0: off), got {self.warmup_budget_tokens}")

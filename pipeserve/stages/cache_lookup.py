@@ -10,6 +10,7 @@ from pipeserve.config import ServeConfig
 from pipeserve.core.plan import CacheHit
 from pipeserve.prompt_cache.explain import explain
 from pipeserve.prompt_cache.protocol import rewinds
+from pipeserve.prompt_cache.ram import Lookup
 from pipeserve.request import Request
 from pipeserve.core.stage import StageDeps
 
@@ -25,6 +26,7 @@ class CacheLookup:
         self.pins = cfg.distributed.name == "none"
         self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
         self.trimmable = rewinds(deps.model)   # then no state is needed at a marked position
+        self.min_reuse = cfg.cache.min_reuse_tokens if cfg.cache.enabled else 0
 
     def __call__(self, req: Request) -> CacheHit | None:
         if self.cache is None:
@@ -37,6 +39,8 @@ class CacheLookup:
         for at, ttl_s in req.pins if self.pins else ():   # cache_control: kept from eviction
             self.cache.pin(req.key_ids[:at], ttl_s, req.adapter)
         found = self.cache.lookup(req.key_ids, req.adapter)
+        if found.caches is not None and found.num_tokens < self.min_reuse:
+            found = Lookup(None, 0, "short")   # cache.min_reuse_tokens: cheaper to compute
         reused = found.num_tokens if found.caches is not None else 0
         # a cache that can trim serves any prefix of a longer entry: no state to keep at the
         # history boundary; one that cannot (recurrent layers) keeps it unless reused past it

@@ -64,8 +64,8 @@ class WrongCall:
 
 class PersistThatFailsOnce:
     """The built-in persist, whose first retirement fails the way a full device does. Only
-    the Persist protocol's two calls are forwarded: nothing is set on a stage after it is
-    built (the ledger and the sampler keys come in `deps`)."""
+    the Persist protocol's calls are forwarded: nothing is set on a stage after it is built
+    (the ledger and the sampler keys come in `deps`)."""
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         from pipeserve.stages.persist import Persist
@@ -73,6 +73,12 @@ class PersistThatFailsOnce:
 
     def prompts(self, plan, kv) -> None:
         self.inner.prompts(plan, kv)
+
+    def drain(self, kv, rows) -> None:
+        self.inner.drain(kv, rows)
+
+    def waiting(self, rid) -> bool:
+        return self.inner.waiting(rid)
 
     def __call__(self, finished, running, kv) -> None:
         if finished and not self.failed:

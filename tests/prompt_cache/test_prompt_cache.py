@@ -127,3 +127,42 @@ def test_hybrid_on_the_ssd_tier_falls_back_to_the_stored_prompt_boundary(engine_
     assert got["cached"] == len(a) - 1   # the stored prompt (its last token is fed)
     assert got["ids"] == expected
     assert h.metrics.cache_hits.labels("ssd")._value.get() == 1
+
+
+def test_a_bursts_prompt_copies_wait_for_its_first_tokens(engine_factory) -> None:
+    """Twelve prompts arriving together are prefilled in one step; their copies into the
+    cache are made in the passes after it, while the device runs their first decode steps
+    (none before that step is launched), all before the rows finish, and each entry holds
+    exactly its prompt: an arrival with the same prompt afterwards reuses it, equal to cold."""
+    prompts = [[300 + i] + SYSTEM[i:i + 40] for i in range(12)]
+    h = engine_factory("scheduler.max_batch=16", "scheduler.max_num_batched_tokens=1024")
+    cache, decoded = h.engine.prompt_cache, h.metrics.step_tokens.labels("decode")
+    puts: list[tuple[int, float]] = []
+    inner = cache.put
+
+    def put(tokens, caches, adapter=None):   # engine thread
+        puts.append((len(tokens), decoded._value.get()))
+        return inner(tokens, caches, adapter)
+    cache.put = put
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=24, logit_bias=EOS_OFF)
+                                       for p in prompts]))
+    prompt_puts = [d for n, d in puts if n == 40]
+    assert len(prompt_puts) == 12, puts
+    assert min(prompt_puts) >= 12                 # after the burst's first decode step
+    assert max(prompt_puts) < 12 * 24 - 12        # long before the rows finished
+    cache.put = inner
+    for p, g in zip(prompts[:3], got):
+        again = h.generate(p, max_tokens=24, logit_bias=EOS_OFF)
+        assert again["ids"] == g["ids"] == cold(engine_factory, "tiny", p, 24)
+        assert again["cached"] == len(p) - 1
+
+
+def test_a_prefix_shorter_than_min_reuse_tokens_is_computed_again(engine_factory) -> None:
+    """cache.min_reuse_tokens=64: a 40-token shared head is computed again (reused 0, the
+    same tokens as cold); the 120-token system prompt is reused as usual."""
+    h = engine_factory("cache.min_reuse_tokens=64")
+    h.generate(SYSTEM + [5, 6], max_tokens=4, logit_bias=EOS_OFF)
+    short = SYSTEM[:40] + [9, 9, 9]
+    got = h.generate(short, max_tokens=8, logit_bias=EOS_OFF)
+    assert got["cached"] == 0 and got["ids"] == cold(engine_factory, "tiny", short, 8)
+    assert h.generate(SYSTEM + [7, 8], max_tokens=4, logit_bias=EOS_OFF)["cached"] == len(SYSTEM)
