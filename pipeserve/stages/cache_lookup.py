@@ -15,6 +15,19 @@ from pipeserve.request import Request
 from pipeserve.core.stage import StageDeps
 
 
+GPU_MIN_REUSE = 256   # cache.min_reuse_tokens unset, on a GPU
+
+
+def min_reuse(cfg: ServeConfig) -> int:
+    """cache.min_reuse_tokens, or its device default when unset."""
+    if not cfg.cache.enabled:
+        return 0
+    if cfg.cache.min_reuse_tokens is not None:
+        return cfg.cache.min_reuse_tokens
+    import mlx.core as mx
+    return GPU_MIN_REUSE if mx.default_device().type == mx.DeviceType.gpu else 0
+
+
 class CacheLookup:
     name: ClassVar[str] = "cache_lookup"
 
@@ -26,7 +39,7 @@ class CacheLookup:
         self.pins = cfg.distributed.name == "none"
         self.decode = deps.loaded.tokenizer.decode   # the text around a divergence
         self.trimmable = rewinds(deps.model)   # then no state is needed at a marked position
-        self.min_reuse = cfg.cache.min_reuse_tokens if cfg.cache.enabled else 0
+        self.min_reuse = min_reuse(cfg)
 
     def __call__(self, req: Request) -> CacheHit | None:
         if self.cache is None:
