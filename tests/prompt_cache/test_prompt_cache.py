@@ -166,3 +166,33 @@ def test_a_prefix_shorter_than_min_reuse_tokens_is_computed_again(engine_factory
     got = h.generate(short, max_tokens=8, logit_bias=EOS_OFF)
     assert got["cached"] == 0 and got["ids"] == cold(engine_factory, "tiny", short, 8)
     assert h.generate(SYSTEM + [7, 8], max_tokens=4, logit_bias=EOS_OFF)["cached"] == len(SYSTEM)
+
+
+@pytest.mark.parametrize("kv", [["kv=dense"], ["kv=q8"], ["kv=turbo"],
+                                ["kv=q8", "kv.quantized_start=56"],
+                                ["kv=paged", "kv.block_size=16", "kv.pool_blocks=256"]],
+                         ids=["dense", "q8", "turbo", "q8-delayed", "paged"])
+def test_a_prompt_is_reusable_while_its_request_still_decodes(engine_factory, kv) -> None:
+    """Whatever the KV layout: once the first request has its first tokens, a second with the
+    same prompt reuses all of it but the last token (the prompt's snapshot, made between
+    steps, holds exactly the prompt), and it equals the layout's cold run."""
+    prompt = SYSTEM[:60] + [11, 12]
+    small = ["model=tiny", "model.size=small", *kv]   # head_dim 64: quantizable in groups of 64
+    h = engine_factory(*small)
+
+    async def run() -> dict:
+        from pipeserve.core.events import TokenDelta
+        from pipeserve.core.stream import RequestStream
+        stream = RequestStream(asyncio.get_running_loop())
+        h.engine.submit(h.request(prompt, max_tokens=48, logit_bias=EOS_OFF), stream)
+        seen = 0
+        while seen < 3:
+            event = await stream.next()
+            assert isinstance(event, TokenDelta), event
+            seen += len(event.token_ids)
+        return (await h.generate_many([h.request(prompt, max_tokens=8, logit_bias=EOS_OFF)]))[0]
+    second = asyncio.run(run())
+    assert second["cached"] == len(prompt) - 1, (kv, second["cached"])
+    alone = engine_factory(*small, "cache=off").generate(prompt, max_tokens=8,
+                                                          logit_bias=EOS_OFF)
+    assert second["ids"] == alone["ids"]
