@@ -61,6 +61,7 @@ class Scheduler:
         self.lookup: Callable[[Request], CacheHit | None] | None = None   # cache_lookup stage
         # persist's: whether a row's prompt copy still waits (a donor until it is made)
         self.copying: Callable[[str], bool] | None = None
+        self.shared_min = SHARED_PREFIX_MIN   # head a request must share to wait for a donor
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._hits: list[tuple[str, CacheHit]] = []
@@ -81,13 +82,15 @@ class Scheduler:
     def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
                   lookup: Callable[[Request], CacheHit | None] | None = None,
                   evict: Callable[[Request], None] | None = None,
-                  copying: Callable[[str], bool] | None = None) -> None:
+                  copying: Callable[[str], bool] | None = None, min_reuse: int = 0) -> None:
         """At load, once the device and the stages are known: the step's shape, the memory
         model, the cache_lookup stage when a prompt cache can hand prefixes over, and the
         step's `evict` (no preemption without it) and persist's `copying` (a shared prefix is
-        waited for until its copy is in the prompt cache)."""
+        waited for until its copy is in the prompt cache; never for a head shorter than the
+        lookup's `min_reuse`, which would not be reused)."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
         self.lookup, self.evict, self.copying = lookup, evict, copying
+        self.shared_min = max(SHARED_PREFIX_MIN, min_reuse)
 
     # -- membership -------------------------------------------------------------------
     def add(self, request: Request, first: bool = False) -> None:
@@ -271,7 +274,7 @@ class Scheduler:
             req.checkpointed_tokens = len(hit.output_ids)
 
     def _donor_prefilling(self, req: Request) -> bool:
-        n = SHARED_PREFIX_MIN
+        n = self.shared_min
         if req.num_prompt_tokens <= n:
             return False
         head = req.key_ids[:n]   # images by digest: two images never share a prefix

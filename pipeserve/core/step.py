@@ -82,10 +82,14 @@ class Step:
     def _room(self, plan: StepPlan, rid: str, hit: int) -> int:
         """Tokens a hit row's KV makes room for: up to its next prompt-chunk boundary (the
         scheduler aligns chunks after a hit to it), never past its prompt's own 256-token step
-        (a short prompt's row stays the size of a cold one)."""
+        (a short prompt's row stays the size of a cold one). Just the hit when it leaves no
+        prompt chunk: the row joins the decode batch, whose merge copies it anyway (a burst of
+        whole-prompt hits pays four operations a layer a row less)."""
         chunk = self.prefill_chunk
         prompt = next((r.request.num_prompt_tokens for r in plan.rows if r.request_id == rid),
                       hit)
+        if hit >= prompt - 1:
+            return hit
         return min(-(-hit // chunk) * chunk, -(-prompt // 256) * 256)
 
     def bind_metrics(self) -> None:
@@ -294,7 +298,8 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     # with a prompt cache, admission looks each request up (and may wait for a shared prefix)
     scheduler.configure(limits, memory, kv_budget,
                         lookup=step.lookup if prompt_cache is not None else None,
-                        evict=step.evict, copying=step.persist.waiting)
+                        evict=step.evict, copying=step.persist.waiting,
+                        min_reuse=getattr(step.lookup, "min_reuse", 0))
     log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
              limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
     return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)

@@ -51,6 +51,9 @@ class CacheLookup:
                 return hit
         for at, ttl_s in req.pins if self.pins else ():   # cache_control: kept from eviction
             self.cache.pin(req.key_ids[:at], ttl_s, req.adapter)
+        if req.num_prompt_tokens - 1 < self.min_reuse:   # no hit it could take: not looked up
+            req.checkpoints_at = () if self.trimmable else req.checkpoints_at
+            return None
         found = self.cache.lookup(req.key_ids, req.adapter)
         if found.caches is not None and found.num_tokens < self.min_reuse:
             found = Lookup(None, 0, "short")   # cache.min_reuse_tokens: cheaper to compute

@@ -196,3 +196,30 @@ def test_a_prompt_is_reusable_while_its_request_still_decodes(engine_factory, kv
     alone = engine_factory(*small, "cache=off").generate(prompt, max_tokens=8,
                                                           logit_bias=EOS_OFF)
     assert second["ids"] == alone["ids"]
+
+
+def test_below_min_reuse_tokens_arrivals_never_wait_for_a_donor(engine_factory) -> None:
+    """cache.min_reuse_tokens=200: four requests sharing the 120-token system prompt would not
+    reuse it, so none waits for another's prefill (they share the first prefill step, each
+    computing its own) and none is looked up: all cold, all equal to their cold runs."""
+    prompts = [SYSTEM + [100 + i, 101 + i] for i in range(4)]
+    expected = [cold(engine_factory, "tiny", p) for p in prompts]
+    h = engine_factory("scheduler=continuous", "scheduler.prefill_chunk=256",
+                       "cache.min_reuse_tokens=200")
+    sched, waited = h.engine.scheduler, []
+    inner = sched._donor_prefilling
+
+    def donor(req):   # engine thread, at admission
+        waited.append(inner(req))
+        return waited[-1]
+    sched._donor_prefilling = donor
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=16, logit_bias=EOS_OFF)
+                                       for p in prompts]))
+    assert [g["ids"] for g in got] == expected
+    assert [g["cached"] for g in got] == [0, 0, 0, 0]
+    assert waited and not any(waited)   # each admission asked; none waited
+    # the default (0 on a CPU) waits for the donor and reuses its prefix
+    h = engine_factory("scheduler=continuous", "scheduler.prefill_chunk=256")
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=16, logit_bias=EOS_OFF)
+                                       for p in prompts]))
+    assert sorted(g["cached"] for g in got)[1:] == [len(SYSTEM)] * 3
