@@ -17,7 +17,8 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
     res = subprocess.run(
         [sys.executable, "bench.py", "bench.workload=ttft", "model=tiny",
          "bench.ttft_cold=[96,96,48]", "bench.ttft_bursts=[3]", "bench.ttft_first_burst=2",
-         "bench.ttft_prefix=8", "bench.cores=[thread,process]", f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
+         "bench.ttft_prefix=8", "bench.ttft_shared_head=40", "bench.cores=[thread,process]",
+         f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
          f"hydra.run.dir={tmp_path}/run"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -28,13 +29,20 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
           for what, n in [("ttft:first burst after launch", "2"),
                           ("ttft:the same burst again", "2"),
                           *[(f"ttft:cold prompt {i}", "1") for i in (1, 2, 3)],
-                          ("ttft:burst", "3"), ("ttft:burst + logit_bias", "3")]},
+                          ("ttft:exact repeat", "1"), ("ttft:new turn on a cached prefix", "1"),
+                          ("ttft:burst", "3"), ("ttft:burst + logit_bias", "3"),
+                          ("ttft:burst, shared 40-token head", "3")]},
         *{("mlx-lm generate_step", f"ttft:cold prompt {i}", "1") for i in (1, 2, 3)},
-        ("mlx-lm BatchGenerator", "ttft:burst", "3")}, got
+        ("mlx-lm BatchGenerator", "ttft:burst", "3"),
+        ("mlx-lm BatchGenerator", "ttft:burst, shared 40-token head", "3")}, got
     for r in rows:
         assert math.isfinite(float(r["ttft_p50_s"])) and float(r["ttft_p50_s"]) > 0, r
     cold = [r for r in rows if r["workload"].startswith("ttft:cold")]
     assert sorted({r["prompt_tokens"] for r in cold}) == ["48", "96"]
+    # the repeat is the last 96-token prompt; the new turn adds 64 tokens to it
+    assert {r["workload"]: r["prompt_tokens"] for r in rows if r["target"] == "pipeserve"
+            and r["workload"] in ("ttft:exact repeat", "ttft:new turn on a cached prefix")} == {
+        "ttft:exact repeat": "96", "ttft:new turn on a cached prefix": "160"}
     # the process core's server ran with its engine in a child process (its own log)
     assert "server.isolate=true" in {r["overrides"] for r in rows
                                      if r["target"] == "pipeserve, core process"}.pop()

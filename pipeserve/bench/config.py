@@ -43,6 +43,9 @@ class BenchConfig:
     ttft_bursts: list[int] = field(default_factory=lambda: [32, 128])   # workload=ttft:
     #                                 simultaneous 76-token arrivals
     ttft_first_burst: int = 0       # workload=ttft: arrivals right after launch (0: none)
+    # workload=ttft: bursts (bench.ttft_bursts sizes) whose prompts share a head this long (a
+    # system prompt the cache already holds) before their own 76 tokens (0: none)
+    ttft_shared_head: int = 0
     # every target serves the model quantized to this many bits by mlx_lm.convert (a copy kept
     # beside the model, named <model>-q<bits>): a 4-bit model's kernels and first bursts
     quantize_bits: int | None = None

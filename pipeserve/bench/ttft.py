@@ -7,8 +7,12 @@ prompt gives every request):
   yet compiled for their shapes), then the same burst again;
 - cold prompts one after another (bench.ttft_cold lengths), each sharing only the head with
   what the prompt cache holds;
+- after them, the last of the longest cold prompts again (an exact repeat: a prompt-cache hit)
+  and with 64 new tokens (a new turn on the cached prefix);
 - bursts of bench.ttft_bursts simultaneous 76-token prompts, without and with a logit_bias on
-  every request;
+  every request (the same prompts again: below cache.min_reuse_tokens they are computed);
+- with bench.ttft_shared_head, bursts whose prompts share a head that long (one request with
+  it first, so the cache holds it) before 76 tokens of their own;
 - the library: mlx-lm's generate_step time to its first token for each cold prompt, and its
   BatchGenerator's for each burst, in a child process after the server stopped."""
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pipeserve.bench.workload import _one, _pct, _session
 
 BURST_TOKENS = 76   # prompt length of a burst's requests
 OUT_TOKENS = 4      # tokens each request generates: enough to see the first
+TURN_TOKENS = 64    # a new turn's tokens after a cached prefix
 
 LIBRARY = r"""
 import sys, time, json
@@ -46,7 +51,7 @@ def first_token(ids, chunk):
 first_token(spec["warm"], spec["chunk"])   # the chunk shapes, once, as the server had
 cold = [first_token(ids, spec["chunk"]) for ids in spec["cold"]]
 bursts = {}
-for key, prompts in spec["bursts"].items():
+for key, prompts in [*spec["bursts"].items(), *(("s" + k, p) for k, p in spec["shared"].items())]:
     for rep in range(2):   # the first compiles this batch's shapes
         gen = BatchGenerator(model, max_tokens=2, completion_batch_size=len(prompts),
                              prefill_batch_size=len(prompts))
@@ -99,17 +104,22 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     warm = _ids(rng, max((len(c) for c in cold), default=BURST_TOKENS), vocab, [])
     first = [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(b.ttft_first_burst)]
     shapes = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
+    system = [rng.randrange(3, vocab) for _ in range(b.ttft_shared_head)]
+    shared = {n: [system + _ids(rng, BURST_TOKENS, vocab, []) for _ in range(n + 1)]
+              for n in sizes} if system else {}   # one more: the request that stores the head
+    turn = [rng.randrange(3, vocab) for _ in range(TURN_TOKENS)]
     rows: list[Row] = []
     for core in b.cores:
         target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
         rows += _serve(target, [*overrides, *CORES[core]], model, model_dir,
                        out / ("" if core == "thread" else f"core-{core}"),
-                       first, warm, shapes, cold, bursts, eos_bias)
+                       first, warm, shapes, cold, bursts, eos_bias, shared, turn)
     if not (b.batch_generator or b.bare_loop):
         return rows
     spec = out / "ttft-prompts.json"
     spec.write_text(json.dumps({"warm": warm, "cold": cold, "chunk": chunk,
-                                "bursts": {str(n): p for n, p in bursts.items()}}))
+                                "bursts": {str(n): p for n, p in bursts.items()},
+                                "shared": {str(n): p[1:] for n, p in shared.items()}}))
     res = subprocess.run([sys.executable, "-c", LIBRARY, str(model_dir), str(spec)],
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
@@ -118,6 +128,12 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
         rows.append(_row("mlx-lm generate_step", f"cold prompt {i + 1}", 1, [s], 1, "",
                          prompt_tokens=len(ids)))
     for n, ttft in lib["bursts"].items():
+        if n.startswith("s"):   # the shared-head burst's prompts, prefilled whole
+            size = len(shared[int(n[1:])][0])
+            rows.append(_row("mlx-lm BatchGenerator",
+                             f"burst, shared {size - BURST_TOKENS}-token head", int(n[1:]), ttft,
+                             2, "", prompt_tokens=size))
+            continue
         rows.append(_row("mlx-lm BatchGenerator", "burst", int(n), ttft, 2, "",
                          prompt_tokens=BURST_TOKENS))
     return rows
@@ -126,7 +142,8 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
 def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: Path,
            first: list[list[int]], warm: list[int], shapes: dict[int, list[list[int]]],
            cold: list[list[int]], bursts: dict[int, list[list[int]]],
-           eos_bias: dict[str, float]) -> list[Row]:
+           eos_bias: dict[str, float], shared: dict[int, list[list[int]]],
+           turn: list[int]) -> list[Row]:
     """One server launched with `overrides`, each scenario sent to it in turn: its rows."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -152,12 +169,23 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             ttft = asyncio.run(_burst(base, model, [ids], {}))
             rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
                              prompt_tokens=len(ids)))
+        if cold:   # the last of the longest: still in the cache after the ones before it
+            ref = max(reversed(cold), key=len)
+            for label, ids in (("exact repeat", ref), ("new turn on a cached prefix", ref + turn)):
+                ttft = asyncio.run(_burst(base, model, [ids], {}))
+                rows.append(_row(target, label, 1, ttft, OUT_TOKENS, said,
+                                 prompt_tokens=len(ids)))
         for n, prompts in bursts.items():
             for bias in ({}, eos_bias):
                 ttft = asyncio.run(_burst(base, model, prompts, bias))
                 label = f"burst{' + logit_bias' if bias else ''}"
                 rows.append(_row(target, label, n, ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
+        for n, prompts in shared.items():
+            asyncio.run(_burst(base, model, prompts[:1], {}))   # the head, into the cache
+            ttft = asyncio.run(_burst(base, model, prompts[1:], {}))
+            rows.append(_row(target, f"burst, shared {len(prompts[0]) - BURST_TOKENS}-token head",
+                             n, ttft, OUT_TOKENS, said, prompt_tokens=len(prompts[0])))
         rss = sum(_peak_rss_mb(pid) for pid in _with_children(server.proc.pid))
         for r in rows:
             r.peak_rss_mb = round(rss, 1)
