@@ -2,7 +2,8 @@
 # Time to first token on an H200, round 3 (run by the device tool after .gpu-b/install.sh):
 #   bf16: bench.py's ttft workload at the defaults from an empty kernel cache, ten cold 16k
 #         prompts in a row and a 4k one, bursts of 32 and 128 with and without logit_bias,
-#         through both engine core placements (thread, process), beside the library; then the
+#         through both engine core placements (thread, process), a repeat and a new turn on a
+#         cached 16k prefix, bursts sharing a cached 2048-token head, beside the library; then the
 #         engine alone on four cold 16k prompts and bursts of 32 and 128, its time split by
 #         part; then 32k and 64k.
 #   q4:   the 4-bit 8B, kernel warm-up on, twice on one kernel cache: launch to ready and the
@@ -18,8 +19,8 @@ model="model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=chec
 cold="bench.ttft_cold=[16384,16384,16384,16384,16384,16384,16384,16384,16384,16384,4096]"
 if [ "$kind" = bf16 ]; then
   # shellcheck disable=SC2086
-  timeout 330 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
-    'bench.cores=[thread,process]' bench.out="$out/8b" 2>&1 | tail -40
+  timeout 360 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
+    'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/8b" 2>&1 | tail -48
   # shellcheck disable=SC2086
   timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
