@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.plan import PlannedRow
 from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
@@ -365,10 +365,33 @@ class RowStore:
 
 def merge_layer(layers: list[Any]) -> Any:
     """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods)."""
+    if len(layers) > 1 and all(type(c) is KVCache and c.keys is not None for c in layers):
+        return _concat_merge(layers)
     merge = getattr(type(layers[0]), "merge", None)
     if merge is None:
         raise TypeError(f"{type(layers[0]).__name__} cannot join a shared decode batch")
     return merge(layers)
+
+
+def _concat_merge(layers: list[KVCache]) -> BatchKVCache:
+    """mlx-lm's BatchKVCache.merge of plain caches, as one concatenation: the same arrays
+    (rows left-padded with zeros to the longest), one device operation a tensor instead of
+    one slice update a row (128 rows joining at once: 72 kernels a step, not 9,216)."""
+    longest = max(c.offset for c in layers)
+    padding = [longest - c.offset for c in layers]
+
+    def rows(name: str) -> mx.array:
+        parts = []
+        for c, pad in zip(layers, padding):
+            a = getattr(c, name)
+            a = a if a.shape[2] == c.offset else a[..., :c.offset, :]
+            parts.append(mx.pad(a, [(0, 0), (0, 0), (pad, 0), (0, 0)]) if pad else a)
+        return mx.concatenate(parts, axis=0)
+    cache = BatchKVCache(padding)
+    cache.keys, cache.values = rows("keys"), rows("values")
+    cache.offset += longest
+    cache._idx = longest
+    return cache
 
 
 SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
