@@ -35,6 +35,9 @@ else
     timeout 280 python3 bench.py bench.workload=ttft $model bench.quantize_bits=4 \
       bench.ttft_first_burst=32 'bench.ttft_cold=[4096]' 'bench.ttft_bursts=[32]' \
       bench.out="$out/q4-$launch" 2>&1 | tail -14
-    grep -h "kernel warm-up:\|ready:" "$out/q4-$launch/pipeserve.log" | cut -c1-900
+    grep -h "kernel warm-up:\|ready:" "$out/q4-$launch/pipeserve.log" | cut -c1-1500
+    # what MLX compiled, when: the kernel modules a 4-bit launch builds
+    find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort | tail -40 > "$out/q4-$launch/ptx.txt"
+    wc -l < "$out/q4-$launch/ptx.txt"; grep -i "qmm\|gather" "$out/q4-$launch/ptx.txt" | head -20
   done
 fi

@@ -13,7 +13,7 @@ from pipeserve.adapters import swap as adapter_swap
 from pipeserve.config import ServeConfig, build
 from pipeserve.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeserve.core.client import EngineLoad, EngineState
-from pipeserve.core import kernel_warmup
+from pipeserve.core import kernel_prebuild, kernel_warmup
 from pipeserve.core.inbox import Inbox
 from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import (Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta,
@@ -151,6 +151,7 @@ class Engine:
         cache detached and the metrics muted; a failure is logged, never fatal. The long prompt
         runs first and alone, then the burst: the log says what each cost."""
         t0, lim = time.perf_counter(), self.scheduler.limits
+        self._prebuild_kernels(lim.max_batch, lim.prefill_chunk)
         reqs = kernel_warmup.requests(self.limits.vocab_size, self.limits.max_context,
                                       lim.prefill_chunk, lim.max_batch)
         sinks = [kernel_warmup.Sink() for _ in reqs]
@@ -189,6 +190,24 @@ class Engine:
         slow = ", ".join(f"{t:.2f} s ({r} rows, {n} tokens)" for t, r, n in sorted(trace)[::-1][:6])
         log.info("kernel warm-up: %d requests (%s) in %.2f s; %d steps, slowest: %s", len(reqs),
                  ", ".join(parts), time.perf_counter() - t0, len(trace), slow)
+
+    def _prebuild_kernels(self, max_rows: int, prefill_chunk: int) -> None:
+        """A quantized model on CUDA: its matmul kernels built in parallel child processes
+        first (core/kernel_prebuild.py), so the warm-up loads them instead of compiling them
+        one after another."""
+        assert self.loaded is not None
+        specs = kernel_prebuild.quant_specs(self.loaded.model)
+        dtype = self.loaded.compute_dtype.split("+")[0]
+        if not specs or dtype not in ("bfloat16", "float16", "float32"):
+            return
+        rep = kernel_prebuild.prebuild(specs, dtype,
+                                       kernel_prebuild.row_classes(max_rows, prefill_chunk))
+        if rep is None:
+            return
+        log.info("kernel warm-up: %d quantized-matmul builds in child processes in %.1f s, %d "
+                 "new kernel modules%s%s", rep.children, rep.seconds, len(rep.modules),
+                 f" ({', '.join(rep.modules)})" if rep.modules else "",
+                 f"; failed: {'; '.join(rep.failed)}" if rep.failed else "")
 
     def _loop(self, until: Callable[[], bool] | None = None,
               trace: list[tuple[float, int, int]] | None = None) -> None:
