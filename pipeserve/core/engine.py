@@ -192,20 +192,22 @@ class Engine:
                  ", ".join(parts), time.perf_counter() - t0, len(trace), slow)
 
     def _prebuild_kernels(self, max_rows: int, prefill_chunk: int) -> None:
-        """A quantized model on CUDA: its matmul kernels built in parallel child processes
+        """On CUDA: the kernel modules a server meets first (a quantized model's matmuls, the
+        sampler's and the embedding's gathers and scatters) built in parallel child processes
         first (core/kernel_prebuild.py), so the warm-up loads them instead of compiling them
         one after another."""
         assert self.loaded is not None
-        specs = kernel_prebuild.quant_specs(self.loaded.model)
         dtype = self.loaded.compute_dtype.split("+")[0]
-        if not specs or dtype not in ("bfloat16", "float16", "float32"):
+        if dtype not in ("bfloat16", "float16", "float32"):
             return
-        rep = kernel_prebuild.prebuild(specs, dtype,
-                                       kernel_prebuild.row_classes(max_rows, prefill_chunk))
+        specs = kernel_prebuild.quant_specs(self.loaded.model)
+        rows = kernel_prebuild.row_classes(max_rows, prefill_chunk)
+        rep = kernel_prebuild.prebuild(kernel_prebuild.matmul_jobs(specs, dtype, rows)
+                                       + kernel_prebuild.indexing_jobs(dtype, bool(specs)))
         if rep is None:
             return
-        log.info("kernel warm-up: %d quantized-matmul builds in child processes in %.1f s, %d "
-                 "new kernel modules%s%s", rep.children, rep.seconds, len(rep.modules),
+        log.info("kernel warm-up: %d kernel builds in child processes in %.1f s, %d new "
+                 "modules%s%s", rep.children, rep.seconds, len(rep.modules),
                  f" ({', '.join(rep.modules)})" if rep.modules else "",
                  f"; failed: {'; '.join(rep.failed)}" if rep.failed else "")
 

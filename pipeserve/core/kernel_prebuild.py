@@ -1,16 +1,17 @@
-"""Quantized-matmul kernels built in parallel before the kernel warm-up (CUDA only).
+"""Kernels built in parallel before the kernel warm-up (CUDA only).
 
-MLX's CUDA backend compiles each quantized-matmul kernel (a CUTLASS template) with NVRTC the
-first time a shape class meets it: tens of seconds each, one after another on the engine thread.
-Its kernel cache on disk (MLX_PTX_CACHE_DIR) is read by any process, so child processes build
-the kernels a server will meet — one per row count class, each with its own private cache
-folder seeded with what the shared one already holds — and their new files are moved into the
-shared folder whole (the listing file first, the kernel file last, each by rename), so the
-engine's warm-up that follows loads them instead of compiling them. A child that fails or
-runs past the timeout costs nothing but its time: the warm-up then builds what is missing."""
+MLX's CUDA backend compiles a kernel module with NVRTC the first time an operation meets it, one
+after another on the engine thread: about 35 s for each quantized-matmul row class (a CUTLASS
+template) and 2-7 s for each gather and scatter variant the sampler and the embedding use. Its
+kernel cache on disk (MLX_PTX_CACHE_DIR) is read by any process, so child processes build those
+modules — one module a child, each child with its own private cache folder seeded with what the
+shared one already holds — and the new files are moved into the shared folder whole (the
+listing file first, the kernel file last, each by rename); the warm-up that follows loads them
+instead of compiling them. A child that fails or runs past the timeout costs only its time:
+the warm-up then builds what is missing itself. Kernels fused by mx.compile are named by their
+graph and are left to the warm-up."""
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -23,8 +24,8 @@ from typing import Any, Iterable
 
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the pipeserve package
 
-# Row counts whose kernels are built: one child each. MLX picks its tile by row count class
-# (up to 16, 32, 64, 128, more); both a (rows, K) input and a decode step's (rows, 1, K) run.
+# Row counts whose quantized-matmul kernels are built, one child each: MLX picks the kernel's
+# tile by the rows of a (rows, K) input (a decode step's (rows, 1, K) is the 16-row class).
 ROW_CLASSES = (16, 32, 64, 128, 256)
 SUFFIXES = (".cu", ".txt", ".ptx")   # the order they are published: the kernel file last
 
@@ -108,6 +109,27 @@ def seed(shared: Path, private: Path) -> None:
                 os.utime(dst)
 
 
+def indexing_jobs(dtype: str, quantized: bool) -> list[list[str]]:
+    """The gather and scatter modules a step meets (the embedding's lookups, the sampler's
+    top-k / top-p / min-p gathers, logit_bias and the penalties' scatters), as child arguments;
+    read off an H200 launch's kernel cache (4-bit Qwen3, every sampling path)."""
+    jobs = [["gather", dtype, "uint32", "1"], ["gather", dtype, "uint32", "2"],
+            ["gather", dtype, "int32", "1"], ["gather", "int32", "int32", "1"],
+            ["gather", "uint32", "int32", "1"],
+            ["gather_axis", dtype, "int32"], ["gather_axis", dtype, "uint32"],
+            ["gather_axis", "uint32", "uint32"],
+            ["scatter", dtype, "int32", "sum", "2"], ["scatter", dtype, "uint32", "assign", "2"],
+            ["scatter", dtype, "uint32", "sum", "2"], ["scatter_axis", dtype, "uint32", "assign"]]
+    if quantized:   # a quantized embedding gathers its packed words
+        jobs.append(["gather", "uint32", "uint32", "1"])
+    return jobs
+
+
+def matmul_jobs(specs: Iterable[QuantSpec], dtype: str, rows: Iterable[int]) -> list[list[str]]:
+    return [["qmm", dtype, str(s.bits), str(s.group_size), s.mode, str(s.k), str(r)]
+            for s in specs for r in rows]
+
+
 @dataclass
 class Report:
     children: int
@@ -116,19 +138,17 @@ class Report:
     failed: list[str]
 
 
-def prebuild(specs: Iterable[QuantSpec], dtype: str, rows: Iterable[int],
-             timeout_s: float = 300.0, force: bool = False) -> Report | None:
-    """Build the quantized-matmul kernels of `specs` at each row class in child processes, at
-    most the CPU count less one at once; None where there is nothing to do (no CUDA, no
-    quantized layer). `force` runs the children on any device (the tests' CPU)."""
+def prebuild(jobs: list[list[str]], timeout_s: float = 300.0,
+             force: bool = False) -> Report | None:
+    """Run each job (a child's arguments) in its own child process, in order, at most the CPU
+    count less one at once; None where there is nothing to do (no job, or no CUDA). `force`
+    runs the children on any device (the tests' CPU)."""
     import mlx.core as mx
     cuda = getattr(mx, "cuda", None)
-    specs = list(specs)
-    if not specs or not (force or (cuda is not None and cuda.is_available())):
+    if not jobs or not (force or (cuda is not None and cuda.is_available())):
         return None
     shared = shared_cache_dir()
     shared.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, r) for s in specs for r in rows]
     width = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
     t0, modules, failed = time.perf_counter(), [], []
     with tempfile.TemporaryDirectory(prefix="pipeserve-kernels-") as top:
@@ -136,19 +156,17 @@ def prebuild(specs: Iterable[QuantSpec], dtype: str, rows: Iterable[int],
         pending = list(enumerate(jobs))
         while pending or running:
             while pending and len(running) < width:
-                i, (spec, r) = pending.pop(0)
+                i, job = pending.pop(0)
                 private = Path(top) / str(i)
                 private.mkdir()
                 seed(shared, private)
                 env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private),
                            PYTHONPATH=os.pathsep.join(filter(None, (
                                str(ROOT), os.environ.get("PYTHONPATH")))))
-                cmd = [sys.executable, "-m", "pipeserve.core.kernel_prebuild", "--dtype", dtype,
-                       "--bits", str(spec.bits), "--group-size", str(spec.group_size),
-                       "--mode", spec.mode, "--k", str(spec.k), "--rows", str(r)]
+                cmd = [sys.executable, "-m", "pipeserve.core.kernel_prebuild", *job]
                 proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                running.append((proc, private, f"{spec.bits}-bit rows={r}", time.perf_counter()))
+                running.append((proc, private, " ".join(job), time.perf_counter()))
             time.sleep(0.05)
             for item in list(running):
                 proc, private, name, started = item
@@ -166,27 +184,39 @@ def prebuild(specs: Iterable[QuantSpec], dtype: str, rows: Iterable[int],
     return Report(len(jobs), time.perf_counter() - t0, sorted(set(modules)), failed)
 
 
-def _child(argv: list[str] | None = None) -> None:
-    """A child: one quantized matmul of each input shape of a row class, evaluated."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--dtype", required=True)
-    p.add_argument("--bits", type=int, required=True)
-    p.add_argument("--group-size", type=int, required=True)
-    p.add_argument("--mode", default="affine")
-    p.add_argument("--k", type=int, required=True)
-    p.add_argument("--rows", type=int, required=True)
-    a = p.parse_args(argv)
+def _child(argv: list[str]) -> None:
+    """A child: one operation that meets the module its arguments name, evaluated."""
     import mlx.core as mx
-    dtype = getattr(mx, a.dtype)
-    w = mx.random.normal((256, a.k)).astype(dtype)
-    qs = mx.quantize(w, group_size=a.group_size, bits=a.bits, mode=a.mode)
-    wq, scales, biases = qs[0], qs[1], (qs[2] if len(qs) > 2 else None)
-    for shape in ((a.rows, a.k), (a.rows, 1, a.k)):
-        x = mx.random.normal(shape).astype(dtype)
-        y = mx.quantized_matmul(x, wq, scales, biases, transpose=True,
-                                group_size=a.group_size, bits=a.bits, mode=a.mode)
-        mx.eval(y)
+    op, dt = argv[0], getattr(mx, argv[1])
+    if op == "qmm":
+        bits, group, mode, k, rows = int(argv[2]), int(argv[3]), argv[4], int(argv[5]), int(argv[6])
+        qs = mx.quantize(mx.random.normal((256, k)).astype(dt), group_size=group, bits=bits,
+                         mode=mode)
+        x = mx.random.normal((rows, k)).astype(dt)
+        mx.eval(mx.quantized_matmul(x, qs[0], qs[1], qs[2] if len(qs) > 2 else None,
+                                    transpose=True, group_size=group, bits=bits, mode=mode))
+        return
+    it = getattr(mx, argv[2])
+    a = mx.ones((8, 8), dtype=dt)
+    i, j = mx.array([1, 0, 3], dtype=it), mx.array([2, 2, 5], dtype=it)
+    if op == "gather":
+        out = a[i] if argv[3] == "1" else a[i, j]
+    elif op == "gather_axis":
+        out = mx.take_along_axis(a, mx.broadcast_to(i, (8, 3)), axis=-1)
+    elif op == "scatter":
+        v = mx.ones((3,), dtype=dt)
+        if argv[3] == "sum":
+            out = a.at[i, j].add(v)
+        else:
+            a[i, j] = v   # an array index assigned: a Scatter, not a slice update
+            out = a
+    elif op == "scatter_axis":
+        out = mx.put_along_axis(a, mx.broadcast_to(i, (8, 3)), mx.ones((8, 3), dtype=dt),
+                                axis=-1)
+    else:
+        raise SystemExit(f"unknown kernel job {argv}")
+    mx.eval(out)
 
 
 if __name__ == "__main__":
-    _child()
+    _child(sys.argv[1:])

@@ -60,23 +60,29 @@ def test_publish_moves_new_modules_whole_and_leaves_what_the_shared_cache_has(tm
     assert kp.publish(private, shared) == []       # published once
 
 
-def test_the_children_run_each_quantization_at_each_row_class(tmp_path, monkeypatch):
-    """The children's command line and shapes are valid for 4- and 8-bit affine and mxfp4 (on
-    the CPU they compile nothing, so no module is published and none fails)."""
+def test_the_children_run_each_job_the_engine_gives_them(tmp_path, monkeypatch):
+    """The children's arguments and operations are valid for every quantized-matmul and
+    indexing job the engine builds for a quantized bf16 model (4- and 8-bit affine, mxfp4): on
+    the CPU they compile nothing, so none fails and no module is published."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     specs = [kp.QuantSpec(4, 64, "affine", k=256), kp.QuantSpec(8, 32, "affine", k=128),
              kp.QuantSpec(4, 32, "mxfp4", k=256)]
-    rep = kp.prebuild(specs, "bfloat16", [16, 48], force=True)
+    jobs = kp.matmul_jobs(specs, "bfloat16", [16, 48]) + kp.indexing_jobs("bfloat16", True)
+    assert len(jobs) == 6 + 13
+    rep = kp.prebuild(jobs, force=True)
     assert rep is not None
-    assert rep.children == 6
+    assert rep.children == len(jobs)
     assert rep.failed == []
     assert rep.modules == []
-    assert kp.prebuild(specs, "bfloat16", [16]) is None   # not on CUDA, not forced: nothing runs
+    assert kp.prebuild(jobs) is None   # not on CUDA, not forced: nothing runs
+    assert kp.prebuild([], force=True) is None
 
 
 def test_a_child_that_fails_is_reported_in_one_line_and_publishes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
-    rep = kp.prebuild([kp.QuantSpec(3, 32, "mxfp4", k=256)], "bfloat16", [16], force=True)
+    rep = kp.prebuild(kp.matmul_jobs([kp.QuantSpec(3, 32, "mxfp4", k=256)], "bfloat16", [16]),
+                      force=True)
     assert rep is not None and rep.modules == []
     assert len(rep.failed) == 1 and "\n" not in rep.failed[0]
-    assert rep.failed[0].startswith("3-bit rows=16: exit 1 ") and "mxfp4" in rep.failed[0]
+    assert rep.failed[0].startswith("qmm bfloat16 3 32 mxfp4 256 16: exit 1 ")
+    assert "mxfp4" in rep.failed[0]
