@@ -21,6 +21,8 @@ if [ "$kind" = bf16 ]; then
   # shellcheck disable=SC2086
   timeout 360 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
     'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/8b" 2>&1 | tail -48
+  grep -h "kernel warm-up:\|ready:" "$out"/8b/pipeserve*.log | cut -c1-1500
+  find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/8b/ptx.txt"
   # shellcheck disable=SC2086
   timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
