@@ -63,7 +63,7 @@ def _longest(ram: RamPromptCache, model: str,
     """(tokens of `query` the best entry of this adapter shares, that entry's tokens)."""
     if not ram.entries:
         return 0, None
-    found = ram.trie.search(model, query)
+    found = ram.search(model, query)   # the lookup's own search, not a second walk
     if found.exact is not None:
         return len(query), tuple(found.exact)
     best: tuple[int, tuple[int, ...] | None] = (0, None)

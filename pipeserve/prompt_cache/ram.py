@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, can_trim_prompt_cache
+from mlx_lm.models.cache import CacheList, PromptTrieResult, can_trim_prompt_cache
 
 from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
@@ -113,6 +113,19 @@ class RamPromptCache:
         self.nbytes = 0
         self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
         self.pins: dict[tuple[str, tuple[int, ...]], float] = {}   # (root, tokens) → until
+        # the last trie search (root, query, answer), until the trie changes: a partial hit's
+        # explanation (explain.py) asks what its lookup just asked
+        self._searched: tuple[str, list[int], PromptTrieResult] | None = None
+
+    def search(self, model: str, query: list[int]) -> PromptTrieResult:
+        """The trie's answer for `query` under root `model` (the last one again, while the
+        trie is unchanged, without a second walk over the query)."""
+        memo = self._searched
+        if memo is not None and memo[0] == model and memo[1] == query:
+            return memo[2]
+        found = self.trie.search(model, query)
+        self._searched = (model, query, found)
+        return found
 
     def find(self, prompt_ids: list[int], adapter: str | None = None
              ) -> tuple[Entry | None, int, str, int]:
@@ -124,9 +137,10 @@ class RamPromptCache:
         if limit < 1 or not self.entries:
             evicted = limit >= 1 and self.ghosts.shared(query, model) >= MIN_EXPLAINED
             return None, 0, "evicted" if evicted else "no_prefix", 0
-        found = self.trie.search(model, query)
-        if found.exact is not None:
-            return self.entries[(model, tuple(query))], limit, "hit", limit
+        exact = self.entries.get((model, tuple(query)))
+        if exact is not None:   # an exact repeat: a hash of the query, no walk of the trie
+            return exact, limit, "hit", limit
+        found = self.search(model, query)
         best: tuple[Entry, int] | None = None
         if found.shorter is not None:
             best = (self.entries[(model, tuple(found.shorter))], len(found.shorter))
@@ -193,20 +207,27 @@ class RamPromptCache:
         prev = self.entries.pop(key, None)
         if prev is not None:
             self.nbytes -= prev.nbytes
-        self.trie.add(model, list(entry.tokens), entry)
+        self._searched = None
+        # the trie keys the entry by its own tuple (shared, not copied); one walk over it
+        # adds it and, when it is trimmable, drops the shorter entries it extends
+        gone: list[tuple[int, Entry]] = []
+        if entry.trimmable:
+            gone = self.trie.add_over_prefixes(model, entry.tokens, entry)[1]
+        else:
+            self.trie.add(model, entry.tokens, entry)
         self.entries[key] = entry
         self.nbytes += entry.nbytes
-        if entry.trimmable:   # shorter entries it extends are now redundant
-            for n, old in self.trie.pop_prefixes(model, list(entry.tokens)):
-                if old is not entry and self.entries.pop(old.key, None) is not None:
-                    self.nbytes -= old.nbytes
+        for n, old in gone:   # redundant now: the new entry serves every prefix of it
+            if old is not entry and self.entries.pop(old.key, None) is not None:
+                self.nbytes -= old.nbytes
         self._evict()
         self._report()
         return entry if key in self.entries else None
 
     def remove(self, entry: Entry) -> None:
         if self.entries.pop(entry.key, None) is not None:
-            self.trie.pop(entry.model, list(entry.tokens))
+            self._searched = None
+            self.trie.pop(entry.model, entry.tokens)
             self.nbytes -= entry.nbytes
             self._report()
 
@@ -222,7 +243,8 @@ class RamPromptCache:
             return False
         entry = self._victim()
         del self.entries[entry.key]
-        self.trie.pop(entry.model, list(entry.tokens))
+        self._searched = None
+        self.trie.pop(entry.model, entry.tokens)
         self.nbytes -= entry.nbytes
         self.metrics.cache_evictions.labels(self.tier).inc()
         self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))

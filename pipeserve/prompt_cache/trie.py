@@ -7,6 +7,7 @@ Here every node keeps one stored sequence reachable below it, so a search costs 
 the query. Not thread-safe: each owner calls it from one thread."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mlx_lm.models.cache import PromptTrieResult
@@ -19,11 +20,26 @@ class TokenTrie:
     def __init__(self) -> None:
         self._roots: dict[Any, dict] = {}
 
-    def add(self, model: Any, tokens: list[int], value: Any) -> Any:
+    def add(self, model: Any, tokens: Sequence[int], value: Any) -> Any:
         """Store `value` under `tokens`; returns the value it replaced, if any."""
-        path = [self._roots.setdefault(model, {})]
-        for tok in tokens:
-            path.append(path[-1].setdefault(tok, {}))
+        return self._add(model, tokens, value)[0]
+
+    def add_over_prefixes(self, model: Any, tokens: Sequence[int],
+                          value: Any) -> tuple[Any, list[tuple[int, Any]]]:
+        """`add`, then `pop_prefixes` of the same tokens, walking them once: (the value it
+        replaced, the (length, value) of every stored proper prefix it removed)."""
+        prev, path = self._add(model, tokens, value)
+        return prev, self._pop_prefixes(path, len(tokens))
+
+    def _add(self, model: Any, tokens: Sequence[int], value: Any) -> tuple[Any, list[dict]]:
+        node = self._roots.setdefault(model, {})
+        path = [node]
+        for tok in tokens:   # no new dict made for a node that is there (setdefault would)
+            child = node.get(tok)
+            if child is None:
+                child = node[tok] = {}
+            path.append(child)
+            node = child
         end = path[-1]
         # one key object per stored sequence: the pointers to it are compared by identity
         # (hashing or comparing a 16k-token tuple at every node would cost its length)
@@ -33,7 +49,7 @@ class TokenTrie:
         prev = end.get(VALUE)
         end[VALUE] = value
         end[BELOW] = key
-        return prev
+        return prev, path
 
     def models(self) -> list[Any]:
         """The roots that hold a sequence (a few: one per adapter choice), without a walk
@@ -67,8 +83,11 @@ class TokenTrie:
 
     def pop_prefixes(self, model: Any, tokens: list[int]) -> list[tuple[int, Any]]:
         """Remove and return (length, value) of every stored proper prefix of `tokens`."""
-        path = self._path(model, tokens)
-        popped = [i for i in range(len(tokens)) if VALUE in path[i]]
+        return self._pop_prefixes(self._path(model, tokens), len(tokens))
+
+    @staticmethod
+    def _pop_prefixes(path: list[dict], n: int) -> list[tuple[int, Any]]:
+        popped = [i for i in range(n) if VALUE in path[i]]
         gone = {id(path[i][BELOW]) for i in popped}
         values = [(i, path[i].pop(VALUE)) for i in popped]
         if gone:
@@ -86,8 +105,11 @@ class TokenTrie:
         if not tokens and VALUE in node:
             return PromptTrieResult(model, [], None, None, 0)
         last, index = -1, 0
-        while index < len(tokens) and tokens[index] in node:
-            node = node[tokens[index]]
+        for tok in tokens:   # one dict probe a token: this walk is a hit's cost on the host
+            child = node.get(tok)
+            if child is None:
+                break
+            node = child
             if VALUE in node:
                 last = index
             index += 1

@@ -206,6 +206,25 @@ def test_anthropic_body_and_completions_body(setup) -> None:
     assert c["choices"][0]["finish_reason"] == "stop"
 
 
+def test_completions_prompt_of_token_ids_is_submitted_as_sent_and_bad_ids_are_400(setup) -> None:
+    """A prompt of ids reaches the engine as sent; one with a bool or a float among them (or a
+    list of such prompts) is refused naming `prompt`, and nothing is submitted for it."""
+    ids = [5, 9, 2, 7] * 300
+
+    async def scenario(client):
+        good = await client.post("/v1/completions", json={"model": "tiny", "prompt": ids,
+                                                          "max_tokens": 3})
+        bad = [await client.post("/v1/completions", json={"model": "tiny", "prompt": p})
+               for p in ([5, True, 7], [5, 9.0, 7], [[5, 9], [5, False]])]
+        return good, bad
+    (good, bad), eng = run(setup, scenario)
+    assert good.status_code == 200, good.text
+    (req,) = eng.submitted
+    assert req.prompt_ids == ids and good.json()["usage"]["prompt_tokens"] == len(ids)
+    for r in bad:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_health_reads_the_engines_published_load(setup) -> None:
     async def scenario(client):
         return await client.get("/health")

@@ -93,9 +93,14 @@ def json_text(text: str, where: str, param: str) -> Any:
 
 
 def token_ids(value: Any) -> bool:
-    """A non-empty array of integer token ids (bools are not ids)."""
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    """A non-empty array of integer token ids (bools are not ids). A JSON body's ids are all
+    exact ints: one pass of `type` in C answers for them (a 16k-token prompt in a quarter of a
+    millisecond, not one); anything else takes the element-by-element check."""
+    if not isinstance(value, list) or not value:
+        return False
+    if set(map(type, value)) == {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def seed(body: dict[str, Any]) -> int | None:

@@ -20,8 +20,10 @@ def _prompts(body: dict[str, Any]) -> list[PromptInput]:
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequest("prompt is required", param="prompt")
-    if isinstance(prompt, str) or F.token_ids(prompt):
+    if isinstance(prompt, str):
         items, single = [prompt], True
+    elif F.token_ids(prompt):   # one prompt of ids: checked once, here
+        return [PromptInput(token_ids=list(prompt))]
     elif isinstance(prompt, list) and prompt:
         items, single = prompt, False
     else:
