@@ -25,8 +25,10 @@ from typing import Any, Iterable
 ROOT = Path(__file__).resolve().parents[2]   # the folder holding the pipeserve package
 
 # Row counts whose quantized-matmul kernels are built, one child each: MLX picks the kernel's
-# tile by the rows of a (rows, K) input (a decode step's (rows, 1, K) is the 16-row class).
-ROW_CLASSES = (16, 32, 64, 128, 256)
+# tile by the rows of a (rows, K) input, up to 64 (a decode step's (rows, 1, K) is the 16-row
+# class); a larger tile in a later MLX would be built by the warm-up itself.
+ROW_CLASSES = (16, 32, 64)
+STAMP = "pipeserve-prebuilt.txt"   # in the shared folder: the jobs built there already
 SUFFIXES = (".cu", ".txt", ".ptx")   # the order they are published: the kernel file last
 
 
@@ -99,7 +101,7 @@ def seed(shared: Path, private: Path) -> None:
     if not shared.is_dir():
         return
     for f in shared.rglob("*"):
-        if f.is_file() and not f.name.startswith("."):
+        if f.is_file() and not f.name.startswith(".") and f.name != STAMP:
             dst = private / f.relative_to(shared)
             dst.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -141,14 +143,20 @@ class Report:
 def prebuild(jobs: list[list[str]], timeout_s: float = 300.0,
              force: bool = False) -> Report | None:
     """Run each job (a child's arguments) in its own child process, in order, at most the CPU
-    count less one at once; None where there is nothing to do (no job, or no CUDA). `force`
-    runs the children on any device (the tests' CPU)."""
+    count less one at once, except those the shared folder's stamp says were built there
+    already; None where there is nothing to do (no job, or no CUDA). `force` runs the children
+    on any device (the tests' CPU)."""
     import mlx.core as mx
     cuda = getattr(mx, "cuda", None)
     if not jobs or not (force or (cuda is not None and cuda.is_available())):
         return None
     shared = shared_cache_dir()
     shared.mkdir(parents=True, exist_ok=True)
+    stamp = shared / STAMP
+    done = set(stamp.read_text().splitlines()) if stamp.exists() else set()
+    jobs = [j for j in jobs if " ".join(j) not in done]
+    if not jobs:
+        return Report(0, 0.0, [], [])
     width = max(1, min(len(jobs), (os.cpu_count() or 2) - 1))
     t0, modules, failed = time.perf_counter(), [], []
     with tempfile.TemporaryDirectory(prefix="pipeserve-kernels-") as top:
@@ -178,6 +186,8 @@ def prebuild(jobs: list[list[str]], timeout_s: float = 300.0,
                 _, err = proc.communicate()
                 if proc.returncode == 0:
                     modules.extend(publish(private, shared))
+                    with open(stamp, "a") as f:   # a launch on this cache skips it
+                        f.write(name + "\n")
                 else:   # killed or crashed: a kernel file it was writing may be cut short
                     last = (err.decode(errors="replace").strip().splitlines() or [""])[-1]
                     failed.append(f"{name}: exit {proc.returncode} {last[-200:]}")

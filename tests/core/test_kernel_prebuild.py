@@ -12,7 +12,7 @@ from pipeserve.core import kernel_prebuild as kp
 
 
 def test_row_classes_stop_at_what_the_server_meets():
-    assert kp.row_classes(max_rows=128, prefill_chunk=2048) == [16, 32, 64, 128, 256]
+    assert kp.row_classes(max_rows=128, prefill_chunk=2048) == [16, 32, 64]
     assert kp.row_classes(max_rows=32, prefill_chunk=48) == [16, 32, 48]
     assert kp.row_classes(max_rows=4, prefill_chunk=8) == [8]
 
@@ -74,6 +74,10 @@ def test_the_children_run_each_job_the_engine_gives_them(tmp_path, monkeypatch):
     assert rep.children == len(jobs)
     assert rep.failed == []
     assert rep.modules == []
+    # a launch on the same kernel cache runs none of them again, and a new job alone
+    again = kp.prebuild(jobs + kp.indexing_jobs("float16", False)[:1], force=True)
+    assert again is not None and again.children == 1 and again.failed == []
+    assert kp.prebuild(jobs, force=True) == kp.Report(0, 0.0, [], [])
     assert kp.prebuild(jobs) is None   # not on CUDA, not forced: nothing runs
     assert kp.prebuild([], force=True) is None
 
@@ -84,5 +88,8 @@ def test_a_child_that_fails_is_reported_in_one_line_and_publishes_nothing(tmp_pa
                       force=True)
     assert rep is not None and rep.modules == []
     assert len(rep.failed) == 1 and "\n" not in rep.failed[0]
+    again = kp.prebuild(kp.matmul_jobs([kp.QuantSpec(3, 32, "mxfp4", k=256)], "bfloat16", [16]),
+                        force=True)
+    assert again is not None and again.children == 1   # a failed job is tried again
     assert rep.failed[0].startswith("qmm bfloat16 3 32 mxfp4 256 16: exit 1 ")
     assert "mxfp4" in rep.failed[0]
