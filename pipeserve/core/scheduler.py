@@ -274,13 +274,27 @@ class Scheduler:
             req.checkpointed_tokens = len(hit.output_ids)
 
     def _donor_prefilling(self, req: Request) -> bool:
+        """Whether `req` should wait for a running row that is still prefilling (or whose
+        prompt copy is still to be made) and shares its first shared_min tokens — unless the
+        donor took that part from the cache itself: then `req` takes it from the cache too, and
+        waits only if it also shares shared_min tokens past the donor's hit (128 arrivals on a
+        cached system prompt are admitted together, not one a step)."""
         n = self.shared_min
         if req.num_prompt_tokens <= n:
             return False
-        head = req.key_ids[:n]   # images by digest: two images never share a prefix
-        copying = self.copying
-        return any((self._prefilling(r) or (copying is not None and copying(r.request_id)))
-                   and r.num_prompt_tokens > n and r.key_ids[:n] == head for r in self.running)
+        ids = req.key_ids   # images by digest: two images never share a prefix
+        head, copying = ids[:n], self.copying
+        for r in self.running:
+            if r.num_prompt_tokens <= n or not (
+                    self._prefilling(r) or (copying is not None and copying(r.request_id))):
+                continue
+            if r.key_ids[:n] != head:
+                continue
+            m = r.num_cached_tokens   # the donor's own hit: no gain in waiting for it
+            if m and ids[m:m + n] != r.key_ids[m:m + n]:
+                continue
+            return True
+        return False
 
     def _prefilling(self, req: Request) -> bool:
         return req.num_computed_tokens + self._ahead.get(req.request_id, 0) \
