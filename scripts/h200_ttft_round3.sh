@@ -5,10 +5,12 @@
 #         through both engine core placements (thread, process), a repeat and a new turn on a
 #         cached 16k prefix, bursts sharing a cached 2048-token head, beside the library; then the
 #         engine alone on four cold 16k prompts and bursts of 32 and 128, its time split by
-#         part; then 32k and 64k.
+#         part.
 #   q4:   the 4-bit 8B, kernel warm-up on, twice on one kernel cache: launch to ready and the
 #         first burst from an empty cache, then again on the warm one.
-# Usage: scripts/h200_ttft_round3.sh bf16|q4
+#   long: 32k and 64k prompts beside the library (its own call: bf16's bench and probe take
+#         about 540 s of the device's 600 s a call).
+# Usage: scripts/h200_ttft_round3.sh bf16|q4|long
 set -uo pipefail
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
@@ -19,15 +21,16 @@ model="model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=chec
 cold="bench.ttft_cold=[16384,16384,16384,16384,16384,16384,16384,16384,16384,16384,4096]"
 if [ "$kind" = bf16 ]; then
   # shellcheck disable=SC2086
-  timeout 360 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
+  timeout 450 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
     'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/8b" 2>&1 | tail -48
   grep -h "kernel warm-up:\|ready:" "$out"/8b/pipeserve*.log | cut -c1-1500
   find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/8b/ptx.txt"
   # shellcheck disable=SC2086
   timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
+elif [ "$kind" = long ]; then
   # shellcheck disable=SC2086
-  timeout 150 python3 bench.py bench.workload=ttft $model model.max_context=65600 \
+  timeout 300 python3 bench.py bench.workload=ttft $model model.max_context=65600 \
     'bench.ttft_cold=[32768,65536,4096]' 'bench.ttft_bursts=[]' bench.out="$out/long" 2>&1 \
     | tail -12
 else
