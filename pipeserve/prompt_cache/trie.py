@@ -44,8 +44,9 @@ class TokenTrie:
         # one key object per stored sequence: the pointers to it are compared by identity
         # (hashing or comparing a 16k-token tuple at every node would cost its length)
         key = end[BELOW] if VALUE in end else tuple(tokens)
-        for node in path:
-            node.setdefault(BELOW, key)
+        for node in path:   # a root emptied before points at None: it points at this now
+            if node.get(BELOW) is None:
+                node[BELOW] = key
         prev = end.get(VALUE)
         end[VALUE] = value
         end[BELOW] = key

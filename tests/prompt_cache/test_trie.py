@@ -78,3 +78,18 @@ def test_models_names_the_roots_that_hold_a_sequence() -> None:
     assert sorted(t.models()) == ["model", "model:lora"]
     t.pop("model:lora", [1, 2, 9])
     assert t.models() == ["model"]
+
+
+def test_a_root_emptied_and_filled_again_is_listed_and_searched():
+    """Every entry under a root removed, then a new one added: the root holds a sequence again
+    (models() lists it, so a miss under another adapter can name this one) and a search that
+    stops at the root's children still finds the longer entry."""
+    t = TokenTrie()
+    t.add("base", [1, 2, 3], "A")
+    t.add("lora", [1, 2, 3], "L")
+    t.pop("base", [1, 2, 3])
+    assert t.models() == ["lora"]
+    t.add("base", [5, 6, 7, 8], "B")
+    assert sorted(t.models()) == ["base", "lora"]
+    assert t.search("base", [5, 6, 7]).longer == [5, 6, 7, 8]
+    assert t.search("base", [5, 9]).longer == [5, 6, 7, 8]
