@@ -47,3 +47,22 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
     assert "server.isolate=true" in {r["overrides"] for r in rows
                                      if r["target"] == "pipeserve, core process"}.pop()
     assert (tmp_path / "core-process" / "pipeserve.log").exists()
+
+
+def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:
+    """The library's step runs past bench.timeout_s: the run fails, and the server's rows,
+    measured before it, are in results.csv (a device call's time limit ended two runs before
+    they wrote anything)."""
+    res = subprocess.run(
+        [sys.executable, "bench.py", "bench.workload=ttft", "model=tiny",
+         "bench.ttft_cold=[48]", "bench.ttft_bursts=[2]", "bench.timeout_s=0.01",
+         f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
+         f"hydra.run.dir={tmp_path}/run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode != 0
+    assert "TimeoutExpired" in res.stderr + res.stdout
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert {(r["target"], r["workload"]) for r in rows} == {
+        ("pipeserve", "ttft:cold prompt 1"), ("pipeserve", "ttft:exact repeat"),
+        ("pipeserve", "ttft:new turn on a cached prefix"), ("pipeserve", "ttft:burst"),
+        ("pipeserve", "ttft:burst + logit_bias")}

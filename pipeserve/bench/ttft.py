@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeserve.bench.config import CORES, BenchConfig, Row
@@ -91,10 +92,12 @@ async def _burst(base: str, model: str, prompts: list[list[int]],
 
 
 def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str],
-        model_dir: Path, out: Path, eos_bias: dict[str, float]) -> list[Row]:
+        model_dir: Path, out: Path, eos_bias: dict[str, float],
+        write: Callable[[list[Row]], None]) -> list[Row]:
     """The rows of each scenario, one server per bench.cores placement given the same prompts;
     `chunk` is the server's prompt chunk (scheduler.prefill_chunk), the library's prefill step
-    here."""
+    here. Each server's rows, then the library's, are handed to `write` as they are measured,
+    so a run cut short (a device call's time limit) keeps what it measured."""
     rng = random.Random(17)
     vocab = min(vocab, 500)
     head = [rng.randrange(3, vocab) for _ in range(b.ttft_prefix)]
@@ -111,9 +114,12 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     rows: list[Row] = []
     for core in b.cores:
         target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
-        rows += _serve(target, [*overrides, *CORES[core]], model, model_dir,
-                       out / ("" if core == "thread" else f"core-{core}"),
-                       first, warm, shapes, cold, bursts, eos_bias, shared, turn)
+        done = _serve(target, [*overrides, *CORES[core]], model, model_dir,
+                      out / ("" if core == "thread" else f"core-{core}"),
+                      first, warm, shapes, cold, bursts, eos_bias, shared, turn)
+        if done:
+            write(done)
+        rows += done
     if not (b.batch_generator or b.bare_loop):
         return rows
     spec = out / "ttft-prompts.json"
@@ -124,6 +130,7 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
     lib = json.loads(res.stdout.strip().splitlines()[-1])
+    mark = len(rows)
     for i, (ids, s) in enumerate(zip(cold, lib["cold"])):
         rows.append(_row("mlx-lm generate_step", f"cold prompt {i + 1}", 1, [s], 1, "",
                          prompt_tokens=len(ids)))
@@ -136,6 +143,8 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
             continue
         rows.append(_row("mlx-lm BatchGenerator", "burst", int(n), ttft, 2, "",
                          prompt_tokens=BURST_TOKENS))
+    if rows[mark:]:
+        write(rows[mark:])
     return rows
 
 
