@@ -198,6 +198,18 @@ def test_a_prompt_is_reusable_while_its_request_still_decodes(engine_factory, kv
     assert second["ids"] == alone["ids"]
 
 
+def _donor_waits(h) -> list[bool]:
+    """Each admission's answer to whether it waits for a donor's prefill, as it is given."""
+    sched, waited = h.engine.scheduler, []
+    inner = sched._donor_prefilling
+
+    def donor(req):   # engine thread, at admission
+        waited.append(inner(req))
+        return waited[-1]
+    sched._donor_prefilling = donor
+    return waited
+
+
 def test_below_min_reuse_tokens_arrivals_never_wait_for_a_donor(engine_factory) -> None:
     """cache.min_reuse_tokens=200: four requests sharing the 120-token system prompt would not
     reuse it, so none waits for another's prefill (they share the first prefill step, each
@@ -206,13 +218,7 @@ def test_below_min_reuse_tokens_arrivals_never_wait_for_a_donor(engine_factory) 
     expected = [cold(engine_factory, "tiny", p) for p in prompts]
     h = engine_factory("scheduler=continuous", "scheduler.prefill_chunk=256",
                        "cache.min_reuse_tokens=200")
-    sched, waited = h.engine.scheduler, []
-    inner = sched._donor_prefilling
-
-    def donor(req):   # engine thread, at admission
-        waited.append(inner(req))
-        return waited[-1]
-    sched._donor_prefilling = donor
+    waited = _donor_waits(h)
     got = asyncio.run(h.generate_many([h.request(p, max_tokens=16, logit_bias=EOS_OFF)
                                        for p in prompts]))
     assert [g["ids"] for g in got] == expected
@@ -235,13 +241,7 @@ def test_arrivals_on_a_cached_head_are_admitted_together(engine_factory) -> None
     expected = [cold(engine_factory, "tiny", p) for p in prompts]
     h = engine_factory("scheduler=continuous", "scheduler.prefill_chunk=256")
     assert h.generate(SYSTEM + [7, 8], max_tokens=4, logit_bias=EOS_OFF)["cached"] == 0
-    sched, waited = h.engine.scheduler, []
-    inner = sched._donor_prefilling
-
-    def donor(req):   # engine thread, at admission
-        waited.append(inner(req))
-        return waited[-1]
-    sched._donor_prefilling = donor
+    waited = _donor_waits(h)
     got = asyncio.run(h.generate_many([h.request(p, max_tokens=16, logit_bias=EOS_OFF)
                                        for p in prompts]))
     assert [g["ids"] for g in got] == expected
