@@ -5,8 +5,8 @@ a checkpoint of each running row that emitted N more tokens.
 
 A prompt's copy costs the host a few operations per layer (~2.4 ms a row on an 8B model on
 the H200: 0.3 s for a burst of 128), so on a model whose KV can be cut back to any prefix it
-waits in `pending` and `drain` makes it between steps, a few rows a pass, while the device
-runs the next step: the first tokens never wait for it. The copy then cuts the row's KV back
+waits in `pending` and `drain` makes it between steps, a few rows a pass, once the row's first
+token is out, while the device runs the next step: the first tokens never wait for it. The copy then cuts the row's KV back
 to the prompt position, so the entry holds what an immediate copy would have. It asks the row store for a
 row's caches; it never looks for them. The scheduler's in-flight ledger and a checkpoint's
 sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from another
@@ -65,12 +65,13 @@ class Persist:
         return rid in self.pending
 
     def drain(self, kv: RowStore, rows: int) -> None:
-        """Between steps: the copies of up to `rows` waiting prompts (a count, not a time, so
-        every rank of a distributed group keeps the same entries)."""
-        while self.pending and rows > 0:
-            rid = next(iter(self.pending))
+        """Between steps: the copies of up to `rows` waiting prompts whose rows have their
+        first token out (a count, not a time, so every rank of a distributed group keeps the
+        same entries). A copy made before it would sit between the step that sampled the
+        first token and the loop reading it: a copy's host work (or an allocation that waits
+        for the device) would delay that token."""
+        for rid in [r for r, (req, _) in self.pending.items() if req.output_ids][:rows]:
             req, positions = self.pending.pop(rid)
-            rows -= 1
             caches = kv.caches_of(rid)
             if caches is None:   # freed meanwhile (failed, preempted, finished)
                 continue

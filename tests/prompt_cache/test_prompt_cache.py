@@ -137,19 +137,22 @@ def test_a_bursts_prompt_copies_wait_for_its_first_tokens(engine_factory) -> Non
     prompts = [[300 + i] + SYSTEM[i:i + 40] for i in range(12)]
     h = engine_factory("scheduler.max_batch=16", "scheduler.max_num_batched_tokens=1024")
     cache, decoded = h.engine.prompt_cache, h.metrics.step_tokens.labels("decode")
-    puts: list[tuple[int, float]] = []
+    running = h.engine.scheduler.running
+    puts: list[tuple[int, float, int]] = []
     inner = cache.put
 
     def put(tokens, caches, adapter=None):   # engine thread
-        puts.append((len(tokens), decoded._value.get()))
+        out = [len(r.output_ids) for r in running if r.key_ids[:len(tokens)] == list(tokens)]
+        puts.append((len(tokens), decoded._value.get(), min(out, default=-1)))
         return inner(tokens, caches, adapter)
     cache.put = put
     got = asyncio.run(h.generate_many([h.request(p, max_tokens=24, logit_bias=EOS_OFF)
                                        for p in prompts]))
-    prompt_puts = [d for n, d in puts if n == 40]
+    prompt_puts = [(d, o) for n, d, o in puts if n == 40]
     assert len(prompt_puts) == 12, puts
-    assert min(prompt_puts) >= 12                 # after the burst's first decode step
-    assert max(prompt_puts) < 12 * 24 - 12        # long before the rows finished
+    assert min(d for d, _ in prompt_puts) >= 12   # after the burst's first decode step
+    assert max(d for d, _ in prompt_puts) < 12 * 24 - 12   # long before the rows finished
+    assert min(o for _, o in prompt_puts) >= 1   # each row's first token was out before it
     cache.put = inner
     for p, g in zip(prompts[:3], got):
         again = h.generate(p, max_tokens=24, logit_bias=EOS_OFF)
