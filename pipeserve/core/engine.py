@@ -202,8 +202,12 @@ class Engine:
             return
         specs = kernel_prebuild.quant_specs(self.loaded.model)
         rows = kernel_prebuild.row_classes(max_rows, prefill_chunk)
-        rep = kernel_prebuild.prebuild(kernel_prebuild.matmul_jobs(specs, dtype, rows)
-                                       + kernel_prebuild.indexing_jobs(dtype, bool(specs)))
+        try:
+            rep = kernel_prebuild.prebuild(kernel_prebuild.matmul_jobs(specs, dtype, rows)
+                                           + kernel_prebuild.indexing_jobs(dtype, bool(specs)))
+        except OSError as e:   # the kernel cache unwritable, no process to spawn: the warm-up
+            log.warning("kernel warm-up: no parallel kernel builds (%s)", e)   # builds them
+            return
         if rep is None:
             return
         log.info("kernel warm-up: %d kernel builds in child processes in %.1f s, %d new "
