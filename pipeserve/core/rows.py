@@ -50,6 +50,7 @@ class RowStore:
         self.replay = replay
         self._verify: tuple[int, Snapshot | None] | None = None   # (width, state) of a verify
         self._own: dict[str, list[Any]] = {}
+        self._lent: set[str] = set()   # own caches adopted from a hit, not yet fed to a forward
         self._groups: dict[str, _Group] = {}
         self._rows: list[str] = []            # the decode batch, in row order
         self._caches: list[Any] | None = None  # one cache per layer (batched unless solo)
@@ -77,9 +78,19 @@ class RowStore:
         return list(self._rows)
 
     def adopt(self, rid: str, caches: list[Any]) -> None:
-        """The row's KV arrives from elsewhere (a prompt-cache hit)."""
+        """The row's KV arrives from elsewhere (a prompt-cache hit): views of buffers the
+        lender keeps, until the row's first forward writes its own."""
         self.release(rid)
         self._own[rid] = caches
+        self._lent.add(rid)
+
+    def sole(self, rid: str) -> bool:
+        """Whether `caches_of(rid)` gives the row's live caches over buffers no one else
+        holds: its own (written by a forward since any hit lent it views) or the lone decode
+        row's. A finished row's such buffers can become a prompt-cache entry as they are."""
+        if rid in self._own:
+            return rid not in self._lent
+        return self.solo and self._rows == [rid]
 
     def own(self, rid: str) -> list[Any]:
         """The row's own caches (a new row gets empty ones); it must not be batched."""
@@ -87,6 +98,7 @@ class RowStore:
         caches = self._own.get(rid)
         if caches is None:
             caches = self._own[rid] = self.make_cache()
+        self._lent.discard(rid)   # the caller feeds them (the forward writes the row's own)
         return caches
 
     def mergeable(self, rid: str) -> bool:
@@ -97,6 +109,7 @@ class RowStore:
 
     def take_own(self, rids: Sequence[str]) -> list[list[Any]]:
         """The rows' own caches, handed over (for a grouped prefill: `group` gives them back)."""
+        self._lent.difference_update(rids)
         return [self._own.pop(r, None) or self.make_cache() for r in rids]
 
     def group(self, rids: Sequence[str], caches: list[Any]) -> None:
@@ -214,6 +227,7 @@ class RowStore:
         self._next = new if self._next is None else mx.concatenate([self._next, new])
 
     def own_or_new(self, rid: str) -> list[Any]:
+        self._lent.discard(rid)   # joining the decode batch: its forward follows
         return self._own.get(rid) or self.make_cache()
 
     def _batched_parts(self, joiners: list[str]) -> list[tuple[list[str], list[Any]]]:
@@ -332,6 +346,7 @@ class RowStore:
         once for all of them (each filter copies the batch's KV and reads its padding back)."""
         for rid in rids:
             self._own.pop(rid, None)
+            self._lent.discard(rid)
             g = self._groups.pop(rid, None)
             if g is not None:
                 i = g.ids.index(rid)

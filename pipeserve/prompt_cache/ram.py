@@ -1,6 +1,7 @@
 """RamPromptCache: KV prefixes in a token trie (trie.py) with a byte-capped LRU.
 An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
-keep a running batch's or a preallocated buffer alive), and counts their bytes. A hit lends the
+keep a running batch's or a preallocated buffer alive; a finished row's buffers, freed right
+after, are handed over instead of copied), and counts their bytes. A hit lends the
 entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
 copies, so the entry stays intact. Both go through the caches' `state` / `from_state`
 (pipeserve/prompt_cache/protocol.py). Engine thread only."""
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, PromptTrieResult, can_trim_prompt_cache
+from mlx_lm.models.cache import (CacheList, KVCache, PromptTrieResult,
+                                  can_trim_prompt_cache)
 
 from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
@@ -31,7 +33,7 @@ MAX_PINS = 4096      # pinned prefixes remembered at once
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
 
 
-def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
+def own(layer: Any, pending: list[mx.array], handed: bool = False) -> tuple[Any, int]:
     """(a copy of `layer` holding only its content, the bytes that copy keeps alive); the new
     arrays are appended to `pending`, for the caller to evaluate.
 
@@ -41,7 +43,19 @@ def own(layer: Any, pending: list[mx.array]) -> tuple[Any, int]:
     So every array of its state is copied to a buffer of its own (`mx.contiguous` of a view
     copies it; an array that is a whole buffer is shared as it is), and the copy is rebuilt
     with `from_state`. Layouts that point into a shared block pool (kv=paged) are lent: the
-    pool holds them."""
+    pool holds them.
+
+    `handed`: the caller hands over a plain KVCache whose buffers only it holds and that
+    nothing writes again (a finished row's, freed right after): the entry keeps views of its
+    content in those buffers, no copy, and counts the whole buffers' bytes, when their room
+    past the content (preallocated, up to 255 tokens) is at most an eighth of it; a short
+    row's is copied, so short entries do not count 256 tokens each. MLX never writes a shared
+    buffer in place, so even a later write could not reach the entry."""
+    if handed and type(layer) is KVCache and layer.keys is not None \
+            and 8 * (layer.keys.shape[2] - layer.offset) <= layer.offset:
+        state = content_state(layer)
+        pending.extend(a for a in state if isinstance(a, mx.array))
+        return type(layer).from_state(state), layer.keys.nbytes + layer.values.nbytes
     if hasattr(layer, "portable"):
         return lend(layer), layer.nbytes
     if isinstance(layer, CacheList):   # caches of caches (mlx-lm's composite layers)
@@ -89,7 +103,8 @@ class PromptCache(Protocol):
 
     def lookup(self, prompt_ids: list[int], adapter: str | None = None) -> Lookup: ...
 
-    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> Any: ...
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None,
+            handed: bool = False) -> Any: ...
 
     def tick(self) -> None: ...
 
@@ -185,19 +200,21 @@ class RamPromptCache:
         log.debug("prompt cache miss (%s): %d tokens shared with an entry", reason, shared)
         return Lookup(None, 0, reason)
 
-    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None
-            ) -> Entry | None:
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None,
+            handed: bool = False) -> Entry | None:
         """Keep a copy of `caches` (holding exactly `tokens`, computed with the adapter
-        choice `adapter`) for reuse (see `own`)."""
+        choice `adapter`) for reuse (see `own`; `handed`: their buffers are given, not
+        copied)."""
         if self.max_bytes <= 0 or not tokens:
             return None
-        return self.put_model(tokens, caches, model_key(adapter))
+        return self.put_model(tokens, caches, model_key(adapter), handed)
 
-    def put_model(self, tokens: list[int], caches: list[Any], model: str) -> Entry | None:
+    def put_model(self, tokens: list[int], caches: list[Any], model: str,
+                  handed: bool = False) -> Entry | None:
         if self.max_bytes <= 0 or not tokens:
             return None
         pending: list[mx.array] = []
-        owned = [own(c, pending) for c in caches]
+        owned = [own(c, pending, handed) for c in caches]
         mx.async_eval(pending)   # the copies run on the device; nothing waits for them
         entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
                       can_trim_prompt_cache(caches), model=model)

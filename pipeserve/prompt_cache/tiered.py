@@ -94,8 +94,9 @@ class TieredPromptCache:
             return None   # (the lookup's miss, if it ends in one, says no_snapshot)
         return self.ram.put_model(list(tokens), caches, model)   # durable already: not dirty
 
-    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None) -> None:
-        entry = self.ram.put(tokens, caches, adapter)
+    def put(self, tokens: list[int], caches: list[Any], adapter: str | None = None,
+            handed: bool = False) -> None:
+        entry = self.ram.put(tokens, caches, adapter, handed)
         if entry is not None and entry.key not in self.ssd.index:
             self.dirty[entry.key] = entry
         for key in [k for k, e in self.dirty.items() if e.key not in self.ram.entries]:

@@ -122,7 +122,8 @@ class Persist:
             for c in caches:
                 c.trim(fed - len(known))
             fed = len(known)
-        self.cache.put(known[:fed], caches, req.adapter)
+        # freed right after: buffers only this row holds become the entry, not a copy of it
+        self.cache.put(known[:fed], caches, req.adapter, handed=kv.sole(req.request_id))
 
     def _checkpoint(self, req: Request, kv: RowStore) -> None:
         """Host copies here, disk writes on the SSD writer thread."""
