@@ -5,7 +5,8 @@ that can copy KV is wrapped: the arrays it made are evaluated before the counter
 each allocation lands in the stage that asked for it (the engine's overlap of host and device
 is lost; its bytes are not). Printed as multiples of the prefix's KV size: `alloc` is the
 stage's peak above what was live when it began (what it allocated, kept or not), `kept` what
-stayed live after it.
+stayed live after it; `ms` the stage's own time between its barriers (device work included).
+Each case is first timed without the barriers (`ttft_s`, the engine's own overlap kept).
 
     python scripts/hit_copies.py --prefix 4096 -- model=tiny model.size=small \
         model.max_context=20000
@@ -59,7 +60,7 @@ class Counter:
     def __init__(self) -> None:
         self.on = False
         self.phase = "first"
-        self.events: list[tuple[str, str, int, int]] = []
+        self.events: list[tuple[str, str, int, int, float]] = []
         self.stack: list[dict[str, int]] = []
 
     def measure(self, label: str, call: Callable[[], Any],
@@ -77,7 +78,8 @@ class Counter:
             outer = self.stack[-1]
             outer["alloc"] = max(outer["alloc"], mx.get_peak_memory() - outer["mark"])
         mx.reset_peak_memory()
-        frame = {"inner": 0, "alloc": 0, "mark": a0}
+        frame = {"inner": 0, "alloc": 0, "mark": a0, "inner_s": 0.0}
+        t0 = time.perf_counter()
         self.stack.append(frame)
         try:
             out = call()
@@ -85,12 +87,15 @@ class Counter:
             mx.synchronize()
         finally:
             self.stack.pop()
+        took = time.perf_counter() - t0
         live = mx.get_active_memory()
         alloc = max(frame["alloc"], mx.get_peak_memory() - frame["mark"])
-        self.events.append((label, self.phase, alloc, live - a0 - frame["inner"]))
+        self.events.append((label, self.phase, alloc, live - a0 - frame["inner"],
+                            took - frame["inner_s"]))
         if self.stack:
             self.stack[-1]["inner"] += live - a0
             self.stack[-1]["mark"] = live
+            self.stack[-1]["inner_s"] += took
         mx.reset_peak_memory()
         return out
 
@@ -164,7 +169,8 @@ def instrument(engine: Any, c: Counter) -> None:
     out.tokens = tokens
 
 
-async def one(engine: Any, ids: list[int], max_tokens: int) -> list[int]:
+async def one(engine: Any, ids: list[int], max_tokens: int,
+              first: list[float] | None = None) -> list[int]:
     from pipeserve.core.events import Failed, Finished, TokenDelta
     from pipeserve.core.stream import RequestStream
     from pipeserve.request import PromptInput, Request, SamplingParams
@@ -173,11 +179,14 @@ async def one(engine: Any, ids: list[int], max_tokens: int) -> list[int]:
                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
                   stop_token_ids=frozenset())
     stream = RequestStream(asyncio.get_running_loop())
+    t0 = time.perf_counter()
     engine.submit(req, stream)
     got: list[int] = []
     while True:
         event = await stream.next()
         if isinstance(event, TokenDelta):
+            if first is not None and not got:
+                first.append(time.perf_counter() - t0)
             got.extend(event.token_ids)
         elif isinstance(event, Finished):
             return got
@@ -186,15 +195,17 @@ async def one(engine: Any, ids: list[int], max_tokens: int) -> list[int]:
             raise event.error
 
 
-def table(events: list[tuple[str, str, int, int]], unit: float) -> list[dict[str, Any]]:
+def table(events: list[tuple[str, str, int, int, float]], unit: float) -> list[dict[str, Any]]:
     rows: dict[tuple[str, str], list[float]] = {}
-    for label, phase, alloc, kept in events:
-        r = rows.setdefault((phase, label), [0, 0.0, 0.0])
+    for label, phase, alloc, kept, took in events:
+        r = rows.setdefault((phase, label), [0, 0.0, 0.0, 0.0])
         r[0] += 1
         r[1] += alloc / unit
         r[2] += kept / unit
-    return [{"phase": p, "stage": s, "calls": n, "alloc_x": round(a, 2), "kept_x": round(k, 2)}
-            for (p, s), (n, a, k) in rows.items() if abs(a) >= 0.01 or abs(k) >= 0.01]
+        r[3] += took * 1000
+    return [{"phase": p, "stage": s, "calls": n, "alloc_x": round(a, 2), "kept_x": round(k, 2),
+             "ms": round(ms, 1)} for (p, s), (n, a, k, ms) in rows.items()
+            if abs(a) >= 0.01 or abs(k) >= 0.01 or ms >= 0.5]
 
 
 def main() -> None:
@@ -225,6 +236,12 @@ def main() -> None:
     print(json.dumps({"prefix_tokens": args.prefix, "prefix_kv_bytes": int(unit),
                       "overrides": args.overrides}))
     for name, ids in (("exact repeat", prefix), ("new turn", turn)):
+        plain: list[float] = []
+        for k in range(2):   # no barriers: what a client waits for
+            tail = [] if name == "exact repeat" else [rng.randrange(3, vocab) for _ in range(8)]
+            asyncio.run(one(engine, ids[:-8] + tail if tail else ids, args.max_tokens, plain))
+            time.sleep(0.3)
+        print(json.dumps({"case": name, "ttft_s": [round(t, 4) for t in plain]}))
         c.events, c.phase, c.on = [], "first", True
         mx.reset_peak_memory()
         a0 = mx.get_active_memory()
@@ -239,7 +256,8 @@ def main() -> None:
         for row in table(c.events, unit):
             print(json.dumps({"case": name, **row}))
         print(json.dumps({"case": name, "stage": "TOTAL", "alloc_x": round(
-            sum(e[2] for e in c.events) / unit, 2), "live_after_x": round(
+            sum(e[2] for e in c.events) / unit, 2), "ms": round(1000 * sum(
+            e[4] for e in c.events if e[1] == "first"), 1), "live_after_x": round(
             (mx.get_active_memory() - a0) / unit, 2), "entries": [
             (len(e.tokens), round(e.nbytes / unit, 2))
             for e in engine.step._cache.entries.values()]}))
