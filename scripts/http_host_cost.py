@@ -290,6 +290,10 @@ def long_prompt(app: Any, proc: Any, n: int, prompt_tokens: int) -> dict[str, fl
     out["chat: tokenize stage (render, encode, marks; as served)"] = per_call(
         lambda i: loop.run_until_complete(tok(front.normalise(request(chat_body)))), n) \
         - out["chat: parse (JSON body, fields)"] - out["chat: volatile spans"]
+    fresh = [orjson.dumps(chat(10_000 + i)) for i in range(n + 20)]   # a new system prompt
+    out["chat: tokenize stage, a new chat each time"] = per_call(
+        lambda i: loop.run_until_complete(tok(front.normalise(request(fresh[i])))), n) \
+        - out["chat: parse (JSON body, fields)"] - out["chat: volatile spans"]
     toks = [loop.run_until_complete(tok(front.normalise(request(chat_body)))) for _ in range(n + 20)]
     out["admission"] = per_call(lambda i: loop.run_until_complete(front.admission(toks[i])), n)
     out["ids: parse (JSON body, fields)"] = per_call(
