@@ -294,7 +294,8 @@ def long_prompt(app: Any, proc: Any, n: int, prompt_tokens: int) -> dict[str, fl
     out["chat: tokenize stage, a new chat each time"] = per_call(
         lambda i: loop.run_until_complete(tok(front.normalise(request(fresh[i])))), n) \
         - out["chat: parse (JSON body, fields)"] - out["chat: volatile spans"]
-    toks = [loop.run_until_complete(tok(front.normalise(request(chat_body)))) for _ in range(n + 20)]
+    toks = [loop.run_until_complete(tok(front.normalise(request(chat_body))))
+            for _ in range(n + 20)]
     out["admission"] = per_call(lambda i: loop.run_until_complete(front.admission(toks[i])), n)
     out["ids: parse (JSON body, fields)"] = per_call(
         lambda i: parse_completion(read_body(FakeHttp(ids_body))), n)

@@ -61,7 +61,8 @@ def test_next_turns_reach_the_engine_as_plain_encoding_gives_them(setup: InProce
     assert again == ids and reuse.reused_tokens - before > len(ids) - 16
     for turn in range(3):   # the agent goes on: each turn extends the last
         messages += [{"role": "assistant", "content": ANSWER},
-                     {"role": "user", "content": f"And step {turn}? {DOC[turn * 500:turn * 500 + 700]}"}]
+                     {"role": "user",
+                      "content": f"And step {turn}? {DOC[turn * 500:turn * 500 + 700]}"}]
         before = reuse.reused_tokens
         body, ids_turn = send(setup, messages)
         assert ids_turn == plain(setup, messages)
