@@ -6,6 +6,14 @@ template and tokenize, admission, the first SSE frame) and the per-token output 
 
     python scripts/http_host_cost.py --requests 400
     python scripts/http_host_cost.py --output-lengths 100,1000,8000   # µs a token, long outputs
+    python scripts/http_host_cost.py --requests 20 --prompt-tokens 16384 --long \
+        model.path=/path/to/a/model   # a 16k prompt as chat text and as token ids, its tokenizer
+
+--long: the request stages of one long prompt sent both ways (a chat whose last user message
+makes it --prompt-tokens long; /v1/completions with that many token ids, as bench.py's ttft
+workload sends its repeats), and each request's TTFT in the request log (the server's own
+clock: handler start to first token) through the app with the scripted engine, which answers
+at once: what the HTTP side adds to a long prompt's first token.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,16 +75,26 @@ def per_call(fn: Callable[[int], Any], n: int, rounds: int = 5) -> float:
 
 
 def calibrate(front: Any, want: int) -> str:
-    """A user message whose chat prompt renders to about `want` tokens (as the burst's)."""
-    text = ""
-    for i in range(4 * want):
+    """A user message whose chat prompt renders to about `want` tokens (as the burst's): the
+    fewest words that reach it, found by doubling then bisecting."""
+    def tokens(words: int) -> int:
         body = orjson.loads(body_bytes(0, 1))
-        body["messages"][0]["content"] = text
+        body["messages"][0]["content"] = text(words)
         req = openai_http._choice_request(parse_chat(body), "calibrate", "chat", 0, None)
-        if len(front.tokenize.encoder.encode_rendered(front.tokenize.prompt.render_text(req.inputs))) >= want:
-            break
-        text += ("" if not text else " ") + WORDS[i % len(WORDS)]
-    return text
+        return len(front.tokenize.encoder.encode_text(
+            front.tokenize.prompt.render_text(req.inputs), False, "messages"))
+
+    def text(words: int) -> str:
+        return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+    high = 1
+    while tokens(high) < want:
+        high *= 2
+    low = high // 2
+    while low + 1 < high:
+        mid = (low + high) // 2
+        low, high = (mid, high) if tokens(mid) < want else (low, mid)
+    return text(high)
 
 
 def measure(app: Any, loop: asyncio.AbstractEventLoop, n: int, tokens: int,
@@ -216,6 +235,114 @@ def output_cost(app: Any, loop: asyncio.AbstractEventLoop, lengths: list[int],
     return out
 
 
+def long_prompt(app: Any, proc: Any, n: int, prompt_tokens: int) -> dict[str, float]:
+    """µs per request of each request stage for one long prompt (a chat of four messages whose
+    last user message carries the length; the same length as token ids to /v1/completions),
+    then each case's TTFT through the app as the request log has it: the chat cold (a new
+    system prompt every time), repeated exactly, and as the next turn (this answer and a short
+    user message after it); the ids sent again."""
+    import logging
+    import random
+
+    from pipeserve.http.api.openai_completions import parse_completion
+
+    loop, front = proc.loop, app.ctx.front
+    tok = front.tokenize
+    text = calibrate(front, prompt_tokens)
+    half = len(text) // 2
+
+    def chat(k: int, turn: str = "") -> dict[str, Any]:
+        messages = [{"role": "system", "content": f"You are agent {k}."},
+                    {"role": "user", "content": text[:half]},
+                    {"role": "assistant", "content": "Read it."},
+                    {"role": "user", "content": text[half:]}]
+        if turn:
+            messages += [{"role": "assistant", "content": "Hello there, friend."},
+                         {"role": "user", "content": turn}]
+        return {"model": "tiny", "stream": True, "max_tokens": 4, "temperature": 0,
+                "messages": messages}
+
+    rng = random.Random(0)
+    ids = [rng.randrange(3, min(tok.vocab_size, 500)) for _ in range(prompt_tokens)]
+    ids_body = orjson.dumps({"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0.0,
+                             "stream": True, "stream_options": {"include_usage": True},
+                             "logit_bias": {}})
+    chat_body = orjson.dumps(chat(0))
+    out: dict[str, float] = {"chat prompt tokens": len(tok.encoder.encode_text(
+        tok.prompt.render_text(parse_chat(orjson.loads(chat_body)).inputs), False, "messages")),
+        "chat body bytes": len(chat_body), "ids body bytes": len(ids_body)}
+    count = iter(range(1, 1 << 30))
+
+    def request(body: bytes, endpoint: str = "chat") -> Any:
+        parse = parse_chat if endpoint == "chat" else parse_completion
+        return openai_http._choice_request(parse(read_body(FakeHttp(body))),
+                                           f"x-{next(count)}", endpoint, 0, None)
+
+    out["chat: parse (JSON body, fields)"] = per_call(
+        lambda i: parse_chat(read_body(FakeHttp(chat_body))), n)
+    out["chat: volatile spans"] = per_call(lambda i: front.normalise(request(chat_body)), n) \
+        - out["chat: parse (JSON body, fields)"]
+    rendered = tok.prompt.render_text(request(chat_body).inputs)
+    out["chat: template"] = per_call(lambda i: tok.prompt.render_text(request(chat_body).inputs),
+                                     n) - out["chat: parse (JSON body, fields)"]
+    out["chat: encode (the rendered text, from scratch)"] = per_call(
+        lambda i: tok.encoder.encode_text(rendered, False, "messages"), n)
+    out["chat: tokenize stage (render, encode, marks; as served)"] = per_call(
+        lambda i: loop.run_until_complete(tok(front.normalise(request(chat_body)))), n) \
+        - out["chat: parse (JSON body, fields)"] - out["chat: volatile spans"]
+    fresh = [orjson.dumps(chat(10_000 + i)) for i in range(n + 20)]   # a new system prompt
+    out["chat: tokenize stage, a new chat each time"] = per_call(
+        lambda i: loop.run_until_complete(tok(front.normalise(request(fresh[i])))), n) \
+        - out["chat: parse (JSON body, fields)"] - out["chat: volatile spans"]
+    toks = [loop.run_until_complete(tok(front.normalise(request(chat_body))))
+            for _ in range(n + 20)]
+    out["admission"] = per_call(lambda i: loop.run_until_complete(front.admission(toks[i])), n)
+    out["ids: parse (JSON body, fields)"] = per_call(
+        lambda i: parse_completion(read_body(FakeHttp(ids_body))), n)
+    out["ids: tokenize stage (check the ids)"] = per_call(
+        lambda i: loop.run_until_complete(tok(request(ids_body, "completions"))), n) \
+        - out["ids: parse (JSON body, fields)"]
+
+    ttft: list[float] = []
+
+    class Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) == "request":
+                ttft.append(record.ttft_s)
+
+    handler = Log()
+    logger = logging.getLogger("pipeserve")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+    def served(body: bytes, path: str) -> None:
+        async def go(client: Any) -> None:
+            r = await client.post(path, content=body,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text[:300]
+        proc.run(go)
+
+    def case(name: str, bodies: Callable[[int], bytes], path: str) -> None:
+        for i in range(3):
+            served(bodies(i), path)
+        ttft.clear()
+        for i in range(n):
+            served(bodies(3 + i), path)
+        out[f"TTFT {name} (request log, median)"] = sorted(ttft)[len(ttft) // 2] * 1e6
+
+    try:
+        case("chat, cold", lambda i: orjson.dumps(chat(1000 + next(count))), "/v1/chat/completions")
+        case("chat, exact repeat", lambda i: chat_body, "/v1/chat/completions")
+        case("chat, next turn", lambda i: orjson.dumps(chat(0, f"And {next(count)} more?")),
+             "/v1/chat/completions")
+        case("ids, exact repeat", lambda i: ids_body, "/v1/completions")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=400)
@@ -223,14 +350,22 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=76)
     p.add_argument("--output-lengths", default="",
                    help="comma-separated output lengths: measure only the output path a token")
+    p.add_argument("--long", action="store_true",
+                   help="a --prompt-tokens prompt as chat text and as token ids, and its TTFT")
+    p.add_argument("overrides", nargs="*", help="serve overrides (model.path=... a tokenizer)")
     args = p.parse_args()
     cfg = make_config("scheduler.max_batch=128", "admission.max_queue=512",
-                      f"model.cache_dir={Path(tempfile.gettempdir()) / 'pipeserve-host-cost'}")
-    proc = InProcess(cfg, tokenizer_side(cfg))
+                      f"model.cache_dir={Path(tempfile.gettempdir()) / 'pipeserve-host-cost'}",
+                      *args.overrides)
+    model = tokenizer_side(cfg)   # room for the prompt whatever the model's own context
+    model = replace(model, max_context=max(model.max_context, 2 * args.prompt_tokens + 1024))
+    proc = InProcess(cfg, model)
     try:
         app = next(a for a in __import__("sanic").Sanic._app_registry.values()
                    if a.ctx.front is not None)
-        if args.output_lengths:
+        if args.long:
+            rows = long_prompt(app, proc, args.requests, args.prompt_tokens)
+        elif args.output_lengths:
             lengths = [int(n) for n in args.output_lengths.split(",")]
             rows = output_cost(app, proc.loop, lengths)
         else:

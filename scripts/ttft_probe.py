@@ -7,6 +7,13 @@ of the same prompts in the same process. One JSON object per line.
     python scripts/ttft_probe.py --cold 16384,16384,16384,4096 -- model=tiny model.size=medium \
         model.dtype=bfloat16 model.compute_dtype=checkpoint
     python scripts/ttft_probe.py --cold none --burst 32,128 -- model=tiny
+    python scripts/ttft_probe.py --cold 16384,16384,4096 --repeat --library none -- model=tiny \
+        model.max_context=20000
+
+--repeat: after the cold prompts, as bench.py's ttft workload sends them (right after the one
+before, no pause): the last of the longest again (an exact repeat) and with 64 new tokens (a
+new turn on the cached prefix), each split into the loop's parts: the engine's share of the
+bench's "exact repeat" and "new turn" rows, in the same order and cache state.
 """
 from __future__ import annotations
 
@@ -146,6 +153,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread (cold)")
     ap.add_argument("--prefix", type=int, default=0,
                     help="tokens every cold prompt starts with (a chat template's, say)")
+    ap.add_argument("--repeat", action="store_true",
+                    help="then the longest cold prompt again, and with 64 new tokens")
     ap.add_argument("--mlx-trie", action="store_true",
                     help="the prompt cache on mlx-lm's PromptTrie (the before of an A/B)")
     ap.add_argument("overrides", nargs="*")
@@ -196,6 +205,17 @@ def main() -> None:
             print(json.dumps({"what": "engine cold prompt", "i": i, "tokens": len(ids), **r,
                               "steps": clock.steps, "ms_total_by_part": parts, **memory()}),
                   flush=True)
+        if args.repeat:   # the bench's order: the last of the longest, then a new turn on it
+            ref = max(reversed(prompts), key=len)
+            turn = ref + [rng.randrange(3, vocab) for _ in range(64)]
+            for what, ids in (("engine exact repeat", ref), ("engine new turn", turn)):
+                clock.reset()
+                clock.on = True
+                r = asyncio.run(one(engine, list(ids), 4))
+                clock.on = False
+                parts = {k: round(v * 1000, 1) for k, v in clock.total.items()}
+                print(json.dumps({"what": what, "tokens": len(ids), **r, "steps": clock.steps,
+                                  "ms_total_by_part": parts, **memory()}), flush=True)
         if clock.profile is not None:
             clock.profiling = False
             asyncio.run(one(engine, prompts[-1][:8], 2))

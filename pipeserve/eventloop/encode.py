@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
+from pipeserve.eventloop.encode_reuse import MIN_CHARS, PrefixReuse, markers
 from pipeserve.eventloop.token_bound import char_bound
 
 # up to this many characters a prompt is encoded holding the GIL (a few hundred tokens, well
@@ -25,6 +26,7 @@ class Encoder:
         self.vocab_size = vocab_size
         self.backend = backend_of(tokenizer)
         self.bound = char_bound(self.backend) if self.backend is not None else None
+        self.reuse = _reuse(tokenizer, self.backend)   # a chat's head encoded before
 
     @property
     def max_chars(self) -> int:
@@ -66,32 +68,65 @@ class Encoder:
         return self.encode_text(text, bos is None or not text.startswith(bos), field)
 
     def encode_rendered(self, text: str) -> list[int]:
-        """A rendered chat: the template wrote the special tokens (without one, as a prompt)."""
+        """A rendered chat: the template wrote the special tokens (without one, as a prompt).
+        Kept for reuse: the next turn's chat, or this one again, encodes only what follows
+        the last turn marker they share (pipeserve/eventloop/encode_reuse.py)."""
         if not self.tokenizer.has_chat_template:
             return self.encode(text, "messages")
-        return self.encode_text(text, False, "messages")
+        return self.encode_text(text, False, "messages", remember=True)
 
-    def encode_text(self, text: str, add_special: bool, field: str) -> list[int]:
+    def encode_text(self, text: str, add_special: bool, field: str,
+                    remember: bool = False) -> list[int]:
         """Through the Rust tokenizer directly when there is one, and a count past the context
         is refused before its ids become Python ints. A text past HOLD_GIL_CHARS goes through
         its batch call, which releases the GIL while it works; a shorter one keeps the GIL:
         giving it up costs the event loop a wait for the engine thread to hand it back, longer
-        than the encoding itself."""
+        than the encoding itself. A long text without added special tokens starts from the
+        ids of an earlier text it shares a head with (`remember`: this one is kept for
+        later texts)."""
         if self.backend is None:
             ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
-            num = len(ids)
+            self._check_count(len(ids), field)
+            return ids
+        reuse = self.reuse if not add_special and len(text) >= MIN_CHARS else None
+        base = reuse.head(text) if reuse is not None else None
+        head: list[int] = []
+        start = 0
+        if base is not None:
+            entry, j = base
+            start, cut = entry.marks[j]
+            head = entry.ids[:cut]
+        rest = text[start:] if start else text
+        if len(rest) <= HOLD_GIL_CHARS:
+            encoding = self.backend.encode(rest, add_special_tokens=add_special)
         else:
-            if len(text) <= HOLD_GIL_CHARS:
-                encoding = self.backend.encode(text, add_special_tokens=add_special)
-            else:
-                encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-                encoding = encode([text], add_special_tokens=add_special)[0]
-            num = len(encoding)
+            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            encoding = encode([rest], add_special_tokens=add_special)[0]
+        self._check_count(len(head) + len(encoding), field)
+        ids = head + encoding.ids if head else encoding.ids
+        if reuse is not None:
+            reuse.reused_tokens += len(head)
+            if remember:
+                reuse.remember(text, ids, base)
+        return ids
+
+    def _check_count(self, num: int, field: str) -> None:
         if num > self.max_context:
             raise InvalidRequest(f"prompt has {num} tokens; the context limit is "
                                  f"{self.max_context} — shorten the prompt", param=field,
                                  code="context_length_exceeded")
-        return ids if self.backend is None else encoding.ids
+
+
+def _reuse(tokenizer: Any, backend: Any) -> PrefixReuse | None:
+    """Reuse of earlier encodings, for a fast tokenizer whose chat template writes turn
+    markers; None otherwise."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(str(t) for t in template.values())
+    if backend is None or not isinstance(template, str):
+        return None
+    marks = markers(backend, template)
+    return PrefixReuse(marks) if marks else None
 
 
 def backend_of(tokenizer: Any) -> Any:

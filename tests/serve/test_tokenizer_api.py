@@ -124,3 +124,27 @@ def test_tokenizer_endpoints_need_the_api_key(srv: Any) -> None:
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
         assert post(srv, path, body, key=None).status_code == 401
         assert post(srv, path, body, key="wrong").status_code == 401
+
+
+def test_an_agents_next_turns_count_and_tokenize_as_the_tokenizer_does(
+        srv: Any, tokenizer: Any) -> None:
+    """Chats past encode_reuse.MIN_CHARS, turn after turn: the server encodes each one from the
+    turn before it (pipeserve/eventloop/encode_reuse.py), and what it counts and tokenizes is
+    the tokenizer's own encoding of the whole rendered chat."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "how-it-works.md").read_text()
+    messages = [{"role": "system", "content": doc[:2500]},
+                {"role": "user", "content": "Which thread owns the MLX state?"}]
+    for turn in range(3):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        want = tokenizer.encode(text, add_special_tokens=False)
+        r = post(srv, "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                               "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+        t = post(srv, "/tokenize", {"messages": messages})
+        assert t.status_code == 200, t.text
+        assert t.json()["tokens"] == want
+        answer = r.json()["choices"][0]["message"]["content"] or "ok"
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"And step {turn}? "
+                      + doc[3000 + 400 * turn:3400 + 400 * turn]}]
