@@ -26,7 +26,7 @@ if [ "$kind" = bf16 ]; then
   grep -h "kernel warm-up:\|ready:" "$out"/8b/pipeserve*.log | cut -c1-1500
   find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/8b/ptx.txt"
   # shellcheck disable=SC2086
-  timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline -- \
+  timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline --repeat -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
 elif [ "$kind" = long ]; then
   # shellcheck disable=SC2086
