@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
-import struct
 import sys
 import threading
 import time
@@ -27,7 +25,6 @@ from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve.pool")
 REMOUNT_S = 600.0   # the most a restarted core waits for one adapter to mount again
-DIRECT_MAX = 1 << 20   # larger messages (a metrics body, an embedding batch) go through the queue
 
 
 class PipeLoop:
@@ -99,72 +96,29 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
 
 
 class Sender:
-    """Writes messages to the pipe in order, from any thread, and never makes its caller wait on
-    the pipe: a message goes out at once from the calling thread (the engine's, for a step)
-    when the pipe has room and nothing is queued ahead of it; otherwise it, or what did not
-    fit, queues for the Sender's own thread (a parent busy writing streams reads it late).
-    The direct write saves each step a wake-up of that thread, which then waits for the GIL
-    until the engine thread next releases it (about one step at one row)."""
+    """Writes to the pipe from its own thread, so the engine thread never waits on the pipe
+    (a parent busy writing streams reads it late; in-process, posting never blocks either)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._sock = _socket_of(conn)   # None: not a socket; every message goes through the queue
-        self._lock = threading.Lock()
-        self._backlog = 0   # messages queued or being written by the thread
-        self._queue: queue.SimpleQueue[tuple[bytes, bool] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pipeserve-pipe-send",
                                         daemon=True)
         self._thread.start()
 
     def send(self, message: dict[str, Any]) -> None:   # any thread
-        data = codec.dumps(message)
-        with self._lock:
-            if self._backlog == 0 and self._sock is not None and len(data) <= DIRECT_MAX:
-                frame = struct.pack("!i", len(data)) + data   # Connection.send_bytes' framing
-                try:
-                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:   # the parent is gone
-                    return
-                if sent == len(frame):
-                    return
-                self._backlog += 1
-                self._queue.put((frame[sent:], True))   # the rest of a frame already begun
-                return
-            self._backlog += 1
-            self._queue.put((data, False))
+        self._queue.put(codec.dumps(message))
 
     def close(self, timeout: float = 30.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            data, raw = item
+        while (data := self._queue.get()) is not None:
             try:
-                if raw:
-                    assert self._sock is not None
-                    self._sock.sendall(data)
-                else:
-                    self._conn.send_bytes(data)
+                self._conn.send_bytes(data)
             except OSError:   # the parent is gone
                 return
-            with self._lock:
-                self._backlog -= 1
-
-
-def _socket_of(conn: Connection) -> socket.socket | None:
-    """The pipe's socket (a duplex multiprocessing Pipe is a socketpair), on a descriptor of
-    its own: a send with MSG_DONTWAIT never blocks, and the Connection's reads stay blocking."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return None
-    if sock.type != socket.SOCK_STREAM:
-        sock.close()
-        return None
-    return sock
 
 
 def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
