@@ -10,8 +10,9 @@ attributed to host work or to the device.
 
 --bias both: every measurement with and without a logit_bias on every request (EOS -100; the
 rows have no stop tokens either way, so both run to --max-tokens). --profile N: cProfile the
-engine thread during the N-stream run (top functions by own time). Used by bench.py for its
-`engine alone` rows (bench.engine_alone=true)."""
+engine thread during the N-stream run (top functions by own time). --loop uvloop: the streams
+on the event loop the server runs (asyncio's by default). Used by bench.py for its `engine
+alone` rows (bench.engine_alone=true)."""
 from __future__ import annotations
 
 import argparse
@@ -204,6 +205,9 @@ def main() -> None:
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
+    ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                    help="the streams' event loop (the server's, under Sanic, is uvloop: "
+                         "asyncio's wakes by a socket send that releases the GIL, uvloop's not)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from pipeserve.core.engine import Engine
@@ -227,24 +231,28 @@ def main() -> None:
     prompts_by_n = {n: [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
                         for _ in range(n)] for n in streams}
     biases = {"on": [True], "off": [False], "both": [True, False]}[args.bias]
+    run = asyncio.run
+    if args.loop == "uvloop":
+        import uvloop
+        run = uvloop.run
     for n in streams:
         for with_bias in biases:
             bias = {t: -100.0 for t in eos} if with_bias else {}
             warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
-            asyncio.run(run_batch(engine, warm, 16, bias))   # kernels for these shapes
+            run(run_batch(engine, warm, 16, bias))   # kernels for these shapes
             for rep in range(args.reps):
                 clock.reset()
                 clock.on = True
                 if args.profile == n and rep == 0 and with_bias == biases[0]:
                     clock.profile, clock.profiling = cProfile.Profile(), True
-                r = asyncio.run(run_batch(engine, prompts_by_n[n], args.max_tokens, bias))
+                r = run(run_batch(engine, prompts_by_n[n], args.max_tokens, bias))
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
-                      "rep": rep, "per_step_ms": clock.report()}
+                      "loop": args.loop, "rep": rep, "per_step_ms": clock.report()}
                 print(json.dumps(r), flush=True)
                 if clock.profile is not None:
-                    asyncio.run(run_batch(engine, warm[:1], 2, {}))   # disables it, in-thread
+                    run(run_batch(engine, warm[:1], 2, {}))   # disables it, in-thread
                     s = io.StringIO()
                     pstats.Stats(clock.profile, stream=s).sort_stats(os.environ.get("EA_SORT", "tottime")).print_stats(int(os.environ.get("EA_TOP", "35")))
                     print(s.getvalue(), flush=True)
