@@ -240,11 +240,21 @@ class Engine:
             self._count_waiting()
             self._out.replay(sched.running)
             launched = None
+            held: Callable[[], None] | None = None
+            if plan is not None and pending is not None and plan.prefill:
+                # a prompt chunk's forward is evaluated inside launch: the step in flight posts
+                # its tokens (first tokens among them) first instead of waiting for the chunk;
+                # the rows it ended leave after the launch (this plan was made with them)
+                held = self._apply(pending, hold=True)
+                pending = None
+                self._out.flush()
             if plan is not None:
                 try:
                     launched = self.step.launch(plan)
                 except Exception as e:  # a step failure fails that step's rows only
                     self._fail_plan(plan, e)
+            if held is not None:
+                held()
             if pending is not None:
                 self._apply(pending)
             if launched is not None and (launched.sync or not launched.samples):
@@ -261,13 +271,14 @@ class Engine:
         if self.group is not None:   # rank 0 tells the group it stops (pipeserve/distributed)
             self.group.leave(self)
 
-    def _apply(self, launched: Launched) -> None:
-        """Read a step's results back and apply them: events out, finished rows retired."""
+    def _apply(self, launched: Launched, hold: bool = False) -> Callable[[], None] | None:
+        """Read a step's results back and apply them: events out, finished rows retired.
+        `hold`: the rows that ended (finished or failed) keep their KV until the returned call."""
         try:
             output = self.step.read(launched)
         except Exception as e:
             self._fail_plan(launched.plan, e)
-            return
+            return None
         now = time.perf_counter()
         finished: list[Request] = []
         for req, event in self.scheduler.update(launched.plan, output):
@@ -277,13 +288,19 @@ class Engine:
                 finished.append(req)
                 self._out.post(req.request_id, event)
         self.step.settle(launched, output)
-        for rid, cause in output.failed.items():   # rows a stage failed on their own
-            self._fail_request(rid, row_failure(rid, cause))
-        self.step.retire(finished, self.scheduler.running)
-        for req in finished:
-            self.scheduler.release(req.request_id)
-        self.metrics.active_rows.set(len(self.scheduler.running))
-        self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+
+        def end() -> None:
+            for rid, cause in output.failed.items():   # rows a stage failed on their own
+                self._fail_request(rid, row_failure(rid, cause))
+            self.step.retire(finished, self.scheduler.running)
+            for req in finished:
+                self.scheduler.release(req.request_id)
+            self.metrics.active_rows.set(len(self.scheduler.running))
+            self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
+        if hold:
+            return end
+        end()
+        return None
 
     def take_commands(self, block: bool, timeout: float | None = None) -> list[Command]:
         """Run every command in the inbox (waiting up to `timeout` for one when `block`);
