@@ -1,0 +1,169 @@
+"""The draft gate's decisions from given step timings (pipeserve/draft/gate.py, no model): a
+bucket where drafting's goodput loses turns off, probes drafting after a wait that doubles while
+it keeps losing, turns on again once drafting wins; plain probes keep measuring while it drafts;
+buckets decide apart; idle gaps and prompt steps are not measured."""
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.draft import gate as g
+from pipeserve.draft.gate import DraftGate, Report, bucket_of
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Engine:
+    """Drives a gate as the draft stage does: choose, then the step takes `draft_s` seconds
+    and emits `draft_tokens` per row when it drafts, `plain_s` / 1 per row when not."""
+
+    def __init__(self, ratio: float = 0.95) -> None:
+        self.clock = Clock()
+        self.reports: list[Report] = []
+        self.gate = DraftGate(ratio, clock=self.clock, report=self.reports.append)
+        self.steps: list[bool] = []
+
+    def run(self, n: int, rows: int, draft_s: float, draft_tokens: float,
+            plain_s: float = 0.01) -> list[bool]:
+        out = []
+        for _ in range(n):
+            drafts = self.gate.choose(rows)
+            self.gate.next_drafts(rows)
+            self.clock.now += draft_s if drafts else plain_s
+            self.gate.record(rows, drafts, round(rows * (draft_tokens if drafts else 1)))
+            out.append(drafts)
+        self.steps += out
+        return out
+
+    def switches(self) -> list[tuple[str, bool]]:
+        return [(r.label, r.on) for r in self.reports if r.switched]
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 33)] == [0, 1, 1, 2, 2, 3, 3, 4, 5]
+    e = Engine()
+    for rows in (1, 3, 6, 9):
+        e.gate.choose(rows)
+    assert [r.label for r in e.reports] == ["1", "2-3", "4-7", "8-15"]
+
+
+def test_a_losing_drafter_turns_off_after_its_first_plain_probe() -> None:
+    """Drafting at half the plain goodput (a step 2× as long, one token per row): the first
+    run drafts, the plain probe measures, the bucket turns off and decodes plainly."""
+    e = Engine()
+    steps = e.run(g.FIRST_RUN + g.PROBE_STEPS + 40, rows=1, draft_s=0.02, draft_tokens=1)
+    assert steps[:g.FIRST_RUN] == [True] * g.FIRST_RUN
+    assert not any(steps[g.FIRST_RUN:])
+    assert e.switches() == [("1", False)]
+    r = e.reports[-1]
+    assert abs(r.draft_rate - 50) < 1e-6 and abs(r.plain_rate - 100) < 1e-6
+
+
+def test_a_winning_drafter_stays_on_and_probes_plain_rarely() -> None:
+    """Drafting that emits 3 tokens a row in 1.5× a plain step's time stays on; a plain probe of
+    PROBE_STEPS comes every ON_RUN drafting steps (under 4% of steps)."""
+    e = Engine()
+    n = g.FIRST_RUN + 3 * (g.PROBE_STEPS + g.ON_RUN)
+    steps = e.run(n, rows=4, draft_s=0.015, draft_tokens=3)
+    assert e.switches() == []
+    plain = steps.count(False)
+    assert plain == 3 * g.PROBE_STEPS and plain / n < 0.04
+    assert e.gate.buckets[2].on
+
+
+def test_the_probe_wait_doubles_while_drafting_keeps_losing_up_to_a_bound() -> None:
+    e = Engine()
+    e.run(g.FIRST_RUN + g.PROBE_STEPS, rows=1, draft_s=0.02, draft_tokens=1)
+    steps = e.run(8000, rows=1, draft_s=0.02, draft_tokens=1)
+    # runs of plain steps between drafting probes
+    waits, run = [], 0
+    for drafts in steps:
+        if drafts:
+            if run:
+                waits.append(run)
+            run = 0
+        else:
+            run += 1
+    assert waits[:6] == [g.OFF_MIN, 2 * g.OFF_MIN, 4 * g.OFF_MIN, 8 * g.OFF_MIN,
+                         g.OFF_MAX, g.OFF_MAX]
+    probes = steps.count(True)
+    assert probes / len(steps) < 0.01   # the probing cost, once the wait is at its bound
+    assert e.switches() == [("1", False)]
+
+
+def test_a_drafter_whose_acceptance_rises_turns_back_on() -> None:
+    e = Engine()
+    e.run(g.FIRST_RUN + g.PROBE_STEPS + 10, rows=1, draft_s=0.02, draft_tokens=1)
+    assert not e.gate.buckets[0].on
+    steps = e.run(g.OFF_MIN + 20, rows=1, draft_s=0.02, draft_tokens=4)   # now 2× plain
+    assert e.switches() == [("1", False), ("1", True)]
+    assert steps[-10:] == [True] * 10
+
+
+def test_the_margin_keeps_a_drafter_that_is_almost_even() -> None:
+    """Drafting 3% slower than plain stays on (ratio 0.95); 10% slower turns off."""
+    even = Engine()
+    even.run(300, rows=2, draft_s=0.0103, draft_tokens=1)
+    assert even.switches() == []
+    slower = Engine()
+    slower.run(300, rows=2, draft_s=0.011, draft_tokens=1)
+    assert slower.switches() == [("2-3", False)]
+
+
+def test_buckets_decide_apart() -> None:
+    """One row: drafting wins; eight rows: it loses (a compute-bound batch)."""
+    e = Engine()
+    for _ in range(20):
+        e.run(10, rows=1, draft_s=0.015, draft_tokens=3)
+        e.run(10, rows=8, draft_s=0.03, draft_tokens=1.2)
+    assert e.switches() == [("8-15", False)]
+    assert e.gate.buckets[0].on and not e.gate.buckets[3].on
+
+
+def test_the_step_before_a_drafting_probe_brings_its_tokens_to_the_host() -> None:
+    """next_drafts says, at each step, whether the next one drafts: true before each drafting
+    step that follows a plain one (that plain step must sync), false through the rest of a
+    plain run (it pipelines) but for the probe that turned drafting off (it expected drafting
+    to go on)."""
+    e = Engine()
+    gate, clock = e.gate, e.clock
+    chosen, ahead = [], []
+    for _ in range(200):
+        drafts = gate.choose(1)
+        ahead.append(gate.next_drafts(1))
+        clock.now += 0.02 if drafts else 0.01
+        gate.record(1, drafts, 1)
+        chosen.append(drafts)
+    after_plain = [i for i in range(len(chosen) - 1) if not chosen[i] and chosen[i + 1]]
+    assert after_plain and all(ahead[i] for i in after_plain)
+    pipelined = [i for i in range(len(chosen) - 1) if not chosen[i] and not chosen[i + 1]]
+    assert len(pipelined) > 100 and sum(ahead[i] for i in pipelined) == len(e.switches()) == 1
+
+
+def test_idle_gaps_prompt_steps_and_the_first_plain_step_after_a_verify_are_not_measured() -> None:
+    e = Engine()
+    gate, clock = e.gate, e.clock
+    gate.record(1, True, 2)   # the first completion: no interval yet
+    clock.now += 5.0
+    gate.record(1, None, 9)   # a step with a prompt chunk: starts the next interval only
+    assert 0 not in gate.buckets
+    clock.now += 0.02
+    gate.record(1, True, 2)
+    assert gate.buckets[0].draft.n == 1 and gate.buckets[0].draft.value == pytest.approx(100)
+    clock.now += 0.02
+    gate.record(1, False, 1)   # after a verify: the pipeline restarts
+    assert gate.buckets[0].plain.n == 0
+    gate.pause()               # the engine idles for a minute
+    clock.now += 60
+    gate.record(1, False, 1)
+    assert gate.buckets[0].plain.n == 0
+    clock.now += 0.01
+    gate.record(1, False, 1)
+    assert gate.buckets[0].plain.value == pytest.approx(100)
+    gate.reset()
+    assert gate.buckets == {}
