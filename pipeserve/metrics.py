@@ -274,16 +274,19 @@ class Metrics:
             "draft.disable_by_batch_size", proposer, registry=r)
         self.spec_gate_open = Gauge(
             f"{PREFIX}_speculation_gate_open",
-            "draft.gate: 1 while steps of this many decoding rows draft, 0 while the gate keeps "
-            "them plain (drafting's measured goodput lost there)", proposer + ["rows"], registry=r)
+            "draft.gate, per proposer and bucket of decoding rows (rows: 1, 2-3, 4-7, ...): 1 while "
+            "such steps draft, 0 while the gate keeps them plain (drafting's measured goodput "
+            "lost there)", proposer + ["rows"], registry=r)
         self.spec_gate_switches = Counter(
             f"{PREFIX}_speculation_gate_switches",
-            "draft.gate: times drafting turned off or on again for this many decoding rows",
+            "draft.gate: times drafting turned off (to=off) or on again (to=on) for a bucket of "
+            "decoding rows (rows: 1, 2-3, 4-7, ...)",
             proposer + ["rows", "to"], registry=r)
         self.spec_gate_goodput = Gauge(
             f"{PREFIX}_speculation_gate_goodput_tokens_per_second",
             "draft.gate: moving average of tokens emitted per second of steps that verified "
-            "drafts (steps=draft) and plain decode steps (steps=plain), per decoding-rows bucket",
+            "drafts (steps=draft) and of plain decode steps (steps=plain), per bucket of decoding "
+            "rows (rows: 1, 2-3, 4-7, ...), as of its last probe or switch",
             proposer + ["rows", "steps"], registry=r)
         self.fast_forward_tokens = Counter(
             f"{PREFIX}_fast_forward_tokens",

@@ -23,11 +23,11 @@ class DraftConfig:
                                  # draft=eagle3 / dflash: the head's checkpoint directory
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
-    gate: bool = True   # per batch-size bucket (1, 2-3, 4-7, ... decoding rows), the engine
-                        # measures the goodput of drafting and of plain steps; where drafting
-                        # loses it decodes plainly, probing drafting now and then
-    gate_ratio: float = 0.95   # draft.gate: drafting stays on in a bucket while its goodput is at
-                               # least this × the plain steps'; off, it turns on at this + 0.05
+    gate: bool = True   # drafting turns off in batch sizes where it measures slower than plain
+                        # decode (tokens per second of each kind of step, per bucket of 1, 2-3,
+                        # 4-7, ... decoding rows), and probes drafting there now and then
+    gate_ratio: float = 0.95   # draft.gate keeps drafting while its goodput >= this × plain's
+                               # (once off, a probe turns it on again at this + 0.05)
     adaptive: bool = True   # each row's draft length follows its recent acceptance (at most
                             # num_draft_tokens); rows whose drafts keep failing pause drafting
     fast_forward: int = 16   # tokens a grammar forces that a row appends in one step, verified

@@ -13,7 +13,8 @@ ALPHA = 0.25        # weight of a new sample in a moving average (the first 1/AL
 MIN_SAMPLES = 3     # samples of each kind a bucket needs before it decides
 FIRST_RUN = 8       # a new bucket's drafting steps before its first plain probe
 ON_RUN = 128        # drafting steps between two plain probes while drafting wins
-PROBE_STEPS = 4     # steps of one probe (the first plain step after a verify is not measured)
+PROBE_STEPS = 4     # steps of a probe at most (the first plain one after a verify is not measured;
+                    # a drafting probe ends once it has MIN_SAMPLES)
 OFF_MIN = 64        # plain steps before a bucket gone off probes drafting
 OFF_MAX = 1024      # the longest wait between probes (it doubles while drafting keeps losing)
 HYSTERESIS = 0.05   # a bucket that went off below `ratio` turns on again at ratio + this
@@ -107,6 +108,14 @@ class DraftGate:
         """Whether the next step, if it has as many rows, drafts (does not advance)."""
         b = self._bucket(rows)
         return b.drafts if b.left > 0 else not b.drafts
+
+    def follows(self, rows: int) -> bool:
+        """Whether the proposer should keep up with a step of `rows` decoding rows (take its
+        hidden states): the bucket drafts, or its drafting run comes next. While a bucket stays
+        plain its rows' draft state is left behind (every proposer starts over across a gap),
+        so a probe after a long wait does not first catch up on every step since."""
+        b = self.buckets.get(bucket_of(rows))
+        return b is None or b.drafts or b.left <= 1
 
     def _next_run(self, b: Bucket) -> None:
         if b.probing:

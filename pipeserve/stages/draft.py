@@ -28,6 +28,11 @@ def can_draft(req: Request) -> bool:
     return not req.sampling.needs_history
 
 
+def decoding_rows(plan: StepPlan) -> int:
+    """Rows past their prompt (the batch size draft.disable_by_batch_size and the gate read)."""
+    return sum(r.start >= r.request.num_prompt_tokens - 1 for r in plan.decode)
+
+
 class Draft:
     name: ClassVar[str] = "draft"
 
@@ -60,12 +65,12 @@ class Draft:
         decoding = plan.decode
         if self.off_above is not None and decoding:
             # rows past their prompt: those the scheduler holds against the threshold
-            self._batch_size(sum(r.start >= r.request.num_prompt_tokens - 1 for r in decoding))
+            self._batch_size(decoding_rows(plan))
         if not any(r.max_drafts for r in decoding):
             return Drafts(sync=False)   # a busy batch decodes plainly (and pipelined)
         drafting = next_drafts = self.proposes
         if self.gate is not None:
-            n = sum(r.start >= r.request.num_prompt_tokens - 1 for r in decoding)
+            n = decoding_rows(plan)
             drafting, next_drafts = self.gate.choose(n), self.gate.next_drafts(n)
         sync = False   # whether a row may draft next step (it then needs this step's tokens)
         for row in decoding:
@@ -157,8 +162,10 @@ class Draft:
         """After the step is applied (counters final): the proposer keeps what the target
         kept — draft=mtp the hidden states of the positions it kept, draft=model its KV."""
         kept = output.rows if output is not None else {}
+        follow = True   # whether the proposer takes this step's hidden states
         if self.gate is not None:
             self._measure(plan, kept)
+            follow = self.gate.follows(decoding_rows(plan))
         sampled: list[Request] = []
         for row in plan.rows:
             req = row.request
@@ -167,7 +174,7 @@ class Draft:
                 out = kept.get(row.request_id)
                 if out is not None:
                     self.lengths.record(row.request_id, out.num_drafts, out.num_accepted)
-            got = logits.hidden.get(row.request_id)
+            got = logits.hidden.get(row.request_id) if follow else None
             if got is None:
                 continue
             start, hidden = got

@@ -167,3 +167,20 @@ def test_idle_gaps_prompt_steps_and_the_first_plain_step_after_a_verify_are_not_
     assert gate.buckets[0].plain.value == pytest.approx(100)
     gate.reset()
     assert gate.buckets == {}
+
+
+def test_an_off_bucket_leaves_its_rows_draft_state_behind_until_the_step_before_a_probe() -> None:
+    """follows: the proposer takes a step's hidden states while the bucket drafts, and in an
+    off bucket only on the plain steps right before a drafting probe."""
+    e = Engine()
+    e.run(g.FIRST_RUN + g.PROBE_STEPS, rows=1, draft_s=0.02, draft_tokens=1)
+    follows, steps = [], []
+    for _ in range(g.OFF_MIN + g.MIN_SAMPLES + 1):
+        steps += e.run(1, rows=1, draft_s=0.02, draft_tokens=1)
+        follows.append(e.gate.follows(1))   # (asked after the step, as settle does)
+    # the probe ends once it has measured: drafting lost again, the next wait is twice as long
+    assert steps == [False] * g.OFF_MIN + [True] * g.MIN_SAMPLES + [False]
+    # (the last two plain steps' states: the engine settles a pipelined step after it has
+    # chosen the next one)
+    assert follows == [False] * (g.OFF_MIN - 2) + [True] * (g.MIN_SAMPLES + 1) + [False] * 2
+    assert e.gate.follows(3)   # a bucket not met yet drafts

@@ -291,6 +291,13 @@ def test_the_gate_turns_drafting_off_where_it_loses(engine_factory,
     assert len(expected[0]) - spec["accepted"] > gate.FIRST_RUN + gate.PROBE_STEPS   # steps
     assert any("draft=eagle3: 1 decoding rows: " in r.getMessage() and
                r.getMessage().endswith("drafting off") for r in caplog.records)
+    # a longer request meets the probe: a few drafting steps after the wait, from a head
+    # that skipped the plain steps' hidden states (a gap it starts over across), then off
+    expected = [g["ids"] for g in run(plain, 1, max_tokens=120)]
+    before = counter(off, "spec_verifies", "eagle3")
+    assert [g["ids"] for g in run(off, 1, max_tokens=120)] == expected
+    assert 0 < counter(off, "spec_verifies", "eagle3") - before <= gate.PROBE_STEPS
+    assert gauge(off) == 0 and switches(off, "on") == 0
 
 
 @pytest.mark.parametrize("proposer,model", [("ngram", "tiny"), ("model", "tiny"),
