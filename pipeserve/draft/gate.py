@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ALPHA = 0.25        # weight of a new sample in a moving average (the first 1/ALPHA: a plain mean)
+ALPHA = 0.25        # weight of a new step in the moving averages (the first 1/ALPHA: plain means)
+CLIP = 4.0          # a step's seconds count at most this × the average (a stall is not the kind's)
 MIN_SAMPLES = 3     # samples of each kind a bucket needs before it decides
 FIRST_RUN = 8       # a new bucket's drafting steps before its first plain probe
 ON_RUN = 128        # drafting steps between two plain probes while drafting wins
@@ -22,17 +23,28 @@ HYSTERESIS = 0.05   # a bucket that went off below `ratio` turns on again at rat
 
 @dataclass(slots=True)
 class Rate:
-    """A moving average of goodput samples (tokens per second)."""
+    """Goodput of one kind of step: moving averages of its tokens and of its seconds, whose
+    ratio is tokens per second (a ratio of sums: two completions read back in one loop pass,
+    one interval long and one near zero, average to what the two steps took)."""
 
-    value: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
     n: int = 0
 
-    def add(self, x: float) -> None:
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if self.n:
+            seconds = min(seconds, CLIP * self.seconds)
         self.n += 1
-        self.value += max(ALPHA, 1.0 / self.n) * (x - self.value)
+        w = max(ALPHA, 1.0 / self.n)
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
 
     def reset(self) -> None:
-        self.value, self.n = 0.0, 0
+        self.tokens, self.seconds, self.n = 0.0, 0.0, 0
 
 
 @dataclass(slots=True)
@@ -145,7 +157,7 @@ class DraftGate:
         if not drafted and after_draft:
             return   # the first plain step after a verify also pays the pipeline's restart
         b = self._bucket(rows)
-        (b.draft if drafted else b.plain).add(tokens / (now - last))
+        (b.draft if drafted else b.plain).add(tokens, now - last)
         if b.draft.n < MIN_SAMPLES or b.plain.n < MIN_SAMPLES:
             return
         if b.on:

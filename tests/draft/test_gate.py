@@ -184,3 +184,30 @@ def test_an_off_bucket_leaves_its_rows_draft_state_behind_until_the_step_before_
     # chosen the next one)
     assert follows == [False] * (g.OFF_MIN - 2) + [True] * (g.MIN_SAMPLES + 1) + [False] * 2
     assert e.gate.follows(3)   # a bucket not met yet drafts
+
+
+def test_two_steps_read_back_in_one_pass_count_as_what_they_took_together() -> None:
+    """The engine reads a pipelined step and the sync step after it in one loop pass: one
+    interval holds both steps' time, the next is near zero. Goodput is averaged tokens over
+    averaged seconds, so the pair reads as two steps of half the time each (an average of
+    per-step rates would read near infinity)."""
+    e = Engine()
+    gate, clock = e.gate, e.clock
+    gate.record(1, False, 1)
+    for _ in range(4):
+        clock.now += 0.02
+        gate.record(1, False, 1)
+        clock.now += 0.00001
+        gate.record(1, False, 1)
+    assert 80 < gate.buckets[0].plain.value < 125   # (the moving average's phase)
+
+
+def test_a_stall_counts_as_a_few_steps_not_as_its_length() -> None:
+    e = Engine()
+    gate, clock = e.gate, e.clock
+    gate.record(1, False, 1)
+    for gap in (0.01, 0.01, 0.01, 10.0):
+        clock.now += gap
+        gate.record(1, False, 1)
+    plain = gate.buckets[0].plain
+    assert plain.value == pytest.approx(1 / (0.01 + g.ALPHA * (g.CLIP - 1) * 0.01))
