@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 ALPHA = 0.25        # weight of a new step in the moving averages (the first 1/ALPHA: plain means)
 CLIP = 4.0          # a step's seconds count at most this × the average (a stall is not the kind's)
 MIN_SAMPLES = 3     # samples of each kind a bucket needs before it decides
-FIRST_RUN = 8       # a new bucket's drafting steps before its first plain probe
+FIRST_RUN = 4       # a new bucket's drafting steps before its first plain probe
 ON_RUN = 128        # drafting steps between two plain probes while drafting wins
 PROBE_STEPS = 4     # steps of a probe at most (the first plain one after a verify is not measured;
                     # a drafting probe ends once it has MIN_SAMPLES)
@@ -76,6 +76,7 @@ class Report:
     draft_rate: float
     plain_rate: float
     switched: bool = False
+    like: str | None = None   # a new bucket that starts off as this smaller one is
 
 
 def bucket_of(rows: int) -> int:
@@ -105,7 +106,12 @@ class DraftGate:
         if b is None:
             lo = 1 << i
             b = self.buckets[i] = Bucket(str(lo) if lo == 1 else f"{lo}-{2 * lo - 1}")
-            self._tell(b)
+            # drafting that lost with fewer rows loses with more (a verify's extra width costs
+            # more, the forward it saves less, as the batch grows): start off, and probe
+            smaller = [j for j, o in self.buckets.items() if j < i and not o.on]
+            if smaller:
+                b.on, b.left = False, b.wait
+            self._tell(b, like=self.buckets[max(smaller)].label if smaller else None)
         return b
 
     def choose(self, rows: int) -> bool:
@@ -175,6 +181,6 @@ class DraftGate:
                 b.probing, b.left = False, b.wait
                 self._tell(b)
 
-    def _tell(self, b: Bucket, switched: bool = False) -> None:
+    def _tell(self, b: Bucket, switched: bool = False, like: str | None = None) -> None:
         if self.report is not None:
-            self.report(Report(b.label, b.on, b.draft.value, b.plain.value, switched))
+            self.report(Report(b.label, b.on, b.draft.value, b.plain.value, switched, like))

@@ -220,6 +220,9 @@ class Draft:
         m.spec_gate_open.labels(self.name, r.label).set(1 if r.on else 0)
         m.spec_gate_goodput.labels(self.name, r.label, "draft").set(r.draft_rate)
         m.spec_gate_goodput.labels(self.name, r.label, "plain").set(r.plain_rate)
+        if r.like is not None:
+            log.info("draft=%s: %s decoding rows: drafting off, as with %s (it lost there; "
+                     "probed now and then)", self.name, r.label, r.like)
         if r.switched:
             m.spec_gate_switches.labels(self.name, r.label, "on" if r.on else "off").inc()
             log.info("draft=%s: %s decoding rows: %.0f tok/s drafting, %.0f plain "

@@ -211,3 +211,18 @@ def test_a_stall_counts_as_a_few_steps_not_as_its_length() -> None:
         gate.record(1, False, 1)
     plain = gate.buckets[0].plain
     assert plain.value == pytest.approx(1 / (0.01 + g.ALPHA * (g.CLIP - 1) * 0.01))
+
+
+def test_a_new_larger_bucket_starts_off_where_a_smaller_one_lost() -> None:
+    """Drafting lost at one row: a batch of 4-7 met later starts plain (and probes after the
+    usual wait, turning on if drafting wins there after all); 2-3, met before, decides alone."""
+    e = Engine()
+    e.run(2, rows=2, draft_s=0.015, draft_tokens=3)
+    e.run(g.FIRST_RUN + g.PROBE_STEPS, rows=1, draft_s=0.02, draft_tokens=1)
+    assert e.switches() == [("1", False)]
+    steps = e.run(g.OFF_MIN, rows=5, draft_s=0.03, draft_tokens=1)
+    assert not any(steps)
+    assert [(r.label, r.like) for r in e.reports if r.like] == [("4-7", "1")]
+    assert e.gate.buckets[1].on
+    steps = e.run(20, rows=5, draft_s=0.005, draft_tokens=3)   # drafting wins at 4-7 after all
+    assert steps[-10:] == [True] * 10 and e.switches()[-1] == ("4-7", True)
