@@ -5,6 +5,7 @@ and then. The draft stage asks before each step and reports each completion. Eng
 mlx import; the clock is passed in."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,12 +13,14 @@ from dataclasses import dataclass, field
 ALPHA = 0.25        # weight of a new step in the moving averages (the first 1/ALPHA: plain means)
 CLIP = 4.0          # a step's seconds count at most this × the average (a stall is not the kind's)
 MIN_SAMPLES = 3     # samples of each kind a bucket needs before it decides
-FIRST_RUN = 4       # a new bucket's drafting steps before its first plain probe
+FIRST_RUN = 3       # a new bucket's drafting steps before its first plain probe
 ON_RUN = 128        # drafting steps between two plain probes while drafting wins
 PROBE_STEPS = 4     # steps of a probe at most (the first plain one after a verify is not measured;
                     # a drafting probe ends once it has MIN_SAMPLES)
-OFF_MIN = 64        # plain steps before a bucket gone off probes drafting
-OFF_MAX = 1024      # the longest wait between probes (it doubles while drafting keeps losing)
+OFF_MIN = 64        # plain steps before a bucket gone off probes drafting, at least
+PROBE_SHARE = 0.05  # ... and enough that a probe's drafting steps take at most this share of the
+                    # wait's time (a drafting step may cost 20 plain ones)
+OFF_MAX = 4096      # the longest wait between probes (it doubles while drafting keeps losing)
 HYSTERESIS = 0.05   # a bucket that went off below `ratio` turns on again at ratio + this
 
 
@@ -110,7 +113,8 @@ class DraftGate:
             # more, the forward it saves less, as the batch grows): start off, and probe
             smaller = [j for j, o in self.buckets.items() if j < i and not o.on]
             if smaller:
-                b.on, b.left = False, b.wait
+                b.on, b.wait = False, self.buckets[max(smaller)].wait
+                b.left = b.wait
             self._tell(b, like=self.buckets[max(smaller)].label if smaller else None)
         return b
 
@@ -168,7 +172,8 @@ class DraftGate:
             return
         if b.on:
             if b.draft.value < self.ratio * b.plain.value:
-                b.on, b.probing, b.left = False, False, b.wait
+                b.on, b.probing = False, False
+                b.wait = b.left = self._wait(b, OFF_MIN)
                 self._tell(b, switched=True)
             elif not drafted and b.probing and b.plain.n == MIN_SAMPLES:
                 self._tell(b)
@@ -177,9 +182,16 @@ class DraftGate:
                 b.on, b.probing, b.left, b.wait = True, False, ON_RUN, OFF_MIN
                 self._tell(b, switched=True)
             else:
-                b.wait = min(OFF_MAX, 2 * b.wait)
-                b.probing, b.left = False, b.wait
+                b.wait = b.left = self._wait(b, 2 * b.wait)
+                b.probing = False
                 self._tell(b)
+
+    @staticmethod
+    def _wait(b: Bucket, steps: int) -> int:
+        """Plain steps before the next probe: `steps`, or more where a drafting step costs so
+        many plain ones that the probe would take over PROBE_SHARE of the time; bounded."""
+        cost = b.draft.seconds / b.plain.seconds if b.plain.seconds > 0 else 1.0
+        return min(OFF_MAX, max(steps, math.ceil(MIN_SAMPLES * cost / PROBE_SHARE)))
 
     def _tell(self, b: Bucket, switched: bool = False, like: str | None = None) -> None:
         if self.report is not None:
