@@ -274,9 +274,9 @@ class Metrics:
             "draft.disable_by_batch_size", proposer, registry=r)
         self.spec_gate_open = Gauge(
             f"{PREFIX}_speculation_gate_open",
-            "draft.gate, per proposer and bucket of decoding rows (rows: 1, 2-3, 4-7, ...): 1 while "
-            "such steps draft, 0 while the gate keeps them plain (drafting's measured goodput "
-            "lost there)", proposer + ["rows"], registry=r)
+            "draft.gate, per proposer and bucket of decoding rows (rows: 1, 2-3, 4-7, ...): 1 "
+            "while such steps draft, 0 while the gate keeps them plain (drafting's measured "
+            "goodput lost there)", proposer + ["rows"], registry=r)
         self.spec_gate_switches = Counter(
             f"{PREFIX}_speculation_gate_switches",
             "draft.gate: times drafting turned off (to=off) or on again (to=on) for a bucket of "

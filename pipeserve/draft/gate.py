@@ -19,7 +19,7 @@ PROBE_STEPS = 4     # steps of a probe at most (the first plain one after a veri
                     # a drafting probe ends once it has MIN_SAMPLES)
 OFF_MIN = 64        # plain steps before a bucket gone off probes drafting, at least
 PROBE_SHARE = 0.05  # ... and enough that a probe's drafting steps take at most this share of the
-                    # wait's time (a drafting step may cost 20 plain ones)
+                    # wait's time (a drafting step may cost many plain ones)
 OFF_MAX = 4096      # the longest wait between probes (it doubles while drafting keeps losing)
 HYSTERESIS = 0.05   # a bucket that went off below `ratio` turns on again at ratio + this
 
