@@ -133,11 +133,12 @@ class DraftGate:
 
     def follows(self, rows: int) -> bool:
         """Whether the proposer should keep up with a step of `rows` decoding rows (take its
-        hidden states): the bucket drafts, or its drafting run comes next. While a bucket stays
-        plain its rows' draft state is left behind (every proposer starts over across a gap),
-        so a probe after a long wait does not first catch up on every step since."""
+        hidden states): the bucket is on (its plain probes too), or its drafting probe comes
+        next. While a bucket is off its rows' draft state is left behind (every proposer starts
+        over across a gap), so a probe after a long wait does not first catch up on every step
+        since."""
         b = self.buckets.get(bucket_of(rows))
-        return b is None or b.drafts or b.left <= 1
+        return b is None or b.on or b.drafts or b.left <= 1
 
     def _next_run(self, b: Bucket) -> None:
         if b.probing:

@@ -75,6 +75,8 @@ def test_a_winning_drafter_stays_on_and_probes_plain_rarely() -> None:
     plain = steps.count(False)
     assert plain == 3 * g.PROBE_STEPS and plain / n < 0.04
     assert e.gate.buckets[2].on
+    assert e.run(2, rows=4, draft_s=0.015, draft_tokens=3) == [False, False]   # the next probe
+    assert e.gate.follows(4)   # (an on bucket's head is fed through its plain probes: no gap)
 
 
 def plain_runs(steps: list[bool]) -> list[int]:
