@@ -272,6 +272,22 @@ class Metrics:
             f"{PREFIX}_speculation_batch_off_steps",
             "Decode steps that did not draft because more rows decoded than "
             "draft.disable_by_batch_size", proposer, registry=r)
+        self.spec_gate_open = Gauge(
+            f"{PREFIX}_speculation_gate_open",
+            "draft.gate, per proposer and bucket of decoding rows (rows: 1, 2-3, 4-7, ...): 1 "
+            "while such steps draft, 0 while the gate keeps them plain (drafting's measured "
+            "goodput lost there)", proposer + ["rows"], registry=r)
+        self.spec_gate_switches = Counter(
+            f"{PREFIX}_speculation_gate_switches",
+            "draft.gate: times drafting turned off (to=off) or on again (to=on) for a bucket of "
+            "decoding rows (rows: 1, 2-3, 4-7, ...)",
+            proposer + ["rows", "to"], registry=r)
+        self.spec_gate_goodput = Gauge(
+            f"{PREFIX}_speculation_gate_goodput_tokens_per_second",
+            "draft.gate: moving average of tokens emitted per second of steps that verified "
+            "drafts (steps=draft) and of plain decode steps (steps=plain), per bucket of decoding "
+            "rows (rows: 1, 2-3, 4-7, ...), as of its last probe or switch",
+            proposer + ["rows", "steps"], registry=r)
         self.fast_forward_tokens = Counter(
             f"{PREFIX}_fast_forward_tokens",
             "Output tokens a grammar forced that rows appended without sampling one step each "

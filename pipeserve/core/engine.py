@@ -181,6 +181,7 @@ class Engine:
             progress.close()
             self.scheduler.lookup, self.step.caching = lookup, self.step._cache is not None
             self.step.bind_metrics()
+            self.step.forget_timings()   # draft.gate: the warm-up's steps built kernels
         errors = [s.error for s in sinks if s.error is not None]
         if errors:
             log.warning("kernel warm-up: %d of %d requests failed (%s); serving anyway",

@@ -241,6 +241,8 @@ class Step:
     def idle(self) -> None:
         """Nothing to run: memory gauges, and the prompt cache's idle work."""
         sample_memory(self._metrics, self.kv, self._layout)
+        if self.draft is not None:
+            self.draft.idle()
         if self._ticking:
             self._cache.tick()
 
@@ -250,6 +252,11 @@ class Step:
         its rows' first step comes next, and the copies would delay those first tokens."""
         if self.caching and (busy or plan is None or all(r.samples for r in plan.rows)):
             self._timed("persist", lambda: self.persist.drain(self.kv, PERSIST_ROWS))
+
+    def forget_timings(self) -> None:
+        """The kernel warm-up is over: what its steps took says nothing of the traffic."""
+        if self.draft is not None:
+            self.draft.forget_timings()
 
     def passed(self) -> None:
         """After each loop pass: memory gauges every 16th, MLX's buffer cache back every 256th."""

@@ -23,6 +23,11 @@ class DraftConfig:
                                  # draft=eagle3 / dflash: the head's checkpoint directory
     disable_by_batch_size: Optional[int] = None   # draft only while at most this many rows
                                                   # decode (unset: always)
+    gate: bool = True   # drafting turns off in batch sizes where it measures slower than plain
+                        # decode (tokens per second of each kind of step, per bucket of 1, 2-3,
+                        # 4-7, ... decoding rows), and probes drafting there now and then
+    gate_ratio: float = 0.95   # draft.gate keeps drafting while its goodput >= this × plain's
+                               # (once off, a probe turns it on again at this + 0.05)
     adaptive: bool = True   # each row's draft length follows its recent acceptance (at most
                             # num_draft_tokens); rows whose drafts keep failing pause drafting
     fast_forward: int = 16   # tokens a grammar forces that a row appends in one step, verified
@@ -54,6 +59,9 @@ class DraftConfig:
             raise ConfigError(
                 f"draft.num_draft_tokens must be in [1, 64], got {self.num_draft_tokens}")
         _positive("draft.disable_by_batch_size", self.disable_by_batch_size)
+        if not 0 < self.gate_ratio <= 100:
+            raise ConfigError(f"draft.gate_ratio must be in (0, 100] (drafting's goodput over "
+                              f"plain decode's that keeps it on), got {self.gate_ratio}")
         if not 0 <= self.fast_forward <= 256:
             raise ConfigError(f"draft.fast_forward must be in [0, 256] (0: off), got "
                               f"{self.fast_forward}")

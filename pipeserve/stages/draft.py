@@ -12,8 +12,9 @@ from typing import ClassVar
 
 from pipeserve.config import ServeConfig, build
 from pipeserve.draft.adaptive import DraftLengths
+from pipeserve.draft.gate import DraftGate, Report
 from pipeserve.core.rows import RowStore
-from pipeserve.core.plan import Drafts, Logits, PlannedRow, StepOutput, StepPlan
+from pipeserve.core.plan import Drafts, Logits, PlannedRow, RowOutput, StepOutput, StepPlan
 from pipeserve.request import Request
 from pipeserve.core.stage import StageDeps
 
@@ -25,6 +26,11 @@ def can_draft(req: Request) -> bool:
     would need the history of each drafted position, so those rows don't draft. Grammar rows
     do: their drafts are cut to what the grammar accepts and verify masks every position."""
     return not req.sampling.needs_history
+
+
+def decoding_rows(plan: StepPlan) -> int:
+    """Rows past their prompt (the batch size draft.disable_by_batch_size and the gate read)."""
+    return sum(r.start >= r.request.num_prompt_tokens - 1 for r in plan.decode)
 
 
 class Draft:
@@ -46,6 +52,10 @@ class Draft:
         self._off_metric = (deps.metrics.spec_batch_off_steps.labels(cfg.draft.name)
                             if self.proposes else None)
         self._off = False   # the last decode step had more rows than off_above
+        # draft.gate: drafting off in batch sizes where its measured goodput loses
+        self._metrics = deps.metrics
+        self.gate = (DraftGate(cfg.draft.gate_ratio, report=self._gate_report)
+                     if cfg.draft.gate and self.proposes else None)
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Drafts:
         rows: list[PlannedRow] = []
@@ -55,9 +65,13 @@ class Draft:
         decoding = plan.decode
         if self.off_above is not None and decoding:
             # rows past their prompt: those the scheduler holds against the threshold
-            self._batch_size(sum(r.start >= r.request.num_prompt_tokens - 1 for r in decoding))
+            self._batch_size(decoding_rows(plan))
         if not any(r.max_drafts for r in decoding):
             return Drafts(sync=False)   # a busy batch decodes plainly (and pipelined)
+        drafting = next_drafts = self.proposes
+        if self.gate is not None:
+            n = decoding_rows(plan)
+            drafting, next_drafts = self.gate.choose(n), self.gate.next_drafts(n)
         sync = False   # whether a row may draft next step (it then needs this step's tokens)
         for row in decoding:
             req = row.request
@@ -67,10 +81,11 @@ class Draft:
             if row.known_input() is not None and (got := self._forced(row, room)):
                 forced[row.request_id] = got   # the grammar decides: no proposal needed
                 continue
-            if not self.proposes:
+            if not drafting:   # (draft=none, or the gate keeps this batch size plain)
+                sync = sync or (next_drafts and self.lengths.drafts_next(row.request_id))
                 continue
             chosen = self.lengths.length(row.request_id)   # (a pause counts down every step)
-            sync = sync or self.lengths.drafts_next(row.request_id)
+            sync = sync or (next_drafts and self.lengths.drafts_next(row.request_id))
             if row.known_input() is None:
                 continue   # its input is still on the device: no proposal continues it
             self._length_metric.observe(chosen)
@@ -147,6 +162,10 @@ class Draft:
         """After the step is applied (counters final): the proposer keeps what the target
         kept — draft=mtp the hidden states of the positions it kept, draft=model its KV."""
         kept = output.rows if output is not None else {}
+        follow = True   # whether the proposer takes this step's hidden states
+        if self.gate is not None:
+            self._measure(plan, kept)
+            follow = self.gate.follows(decoding_rows(plan))
         sampled: list[Request] = []
         for row in plan.rows:
             req = row.request
@@ -155,7 +174,7 @@ class Draft:
                 out = kept.get(row.request_id)
                 if out is not None:
                     self.lengths.record(row.request_id, out.num_drafts, out.num_accepted)
-            got = logits.hidden.get(row.request_id)
+            got = logits.hidden.get(row.request_id) if follow else None
             if got is None:
                 continue
             start, hidden = got
@@ -175,6 +194,50 @@ class Draft:
             log.warning("draft state of %d row(s) reset", len(sampled), exc_info=True)
             for req in sampled:
                 self.proposer.release(req)
+
+    def _measure(self, plan: StepPlan, kept: dict[str, RowOutput]) -> None:
+        """The gate's sample of this completed step: a plain decode step (every row past its
+        prompt) that verified proposed drafts or none, and the tokens it emitted."""
+        drafted: bool | None = False
+        tokens = 0
+        for row in plan.rows:
+            if row.start < row.request.num_prompt_tokens - 1:
+                drafted = None   # a prompt chunk's step measures no decode
+                break
+            if row.drafts:
+                if row.num_forced:
+                    drafted = None   # forced tokens: neither drafting's cost nor plain decode
+                    break
+                drafted = True
+            out = kept.get(row.request_id)
+            if out is not None:
+                tokens += len(out.token_ids)
+        self.gate.record(len(plan.rows), drafted, tokens)
+
+    def _gate_report(self, r: Report) -> None:
+        """A bucket met, measured or switched: its gauges, and a log line when it switches."""
+        m = self._metrics
+        m.spec_gate_open.labels(self.name, r.label).set(1 if r.on else 0)
+        m.spec_gate_goodput.labels(self.name, r.label, "draft").set(r.draft_rate)
+        m.spec_gate_goodput.labels(self.name, r.label, "plain").set(r.plain_rate)
+        if r.like is not None:
+            log.info("draft=%s: %s decoding rows: drafting off, as with %s (it lost there; "
+                     "probed now and then)", self.name, r.label, r.like)
+        if r.switched:
+            m.spec_gate_switches.labels(self.name, r.label, "on" if r.on else "off").inc()
+            log.info("draft=%s: %s decoding rows: %.0f tok/s drafting, %.0f plain "
+                     "(draft.gate_ratio=%.2f): drafting %s", self.name, r.label, r.draft_rate,
+                     r.plain_rate, self.gate.ratio, "on again" if r.on else "off")
+
+    def idle(self) -> None:
+        """The engine has nothing to run: the gate's next interval starts at the next step."""
+        if self.gate is not None:
+            self.gate.pause()
+
+    def forget_timings(self) -> None:
+        """After the kernel warm-up: its steps' times are kernel builds, not this workload's."""
+        if self.gate is not None:
+            self.gate.reset()
 
     def release(self, req: Request) -> None:
         self.lengths.release(req.request_id)

@@ -199,6 +199,8 @@ BAD = [
     (["admission=budget", "admission.kv_budget_gb=-1"], ConfigError,
      ["admission.kv_budget_gb", "-1"]),
     (["admission.buffer_cache_gb=-2"], ConfigError, ["admission.buffer_cache_gb", "-2"]),
+    (["draft=ngram", "draft.gate_ratio=0"], ConfigError, ["draft.gate_ratio", "got 0", "(0, 100]"]),
+    (["draft=mtp", "draft.gate=maybe"], COMPOSE, ["draft.gate", "maybe"]),
     (["pipeline.sample._target_=stages.nope.Sample"], ConfigError,
      ["pipeline.sample._target_", "stages.nope.Sample", "cannot be imported"]),
 ]
