@@ -101,7 +101,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
     if b.workload == "ttft":
         vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size", 500)
         return ttft.run(b, cfg.model.name, vocab, cfg.scheduler.prefill_chunk, overrides,
-                        model_dir, out, eos_bias, write=lambda done: _write(out, done))
+                        model_dir, out, eos_bias, write=lambda done: _write(out, done),
+                        budget=cfg.scheduler.max_num_batched_tokens)
     if b.workload == "cache_ttft":
         rows = _cache_ttft(b, cfg.model.name, overrides, model_dir, out, eos_bias)
         _write(out, rows)

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeserve.bench.config import CORES, BenchConfig, Row
 from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb, _with_children
@@ -50,12 +51,15 @@ def first_token(ids, chunk):
         break
     return time.perf_counter() - t0
 first_token(spec["warm"], spec["chunk"])   # the chunk shapes, once, as the server had
-cold = [first_token(ids, spec["chunk"]) for ids in spec["cold"]]
-bursts = {}
+print(json.dumps({"cold": [first_token(ids, spec["chunk"]) for ids in spec["cold"]]}), flush=True)
 for key, prompts in [*spec["bursts"].items(), *(("s" + k, p) for k, p in spec["shared"].items())]:
+    # prefill at most the server's step budget of prompt tokens at once (a burst of long
+    # prompts prefilled whole would need the attention scores of all of them together)
+    budget = spec["budget"] or (16384 if mx.default_device() == mx.gpu else 2048)   # as Limits.fit
+    per = max(1, min(len(prompts), budget // max(1, len(prompts[0]))))
     for rep in range(2):   # the first compiles this batch's shapes
         gen = BatchGenerator(model, max_tokens=2, completion_batch_size=len(prompts),
-                             prefill_batch_size=len(prompts))
+                             prefill_batch_size=per)
         t0 = time.perf_counter()
         uids = gen.insert(prompts, [2] * len(prompts))
         first = {}
@@ -63,8 +67,7 @@ for key, prompts in [*spec["bursts"].items(), *(("s" + k, p) for k, p in spec["s
             for r in gen.next_generated() or []:
                 first.setdefault(r.uid, time.perf_counter() - t0)
         gen.close()
-    bursts[key] = sorted(first.values())
-print(json.dumps({"cold": cold, "bursts": bursts}))
+    print(json.dumps({"burst": key, "ttft": sorted(first.values())}), flush=True)
 """
 
 
@@ -93,10 +96,11 @@ async def _burst(base: str, model: str, prompts: list[list[int]],
 
 def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str],
         model_dir: Path, out: Path, eos_bias: dict[str, float],
-        write: Callable[[list[Row]], None]) -> list[Row]:
+        write: Callable[[list[Row]], None], budget: int | None = None) -> list[Row]:
     """The rows of each scenario, one server per bench.cores placement given the same prompts;
     `chunk` is the server's prompt chunk (scheduler.prefill_chunk), the library's prefill step
-    here. Each server's rows, then the library's, are handed to `write` as they are measured,
+    here, and `budget` its prompt tokens a step (scheduler.max_num_batched_tokens; None: the
+    device's default), the most the library's BatchGenerator prefills at once. Each server's rows, then the library's, are handed to `write` as they are measured,
     so a run cut short (a device call's time limit) keeps what it measured."""
     rng = random.Random(17)
     vocab = min(vocab, 500)
@@ -123,13 +127,24 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     if not (b.batch_generator or b.bare_loop):
         return rows
     spec = out / "ttft-prompts.json"
-    spec.write_text(json.dumps({"warm": warm, "cold": cold, "chunk": chunk,
+    spec.write_text(json.dumps({"warm": warm, "cold": cold, "chunk": chunk, "budget": budget,
                                 "bursts": {str(n): p for n, p in bursts.items()},
                                 "shared": {str(n): p[1:] for n, p in shared.items()}}))
     res = subprocess.run([sys.executable, "-c", LIBRARY, str(model_dir), str(spec)],
-                         capture_output=True, text=True, check=True, cwd=ROOT,
-                         timeout=b.timeout_s)
-    lib = json.loads(res.stdout.strip().splitlines()[-1])
+                         capture_output=True, text=True, cwd=ROOT, timeout=b.timeout_s)
+    lib: dict[str, Any] = {"cold": [], "bursts": {}}
+    for line in res.stdout.splitlines():   # one line per scenario, as measured
+        if line.startswith("{"):
+            got = json.loads(line)
+            if "cold" in got:
+                lib["cold"] = got["cold"]
+            elif "burst" in got:
+                lib["bursts"][got["burst"]] = got["ttft"]
+    if res.returncode:   # a scenario the library could not run (its memory): keep the others
+        (out / "library.log").write_text(res.stdout[-20000:] + res.stderr[-20000:])
+        print(f"bench: the library's run ended early (exit {res.returncode}) after "
+              f"{len(lib['bursts'])} burst(s); its output: {out / 'library.log'}",
+              file=sys.stderr)
     mark = len(rows)
     for i, (ids, s) in enumerate(zip(cold, lib["cold"])):
         rows.append(_row("mlx-lm generate_step", f"cold prompt {i + 1}", 1, [s], 1, "",
