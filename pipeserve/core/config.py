@@ -32,8 +32,18 @@ class SchedulerConfig:
     # burst under every sampling path) so the first users do not wait while MLX builds its
     # kernels; unset: on a GPU (a CPU builds them in milliseconds)
     kernel_warmup: Optional[bool] = None
+    # an idle engine that wakes to a request keeps taking arrivals until none came for this
+    # long (at most arrival_window_ms), so a burst is prefilled together rather than split
+    # over two steps, the first group's first tokens waiting for the second's chunk; unset:
+    # 2 on a GPU, 0 (off) on a CPU. Only an idle engine waits: a running batch never does
+    arrival_gap_ms: Optional[float] = None
+    arrival_window_ms: float = 20.0
 
     def __post_init__(self) -> None:
+        for key in ("arrival_gap_ms", "arrival_window_ms"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise ConfigError(f"scheduler.{key} must be >= 0 (milliseconds), got {value}")
         _positive("scheduler.max_batch", self.max_batch)
         _positive("scheduler.max_wait_s", self.max_wait_s)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)

@@ -51,6 +51,7 @@ class Engine:
         self.prompt_cache: Any = None   # pipeserve.prompt_cache.*, or None (cache=off)
         self.layout: Any = None         # pipeserve.kv.layouts.*; the step: load_parts
         self._inbox, self._out = Inbox(), Outbox(metrics)
+        self._arrivals = (0.0, 0.0)   # (gap, window) seconds an idle engine takes arrivals for
         self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
         self.group: Any = None   # distributed≠none: pipeserve/distributed/group.py, built at load
@@ -136,6 +137,10 @@ class Engine:
         p = load_parts(self.cfg, self.metrics, self.scheduler)
         self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
+        s = self.cfg.scheduler
+        gap_ms = s.arrival_gap_ms if s.arrival_gap_ms is not None else (
+            2.0 if "gpu" in self.device else 0.0)
+        self._arrivals = (gap_ms / 1000, s.arrival_window_ms / 1000)
         self.publish()
 
     def publish(self) -> None:
@@ -306,7 +311,8 @@ class Engine:
     def take_commands(self, block: bool, timeout: float | None = None) -> list[Command]:
         """Run every command in the inbox (waiting up to `timeout` for one when `block`);
         returns them, in order (rank 0 of a distributed group broadcasts them)."""
-        done = list(self._inbox.take(block, timeout))
+        gap, window = self._arrivals if block else (0.0, 0.0)   # an idle engine takes a burst whole
+        done = list(self._inbox.take(block, timeout, gap, window))
         for cmd in done:
             self.run_command(cmd)
         return done

@@ -3,6 +3,7 @@ on the engine thread between steps, and the request counts admission reads from 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 
 from pipeserve.core.events import Command, Submit
@@ -31,15 +32,25 @@ class Inbox:
         self.num_left_queue = self.num_added - waiting
         return waiting
 
-    def take(self, block: bool, timeout: float | None) -> Iterator[Command]:
+    def take(self, block: bool, timeout: float | None, gap: float = 0.0,
+             window: float = 0.0) -> Iterator[Command]:
         """Engine thread: every command queued now, in order (waiting up to `timeout` for the
-        first when `block`); ends early at a None."""
+        first when `block`); ends early at a None. When it blocked and a submit woke it, it
+        goes on taking what arrives within `gap` seconds of the last, for up to `window`."""
+        until = None
         while True:
+            wait = 0.0
+            if block:
+                wait = timeout
+            elif until is not None:
+                wait = min(gap, until - time.monotonic())
             try:
-                cmd = self._queue.get(block=block, timeout=timeout if block else 0)
+                cmd = self._queue.get(block=wait is None or wait > 0, timeout=wait)
             except queue.Empty:
                 return
             if cmd is None:
                 return
+            if block and gap > 0 and isinstance(cmd, Submit):
+                until = time.monotonic() + window
             block = False
             yield cmd

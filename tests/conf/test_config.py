@@ -201,6 +201,7 @@ BAD = [
     (["admission.buffer_cache_gb=-2"], ConfigError, ["admission.buffer_cache_gb", "-2"]),
     (["draft=ngram", "draft.gate_ratio=0"], ConfigError, ["draft.gate_ratio", "got 0", "(0, 100]"]),
     (["draft=mtp", "draft.gate=maybe"], COMPOSE, ["draft.gate", "maybe"]),
+    (["scheduler.arrival_gap_ms=-1"], ConfigError, ["scheduler.arrival_gap_ms", ">= 0", "-1"]),
     (["pipeline.sample._target_=stages.nope.Sample"], ConfigError,
      ["pipeline.sample._target_", "stages.nope.Sample", "cannot be imported"]),
 ]

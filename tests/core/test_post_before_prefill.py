@@ -67,3 +67,40 @@ def test_the_step_in_flight_posts_before_a_prompt_chunks_launch(engine_factory) 
             unread.discard(sid)
     assert chunk_launches >= 3   # b's chunks ran beside a's decoding
     wait_idle(h)
+
+
+def test_an_idle_engine_takes_a_burst_whole(engine_factory) -> None:
+    """scheduler.arrival_gap_ms: an idle engine woken by a request keeps taking arrivals until
+    the gap passes without one, so requests sent a moment apart share their first prompt step;
+    tokens equal each row's alone. (The gap here is generous: a loaded machine's stalls stay
+    inside it.)"""
+    h = engine_factory("scheduler.max_batch=8", "cache=off", "scheduler.arrival_gap_ms=1000",
+                       "scheduler.arrival_window_ms=5000")
+    prompts = [PROMPTS[1], LONG[:40], PROMPTS[3], PROMPTS[5]]
+    want = [solo(h, p, max_tokens=5, logit_bias=EOS_OFF) for p in prompts]
+    step, planned = h.engine.step, []
+    launch = step.launch
+
+    def launched(plan: Any) -> Any:
+        planned.append(len(plan.prefill))
+        return launch(plan)
+    step.launch = launched
+
+    async def go() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        reqs = [h.request(p, max_tokens=5, logit_bias=EOS_OFF) for p in prompts]
+        streams = [RequestStream(loop) for _ in reqs]
+        h.engine.submit(reqs[0], streams[0])
+        await asyncio.sleep(0.05)   # the engine is awake and waiting out the gap
+        for r, st in zip(reqs[1:], streams[1:]):
+            h.engine.submit(r, st)
+        got = []
+        for st in streams:
+            ids: list[int] = []
+            while not st.finished:
+                ids += getattr(await asyncio.wait_for(st.next(), 60), "token_ids", [])
+            got.append(ids)
+        return got
+    assert asyncio.run(go()) == want
+    assert planned[0] == len(prompts)   # every prompt in the first step
+    wait_idle(h)
