@@ -100,8 +100,9 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     """The rows of each scenario, one server per bench.cores placement given the same prompts;
     `chunk` is the server's prompt chunk (scheduler.prefill_chunk), the library's prefill step
     here, and `budget` its prompt tokens a step (scheduler.max_num_batched_tokens; None: the
-    device's default), the most the library's BatchGenerator prefills at once. Each server's rows, then the library's, are handed to `write` as they are measured,
-    so a run cut short (a device call's time limit) keeps what it measured."""
+    device's default), the most the library's BatchGenerator prefills at once. Each server's
+    rows, then the library's, are handed to `write` as they are measured, so a run cut short
+    (a device call's time limit) keeps what it measured."""
     rng = random.Random(17)
     vocab = min(vocab, 500)
     head = [rng.randrange(3, vocab) for _ in range(b.ttft_prefix)]

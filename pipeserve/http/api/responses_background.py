@@ -205,6 +205,22 @@ async def cancel(app: Sanic, response_id: str) -> HTTPResponse:
     return json_response(item.body)
 
 
+RESUMED_WAIT_POLLS = 1000   # 10 ms apart: a resume still loading its engine is not waited out
+
+
+async def _resumed_here(app: Sanic, response_id: str) -> asyncio.Task[Any] | None:
+    """The task of a response this server's resume claimed but had not registered yet (its
+    request between the claim and the task), waited for while that resume is still running."""
+    resume = getattr(app.ctx, "resume_task", None)
+    for _ in range(RESUMED_WAIT_POLLS):
+        if (task := app.ctx.background.get(response_id)) is not None:
+            return task
+        if resume is None or resume.done():
+            break
+        await asyncio.sleep(0.01)
+    return app.ctx.background.get(response_id)
+
+
 async def _cancel_waiting(app: Sanic, response_id: str, body: dict[str, Any],
                           conversation: list[dict[str, Any]]) -> None:
     """A response a restart left open and has not resumed yet: cancelled here and on disk,
@@ -215,6 +231,12 @@ async def _cancel_waiting(app: Sanic, response_id: str, body: dict[str, Any],
     if claim is None or record is None:
         if claim is not None:
             claim.close()
+        elif (task := await _resumed_here(app, response_id)) is not None:
+            task.cancel()   # this server's resume had claimed it a moment before
+            try:
+                await task
+            except (asyncio.CancelledError, ServeError):
+                pass
         return
     persisted = Persisted(store, record, 1, claim)
     cancelled = dict(body, status="cancelled")
