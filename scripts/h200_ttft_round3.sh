@@ -24,9 +24,11 @@ if [ "$kind" = bf16 ]; then
   timeout 450 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
     'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/8b" 2>&1 | tail -48
   grep -h "kernel warm-up:\|ready:" "$out"/8b/pipeserve*.log | cut -c1-1500
+  cat "$out"/8b/memory.jsonl "$out"/8b/core-process/memory.jsonl 2>/dev/null | cut -c1-400
   find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/8b/ptx.txt"
   # shellcheck disable=SC2086
-  timeout 90 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline --repeat -- \
+  timeout 150 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline --repeat \
+    --shared-head 2048 -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
 elif [ "$kind" = long ]; then
   # shellcheck disable=SC2086

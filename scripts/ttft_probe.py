@@ -155,6 +155,9 @@ def main() -> None:
                     help="tokens every cold prompt starts with (a chat template's, say)")
     ap.add_argument("--repeat", action="store_true",
                     help="then the longest cold prompt again, and with 64 new tokens")
+    ap.add_argument("--shared-head", type=int, default=0,
+                    help="then each burst again, its prompts after one shared head this long "
+                         "(one request with it first, so the prompt cache holds it)")
     ap.add_argument("--mlx-trie", action="store_true",
                     help="the prompt cache on mlx-lm's PromptTrie (the before of an A/B)")
     ap.add_argument("overrides", nargs="*")
@@ -243,6 +246,29 @@ def main() -> None:
                                       "logit_bias": with_bias, "columns": "part, start ms, ms, "
                                       "rows, prompt rows, prompt tokens",
                                       "events": line.events[:40]}), flush=True)
+    if args.shared_head:
+        system = [rng.randrange(3, vocab) for _ in range(args.shared_head)]
+        for n, burst in bursts.items():
+            asyncio.run(one(engine, system + [rng.randrange(3, vocab) for _ in range(76)], 4))
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            clock.reset()
+            line.reset()
+            clock.on = line.on = True
+            r = asyncio.run(run_batch(engine, [system + p for p in burst], 4, {}))
+            clock.on = line.on = False
+            # the burst's own KV (every row's prompt and output), the unit of what it used
+            rows_kv = n * (len(system) + 76 + 4) * engine.memory.kv_bytes_per_token
+            print(json.dumps({"what": "engine burst on a cached head", "streams": n,
+                              "head": len(system), **r, "per_step_ms": clock.report(),
+                              **memory(), "rows_kv_gb": round(rows_kv / 1e9, 2),
+                              "peak_above_start_x_rows_kv":
+                                  round((mx.get_peak_memory() - base) / rows_kv, 2)}),
+                  flush=True)
+            if args.timeline:
+                print(json.dumps({"what": "timeline", "streams": n, "head": len(system),
+                                  "columns": "part, start ms, ms, rows, prompt rows, "
+                                  "prompt tokens", "events": line.events[:60]}), flush=True)
     model_dir = engine.loaded.path
     engine.stop()
     del engine

@@ -43,6 +43,24 @@ def _gauge(base_url: str, name: str) -> float:
     return float("nan")
 
 
+def _memory(base_url: str) -> dict[str, float]:
+    """The server's memory gauges (MLX's allocator by kind, the rows' KV, the prompt cache by
+    tier) in GB: what a scenario left behind and the peak so far."""
+    try:
+        text = _get(f"{base_url}/metrics", 10)[1]
+    except (OSError, urllib.error.URLError):
+        return {}
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("pipeserve_mlx_memory_bytes", "pipeserve_kv_bytes",
+                     "pipeserve_prompt_cache_bytes"):
+            if line.startswith(name + "{"):
+                label = line[line.index('"') + 1:line.index('"', line.index('"') + 1)]
+                key = f"{name.removeprefix('pipeserve_').removesuffix('_bytes')}.{label}"
+                got[key] = round(got.get(key, 0.0) + float(line.rsplit(" ", 1)[1]) / 1e9, 3)
+    return got
+
+
 def _peak_rss_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.bench.config import CORES, BenchConfig, Row
-from pipeserve.bench.server import ROOT, Process, _free_port, _peak_rss_mb, _with_children
+from pipeserve.bench.server import (ROOT, Process, _free_port, _memory, _peak_rss_mb,
+                                    _with_children)
 from pipeserve.bench.workload import _one, _pct, _session
 
 BURST_TOKENS = 76   # prompt length of a burst's requests
@@ -177,6 +178,11 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                       f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
     base, said = f"http://127.0.0.1:{port}", " ".join(overrides)
     rows: list[Row] = []
+    memory = (out / "memory.jsonl").open("w")
+
+    def note(scenario: str) -> None:   # the server's memory gauges after each scenario, in GB
+        memory.write(json.dumps({"scenario": scenario, **_memory(base)}) + "\n")
+        memory.flush()
     try:
         t0 = time.perf_counter()
         server.wait_http(f"{base}/health")
@@ -187,6 +193,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                 rows.append(_row(target, label, len(first), ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
                 rows[-1].wall_s = round(ready_s, 1)   # launch to ready
+                note(label)
         asyncio.run(_burst(base, model, [warm], {}))   # the chunk shapes, as the library gets
         for prompts in shapes.values():                  # and each burst's batch shapes
             asyncio.run(_burst(base, model, prompts, {}))
@@ -194,26 +201,31 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             ttft = asyncio.run(_burst(base, model, [ids], {}))
             rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
                              prompt_tokens=len(ids)))
+            note(rows[-1].workload)
         if cold:   # the last of the longest: still in the cache after the ones before it
             ref = max(reversed(cold), key=len)
             for label, ids in (("exact repeat", ref), ("new turn on a cached prefix", ref + turn)):
                 ttft = asyncio.run(_burst(base, model, [ids], {}))
                 rows.append(_row(target, label, 1, ttft, OUT_TOKENS, said,
                                  prompt_tokens=len(ids)))
+                note(label)
         for n, prompts in bursts.items():
             for bias in ({}, eos_bias):
                 ttft = asyncio.run(_burst(base, model, prompts, bias))
                 label = f"burst{' + logit_bias' if bias else ''}"
                 rows.append(_row(target, label, n, ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
+                note(f"{label} {n}")
         for n, prompts in shared.items():
             asyncio.run(_burst(base, model, prompts[:1], {}))   # the head, into the cache
             ttft = asyncio.run(_burst(base, model, prompts[1:], {}))
             rows.append(_row(target, f"burst, shared {len(prompts[0]) - BURST_TOKENS}-token head",
                              n, ttft, OUT_TOKENS, said, prompt_tokens=len(prompts[0])))
+            note(f"{rows[-1].workload} {n}")
         rss = sum(_peak_rss_mb(pid) for pid in _with_children(server.proc.pid))
         for r in rows:
             r.peak_rss_mb = round(rss, 1)
     finally:
+        memory.close()
         server.stop()
     return rows
