@@ -4,6 +4,7 @@ placement bench.cores names."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import subprocess
 import sys
@@ -47,6 +48,15 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
     assert "server.isolate=true" in {r["overrides"] for r in rows
                                      if r["target"] == "pipeserve, core process"}.pop()
     assert (tmp_path / "core-process" / "pipeserve.log").exists()
+    # each server's memory and stage seconds after each scenario, for where a slow one went
+    for log in (tmp_path / "memory.jsonl", tmp_path / "core-process" / "memory.jsonl"):
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [x["scenario"] for x in lines][-2:] == ["burst + logit_bias 3",
+                                                        "ttft:burst, shared 40-token head 3"]
+        assert len(lines) == 10, lines
+        peaks = [x["mlx_memory_gb.peak"] for x in lines]
+        assert peaks == sorted(peaks) and peaks[-1] > 0, peaks   # the peak so far
+        assert lines[-1]["stage_seconds_sum.prefill"] > lines[0]["stage_seconds_sum.prefill"]
 
 
 def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,19 +46,25 @@ def _gauge(base_url: str, name: str) -> float:
 
 def _memory(base_url: str) -> dict[str, float]:
     """The server's memory gauges (MLX's allocator by kind, the rows' KV, the prompt cache by
-    tier) in GB: what a scenario left behind and the peak so far."""
+    tier) in GB, what a scenario left behind and the peak so far; and the seconds its engine
+    steps spent in each stage and its requests in the queue, so far (a scenario's share is the
+    difference from the line before)."""
     try:
         text = _get(f"{base_url}/metrics", 10)[1]
     except (OSError, urllib.error.URLError):
         return {}
     got: dict[str, float] = {}
+    scale = {"pipeserve_mlx_memory_bytes": 1e9, "pipeserve_kv_bytes": 1e9,
+             "pipeserve_prompt_cache_bytes": 1e9, "pipeserve_stage_seconds_sum": 1.0,
+             "pipeserve_queue_wait_seconds_sum": 1.0, "pipeserve_batch_size_count": 1.0}
     for line in text.splitlines():
-        for name in ("pipeserve_mlx_memory_bytes", "pipeserve_kv_bytes",
-                     "pipeserve_prompt_cache_bytes"):
-            if line.startswith(name + "{"):
-                label = line[line.index('"') + 1:line.index('"', line.index('"') + 1)]
-                key = f"{name.removeprefix('pipeserve_').removesuffix('_bytes')}.{label}"
-                got[key] = round(got.get(key, 0.0) + float(line.rsplit(" ", 1)[1]) / 1e9, 3)
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in scale:
+            continue
+        labels = re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]) if "{" in line else []
+        label = ".".join(v for k, v in labels if k != "model")   # a pool's member: its model
+        key = f"{name.removeprefix('pipeserve_').replace('_bytes', '_gb')}.{label}".rstrip(".")
+        got[key] = round(got.get(key, 0.0) + float(line.rsplit(" ", 1)[1]) / scale[name], 3)
     return got
 
 
