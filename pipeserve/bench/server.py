@@ -44,7 +44,7 @@ def _gauge(base_url: str, name: str) -> float:
     return float("nan")
 
 
-def _memory(base_url: str) -> dict[str, float]:
+def _state(base_url: str) -> dict[str, float]:
     """The server's memory gauges (MLX's allocator by kind, the rows' KV, the prompt cache by
     tier) in GB, what a scenario left behind and the peak so far; and the seconds its engine
     steps spent in each stage and its requests in the queue, so far (a scenario's share is the
@@ -56,14 +56,18 @@ def _memory(base_url: str) -> dict[str, float]:
     got: dict[str, float] = {}
     scale = {"pipeserve_mlx_memory_bytes": 1e9, "pipeserve_kv_bytes": 1e9,
              "pipeserve_prompt_cache_bytes": 1e9, "pipeserve_stage_seconds_sum": 1.0,
-             "pipeserve_queue_wait_seconds_sum": 1.0, "pipeserve_batch_size_count": 1.0}
+             "pipeserve_queue_wait_seconds_sum": 1.0, "pipeserve_batch_size_count": 1.0,
+             # the admission model's terms: weights + tokens x KV per token (+ a chunk's work)
+             "pipeserve_model_weight_bytes": 1e9, "pipeserve_kv_bytes_per_token": 1.0}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name not in scale:
             continue
         labels = re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]) if "{" in line else []
         label = ".".join(v for k, v in labels if k != "model")   # a pool's member: its model
-        key = f"{name.removeprefix('pipeserve_').replace('_bytes', '_gb')}.{label}".rstrip(".")
+        short = name.removeprefix("pipeserve_")
+        short = short.replace("_bytes", "_gb") if scale[name] == 1e9 else short
+        key = f"{short}.{label}".rstrip(".")
         got[key] = round(got.get(key, 0.0) + float(line.rsplit(" ", 1)[1]) / scale[name], 3)
     return got
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeserve.bench.config import CORES, BenchConfig, Row
-from pipeserve.bench.server import (ROOT, Process, _free_port, _memory, _peak_rss_mb,
+from pipeserve.bench.server import (ROOT, Process, _free_port, _peak_rss_mb, _state,
                                     _with_children)
 from pipeserve.bench.workload import _one, _pct, _session
 
@@ -180,8 +180,8 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     rows: list[Row] = []
     memory = (out / "memory.jsonl").open("w")
 
-    def note(scenario: str) -> None:   # the server's memory gauges after each scenario, in GB
-        memory.write(json.dumps({"scenario": scenario, **_memory(base)}) + "\n")
+    def note(scenario: str) -> None:   # the server's memory and stage seconds so far
+        memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
         memory.flush()
     try:
         t0 = time.perf_counter()
