@@ -344,8 +344,9 @@ class ModelPool:
         self._loop = loop
         self._idle_task = loop.create_task(self._sweep())   # idle_unload_s and keep_alive
         default = self.members[self.default_id]
-        default.loading = loop.create_task(self._load(default))
-        default.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if default.loading is None and not default.ready:   # a first request may have begun it
+            default.loading = loop.create_task(self._load(default))
+            default.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _sweep(self) -> None:
         """Unload members idle past their limit: the last request's keep_alive (seconds; 0:

@@ -5,6 +5,7 @@ one engine process mid-stream, LRU eviction, idle unload, 404s and load timeouts
 request has a timeout; every wait loop is bounded."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -19,6 +21,13 @@ import httpx
 import openai
 import pytest
 
+from prometheus_client import CollectorRegistry
+
+from pipeserve.core.client import EngineState
+from pipeserve.metrics import Metrics
+from pipeserve.pool.members import compose_members
+from pipeserve.pool.pool import ModelPool
+from tests.conftest import make_config
 from tests.serve.test_openai import NO_EOS, metric_families, sample_value, sdk
 
 QWEN, LLAMA = "tiny-qwen3", "tiny-llama"
@@ -267,6 +276,33 @@ def test_max_resident_evicts_then_idle_unload_frees_the_process(server_factory: 
     assert sample_value(fams, "pipeserve_model_unload", "pipeserve_model_unload_total",
                         model=QWEN, reason="idle") == 1
     assert chat(client, QWEN, PROMPTS[QWEN]) == first   # and it loads again on demand
+
+
+def test_a_request_before_the_pool_started_loads_the_default_once(model_cache: Path) -> None:
+    """The listener takes requests before its ready hook starts the default model's load: a
+    request that came first began that load, and the hook must not begin a second one (on a
+    busy machine that second load evicted the first's engine, pool.max_resident=1, and the
+    request found its model "loading": a 503)."""
+    launch = ["pool=example", f"model.cache_dir={model_cache}", "pool.max_resident=1"]
+    cfg = make_config(*launch)
+    pool = ModelPool(cfg, compose_members(cfg, launch), SimpleNamespace(
+        draining=False, metrics=Metrics(CollectorRegistry())), CollectorRegistry(), launch)
+
+    async def main() -> tuple[Any, Any, list[int]]:
+        try:
+            first = asyncio.create_task(pool.context(None, pin=True))   # the default model
+            await asyncio.sleep(0)   # it has begun the load
+            pool.started({"version": "test"})
+            m = await first
+            engine = m.engine
+            loads = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_load"]
+            await asyncio.gather(*loads, return_exceptions=True)   # every load it began
+            return m, engine, [x.num_loads for x in pool.members.values()]
+        finally:
+            pool.stop()
+    m, engine, loads = asyncio.run(main())
+    assert m.id == QWEN and m.engine is engine and engine.state is not EngineState.LOADING
+    assert loads == [1, 0]
 
 
 def test_a_load_timeout_is_a_protocol_shaped_error(server_factory: Any) -> None:
