@@ -341,8 +341,11 @@ def test_a_launch_on_a_terminal_shows_its_long_steps_on_one_line(tmp_path: Path)
         assert drawn and drawn[-1] == "100", (step, out)
         # the full bar, cleared, then log lines only: the step's own where the bar was (or
         # after whole lines another part logged meanwhile, e.g. Sanic's "Worker ready")
-        assert re.search(rf"\r{re.escape(step)} \[#{{20}}\] 100% \([^\r\n]*\r\x1b\[K"
-                         rf"(?:\[[^\r\n]*\r?\n)*\[[^\n]*{re.escape(done)}", out), (step, out)
+        if not re.search(rf"\r{re.escape(step)} \[#{{20}}\] 100% \([^\r\n]*\r\x1b\[K"
+                         rf"(?:\[[^\r\n]*\r?\n)*\[[^\n]*{re.escape(done)}", out):
+            at = out.rfind(f"\r{step} [")   # what followed the step's last bar, untruncated
+            pytest.fail(f"{step}: not cleared before its log line; after its last bar:\n"
+                        f"{out[at:at + 1500]!r}")
 
 
 def test_help_lists_the_groups_a_user_picks_and_not_internal_ones() -> None:
