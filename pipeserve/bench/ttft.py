@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +170,36 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     return rows
 
 
+@contextmanager
+def _stacks_if_slow(pid: int, log: Path, after_s: float = 2.0, every_s: float = 3.0,
+                    most: int = 4) -> Iterator[None]:
+    """A scenario still running after `after_s`: the server and its engine core's process
+    (server.isolate=true; its pid from the log) write their threads' stacks to the server's
+    log (kill -USR1, pipeserve/launch/stacks.py), every `every_s`, at most `most` times: where
+    a slow burst's seconds go, from a device call that keeps only files."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(after_s):
+            return
+        for _ in range(most):
+            cores = re.findall(r"engine process (\d+) started", log.read_text(errors="replace"))
+            for p in [pid, *map(int, cores[-1:])]:
+                try:
+                    os.kill(p, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            if done.wait(every_s):
+                return
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: Path,
            first: list[list[int]], warm: list[int], shapes: dict[int, list[list[int]]],
            cold: list[list[int]], bursts: dict[int, list[list[int]]],
@@ -180,6 +215,10 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     rows: list[Row] = []
     memory = (out / "memory.jsonl").open("w")
 
+    def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
+        with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
+            return asyncio.run(_burst(base, model, prompts, bias))
+
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
         memory.flush()
@@ -189,7 +228,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
         ready_s = time.perf_counter() - t0
         if first:
             for label in ("first burst after launch", "the same burst again"):
-                ttft = asyncio.run(_burst(base, model, first, {}))
+                ttft = timed(first, {})
                 rows.append(_row(target, label, len(first), ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
                 rows[-1].wall_s = round(ready_s, 1)   # launch to ready
@@ -198,27 +237,27 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
         for prompts in shapes.values():                  # and each burst's batch shapes
             asyncio.run(_burst(base, model, prompts, {}))
         for i, ids in enumerate(cold):
-            ttft = asyncio.run(_burst(base, model, [ids], {}))
+            ttft = timed([ids], {})
             rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
                              prompt_tokens=len(ids)))
             note(rows[-1].workload)
         if cold:   # the last of the longest: still in the cache after the ones before it
             ref = max(reversed(cold), key=len)
             for label, ids in (("exact repeat", ref), ("new turn on a cached prefix", ref + turn)):
-                ttft = asyncio.run(_burst(base, model, [ids], {}))
+                ttft = timed([ids], {})
                 rows.append(_row(target, label, 1, ttft, OUT_TOKENS, said,
                                  prompt_tokens=len(ids)))
                 note(label)
         for n, prompts in bursts.items():
             for bias in ({}, eos_bias):
-                ttft = asyncio.run(_burst(base, model, prompts, bias))
+                ttft = timed(prompts, bias)
                 label = f"burst{' + logit_bias' if bias else ''}"
                 rows.append(_row(target, label, n, ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
                 note(f"{label} {n}")
         for n, prompts in shared.items():
             asyncio.run(_burst(base, model, prompts[:1], {}))   # the head, into the cache
-            ttft = asyncio.run(_burst(base, model, prompts[1:], {}))
+            ttft = timed(prompts[1:], {})
             rows.append(_row(target, f"burst, shared {len(prompts[0]) - BURST_TOKENS}-token head",
                              n, ttft, OUT_TOKENS, said, prompt_tokens=len(prompts[0])))
             note(f"{rows[-1].workload} {n}")

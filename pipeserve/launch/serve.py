@@ -23,6 +23,7 @@ from pipeserve.config import ServeConfig, check_overrides, load_config, register
 from pipeserve.errors import ConfigError
 from pipeserve.launch.overrides import expand_home
 from pipeserve.launch.run_files import write_run_files
+from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.distributed.lifeline import stop_self, watch_launcher
 from pipeserve.pool.members import compose_members
 
@@ -74,6 +75,7 @@ def serve(raw: DictConfig) -> None:
              OmegaConf.select(raw, "model.path", throw_on_resolution_failure=False)
              or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
+    dump_stacks_on_sigusr1()
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
         check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))

@@ -21,6 +21,7 @@ from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
 from pipeserve.errors import EngineUnavailable, ServeError
 from pipeserve.grammar.constraint import GrammarCompiler
+from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve.pool")
@@ -70,6 +71,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
                         format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
                                "%(name)s: %(message)s")
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
+    dump_stacks_on_sigusr1()
     sender = Sender(conn)
     send = sender.send
 

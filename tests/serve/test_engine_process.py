@@ -227,3 +227,30 @@ def _health_until_back(srv: Any) -> list[tuple[int, str]]:
             break
         time.sleep(0.05)
     return seen
+
+
+def _stacks_after_sigusr1(srv: Any, pid: int, frame: str) -> str:
+    """Signal `pid` and wait (bounded) for its stack dump to reach the server's log."""
+    before = srv.log().count("most recent call first")
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        log = srv.log()
+        if log.count("most recent call first") > before and frame in log:
+            return log
+        time.sleep(0.05)
+    return srv.log()
+
+
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_sigusr1_dumps_every_thread_and_the_server_goes_on(core: str, thread_core: Any,
+                                                          process_core: Any) -> None:
+    """kill -USR1: the process writes each thread's stack to the log (the engine loop's too,
+    in whichever process runs it) and keeps serving, token for token as before."""
+    srv = thread_core if core == "thread" else process_core
+    before = tokens(chat(srv.base_url, PROMPTS[0]))
+    pid = srv.proc.pid if core == "thread" else engine_pid(srv, MODEL)
+    log = _stacks_after_sigusr1(srv, pid, "in _loop")
+    assert "most recent call first" in log and 'core/engine.py", line' in log, log[-3000:]
+    assert srv.proc.poll() is None and alive(pid)
+    assert tokens(chat(srv.base_url, PROMPTS[0])) == before
