@@ -118,9 +118,11 @@ def instrument(engine: Any, c: Counter) -> None:
     if engine.scheduler.lookup is not None:
         c.wrap(engine.scheduler, "lookup", "lookup (lend, trim, shrink)",
                after=lambda out, *a, **k: arrays(getattr(out, "caches", None)))
-    inner_reserve = step_mod.reserve
-    step_mod.reserve = lambda caches, cap: c.measure(
-        "reserve (room for the next chunk)", lambda: inner_reserve(caches, cap))
+    import pipeserve.core.rows as rows_mod
+    for mod in (step_mod, rows_mod):   # at adoption (a partial chunk) or when fed alone
+        inner_reserve = mod.reserve
+        mod.reserve = lambda caches, cap, _inner=inner_reserve: c.measure(
+            "reserve (room for the next chunk)", lambda: _inner(caches, cap))
     c.wrap(kv, "decode_batch", "decode batch join (merge)",
            after=lambda out, *a, **k: arrays(out[0]))
     for cls in (KVCache, BatchKVCache):

@@ -70,7 +70,7 @@ class Forward:
         return shared
 
     def _prefill_one(self, row: PlannedRow, kv: RowStore) -> None:
-        cache = kv.own(row.request_id)
+        cache = kv.own(row.request_id, until=row.start + row.num_tokens)
         tokens = mx.array(row.token_ids(), dtype=mx.uint32)[None]
         self._select([row])
         if self.keep_hidden:   # draft=mtp: the head learns from the trunk's hidden states
@@ -90,12 +90,17 @@ class Forward:
 
     def _prefill_group(self, members: list[PlannedRow], kv: RowStore) -> None:
         """Every member's chunk (the rest of its prompt) in one right-padded forward over their
-        merged caches (a prompt-cache hit keeps its prefix; the merge left-aligns the rows); the
-        caches then roll the padding to the left, as mlx-lm's batched prompt processing does."""
+        merged caches (a prompt-cache hit keeps its prefix; the merge left-pads the rows to the
+        longest and leaves room for the chunk, which is written in place); the caches then roll
+        the padding to the left, as mlx-lm's batched prompt processing does."""
         ids = [r.request_id for r in members]
         chunks = [r.token_ids() for r in members]
         width = max(len(c) for c in chunks)
-        caches = [merge_layer(list(layer)) for layer in zip(*kv.take_own(ids))]
+        caches = [merge_layer(list(layer), room=width) for layer in zip(*kv.take_own(ids))]
+        # the merged buffers first, on their own: their slice updates land in place before the
+        # forward's graph can order any of them next to its own work
+        mx.async_eval([a for c in caches if getattr(c, "keys", None) is not None
+                       for a in (c.keys, c.values)])
         padding = [width - len(c) for c in chunks]
         if max(padding):
             for c in caches:

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.plan import PlannedRow
 from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
+from pipeserve.prompt_cache.protocol import reserve
 
 Replay = Callable[[list[PlannedRow], "RowStore"], Any]   # Forward.feed: rows feed host tokens
 
@@ -92,12 +93,18 @@ class RowStore:
             return rid not in self._lent
         return self.solo and self._rows == [rid]
 
-    def own(self, rid: str) -> list[Any]:
-        """The row's own caches (a new row gets empty ones); it must not be batched."""
+    def own(self, rid: str, until: int = 0) -> list[Any]:
+        """The row's own caches (a new row gets empty ones); it must not be batched. `until`:
+        where the caller's write ends; a hit's lent plain caches too short for it are first
+        rebuilt with room up to the 256-token step past it (one copy of the prefix; growing
+        an exact-size view costs that copy plus a zeroed tail, at a size no cold row has)."""
         assert rid not in self._groups and rid not in self._rows, rid
         caches = self._own.get(rid)
         if caches is None:
             caches = self._own[rid] = self.make_cache()
+        elif rid in self._lent and any(type(c) is KVCache and c.keys is not None
+                                       and c.keys.shape[2] < until for c in caches):
+            caches = self._own[rid] = reserve(caches, -(-(until + 1) // 256) * 256)
         self._lent.discard(rid)   # the caller feeds them (the forward writes the row's own)
         return caches
 
@@ -378,9 +385,15 @@ class RowStore:
         return held + sum(c.nbytes for g in groups.values() for c in g.caches)
 
 
-def merge_layer(layers: list[Any]) -> Any:
-    """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods)."""
-    if len(layers) > 1 and all(type(c) is KVCache and c.keys is not None for c in layers):
+def merge_layer(layers: list[Any], room: int = 0) -> Any:
+    """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods). `room`:
+    tokens each row writes next (a prefill group's chunk width); plain caches are merged into
+    a buffer that already holds them, so that write lands in place instead of growing the
+    batch by concatenation (a copy of every row)."""
+    plain = all(type(c) is KVCache for c in layers)
+    if room and len(layers) > 1 and plain and any(c.keys is not None for c in layers):
+        return _room_merge(layers, room)
+    if len(layers) > 1 and plain and all(c.keys is not None for c in layers):
         return _concat_merge(layers)
     merge = getattr(type(layers[0]), "merge", None)
     if merge is None:
@@ -404,6 +417,29 @@ def _concat_merge(layers: list[KVCache]) -> BatchKVCache:
         return mx.concatenate(parts, axis=0)
     cache = BatchKVCache(padding)
     cache.keys, cache.values = rows("keys"), rows("values")
+    cache.offset += longest
+    cache._idx = longest
+    return cache
+
+
+def _room_merge(layers: list[KVCache], room: int) -> BatchKVCache:
+    """Plain caches (some may be empty) → one BatchKVCache whose buffer holds the longest row
+    plus `room` rounded up to BatchKVCache.step, as its own growth would make it: each row's
+    KV is copied once, straight from its buffers (a prompt-cache hit's lent views are only
+    read), into a zeroed buffer that each row's slice update writes in place."""
+    longest = max(c.offset if c.keys is not None else 0 for c in layers)
+    padding = [longest - (c.offset if c.keys is not None else 0) for c in layers]
+    step = BatchKVCache.step
+    size = longest + -(-room // step) * step
+    like = next(c for c in layers if c.keys is not None)
+    cache = BatchKVCache(padding)
+    for name in ("keys", "values"):
+        a = getattr(like, name)
+        buf = mx.zeros((len(layers), a.shape[1], size, a.shape[3]), a.dtype)
+        for i, (c, pad) in enumerate(zip(layers, padding)):
+            if c.keys is not None and c.offset:
+                buf[i:i + 1, :, pad:longest, :] = getattr(c, name)[..., :c.offset, :]
+        setattr(cache, name, buf)
     cache.offset += longest
     cache._idx = longest
     return cache

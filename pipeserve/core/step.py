@@ -82,14 +82,19 @@ class Step:
     def _room(self, plan: StepPlan, rid: str, hit: int) -> int:
         """Tokens a hit row's KV makes room for: up to its next prompt-chunk boundary (the
         scheduler aligns chunks after a hit to it), never past its prompt's own 256-token step
-        (a short prompt's row stays the size of a cold one). Just the hit when it leaves no
-        prompt chunk: the row joins the decode batch, whose merge copies it anyway (a burst of
-        whole-prompt hits pays four operations a layer a row less)."""
-        chunk = self.prefill_chunk
-        prompt = next((r.request.num_prompt_tokens for r in plan.rows if r.request_id == rid),
-                      hit)
-        if hit >= prompt - 1:
+        (a short prompt's row stays the size of a cold one). Just the hit when its planned
+        chunk is the rest of its prompt (or it has none this step): a prefill group copies
+        the lent views once, into its batch buffer with room for the chunk (a reserve here
+        made that a third copy, with the group's growth); a row prefilled alone gets its room
+        where it is fed (RowStore.own); a row with no chunk joins the decode batch, whose
+        merge copies it anyway."""
+        row = next((r for r in plan.rows if r.request_id == rid), None)
+        if row is None:
             return hit
+        prompt = row.request.num_prompt_tokens
+        if hit >= prompt - 1 or row.start + row.num_tokens >= prompt - 1:
+            return hit
+        chunk = self.prefill_chunk
         return min(-(-hit // chunk) * chunk, -(-prompt // 256) * 256)
 
     def bind_metrics(self) -> None:
