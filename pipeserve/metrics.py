@@ -64,6 +64,10 @@ class Metrics:
         self.active_rows = Gauge(
             f"{PREFIX}_active_rows", "Requests the engine is running now (prefill or decode)",
             registry=r)
+        self.memory_waits = Counter(
+            f"{PREFIX}_memory_waits", "Requests that waited for a row because MLX's active "
+            "memory and their prompts' KV would pass admission.memory_high_water of its "
+            "memory limit", registry=r)
         self.preemptions = Counter(
             f"{PREFIX}_preemptions", "Running rows the scheduler gave to a more urgent request "
             "(admission.preemptible); each goes on later from where it stopped", registry=r)

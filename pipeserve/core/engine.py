@@ -243,6 +243,8 @@ class Engine:
                 break
             if sched.preempted:
                 self._preempted()
+            if sched.memory_held:
+                self._memory_held()
             self._count_waiting()
             self._out.replay(sched.running)
             launched = None
@@ -354,6 +356,14 @@ class Engine:
             log.info("preempted %s (priority %d) at %d output tokens for a more urgent request",
                      req.request_id, req.priority, req.num_folded)
         sched.preempted.clear()
+
+    def _memory_held(self) -> None:
+        sched = self.scheduler
+        self.metrics.memory_waits.inc(sched.memory_held)
+        log.info("memory: %d request(s) wait for a row: MLX's active memory (%.1f GB) and "
+                 "their prompts' KV would pass %.1f GB (admission.memory_high_water)",
+                 sched.memory_held, sched.active_memory() / 1e9, sched.memory_ceiling / 1e9)
+        sched.memory_held = 0
 
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))

@@ -74,6 +74,12 @@ class Scheduler:
         # the engine's: persist a preempted row's KV to the prompt cache, then free it
         self.evict: Callable[[Request], None] | None = None
         self.preempted: list[Request] = []   # rows preempted since the engine last read it
+        # the engine's: MLX's active memory now, and the most admission lets it reach (None:
+        # no memory gate); requests the gate has held, and how many were held since last read
+        self.active_memory: Callable[[], int] | None = None
+        self.memory_ceiling: int | None = None
+        self._held: set[str] = set()
+        self.memory_held = 0
 
     @property
     def max_batch(self) -> int:
@@ -82,13 +88,17 @@ class Scheduler:
     def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
                   lookup: Callable[[Request], CacheHit | None] | None = None,
                   evict: Callable[[Request], None] | None = None,
-                  copying: Callable[[str], bool] | None = None, min_reuse: int = 0) -> None:
+                  copying: Callable[[str], bool] | None = None, min_reuse: int = 0,
+                  active_memory: Callable[[], int] | None = None,
+                  memory_ceiling: int | None = None) -> None:
         """At load, once the device and the stages are known: the step's shape, the memory
         model, the cache_lookup stage when a prompt cache can hand prefixes over, and the
         step's `evict` (no preemption without it) and persist's `copying` (a shared prefix is
         waited for until its copy is in the prompt cache; never for a head shorter than the
-        lookup's `min_reuse`, which would not be reused)."""
+        lookup's `min_reuse`, which would not be reused). With `memory_ceiling`, a request
+        joins only while `active_memory()` plus the KV of what is admitted stays under it."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
+        self.active_memory, self.memory_ceiling = active_memory, memory_ceiling
         self.lookup, self.evict, self.copying = lookup, evict, copying
         self.shared_min = max(SHARED_PREFIX_MIN, min_reuse)
 
@@ -123,6 +133,7 @@ class Scheduler:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Remove a request wherever it is; returns it (status FINISHED) or None if unknown."""
+        self._held.discard(request_id)
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.request_id == request_id:
@@ -216,6 +227,7 @@ class Scheduler:
         urgent preemptible row gives its row and its KV to the head (core/preempt.py)."""
         deferred: list[Request] = []
         self._promote_starved()
+        room: int | None = None   # memory the gate still lets this pass admit (read once)
         try:
             while self.waiting:
                 req = self.waiting[0]
@@ -224,6 +236,15 @@ class Scheduler:
                     continue
                 if len(self.running) >= self.limits.max_batch and not self._preempt_for(req):
                     return
+                if self.memory_ceiling is not None and self.running:
+                    room = self._memory_room() if room is None else room
+                    need = self._memory_need(req.num_prompt_tokens)
+                    if need > room:
+                        if req.request_id not in self._held:
+                            self._held.add(req.request_id)
+                            self.memory_held += 1
+                        return
+                    room -= need
                 if self.kv_budget is not None and self.memory is not None:
                     need = self.memory.kv_bytes(req.num_prompt_tokens + req.sampling.max_tokens)
                     while self.running and self.kv_reserved + need > self.kv_budget:
@@ -236,9 +257,22 @@ class Scheduler:
                     req.queue_wait_s = time.perf_counter() - req.arrival_s
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                self._held.discard(req.request_id)
                 self._apply_hit(req)
         finally:
             self.waiting.extendleft(reversed(deferred))
+
+    def _memory_need(self, tokens: int) -> int:
+        """What `tokens` more of one row's prompt will add to MLX's active memory: its KV, and
+        the copy of it its join to the batch makes."""
+        return 2 * self.memory.kv_bytes(tokens) if self.memory is not None else 0
+
+    def _memory_room(self) -> int:
+        """Memory under the ceiling, less what rows still prefilling will take."""
+        assert self.memory_ceiling is not None and self.active_memory is not None
+        coming = sum(self._memory_need(r.num_prompt_tokens - r.num_computed_tokens)
+                     for r in self.running if self._prefilling(r))
+        return self.memory_ceiling - self.active_memory() - coming
 
     def _preempt_for(self, req: Request) -> bool:
         """Every row, or the KV budget, is taken: free a row and its KV for `req` if a less

@@ -308,12 +308,20 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     layout.attach(prompt_cache)
     step = Step(cfg, loaded, metrics, layout, prompt_cache, scheduler)
     # with a prompt cache, admission looks each request up (and may wait for a shared prefix)
+    # after setup_memory: MLX's limit as configured; a paged pool (allocated whole at load)
+    # already bounds what rows take, and its rows add nothing to MLX's active memory
+    high = cfg.admission.memory_high_water
+    ceiling = (int(high * mx.get_memory_limit())
+               if high > 0 and pool is None and mx.get_memory_limit() else None)
     scheduler.configure(limits, memory, kv_budget,
                         lookup=step.lookup if prompt_cache is not None else None,
                         evict=step.evict, copying=step.persist.waiting,
-                        min_reuse=getattr(step.lookup, "min_reuse", 0))
-    log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)",
-             limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk)
+                        min_reuse=getattr(step.lookup, "min_reuse", 0),
+                        active_memory=mx.get_active_memory, memory_ceiling=ceiling)
+    log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)%s",
+             limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk,
+             f"; new rows wait while MLX's active memory would pass {ceiling / 1e9:.1f} GB"
+             if ceiling else "")
     return Parts(loaded, str(mx.default_device()), layout, memory, pool, prompt_cache, step)
 
 

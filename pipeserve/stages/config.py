@@ -37,6 +37,12 @@ class AdmissionConfig:
     buffer_cache_gb: Optional[float] = None   # MLX's cache of freed buffers, at most (decimal
     #                                         GB); default: 10% of device memory on CUDA,
     #                                         MLX's own limit elsewhere
+    # a waiting request joins the batch only while MLX's active memory plus the KV its prompt
+    # will take (twice: the row's and its copy into the batch) stays under this share of MLX's
+    # memory limit: past it MLX stops queueing work ahead of the device (each evaluation
+    # waits for what is in flight), steps slow down many times over, so a burst waits in the
+    # queue instead. 0: off
+    memory_high_water: float = 0.9
 
     @property
     def name(self) -> str:
@@ -53,6 +59,9 @@ class AdmissionConfig:
         _positive("admission.max_tokens_default", self.max_tokens_default)
         _positive("admission.memory_budget_gb", self.memory_budget_gb)
         _positive("admission.kv_budget_gb", self.kv_budget_gb)
+        if not 0 <= self.memory_high_water <= 1:
+            raise ConfigError(f"admission.memory_high_water is {self.memory_high_water}; it is "
+                              "a share of MLX's memory limit, 0 (off) .. 1")
         for name, value in self.priority_classes.items():
             if not 0 <= value <= 9:
                 raise ConfigError(f"admission.priority_classes.{name} is {value}; priorities "

@@ -470,3 +470,37 @@ def test_kv_budget_holds_the_fifo_head() -> None:
     assert s.kv_reserved == 50
     s.schedule()
     assert [r.request_id for r in s.running] == ["b", "c"]
+
+
+def test_the_memory_gate_admits_while_active_memory_and_prompts_fit() -> None:
+    """admission.memory_high_water: a request joins only while MLX's active memory, the prompts
+    of rows still to prefill and its own prompt's KV (twice: its row and its copy into the
+    batch) stay under the ceiling; the first row always runs; each held request is counted
+    once; the head keeps its place (FIFO) and joins once memory is freed."""
+    s = sched("scheduler=continuous")
+    active = [100]
+    s.configure(Limits(8, 4096, 512), memory(kv_bytes_per_token=1), kv_budget=None,
+                active_memory=lambda: active[0], memory_ceiling=400)
+    for i in range(4):
+        s.add(req(60, 4, f"r{i}"))   # 120 bytes each: its 60 tokens' KV, twice
+    plan = s.schedule()
+    # r0 runs (the first always does) and counts as still to come: 100 + 120 + 120 <= 400
+    assert [r.request_id for r in s.running] == ["r0", "r1"] and s.memory_held == 1
+    active[0] = 340   # their prompts' forward is in flight, copies and all
+    assert s.schedule() is not None and len(s.running) == 2 and s.memory_held == 1
+    list(s.update(plan, output(plan)))
+    active[0] = 220   # joined: each prompt's KV once
+    s.schedule()
+    assert [r.request_id for r in s.running] == ["r0", "r1", "r2"]
+    assert [r.request_id for r in s.waiting] == ["r3"] and s.memory_held == 2
+    active[0] = 2000   # far past the ceiling: nothing joins while a row runs
+    for rid in ("r0", "r1", "r2"):
+        s.abort(rid)
+    s.schedule()
+    assert [r.request_id for r in s.running] == ["r3"]   # the batch was empty: it runs
+
+
+def test_memory_high_water_is_a_share() -> None:
+    with pytest.raises(ConfigError, match="memory_high_water is 1.5"):
+        make_config("admission.memory_high_water=1.5")
+    assert make_config("admission.memory_high_water=0").admission.memory_high_water == 0

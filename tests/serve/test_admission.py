@@ -94,3 +94,38 @@ def test_kv_budget_rejects_what_cannot_fit_alone(kv_budget: Any) -> None:
     err = e.value.response.json()["error"]
     assert err["type"] == "memory_admission" and err["code"] == "kv_over_budget"
     assert err["param"] == "max_tokens"
+
+
+@pytest.fixture(scope="module")
+def memory_gated(server_factory: Any) -> Any:
+    # a ceiling of a millionth of MLX's memory limit: under the weights alone, so while a row
+    # runs, no other joins (a stand-in for a GPU whose memory a burst would fill)
+    return server_factory("admission.memory_high_water=0.000001")
+
+
+def test_the_memory_gate_queues_a_joiner_and_changes_no_output(memory_gated: Any,
+                                                               server: Any) -> None:
+    base = memory_gated.base_url
+    body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 2000,
+            "logit_bias": NO_EOS, "temperature": 0}
+    results: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        results[name] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    assert wait_health(base, 30, inflight=1)["inflight"] == 1
+    second = threading.Thread(target=run, args=("second",))
+    second.start()
+    seen = wait_health(base, 30, inflight=2, waiting=1)
+    first.join(120)
+    second.join(120)
+    assert seen["waiting"] == 1   # the joiner waited for memory, not for a row slot
+    plain = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
+    for name in ("first", "second"):
+        assert results[name]["usage"]["completion_tokens"] == 2000
+        assert results[name]["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert sample_value(metric_families(base), "pipeserve_memory_waits",
+                        "pipeserve_memory_waits_total") == 1
+    assert "new rows wait while MLX's active memory would pass" in memory_gated.log()
