@@ -78,6 +78,7 @@ class Scheduler:
         # no memory gate); requests the gate has held, and how many were held since last read
         self.active_memory: Callable[[], int] | None = None
         self.memory_ceiling: int | None = None
+        self.reclaim: Callable[[], bool] | None = None   # the prompt cache drops its oldest entry
         self._held: set[str] = set()
         self.memory_held = 0
 
@@ -90,15 +91,19 @@ class Scheduler:
                   evict: Callable[[Request], None] | None = None,
                   copying: Callable[[str], bool] | None = None, min_reuse: int = 0,
                   active_memory: Callable[[], int] | None = None,
-                  memory_ceiling: int | None = None) -> None:
+                  memory_ceiling: int | None = None,
+                  reclaim: Callable[[], bool] | None = None) -> None:
         """At load, once the device and the stages are known: the step's shape, the memory
         model, the cache_lookup stage when a prompt cache can hand prefixes over, and the
         step's `evict` (no preemption without it) and persist's `copying` (a shared prefix is
         waited for until its copy is in the prompt cache; never for a head shorter than the
         lookup's `min_reuse`, which would not be reused). With `memory_ceiling`, a request
-        joins only while `active_memory()` plus the KV of what is admitted stays under it."""
+        joins only while `active_memory()` plus the KV of what is admitted stays under it;
+        `reclaim` (the prompt cache's oldest entry out) makes room first: live rows come
+        before cached prefixes."""
         self.limits, self.memory, self.kv_budget = limits, memory, kv_budget
         self.active_memory, self.memory_ceiling = active_memory, memory_ceiling
+        self.reclaim = reclaim
         self.lookup, self.evict, self.copying = lookup, evict, copying
         self.shared_min = max(SHARED_PREFIX_MIN, min_reuse)
 
@@ -239,6 +244,14 @@ class Scheduler:
                 if self.memory_ceiling is not None and self.running:
                     room = self._memory_room() if room is None else room
                     need = self._memory_need(req.num_prompt_tokens)
+                    while need > room and self.reclaim is not None:
+                        before = self.active_memory()
+                        if not self.reclaim():
+                            break
+                        freed = before - self.active_memory()   # what the entry held
+                        room += freed
+                        if freed <= 0:   # still held elsewhere (a row's view, the SSD writer)
+                            break
                     if need > room:
                         if req.request_id not in self._held:
                             self._held.add(req.request_id)

@@ -317,7 +317,8 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
                         lookup=step.lookup if prompt_cache is not None else None,
                         evict=step.evict, copying=step.persist.waiting,
                         min_reuse=getattr(step.lookup, "min_reuse", 0),
-                        active_memory=mx.get_active_memory, memory_ceiling=ceiling)
+                        active_memory=mx.get_active_memory, memory_ceiling=ceiling,
+                        reclaim=prompt_cache.evict_oldest if prompt_cache is not None else None)
     log.info("scheduler: up to %d rows, %d tokens per step (prompt chunks of %d)%s",
              limits.max_batch, limits.max_num_batched_tokens, limits.prefill_chunk,
              f"; new rows wait while MLX's active memory would pass {ceiling / 1e9:.1f} GB"

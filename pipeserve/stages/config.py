@@ -41,7 +41,7 @@ class AdmissionConfig:
     # will take (twice: the row's and its copy into the batch) stays under this share of MLX's
     # memory limit: past it MLX stops queueing work ahead of the device (each evaluation
     # waits for what is in flight), steps slow down many times over, so a burst waits in the
-    # queue instead. 0: off
+    # queue instead (the prompt cache gives up its oldest entries first). 0: off
     memory_high_water: float = 0.9
 
     @property

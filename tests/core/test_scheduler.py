@@ -500,6 +500,29 @@ def test_the_memory_gate_admits_while_active_memory_and_prompts_fit() -> None:
     assert [r.request_id for r in s.running] == ["r3"]   # the batch was empty: it runs
 
 
+def test_the_memory_gate_takes_room_from_the_prompt_cache_first() -> None:
+    """Live rows come before cached prefixes: a request the gate would hold first has the
+    prompt cache drop its oldest entries (what each freed counted back), and waits only once
+    the cache has nothing left to give."""
+    s = sched("scheduler=continuous")
+    active, entries = [300], [50, 20]   # 300 bytes active, 70 of them the cache's two entries
+
+    def reclaim() -> bool:
+        if not entries:
+            return False
+        active[0] -= entries.pop()
+        return True
+    s.configure(Limits(8, 4096, 512), memory(kv_bytes_per_token=1), kv_budget=None,
+                active_memory=lambda: active[0], memory_ceiling=400, reclaim=reclaim)
+    for i in range(3):
+        s.add(req(30, 4, f"r{i}"))   # 60 bytes each
+    s.schedule()
+    # r0 runs; r1 needs 60 of the 400 - 300 - 60 = 40 left: the oldest entry out (+20) lets
+    # it in; r2 then needs 60 of 0: the last entry out (+50) is not enough, and it waits
+    assert [r.request_id for r in s.running] == ["r0", "r1"] and entries == []
+    assert [r.request_id for r in s.waiting] == ["r2"] and s.memory_held == 1
+
+
 def test_memory_high_water_is_a_share() -> None:
     with pytest.raises(ConfigError, match="memory_high_water is 1.5"):
         make_config("admission.memory_high_water=1.5")
