@@ -8,9 +8,10 @@
 #         part.
 #   q4:   the 4-bit 8B, kernel warm-up on, twice on one kernel cache: launch to ready and the
 #         first burst from an empty cache, then again on the warm one.
+#   shared: the cached-head bursts alone, memory gate at 0.9 and off (admission.memory_high_water).
 #   long: 32k and 64k prompts beside the library (its own call: bf16's bench and probe take
 #         about 540 s of the device's 600 s a call).
-# Usage: scripts/h200_ttft_round3.sh bf16|q4|long
+# Usage: scripts/h200_ttft_round3.sh bf16|q4|long|shared
 set -uo pipefail
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
@@ -30,6 +31,18 @@ if [ "$kind" = bf16 ]; then
   timeout 150 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline --repeat \
     --shared-head 2048 -- \
     $model 2>&1 | tee "$out/probe-16k.jsonl" | cut -c1-900
+elif [ "$kind" = shared ]; then
+  # bursts of 32 and 128 on a cached 2048-token head, both cores, with the memory gate at its
+  # default and off: memory.jsonl per server (peak, memory_waits), stacks of slow scenarios
+  for high in 0.9 0; do
+    # shellcheck disable=SC2086
+    timeout 260 python3 bench.py bench.workload=ttft $model 'bench.ttft_cold=[]' \
+      bench.ttft_first_burst=0 bench.ttft_shared_head=2048 'bench.cores=[thread,process]' \
+      admission.memory_high_water=$high bench.batch_generator=false bench.bare_loop=false \
+      bench.out="$out/shared-$high" 2>&1 | grep "^| pipe"
+    tail -n 2 "$out/shared-$high/memory.jsonl" "$out/shared-$high/core-process/memory.jsonl" \
+      | cut -c1-700
+  done
 elif [ "$kind" = long ]; then
   # shellcheck disable=SC2086
   timeout 300 python3 bench.py bench.workload=ttft $model model.max_context=65600 \
