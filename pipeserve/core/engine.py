@@ -32,6 +32,7 @@ from pipeserve.core.stream import RequestStream
 from pipeserve.prompt_cache.protocol import rewinds
 
 log = logging.getLogger(__name__)
+MEMORY_LOG_S = 10.0   # the memory gate's log line, at most this often
 
 
 __all__ = ["Engine", "EngineState"]
@@ -52,6 +53,7 @@ class Engine:
         self.layout: Any = None         # pipeserve.kv.layouts.*; the step: load_parts
         self._inbox, self._out = Inbox(), Outbox(metrics)
         self._arrivals = (0.0, 0.0)   # (gap, window) seconds an idle engine takes arrivals for
+        self._memory_logged, self._memory_waits = -MEMORY_LOG_S, 0   # the memory gate's log
         self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
         self.group: Any = None   # distributed≠none: pipeserve/distributed/group.py, built at load
@@ -358,12 +360,18 @@ class Engine:
         sched.preempted.clear()
 
     def _memory_held(self) -> None:
+        """Requests the memory gate held: counted; logged at most every MEMORY_LOG_S."""
         sched = self.scheduler
         self.metrics.memory_waits.inc(sched.memory_held)
-        log.info("memory: %d request(s) wait for a row: MLX's active memory (%.1f GB) and "
-                 "their prompts' KV would pass %.1f GB (admission.memory_high_water)",
-                 sched.memory_held, sched.active_memory() / 1e9, sched.memory_ceiling / 1e9)
+        self._memory_waits += sched.memory_held
         sched.memory_held = 0
+        now = time.monotonic()
+        if now - self._memory_logged >= MEMORY_LOG_S:
+            log.info("memory: %d request(s) waited for a row since the last such line: MLX's "
+                     "active memory (%.1f GB) and their prompts' KV would pass %.1f GB "
+                     "(admission.memory_high_water)", self._memory_waits,
+                     sched.active_memory() / 1e9, sched.memory_ceiling / 1e9)
+            self._memory_logged, self._memory_waits = now, 0
 
     def _count_waiting(self) -> None:
         self.metrics.queue_depth.set(self._inbox.still_waiting(len(self.scheduler.waiting)))

@@ -128,4 +128,6 @@ def test_the_memory_gate_queues_a_joiner_and_changes_no_output(memory_gated: Any
         assert results[name]["choices"][0]["text"] == plain["choices"][0]["text"]
     assert sample_value(metric_families(base), "pipeserve_memory_waits",
                         "pipeserve_memory_waits_total") == 1
-    assert "new rows wait while MLX's active memory would pass" in memory_gated.log()
+    log = memory_gated.log()
+    assert "new rows wait while MLX's active memory would pass" in log
+    assert "1 request(s) waited for a row" in log
