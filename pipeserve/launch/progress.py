@@ -2,13 +2,16 @@
 kernel warm-up).
 
 On a terminal: one line rewritten in place, `what [#####.....] 52% (n of N unit, s)`, cleared
-when the step ends (the step's own log line follows). Anywhere else (a pipe, a file, a
-service's journal): plain log lines at each quarter, and only once the step has run for a
-second, so a fast load logs nothing extra. Called from the thread doing the step."""
+when the step ends (the step's own log line follows), and cleared too before any log line
+another thread writes to a terminal meanwhile (Sanic's "Worker ready" while the weights load),
+then drawn again below it. Anywhere else (a pipe, a file, a service's journal): plain log lines
+at each quarter, and only once the step has run for a second, so a fast load logs nothing
+extra. Called from the thread doing the step."""
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -16,6 +19,39 @@ from typing import TextIO
 WIDTH = 20          # characters of the bar
 REDRAW_S = 0.1      # at most ten redraws a second on a terminal
 QUIET_S = 1.0       # plain lines only for a step that has run this long
+
+
+_LOCK = threading.Lock()   # a bar's draw and a log line's clear of it never interleave
+_SHOWN: "StepProgress | None" = None   # the bar on the terminal now
+
+
+class _ClearBar(logging.Filter):
+    """On a handler that writes to a terminal: the bar shown there is cleared before the
+    record is written, and drawn again at the step's next advance."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with _LOCK:
+            bar = _SHOWN
+            if bar is not None and bar.shown:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+                bar.shown, bar.drawn = False, float("-inf")   # drawn again at the next advance
+        return True
+
+
+def _watch_terminal_handlers() -> None:
+    """Every handler that writes to a terminal (the root's, Sanic's own) clears a bar first."""
+    loggers = [logging.getLogger()] + [x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger)]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        stream = getattr(handler, "stream", None)
+        if stream is not None and _is_terminal(stream) and not any(
+                isinstance(f, _ClearBar) for f in handler.filters):
+            handler.addFilter(_ClearBar(stream))
 
 
 class StepProgress:
@@ -29,7 +65,9 @@ class StepProgress:
         self.t0 = self.drawn = clock()
         self.done = 0.0
         self.quarter = 0
+        self.shown = False   # the bar is on the terminal's current line
         if self.tty:
+            _watch_terminal_handlers()
             self._draw()
 
     def advance(self, amount: float) -> None:
@@ -48,21 +86,29 @@ class StepProgress:
 
     def close(self) -> None:
         """The step ended (or failed): a terminal's line is cleared for the next log line."""
+        global _SHOWN
         if self.tty:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.tty = False
+            with _LOCK:
+                if self.shown:
+                    self.stream.write("\r\x1b[K")
+                    self.stream.flush()
+                self.shown, self.tty = False, False
+                if _SHOWN is self:
+                    _SHOWN = None
 
     def _amounts(self) -> str:
         digits = 1 if self.unit == "MB" else 0   # megabytes to a tenth; tokens, tensors whole
         return f"{self.done:.{digits}f} of {self.total:.{digits}f} {self.unit}"
 
     def _draw(self) -> None:
+        global _SHOWN
         filled = int(WIDTH * self.done / self.total)
         bar = "#" * filled + "." * (WIDTH - filled)
-        self.stream.write(f"\r{self.what} [{bar}] {100 * self.done / self.total:3.0f}% "
-                          f"({self._amounts()}, {self.clock() - self.t0:.1f} s)\x1b[K")
-        self.stream.flush()
+        with _LOCK:
+            self.stream.write(f"\r{self.what} [{bar}] {100 * self.done / self.total:3.0f}% "
+                              f"({self._amounts()}, {self.clock() - self.t0:.1f} s)\x1b[K")
+            self.stream.flush()
+            self.shown, _SHOWN = True, self
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -77,3 +77,30 @@ def test_elsewhere_a_fast_step_logs_nothing_extra(caplog: pytest.LogCaptureFixtu
         p.advance(0.4)
         p.close()
     assert caplog.records == []
+
+
+def test_a_log_line_from_elsewhere_clears_the_bar_and_the_bar_comes_back_below_it() -> None:
+    """Sanic logs "Worker ready" while the weights load: on the terminal that line must not
+    land after the bar on the bar's line; the bar is cleared first and drawn again below."""
+    term, clock = Terminal(), Clock()
+    handler = logging.StreamHandler(term)
+    other = logging.getLogger("test.progress.other")
+    other.addHandler(handler)
+    other.propagate = False
+    try:
+        p = StepProgress(logging.getLogger("t"), "converting x.gguf", 100, stream=term,
+                         clock=clock)
+        clock.now += 0.5
+        p.advance(50)
+        other.warning("Worker ready")
+        clock.now += 0.01   # sooner than a redraw would be due: drawn again all the same
+        p.advance(50)
+        p.close()
+        other.warning("converting x.gguf: done")
+    finally:
+        other.removeHandler(handler)
+    out = term.getvalue()
+    assert "%" not in out.split("Worker ready")[0].rsplit("\r\x1b[K", 1)[1]   # cleared first
+    after = out.split("Worker ready\n", 1)[1]
+    assert after.startswith("\rconverting x.gguf [####################] 100%")
+    assert after.endswith("\x1b[K\r\x1b[Kconverting x.gguf: done\n")   # one clear at the end
