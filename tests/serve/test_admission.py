@@ -64,10 +64,9 @@ def kv_budget(server_factory: Any) -> Any:
     return server_factory("admission=budget", "admission.kv_budget_gb=0.002")
 
 
-def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
-    base = kv_budget.base_url
-    body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 3000,
-            "logit_bias": NO_EOS, "temperature": 0}
+def first_then_joiner(base: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`body` sent twice: the second once the first runs. Both answers by name, and /health
+    as it was once both were in (the joiner's wait, if it waited)."""
     results: dict[str, Any] = {}
 
     def run(name: str) -> None:
@@ -81,6 +80,14 @@ def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
     seen = wait_health(base, 30, inflight=2, waiting=1)
     first.join(120)
     second.join(120)
+    return results, seen
+
+
+def test_kv_budget_queues_a_joiner_then_admits_it(kv_budget: Any) -> None:
+    base = kv_budget.base_url
+    results, seen = first_then_joiner(base, {
+        "model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 3000,
+        "logit_bias": NO_EOS, "temperature": 0})
     assert seen["waiting"] == 1     # the joiner waited for the first row's KV
     assert results["first"]["usage"]["completion_tokens"] == 3000
     assert results["second"]["usage"]["completion_tokens"] == 3000
@@ -108,19 +115,7 @@ def test_the_memory_gate_queues_a_joiner_and_changes_no_output(memory_gated: Any
     base = memory_gated.base_url
     body = {"model": "tiny", "prompt": list(range(3, 23)), "max_tokens": 2000,
             "logit_bias": NO_EOS, "temperature": 0}
-    results: dict[str, Any] = {}
-
-    def run(name: str) -> None:
-        results[name] = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
-
-    first = threading.Thread(target=run, args=("first",))
-    first.start()
-    assert wait_health(base, 30, inflight=1)["inflight"] == 1
-    second = threading.Thread(target=run, args=("second",))
-    second.start()
-    seen = wait_health(base, 30, inflight=2, waiting=1)
-    first.join(120)
-    second.join(120)
+    results, seen = first_then_joiner(base, body)
     assert seen["waiting"] == 1   # the joiner waited for memory, not for a row slot
     plain = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120).json()
     for name in ("first", "second"):
