@@ -76,3 +76,36 @@ def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_c
         ("pipeserve", "ttft:cold prompt 1"), ("pipeserve", "ttft:exact repeat"),
         ("pipeserve", "ttft:new turn on a cached prefix"), ("pipeserve", "ttft:burst"),
         ("pipeserve", "ttft:burst + logit_bias")}
+
+
+def test_a_slow_scenario_leaves_the_stacks_of_the_server_in_its_log(tmp_path: Path) -> None:
+    """A scenario still running after `after_s`: the server (here a process that registers
+    the server's kill -USR1 dump and sleeps) writes its threads' stacks to its log, `most`
+    times at most; a quick one leaves none."""
+    import time
+
+    from pipeserve.bench.ttft import _stacks_if_slow
+    log = tmp_path / "pipeserve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from pipeserve.launch.stacks import dump_stacks_on_sigusr1;"
+             "import sys, time; dump_stacks_on_sigusr1(); print('up', flush=True);"
+             "time.sleep(60)"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with _stacks_if_slow(proc.pid, log, after_s=5.0):
+            pass   # a quick scenario
+        assert "most recent call first" not in log.read_text()
+        with _stacks_if_slow(proc.pid, log, after_s=0.05, every_s=0.1, most=2):
+            time.sleep(1.0)   # a slow one
+        deadline = time.monotonic() + 30
+        while log.read_text().count("most recent call first") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = log.read_text()
+        assert text.count("most recent call first") == 2 and "in <module>" in text
+        assert proc.poll() is None   # it went on
+    finally:
+        proc.kill()
+        proc.wait(10)
