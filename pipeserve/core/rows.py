@@ -132,14 +132,30 @@ class RowStore:
             return self._own[rid]
         g = self._groups.get(rid)
         if g is not None:
-            i = g.ids.index(rid)
-            return [layer.extract(i) for layer in g.caches]
+            return extract_rows(g.caches, [g.ids.index(rid)])[0]
         where = self._where(rid)
         if where is None:
             return None
         if self.solo:
             return self._caches
-        return [layer.extract(where) for layer in self._caches]
+        return extract_rows(self._caches, [where])[0]
+
+    def copy_of(self, rid: str, upto: int) -> list[Any] | None:
+        """A copy of the batched row's first `upto` positions that only the caller holds, at
+        exactly that size (a prompt-cache entry keeps it as it is: no second copy), where every
+        layer is a plain batched attention cache; None for a row with caches of its own, the
+        lone decode row or another layout (the caller copies from `caches_of`)."""
+        g = self._groups.get(rid)
+        if g is not None:
+            caches, i = g.caches, g.ids.index(rid)
+        else:
+            where = self._where(rid)
+            if where is None or self.solo:
+                return None
+            caches, i = self._caches, where
+        if not all(type(c) is BatchKVCache and c.keys is not None for c in caches):
+            return None
+        return extract_rows(caches, [i], upto)[0]
 
     def layer_of(self, rid: str, layer: int) -> Any | None:
         """One layer of this row's caches, as `caches_of` gives them (a copy of only that
@@ -192,11 +208,16 @@ class RowStore:
         their own caches (a row that stops decoding for a step without finishing)."""
         kept = set(keep)
         leaving = [i for i in range(len(self._rows)) if i not in kept]
+        pads = None if self.solo else host_padding(self._caches)   # one read serves all below
         if park:
-            for i in leaving:
-                rid = self._rows[i]
-                self._own[rid] = (list(self._caches) if self.solo
-                                  else [layer.extract(i) for layer in self._caches])
+            parked = (extract_rows(self._caches, leaving, pads=pads) if not self.solo
+                      else [list(self._caches)] * len(leaving))
+            for i, caches in zip(leaving, parked):
+                self._own[self._rows[i]] = caches
+            if not self.solo:   # copied now: a lazy copy would keep the whole old batch alive
+                mx.async_eval([a for caches in parked for c in caches   # until it was read
+                               for a in (getattr(c, "keys", None), getattr(c, "values", None))
+                               if isinstance(a, mx.array)])
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._rows, self._caches, self._next, self.solo = [], None, None, False
@@ -205,10 +226,9 @@ class RowStore:
         self._next = self._next[idx]
         if self.solo:
             return
-        for layer in self._caches:
-            layer.filter(idx)
+        pads = filter_layers(self._caches, keep, idx, pads)
         if len(keep) == 1:
-            self._caches = [layer.extract(0) for layer in self._caches]
+            self._caches = extract_rows(self._caches, [0], pads=pads)[0]
             self.solo = True
 
     def _extend(self, joiners: list[str], known: dict[str, int | None]) -> None:
@@ -255,13 +275,12 @@ class RowStore:
                 continue
             seen.add(id(g))
             keep = [i for i, m in enumerate(g.ids) if m in joining]
-            others = [m for m in g.ids if m not in joining]
-            for m in others:   # members not joining now keep their KV as their own
-                self._own[m] = [layer.extract(g.ids.index(m)) for layer in g.caches]
-            if len(keep) != len(g.ids):
-                idx = mx.array(keep, dtype=mx.int32)
-                for layer in g.caches:
-                    layer.filter(idx)
+            if len(keep) != len(g.ids):   # members not joining now keep their KV as their own
+                pads = host_padding(g.caches)
+                others = [i for i, m in enumerate(g.ids) if m not in joining]
+                for i, caches in zip(others, extract_rows(g.caches, others, pads=pads)):
+                    self._own[g.ids[i]] = caches
+                filter_layers(g.caches, keep, mx.array(keep, dtype=mx.int32), pads)
             for m in g.ids:
                 self._groups.pop(m, None)
             parts.append(([g.ids[i] for i in keep], g.caches))
@@ -351,19 +370,19 @@ class RowStore:
     def release_many(self, rids: Sequence[str]) -> None:
         """These rows finished: free their KV wherever it is. The decode batch is filtered
         once for all of them (each filter copies the batch's KV and reads its padding back)."""
+        gone = set(rids)
+        shrunk: dict[int, _Group] = {}
         for rid in rids:
             self._own.pop(rid, None)
             self._lent.discard(rid)
             g = self._groups.pop(rid, None)
             if g is not None:
-                i = g.ids.index(rid)
-                keep = [j for j in range(len(g.ids)) if j != i]
-                g.ids.pop(i)
-                if keep:
-                    idx = mx.array(keep, dtype=mx.int32)
-                    for layer in g.caches:
-                        layer.filter(idx)
-        gone = set(rids)
+                shrunk[id(g)] = g
+        for g in shrunk.values():   # one filter a group, however many of its rows finished
+            keep = [j for j, m in enumerate(g.ids) if m not in gone]
+            g.ids = [g.ids[j] for j in keep]
+            if keep:
+                filter_layers(g.caches, keep, mx.array(keep, dtype=mx.int32))
         keep = [i for i, r in enumerate(self._rows) if r not in gone]
         if len(keep) != len(self._rows):
             self._filter(keep)
@@ -383,6 +402,78 @@ class RowStore:
         held += sum(c.nbytes for caches in self._own.values() for c in caches)
         groups = {id(g): g for g in self._groups.values()}
         return held + sum(c.nbytes for g in groups.values() for c in g.caches)
+
+
+def host_padding(caches: list[Any]) -> list[list[int] | None]:
+    """Each layer's left padding per row (None: a layer without one), read from the device
+    once for every layer. mlx-lm's extract and filter read it layer by layer: a wait for the
+    device each time, and each wait gives up the GIL, which an event loop busy streaming
+    beside the engine thread may then keep for a whole switch interval."""
+    arrays = [c.left_padding for c in caches
+              if isinstance(getattr(c, "left_padding", None), mx.array)]
+    if not arrays:
+        return [getattr(c, "left_padding", None) or None for c in caches]
+    if len({a.shape for a in arrays}) == 1:
+        rows = iter(mx.stack(arrays).tolist())
+    else:
+        mx.eval(arrays)
+        rows = iter([a.tolist() for a in arrays])
+    return [next(rows) if isinstance(getattr(c, "left_padding", None), mx.array)
+            else (getattr(c, "left_padding", None) or None) for c in caches]
+
+
+def extract_rows(caches: list[Any], rows: list[int], upto: int | None = None,
+                 pads: list[list[int] | None] | None = None) -> list[list[Any]]:
+    """Batch rows `rows` as caches of their own (copies), each a list over `caches`' layers;
+    `upto`: only each row's first `upto` positions (plain batched layers). A plain batched
+    layer is sliced with its padding read once for all (`pads`, or `host_padding`); any
+    other layout extracts its own way."""
+    if not rows:
+        return []
+    plain = [type(c) is BatchKVCache and c.keys is not None for c in caches]
+    if pads is None and any(plain):
+        pads = host_padding(caches)
+    out: list[list[Any]] = [[] for _ in rows]
+    for layer, is_plain, pad in zip(caches, plain, pads or [None] * len(caches)):
+        for row, i in zip(out, rows):
+            if not is_plain or pad is None:
+                row.append(layer.extract(i))
+                continue
+            start = pad[i]
+            end = layer._idx if upto is None else start + upto
+            c = KVCache()
+            c.keys = mx.contiguous(layer.keys[i:i + 1, :, start:end])
+            c.values = mx.contiguous(layer.values[i:i + 1, :, start:end])
+            c.offset = end - start
+            row.append(c)
+    return out
+
+
+def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
+                  pads: list[list[int] | None] | None = None) -> list[list[int] | None]:
+    """Keep batch rows `keep` (`idx`, the same as an array) in every layer, dropping the
+    padding they all share, as each layout's `filter` does; a plain batched layer does it
+    with its padding read once for all (`pads`). Returns the padding left, per layer."""
+    plain = [type(c) is BatchKVCache for c in caches]
+    if pads is None and any(plain):
+        pads = host_padding(caches)
+    left: list[list[int] | None] = []
+    for c, is_plain, pad in zip(caches, plain, pads or [None] * len(caches)):
+        if not is_plain or pad is None:
+            c.filter(idx)
+            left.append(None)
+            continue
+        kept = [pad[i] for i in keep]
+        shared = min(kept)
+        if c.keys is not None:
+            c.keys, c.values = c.keys[idx], c.values[idx]
+            if shared:
+                c.keys, c.values = c.keys[..., shared:, :], c.values[..., shared:, :]
+        c.offset = c.offset[idx]
+        c.left_padding = mx.array([p - shared for p in kept])
+        c._idx -= shared
+        left.append([p - shared for p in kept])
+    return left
 
 
 def merge_layer(layers: list[Any], room: int = 0) -> Any:
@@ -453,14 +544,12 @@ def drop_shared_padding(caches: list[Any], rows: int) -> None:
     row has some, the batch is wider than any row needs: cut the common part (the same as a
     filter that keeps every row)."""
     keep = None
-    for c in caches:
-        pad = getattr(c, "left_padding", None)
-        if pad is None or isinstance(pad, list) and not pad or is_rotating(c):
+    for c, pad in zip(caches, host_padding(caches)):
+        if not pad or is_rotating(c):
             continue   # (a rotating buffer's padding leaves as it wraps)
-        shared = min(pad.tolist()) if isinstance(pad, mx.array) else min(pad)
-        if shared >= SHARED_PADDING_MAX:
+        if min(pad) >= SHARED_PADDING_MAX:
             keep = mx.arange(rows) if keep is None else keep
-            c.filter(keep)
+            filter_layers([c], list(range(rows)), keep, [pad])
 
 
 def rewind(cache: Any, drop: Sequence[int], solo: bool) -> None:

@@ -72,10 +72,15 @@ class Persist:
         for the device) would delay that token."""
         for rid in [r for r, (req, _) in self.pending.items() if req.output_ids][:rows]:
             req, positions = self.pending.pop(rid)
-            caches = kv.caches_of(rid)
-            if caches is None:   # freed meanwhile (failed, preempted, finished)
+            if rid not in kv:   # freed meanwhile (failed, preempted, finished)
                 continue
+            caches = None
             for done in positions:
+                fresh = kv.copy_of(rid, done)   # a batched row: the prefix alone, copied once
+                if fresh is not None:
+                    self.cache.put(req.key_ids[:done], fresh, req.adapter, handed=True)
+                    continue
+                caches = caches or kv.caches_of(rid)
                 cut = [lend(c) for c in caches]   # new objects: the row's own are untouched
                 if any(getattr(c, "offset", None) != done for c in cut):
                     if not all(type(c) in PREFIX_LAYOUTS and c.offset > done for c in cut):
@@ -111,11 +116,15 @@ class Persist:
             self.checkpoints.drop(req)
         if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
             return
+        known = req.key_ids + req.output_ids
+        fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
+        fresh = kv.copy_of(req.request_id, min(fed, len(known)))   # a batched row's, once
+        if fresh is not None:
+            self.cache.put(known[:min(fed, len(known))], fresh, req.adapter, handed=True)
+            return
         caches = kv.caches_of(req.request_id)
         if caches is None:
             return
-        known = req.key_ids + req.output_ids
-        fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
         if fed > len(known):            # e.g. the stop token was fed one step ahead
             if not all(c.is_trimmable() for c in caches):
                 return

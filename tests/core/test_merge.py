@@ -1,12 +1,14 @@
-"""Rows joining a batch: pipeserve's one-concatenation merge of plain KV caches gives exactly
-mlx-lm's BatchKVCache.merge (the same keys, values, padding and positions). Pure MLX."""
+"""Rows joining and leaving a batch: pipeserve's one-concatenation merge of plain KV caches
+gives exactly mlx-lm's BatchKVCache.merge (the same keys, values, padding and positions), and
+its extract and filter, which read the rows' padding once for every layer, exactly mlx-lm's.
+Pure MLX."""
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from pipeserve.core.rows import merge_layer
+from pipeserve.core.rows import RowStore, extract_rows, filter_layers, merge_layer
 
 
 def row(n: int, seed: int, capacity_step: int = 256) -> KVCache:
@@ -30,3 +32,67 @@ def test_the_concatenated_merge_equals_mlx_lms(lengths: list[int]) -> None:
     k = mx.ones((len(lengths), 4, 1, 16), mx.bfloat16)
     a, b = ours.update_and_fetch(k, k), theirs.update_and_fetch(k, k)
     assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
+
+
+def batch(lengths: list[int]) -> BatchKVCache:
+    """A decode batch as the engine's would be after a few steps: merged rows, then tokens."""
+    b = merge_layer([row(n, i) for i, n in enumerate(lengths)])
+    for t in range(3):
+        k = mx.full((len(lengths), 4, 1, 16), float(t), mx.bfloat16)
+        b.update_and_fetch(k, k)
+    return b
+
+
+def copy(b: BatchKVCache) -> BatchKVCache:
+    c = BatchKVCache([0] * b.keys.shape[0])
+    c.keys, c.values, c.offset, c.left_padding, c._idx = (
+        b.keys, b.values, b.offset, b.left_padding, b._idx)
+    return c
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1, 3], [3], [2, 0, 1]])
+def test_rows_leave_a_batch_as_mlx_lms_filter_and_extract_leave_them(keep: list[int]) -> None:
+    """The row store reads every layer's padding once (not once a layer and row); what rows
+    leave with and what the batch keeps equal mlx-lm's extract and filter, value for value."""
+    lengths = [5, 12, 3, 9]
+    layers = [batch(lengths), batch(lengths)]
+    leaving = [i for i in range(len(lengths)) if i not in keep]
+    out = extract_rows(layers, leaving)
+    for j, i in enumerate(leaving):
+        for layer, mine in zip(layers, out[j]):
+            theirs = layer.extract(i)
+            assert mine.offset == theirs.offset == lengths[i] + 3
+            assert mx.array_equal(mine.keys, theirs.keys)
+            assert mx.array_equal(mine.values, theirs.values)
+    prefix = extract_rows(layers, leaving, upto=2)
+    assert all(c.offset == 2 and mx.array_equal(c.keys, layers[0].extract(i).keys[..., :2, :])
+               for c, i in zip((p[0] for p in prefix), leaving))
+
+    theirs = [copy(layer) for layer in layers]
+    idx = mx.array(keep, dtype=mx.int32)
+    for layer in theirs:
+        layer.filter(idx)
+    filter_layers(layers, keep, idx)
+    for mine, ref in zip(layers, theirs):
+        assert mine._idx == ref._idx and mine.keys.shape == ref.keys.shape
+        assert mx.array_equal(mine.keys, ref.keys) and mx.array_equal(mine.values, ref.values)
+        assert mine.left_padding.tolist() == ref.left_padding.tolist()
+        assert mine.offset.tolist() == ref.offset.tolist()
+
+
+def test_a_batched_rows_prefix_copy_is_what_its_caches_hold() -> None:
+    """copy_of: a batched row's first positions, copied once at their exact size (what a
+    prompt-cache entry keeps as it is); a row with caches of its own gets None (the caller
+    copies from caches_of)."""
+    store = RowStore(lambda: [KVCache()])
+    for rid, n in (("a", 7), ("b", 19)):
+        store.own(rid)[0].update_and_fetch(*(row(n, n).state[:2]))
+    store.decode_batch(["a", "b"], {"a": 1, "b": 2})
+    for rid, n in (("a", 7), ("b", 19)):
+        held = store.caches_of(rid)[0]
+        fresh = store.copy_of(rid, n - 2)[0]
+        assert fresh.offset == n - 2 and fresh.keys.shape[2] == n - 2
+        assert mx.array_equal(fresh.keys, held.keys[..., :n - 2, :])
+        assert mx.array_equal(fresh.values, held.values[..., :n - 2, :])
+    store.own("c")
+    assert store.copy_of("c", 1) is None

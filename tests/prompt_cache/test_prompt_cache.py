@@ -141,10 +141,10 @@ def test_a_bursts_prompt_copies_wait_for_its_first_tokens(engine_factory) -> Non
     puts: list[tuple[int, float, int]] = []
     inner = cache.put
 
-    def put(tokens, caches, adapter=None):   # engine thread
+    def put(tokens, caches, adapter=None, handed=False):   # engine thread
         out = [len(r.output_ids) for r in running if r.key_ids[:len(tokens)] == list(tokens)]
         puts.append((len(tokens), decoded._value.get(), min(out, default=-1)))
-        return inner(tokens, caches, adapter)
+        return inner(tokens, caches, adapter, handed)
     cache.put = put
     got = asyncio.run(h.generate_many([h.request(p, max_tokens=24, logit_bias=EOS_OFF)
                                        for p in prompts]))
