@@ -101,7 +101,8 @@ class Request:
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
     # set by tokenize: prompt positions whose state the prompt cache should keep (the end of a
-    # chat's history before the generation prompt); cache_lookup drops those it does not need
+    # chat's history before the generation prompt); at admission the scheduler drops those
+    # cache_lookup's answer says are not needed
     checkpoints_at: tuple[int, ...] = ()
     pins: tuple[tuple[int, float], ...] = ()   # set by tokenize: (prompt position, ttl s) of
                                                # each cache_control breakpoint
@@ -135,8 +136,9 @@ class Request:
     num_forwarded: int = 0            # output tokens its grammar forced, appended a step at a
                                       # time (draft.fast_forward; usage.speculation.forwarded)
     queue_wait_s: float | None = None   # arrival until the scheduler gave it a row
-    cache_miss: dict[str, Any] | None = None   # set by cache_lookup: why prompt tokens were
-                                               # recomputed (pipeserve/prompt_cache/explain.py)
+    # set by the scheduler from cache_lookup's answer: why prompt tokens were recomputed
+    # (pipeserve/prompt_cache/explain.py)
+    cache_miss: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
