@@ -3,7 +3,7 @@ Built on the event loop; after Submit only the engine thread touches it."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,51 @@ class PromptInput:
     cache_breakpoints: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """The sampling and scheduling fields the client set explicitly, as the protocol parsers
+    read them from the body (None: not sent, so the model's and the server's defaults apply;
+    pipeserve/stages/admission.py merges them). Immutable: a later writer (the priority
+    header, a background response, each choice's seed) makes a new one with
+    dataclasses.replace."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    penalty_context_size: int | None = None   # the body's repetition_context_size
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None   # (token id, bias), as sent
+    stop: tuple[str, ...] | None = None   # () when the body has none: no default stop applies
+    # scheduling (pipeserve/eventloop/latency.py): the queue order as sent (0..9 or a class
+    # name; admission checks it), and a latency the answer must meet
+    priority: object = None
+    deadline_ms: int | None = None
+    max_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields set (not None), in this order, as SamplingParams takes them (stop a
+        list, logit_bias a dict)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "stop":
+                value = list(value)
+            elif f.name == "logit_bias":
+                value = dict(value)
+            out[f.name] = value
+        return out
+
+
 @dataclass(slots=True)
 class Request:
     """One generation. Fields below `engine state` belong to the engine thread after Submit."""
@@ -91,7 +136,7 @@ class Request:
     request_id: str
     endpoint: str
     inputs: PromptInput
-    requested: dict[str, Any] = field(default_factory=dict)  # sampling fields the client set
+    requested: Requested = field(default_factory=Requested)   # the fields the client set
     prompt_ids: list[int] = field(default_factory=list)       # set by tokenize
     sampling: SamplingParams = field(default_factory=SamplingParams)  # set by admission
     stop_token_ids: frozenset[int] = frozenset()              # set by tokenize
@@ -101,7 +146,8 @@ class Request:
     output_prefix: str = ""   # set by tokenize: assistant text the prompt already opened
                               # (an open <think>, a forced tool-call start); output follows it
     # set by tokenize: prompt positions whose state the prompt cache should keep (the end of a
-    # chat's history before the generation prompt); cache_lookup drops those it does not need
+    # chat's history before the generation prompt); at admission the scheduler drops those
+    # cache_lookup's answer says are not needed
     checkpoints_at: tuple[int, ...] = ()
     pins: tuple[tuple[int, float], ...] = ()   # set by tokenize: (prompt position, ttl s) of
                                                # each cache_control breakpoint
@@ -135,8 +181,9 @@ class Request:
     num_forwarded: int = 0            # output tokens its grammar forced, appended a step at a
                                       # time (draft.fast_forward; usage.speculation.forwarded)
     queue_wait_s: float | None = None   # arrival until the scheduler gave it a row
-    cache_miss: dict[str, Any] | None = None   # set by cache_lookup: why prompt tokens were
-                                               # recomputed (pipeserve/prompt_cache/explain.py)
+    # set by the scheduler from cache_lookup's answer: why prompt tokens were recomputed
+    # (pipeserve/prompt_cache/explain.py)
+    cache_miss: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

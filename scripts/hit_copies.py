@@ -117,7 +117,7 @@ def instrument(engine: Any, c: Counter) -> None:
     import pipeserve.prompt_cache.ram as ram_mod
     if engine.scheduler.lookup is not None:
         c.wrap(engine.scheduler, "lookup", "lookup (lend, trim, shrink)",
-               after=lambda out, *a, **k: arrays(getattr(out, "caches", None)))
+               after=lambda out, *a, **k: arrays(out.hit.caches if out.hit else None))
     import pipeserve.core.rows as rows_mod
     for mod in (step_mod, rows_mod):   # at adoption (a partial chunk) or when fed alone
         inner_reserve = mod.reserve

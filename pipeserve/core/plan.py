@@ -68,6 +68,21 @@ class CacheHit:
 
 
 @dataclass(frozen=True, slots=True)
+class LookupResult:
+    """cache_lookup's answer for a request at admission; the scheduler, the owner of the row's
+    state, applies it. `hit`: what the prompt cache supplies (None: nothing reused);
+    `checkpoints_at`: the prompt positions whose state persist still has to keep (the
+    request's own, less those the hit covers or a trimmable cache does not need);
+    `cache_miss`: why prompt tokens are recomputed (pipeserve/prompt_cache/explain.py). What
+    the lookup did not decide (a checkpoint resume, a prompt too short to look up) carries the
+    request's own value."""
+
+    hit: CacheHit | None
+    checkpoints_at: tuple[int, ...]
+    cache_miss: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Who runs this step and with how many tokens, under `scheduler.max_num_batched_tokens`.
     `hits` are the KV the prompt cache supplied to rows admitted now (the row store adopts

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pipeserve.config import ServeConfig
 from pipeserve.core.events import Event, Finished, TokenDelta
 from pipeserve.memory import MemoryModel
-from pipeserve.core.plan import CacheHit, PlannedRow, StepOutput, StepPlan
+from pipeserve.core.plan import CacheHit, LookupResult, PlannedRow, StepOutput, StepPlan
 from pipeserve.core import preempt
 from pipeserve.request import FinishReason, Request, RequestStatus, TokenLogprob
 
@@ -58,7 +58,7 @@ class Scheduler:
         self.memory: MemoryModel | None = None
         self.kv_budget: int | None = None   # bytes of KV all running rows may reserve
         self.kv_reserved = 0
-        self.lookup: Callable[[Request], CacheHit | None] | None = None   # cache_lookup stage
+        self.lookup: Callable[[Request], LookupResult] | None = None   # cache_lookup stage
         # persist's: whether a row's prompt copy still waits (a donor until it is made)
         self.copying: Callable[[str], bool] | None = None
         self.shared_min = SHARED_PREFIX_MIN   # head a request must share to wait for a donor
@@ -87,7 +87,7 @@ class Scheduler:
         return self.limits.max_batch
 
     def configure(self, limits: Limits, memory: MemoryModel, kv_budget: int | None,
-                  lookup: Callable[[Request], CacheHit | None] | None = None,
+                  lookup: Callable[[Request], LookupResult] | None = None,
                   evict: Callable[[Request], None] | None = None,
                   copying: Callable[[str], bool] | None = None, min_reuse: int = 0,
                   active_memory: Callable[[], int] | None = None,
@@ -306,8 +306,13 @@ class Scheduler:
         return True
 
     def _apply_hit(self, req: Request) -> None:
-        hit = self.lookup(req) if self.lookup is not None and not req.num_computed_tokens \
-            else None
+        """The cache_lookup stage's answer, applied to the row: the positions persist still
+        keeps, why tokens are recomputed, and the hit's tokens (and a resume's output)."""
+        if self.lookup is None or req.num_computed_tokens:
+            return
+        found = self.lookup(req)
+        req.checkpoints_at, req.cache_miss = found.checkpoints_at, found.cache_miss
+        hit = found.hit
         if hit is None:
             return
         self._hits.append((req.request_id, hit))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pipeserve.core.plan import CacheHit, Drafts, Logits, Sampled, StepOutput, StepPlan
+from pipeserve.core.plan import Drafts, Logits, LookupResult, Sampled, StepOutput, StepPlan
 from pipeserve.request import Request
 
 if TYPE_CHECKING:
@@ -27,10 +27,11 @@ class RequestStage(Protocol):
 
 
 class CacheLookup(Protocol):
-    """Engine thread, at admission: the longest reusable prefix (or a checkpoint to resume);
-    the scheduler applies it. Never mutates the request."""
+    """Engine thread, at admission: the longest reusable prefix (or a checkpoint to resume),
+    the checkpoint positions the row still needs and why tokens are recomputed, as one
+    LookupResult; the scheduler applies it to the row. Never mutates the request."""
 
-    def __call__(self, request: Request) -> CacheHit | None: ...
+    def __call__(self, request: Request) -> LookupResult: ...
 
 
 class Draft(Protocol):

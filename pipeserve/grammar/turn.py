@@ -100,7 +100,7 @@ class TurnGrammars:
         effort = inputs.template_kwargs.get("reasoning_effort")
         if budget is None and isinstance(effort, str):
             budget = self.budgets.get(effort)
-        max_tokens = request.requested.get("max_tokens")
+        max_tokens = request.requested.max_tokens
         if budget is not None and isinstance(max_tokens, int) and max_tokens <= budget:
             budget = None   # the turn ends before the budget could: nothing to force
         ids = lambda t: tuple(self.encode(t)) if t else ()   # noqa: E731

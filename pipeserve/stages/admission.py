@@ -68,7 +68,7 @@ class Admission:
     async def __call__(self, request: Request) -> Request:
         try:
             request.priority, request.priority_class = priority_of(
-                request.requested.get("priority"), self.cfg.priority_classes,
+                request.requested.priority, self.cfg.priority_classes,
                 self.cfg.default_priority)
             request.sampling = self.resolve(request)
             self._fit_pool(request)
@@ -90,7 +90,7 @@ class Admission:
                 retry_after_s=self.latency.retry_after_s(slots), code="queue_full")
         estimate = self.latency.estimate(len(request.prompt_ids), request.sampling.max_tokens,
                                          slots)
-        deadline = request.requested.get("deadline_ms")
+        deadline = request.requested.deadline_ms
         if deadline is not None and estimate is not None and estimate.total_s * 1000 > deadline:
             self.metrics.admission.labels("rejected", "deadline").inc()
             raise AdmissionRejected(
@@ -115,7 +115,7 @@ class Admission:
             fits += 1024
         while memory.kv_bytes(fits + 1) <= pool:
             fits += 1
-        if request.requested.get("max_tokens") is None and prompt < fits:
+        if request.requested.max_tokens is None and prompt < fits:
             sp.max_tokens = min(sp.max_tokens, fits - prompt)   # the default: what fits
             return
         self.metrics.admission.labels("rejected", "kv_over_budget").inc()
@@ -125,10 +125,10 @@ class Admission:
             "raise kv.pool_blocks / kv.pool_gb", param="max_tokens", code="kv_over_budget")
 
     def resolve(self, request: Request) -> SamplingParams:
-        given = request.requested
+        given = request.requested.given()
         merged: dict[str, Any] = {**PROTOCOL_DEFAULTS, **self.model_defaults,
                                   **self.server_defaults}
-        merged.update({k: v for k, v in given.items() if v is not None})
+        merged.update(given)
         for name, value in merged.items():
             self._check_range(name, value, given.get(name) is not None)
         if "top_k" in merged:

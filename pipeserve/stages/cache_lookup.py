@@ -1,13 +1,15 @@
 """CacheLookup: when a request is admitted, the longest reusable prefix of its prompt from
 the prompt cache (or the checkpoint of the identical request, to resume), so only the rest is
-computed; the scheduler applies the hit. What it could not reuse it explains on the request
-(`cache_miss`, pipeserve/prompt_cache/explain.py). Engine thread (called at admission)."""
+computed. A query: it returns the hit, the checkpoint positions the row still needs and why
+what it could not reuse is recomputed (`cache_miss`, pipeserve/prompt_cache/explain.py) as a
+LookupResult, and the scheduler applies them to the request. Engine thread (called at
+admission)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.plan import CacheHit
+from pipeserve.core.plan import CacheHit, LookupResult
 from pipeserve.prompt_cache.explain import explain
 from pipeserve.prompt_cache.protocol import rewinds
 from pipeserve.prompt_cache.ram import Lookup
@@ -41,33 +43,35 @@ class CacheLookup:
         self.trimmable = rewinds(deps.model)   # then no state is needed at a marked position
         self.min_reuse = min_reuse(cfg)
 
-    def __call__(self, req: Request) -> CacheHit | None:
+    def __call__(self, req: Request) -> LookupResult:
+        keep = req.checkpoints_at
         if self.cache is None:
-            return None
+            return LookupResult(None, keep, req.cache_miss)
         checkpoints = self.cache.checkpoints
         if checkpoints is not None:
             hit = self._resume(req, checkpoints)
             if hit is not None:
-                return hit
+                return LookupResult(hit, keep, req.cache_miss)
         for at, ttl_s in req.pins if self.pins else ():   # cache_control: kept from eviction
             self.cache.pin(req.key_ids[:at], ttl_s, req.adapter)
         if req.num_prompt_tokens - 1 < self.min_reuse:   # no hit it could take: not looked up
-            req.checkpoints_at = () if self.trimmable else req.checkpoints_at
-            return None
+            return LookupResult(None, () if self.trimmable else keep, req.cache_miss)
         found = self.cache.lookup(req.key_ids, req.adapter)
         if found.caches is not None and found.num_tokens < self.min_reuse:
             found = Lookup(None, 0, "short")   # cache.min_reuse_tokens: cheaper to compute
         reused = found.num_tokens if found.caches is not None else 0
         # a cache that can trim serves any prefix of a longer entry: no state to keep at the
         # history boundary; one that cannot (recurrent layers) keeps it unless reused past it
-        req.checkpoints_at = () if self.trimmable else tuple(
-            p for p in req.checkpoints_at if reused < p < req.num_prompt_tokens - 1)
-        req.cache_miss = explain(self.cache, req.key_ids, req.adapter, reused, self.decode)
-        if req.cache_miss is not None:
-            self.metrics.cache_miss_reasons.labels(req.cache_miss["reason"]).inc()
-        if found.caches is None:
-            return None
-        return CacheHit(found.num_tokens, self.layout.adopt(found.caches))
+        if self.trimmable:
+            keep = ()
+        else:
+            keep = tuple(p for p in keep if reused < p < req.num_prompt_tokens - 1)
+        miss = explain(self.cache, req.key_ids, req.adapter, reused, self.decode)
+        if miss is not None:
+            self.metrics.cache_miss_reasons.labels(miss["reason"]).inc()
+        hit = (CacheHit(found.num_tokens, self.layout.adopt(found.caches))
+               if found.caches is not None else None)
+        return LookupResult(hit, keep, miss)
 
     def _resume(self, req: Request, checkpoints: Any) -> CacheHit | None:
         """The identical request was checkpointed: replay its output and go on from there

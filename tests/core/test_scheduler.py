@@ -10,7 +10,7 @@ import pytest
 from pipeserve.errors import ConfigError
 from pipeserve.core.events import Finished, TokenDelta
 from pipeserve.memory import MemoryModel
-from pipeserve.core.plan import CacheHit, Drafts, RowOutput, StepOutput, StepPlan
+from pipeserve.core.plan import CacheHit, Drafts, LookupResult, RowOutput, StepOutput, StepPlan
 from pipeserve.request import (
     FinishReason,
     PromptInput,
@@ -354,9 +354,9 @@ def test_cache_hit_is_applied_at_admission() -> None:
     seen: list[str] = []
     hit = CacheHit(30, ["kv-of-30-tokens"])
 
-    def lookup(r: Request) -> CacheHit | None:
+    def lookup(r: Request) -> LookupResult:
         seen.append(r.request_id)
-        return hit if r.request_id == "a" else None
+        return LookupResult(hit if r.request_id == "a" else None, (), None)
     s.lookup = lookup
     a, b = req(50, 1, "a"), req(50, 1, "b")
     s.add(a)
@@ -378,7 +378,7 @@ def test_cache_hit_is_applied_at_admission() -> None:
 
 def test_cache_hit_of_the_whole_prompt_but_one_decodes_at_once() -> None:
     s = sched("scheduler=serial")
-    s.lookup = lambda r: CacheHit(9, [])
+    s.lookup = lambda r: LookupResult(CacheHit(9, []), (), None)
     r = req(10, 2)
     s.add(r)
     plan = s.schedule()
@@ -389,7 +389,7 @@ def test_cache_hit_of_the_whole_prompt_but_one_decodes_at_once() -> None:
 def test_checkpoint_hit_replays_output_and_goes_on() -> None:
     s = sched("scheduler=serial")
     hit = CacheHit(10 + 3 - 1, [], output_ids=(4, 5, 6), key=[1, 2])
-    s.lookup = lambda r: hit
+    s.lookup = lambda r: LookupResult(hit, (), None)
     r = req(10, 5)
     s.add(r)
     plan = s.schedule()

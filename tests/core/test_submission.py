@@ -14,7 +14,7 @@ from pipeserve.core.submission import EngineRequest
 from pipeserve.distributed import wire
 from pipeserve.grammar.constraint import Constraint, ConstraintKind
 from pipeserve.pool import codec
-from pipeserve.request import PromptInput, Request, SamplingParams
+from pipeserve.request import PromptInput, Request, Requested, SamplingParams
 
 ENGINE_FIELDS = ("request_id", "endpoint", "prompt_ids", "sampling", "stop_token_ids",
                  "constraint", "output_prefix", "adapter", "priority", "checkpoints_at")
@@ -26,7 +26,7 @@ def admitted() -> Request:
                         logit_bias={5: -100.0, 1000: 2.5})
     return Request(request_id="chatcmpl-1", endpoint="chat",
                    inputs=PromptInput(messages=[{"role": "user", "content": "hi"}]),
-                   requested={"temperature": 0.7}, prompt_ids=[1, 2, 3, 4], sampling=sp,
+                   requested=Requested(temperature=0.7), prompt_ids=[1, 2, 3, 4], sampling=sp,
                    stop_token_ids=frozenset({0, 2}),
                    constraint=Constraint(ConstraintKind("json_schema"), '{"type": "object"}',
                                          "response_format"),

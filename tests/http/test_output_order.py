@@ -9,7 +9,7 @@ from pipeserve.http.api import anthropic_shape
 from pipeserve.http.api.generation import Delta, Generation, Usage
 from pipeserve.http.api.responses_shape import ResponseShape
 from pipeserve.http.api.tools import ToolCall
-from pipeserve.request import SamplingParams
+from pipeserve.request import Requested, SamplingParams
 
 CALL = ToolCall(0, "now", {"tz": "UTC"})
 
@@ -17,7 +17,7 @@ CALL = ToolCall(0, "now", {"tz": "UTC"})
 def finished(parts: list[tuple[str, object]]) -> Generation:
     """A generation that recorded `parts` as the output path records deltas (text in two
     deltas each, so a run is kept whole across them)."""
-    request = SimpleNamespace(pins=(), num_prompt_tokens=5, requested={},
+    request = SimpleNamespace(pins=(), num_prompt_tokens=5, requested=Requested(),
                               sampling=SamplingParams())
     gen = Generation(None, request, None)
     for kind, part in parts:

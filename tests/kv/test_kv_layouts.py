@@ -192,10 +192,11 @@ def test_paged_rows_and_cache_share_one_pool(engine_factory) -> None:
     assert h.metrics.cache_evictions.labels("ram")._value.get() > evictions
     # larger than the whole pool (24 blocks × 16 tokens = 384 tokens): refused, not cut short
     from pipeserve.errors import MemoryAdmissionError
+    from pipeserve.request import Requested
     from pipeserve.stages.admission import Admission
     adm = Admission(h.cfg, h.engine.limits, h.engine.load, h.metrics)
     req = h.request(ids * 3, max_tokens=8)
-    req.requested = {"max_tokens": 8}
+    req.requested = Requested(max_tokens=8)
     with pytest.raises(MemoryAdmissionError, match=r"whole paged pool holds \(384 tokens\)"):
         asyncio.run(adm(req))
     wait_idle(h)

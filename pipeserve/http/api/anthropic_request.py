@@ -5,19 +5,20 @@ prompt-cache breakpoints, tools and tool_choice, thinking and its budget. Bad in
 InvalidRequest naming the field. Event loop; pure Python."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
 from pipeserve.http.api import fields as F
 from pipeserve.http.api.openai import sampling_fields
-from pipeserve.request import PromptInput
+from pipeserve.request import PromptInput, Requested
 from pipeserve.vision.media import MediaPart, from_base64, from_url
 
 MAX_BREAKPOINTS = 4   # Anthropic's limit on cache_control blocks
 TTLS = {"5m": 300.0, "1h": 3600.0}
 
 
-def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, dict[str, Any]]:
+def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, Requested]:
     """The body → its prompt and (unless `count_only`: count_tokens) its requested sampling."""
     messages = F.get(body, "messages", list)
     if not messages:
@@ -42,13 +43,13 @@ def parse(body: dict[str, Any], count_only: bool = False) -> tuple[PromptInput, 
                          continue_final=messages[-1].get("role") == "assistant"
                          if isinstance(messages[-1], dict) else False)
     if count_only:
-        return inputs, {}
+        return inputs, Requested()
     requested = sampling_fields(body, "stop_sequences")
-    requested["max_tokens"] = F.get(body, "max_tokens", int)
-    if requested["max_tokens"] is None:
+    max_tokens = F.get(body, "max_tokens", int)
+    if max_tokens is None:
         raise InvalidRequest("max_tokens is required: send the most tokens to generate, "
                              "a positive integer", param="max_tokens")
-    return inputs, requested
+    return inputs, replace(requested, max_tokens=max_tokens)
 
 
 def _turns(body: dict[str, Any], messages: list[Any],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeserve.http.api import openai as oa
@@ -113,11 +113,11 @@ def _logprobs(shape: CompletionShape, index: int, echo: Echo | None,
 
 def _row(parsed: oa.Parsed, rid: str, k: int, choice: int, inputs: PromptInput,
          adapter: str | None) -> Request:
-    requested = dict(parsed.requested)
+    requested = parsed.requested
     if choice:
-        requested["seed"] = oa.choice_seed(requested.get("seed"), choice)
-    if requested.get("max_tokens") == 0:
-        requested["max_tokens"] = None   # score only: admission checks the other fields
+        requested = replace(requested, seed=oa.choice_seed(requested.seed, choice))
+    if requested.max_tokens == 0:   # score only: admission checks the other fields
+        requested = replace(requested, max_tokens=None)
     return Request(request_id=rid if k == 0 else f"{rid}-{k}", endpoint="completions",
                    inputs=copy.deepcopy(inputs) if choice else inputs, requested=requested,
                    constraint=parsed.constraint, adapter=adapter)
@@ -142,8 +142,8 @@ async def respond(scope: Scope, parsed: oa.Parsed, front: Any, rid: str,
                   adapter: str | None, shape: CompletionShape) -> dict[str, Any]:
     """The text_completion body of every prompt's choices."""
     ctx, n = scope.ctx, parsed.n
-    generate = parsed.requested["max_tokens"] != 0
-    want_lps = parsed.requested["logprobs"]
+    generate = parsed.requested.max_tokens != 0
+    want_lps = parsed.requested.logprobs
     if want_lps and parsed.echo and adapter is not None:
         raise InvalidRequest("echo with logprobs scores the base model; drop the adapter",
                              param="echo")
@@ -159,7 +159,7 @@ async def respond(scope: Scope, parsed: oa.Parsed, front: Any, rid: str,
             scope.request = scope.request or req
             rows.append([req])
     echoes = [Echo.of(front, reqs[0].prompt_ids) if parsed.echo else None for reqs in rows]
-    top = parsed.requested["top_logprobs"]
+    top = parsed.requested.top_logprobs
 
     async def scored(e: Echo, ids: list[int]) -> None:
         e.scored = await score(ctx.engine, ids, top)

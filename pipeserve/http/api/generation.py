@@ -168,7 +168,7 @@ class Generation:
         self.finish_reason = "stop"
         self.stop_sequence: str | None = None
         self.usage = Usage(prompt_tokens=request.num_prompt_tokens)
-        asked = request.requested.get("max_tokens")
+        asked = request.requested.max_tokens
         if isinstance(asked, int) and asked > request.sampling.max_tokens:
             self.usage.max_tokens_clamped = request.sampling.max_tokens
         self.all_logprobs: list[TokenLogprob] = []

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from types import TracebackType
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -124,7 +125,7 @@ class Scope:
     def _check_priority(self, request: Request) -> None:
         """A priority more urgent than admission.default_priority is the admin key's to ask
         for (when server.admin_key is set): a client cannot push every other one back."""
-        value = request.requested.get("priority")
+        value = request.requested.priority
         if (value is None or not self.ctx.cfg.server.admin_key
                 or getattr(self.http.ctx, "urgent_ok", False)):
             return
@@ -144,8 +145,8 @@ class Scope:
     async def prepare(self, request: Request) -> Request:
         """The request stages (tokenize, admission); `submit` sends the result to the engine."""
         asked = self.http.headers.get(PRIORITY_HEADER)   # a body's own `priority` wins
-        if asked is not None and request.requested.get("priority") is None:
-            request.requested["priority"] = asked
+        if asked is not None and request.requested.priority is None:
+            request.requested = replace(request.requested, priority=asked)
         self._check_priority(request)
         try:
             request = await ready_front(self.app, self.ctx).prepare(request)

@@ -13,7 +13,7 @@ from pipeserve.grammar.constraint import Constraint
 from pipeserve.http.api import fields as F
 from pipeserve.http.api.resume import resumable
 from pipeserve.http.api.tools import ToolCall
-from pipeserve.request import PromptInput
+from pipeserve.request import PromptInput, Requested
 
 MAX_CHOICES = 128   # OpenAI's bound on `n`
 
@@ -21,7 +21,7 @@ MAX_CHOICES = 128   # OpenAI's bound on `n`
 @dataclass
 class Parsed:
     inputs: PromptInput
-    requested: dict[str, Any]
+    requested: Requested
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
@@ -41,27 +41,28 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 def sampling_fields(body: dict[str, Any], stop_field: str = "stop",
-                    max_n: int = 1) -> dict[str, Any]:
+                    max_n: int = 1) -> Requested:
     """Sampling fields shared by every endpoint (OpenAI's plus mlx-lm/vLLM extensions); `n`
     is checked against `max_n` (1 where the protocol has one output per request)."""
-    out = {
-        "temperature": F.get(body, "temperature", float),
-        "top_p": F.get(body, "top_p", float),
-        "top_k": F.get(body, "top_k", int),
-        "min_p": F.get(body, "min_p", float),
-        "repetition_penalty": F.get(body, "repetition_penalty", float),
-        "penalty_context_size": F.get(body, "repetition_context_size", int),
-        "presence_penalty": F.get(body, "presence_penalty", float),
-        "frequency_penalty": F.get(body, "frequency_penalty", float),
-        "xtc_probability": F.get(body, "xtc_probability", float),
-        "xtc_threshold": F.get(body, "xtc_threshold", float),
-        "seed": F.seed(body),
-        "logit_bias": F.logit_bias(body),
-        "stop": F.stop_list(body, stop_field),
+    bias = F.logit_bias(body)
+    out = Requested(
+        temperature=F.get(body, "temperature", float),
+        top_p=F.get(body, "top_p", float),
+        top_k=F.get(body, "top_k", int),
+        min_p=F.get(body, "min_p", float),
+        repetition_penalty=F.get(body, "repetition_penalty", float),
+        penalty_context_size=F.get(body, "repetition_context_size", int),
+        presence_penalty=F.get(body, "presence_penalty", float),
+        frequency_penalty=F.get(body, "frequency_penalty", float),
+        xtc_probability=F.get(body, "xtc_probability", float),
+        xtc_threshold=F.get(body, "xtc_threshold", float),
+        seed=F.seed(body),
+        logit_bias=tuple(bias.items()) if bias is not None else None,
+        stop=tuple(F.stop_list(body, stop_field)),
         # scheduling (pipeserve/eventloop/latency.py): queue order, and a latency the answer must meet
-        "priority": body.get("priority"),
-        "deadline_ms": F.get(body, "deadline_ms", int),
-    }
+        priority=body.get("priority"),
+        deadline_ms=F.get(body, "deadline_ms", int),
+    )
     n = F.get(body, "n", int, 1)
     if max_n == 1 and n != 1:
         raise InvalidRequest(f"n is {n}; this endpoint returns one output per request (n=1)",

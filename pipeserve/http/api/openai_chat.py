@@ -5,6 +5,7 @@ output and the sampling fields. Bad input is an InvalidRequest naming the field.
 pure Python."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
@@ -27,13 +28,14 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
                              param="messages")
     requested = sampling_fields(body, max_n=MAX_CHOICES)
     max_tokens = F.get(body, "max_completion_tokens", int)
-    requested["max_tokens"] = max_tokens if max_tokens is not None else F.get(body, "max_tokens", int)
+    if max_tokens is None:
+        max_tokens = F.get(body, "max_tokens", int)
     logprobs = F.get(body, "logprobs", bool, False)
     top = F.get(body, "top_logprobs", int)
     if top is not None and not logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    requested["logprobs"] = logprobs
-    requested["top_logprobs"] = top or 0
+    requested = replace(requested, max_tokens=max_tokens, logprobs=logprobs,
+                        top_logprobs=top or 0)
     constraint = structured.from_body(body)
     tools = [F.function_tool(t, f"tools[{i}]", "tools")
              for i, t in enumerate(F.get(body, "tools", list) or [])]

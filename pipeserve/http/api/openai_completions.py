@@ -3,6 +3,7 @@ prompts (strings or token ids), best_of, echo, logprobs (the legacy 0-5), suffix
 sampling fields. Bad input is an InvalidRequest naming the field. Event loop; pure Python."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
@@ -53,23 +54,23 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
         raise InvalidRequest(f"best_of is {best_of}; only best_of equal to n (or 1) is "
                              "supported: every generated choice is returned", param="best_of")
     requested = sampling_fields(body, max_n=MAX_CHOICES)
-    requested["max_tokens"] = F.get(body, "max_tokens", int, 16)  # OpenAI's default here
+    max_tokens = F.get(body, "max_tokens", int, 16)  # OpenAI's default here
     echo = F.get(body, "echo", bool, False)
-    if requested["max_tokens"] == 0 and not echo:
+    if max_tokens == 0 and not echo:
         raise InvalidRequest("max_tokens is 0; that generates nothing, which only makes sense "
                              "with echo: true (to score the prompt); allowed range is [1, "
                              "context]", param="max_tokens")
     logprobs = F.get(body, "logprobs", int)
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise InvalidRequest(f"logprobs is {logprobs}; allowed range is [0, 5]", param="logprobs")
-    requested["logprobs"] = logprobs is not None
-    requested["top_logprobs"] = logprobs or 0
+    requested = replace(requested, max_tokens=max_tokens, logprobs=logprobs is not None,
+                        top_logprobs=logprobs or 0)
     stream, include, resume = stream_flags(body)
     if stream and len(prompts) > 1:
         raise InvalidRequest(f"prompt has {len(prompts)} prompts; a streamed completion takes "
                              "one (send one request per prompt, or stream: false)",
                              param="prompt")
-    if stream and requested["max_tokens"] == 0:
+    if stream and max_tokens == 0:
         raise InvalidRequest("max_tokens 0 (scoring the prompt) needs stream: false",
                              param="max_tokens")
     return Parsed(prompts[0], requested, stream, include, echo=echo,

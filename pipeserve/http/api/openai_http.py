@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import sanic
@@ -43,7 +44,7 @@ async def handle(app: Sanic, http: sanic.Request, endpoint: str) -> HTTPResponse
         if not chat:
             completions_http.with_suffix(parsed, front)
         rows = parsed.n * len(parsed.prompts or [None])   # max_tokens 0 (scoring) runs none
-        if rows > 1 and parsed.requested.get("max_tokens") != 0:
+        if rows > 1 and parsed.requested.max_tokens != 0:
             _check_room(ctx, rows)
         if not chat and not parsed.stream:   # prompt arrays, echo scoring, max_tokens 0
             shape = shapes.CompletionShape(rid, ctx.cfg.model.name, front.token_info, fp)
@@ -126,9 +127,9 @@ def _check_room(ctx: Any, n: int) -> None:
 
 def _choice_request(parsed: oa.Parsed, rid: str, endpoint: str, index: int,
                     adapter: str | None) -> Request:
-    requested = dict(parsed.requested)
+    requested = parsed.requested
     if index:
-        requested["seed"] = oa.choice_seed(requested.get("seed"), index)
+        requested = replace(requested, seed=oa.choice_seed(requested.seed, index))
     return Request(request_id=rid if index == 0 else f"{rid}-{index}", endpoint=endpoint,
                    inputs=copy.deepcopy(parsed.inputs) if index else parsed.inputs,
                    requested=requested, constraint=parsed.constraint, adapter=adapter)

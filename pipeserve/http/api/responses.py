@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from typing import IO, Any, Awaitable, Callable
 
 import sanic
@@ -98,7 +99,7 @@ async def _read(app: Sanic, http: sanic.Request) -> tuple[dict[str, Any], Parsed
 def _request(rid: str, parsed: Parsed, adapter: str | None) -> Request:
     """A fresh Request of the parsed body (truncation auto builds one per try)."""
     req = Request(request_id=rid, endpoint="responses", inputs=parsed.inputs,
-                  requested=dict(parsed.requested), constraint=parsed.constraint,
+                  requested=parsed.requested, constraint=parsed.constraint,
                   adapter=adapter)
     dropped = parsed.tools.warning()
     if dropped is not None:
@@ -141,8 +142,9 @@ def _background_checks(parsed: Parsed, classes: dict[str, int]) -> None:
     if not parsed.store:
         raise InvalidRequest("background is true with store false; a background response is "
                              "polled from the store: send store true", param="store")
-    if parsed.requested.get("priority") is None:
-        parsed.requested["priority"] = background.least_urgent(classes)
+    if parsed.requested.priority is None:
+        parsed.requested = replace(parsed.requested,
+                                   priority=background.least_urgent(classes))
 
 
 MAX_TRUNCATIONS = 256   # oldest turns truncation "auto" drops at most

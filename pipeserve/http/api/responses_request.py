@@ -4,7 +4,7 @@ the sampling fields and the request fields the response body repeats. Event loop
 threads)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeserve.errors import InvalidRequest
@@ -18,13 +18,13 @@ from pipeserve.http.api.responses_conversation import Looked, history
 from pipeserve.http.api.responses_input import conversation_media, input_messages
 from pipeserve.http.api.responses_tools import ResponseTools, parse_tools
 from pipeserve.http.api.store import ResponseStore
-from pipeserve.request import PromptInput
+from pipeserve.request import PromptInput, Requested
 
 
 @dataclass
 class Parsed:
     inputs: PromptInput
-    requested: dict[str, Any]
+    requested: Requested
     conversation: list[dict[str, Any]]   # template messages without the instructions
     echo: dict[str, Any] = field(default_factory=dict)   # request fields the body repeats
     stream: bool = False
@@ -49,11 +49,10 @@ def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = Fa
         kwargs.setdefault("enable_thinking", thinking_from_effort(effort, "reasoning.effort"))
         kwargs.setdefault("reasoning_effort", effort)
     constraint, fmt = structured.from_text_format(body)
-    requested = sampling_fields(body)
-    requested["max_tokens"] = F.get(body, "max_output_tokens", int)
+    requested = replace(sampling_fields(body), max_tokens=F.get(body, "max_output_tokens", int))
     parallel = F.get(body, "parallel_tool_calls", bool, True)
     echo = {"instructions": instructions, "parallel_tool_calls": parallel,
-            "truncation": _truncation(body), "max_output_tokens": requested["max_tokens"],
+            "truncation": _truncation(body), "max_output_tokens": requested.max_tokens,
             "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
             "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
