@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.plan import PlannedRow
+from pipeserve.kv.padded import LeftPaddedBatch
 from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
 from pipeserve.prompt_cache.protocol import reserve
 
@@ -431,11 +432,16 @@ def extract_rows(caches: list[Any], rows: list[int], upto: int | None = None,
     if not rows:
         return []
     plain = [type(c) is BatchKVCache and c.keys is not None for c in caches]
-    if pads is None and any(plain):
+    padded = [isinstance(c, LeftPaddedBatch) for c in caches]
+    if pads is None and (any(plain) or any(padded)):
         pads = host_padding(caches)
     out: list[list[Any]] = [[] for _ in rows]
-    for layer, is_plain, pad in zip(caches, plain, pads or [None] * len(caches)):
+    for layer, is_plain, is_padded, pad in zip(caches, plain, padded,
+                                               pads or [None] * len(caches)):
         for row, i in zip(out, rows):
+            if is_padded and pad is not None and upto is None:   # a quantized layout's own
+                row.append(layer.extract(i, pad[i]))
+                continue
             if not is_plain or pad is None:
                 row.append(layer.extract(i))
                 continue
@@ -454,7 +460,7 @@ def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
     """Keep batch rows `keep` (`idx`, the same as an array) in every layer, dropping the
     padding they all share, as each layout's `filter` does; a plain batched layer does it
     with its padding read once for all (`pads`). Returns the padding left, per layer."""
-    plain = [type(c) is BatchKVCache for c in caches]
+    plain = [type(c) is BatchKVCache or isinstance(c, LeftPaddedBatch) for c in caches]
     if pads is None and any(plain):
         pads = host_padding(caches)
     left: list[list[int] | None] = []
@@ -465,6 +471,10 @@ def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
             continue
         kept = [pad[i] for i in keep]
         shared = min(kept)
+        if isinstance(c, LeftPaddedBatch):   # a quantized layout filters itself, told the padding
+            c.filter(idx, kept)
+            left.append([p - shared for p in kept])
+            continue
         if c.keys is not None:
             c.keys, c.values = c.keys[idx], c.values[idx]
             if shared:

@@ -57,14 +57,20 @@ class LeftPaddedBatch(_BaseCache):
         self.left_padding = self.left_padding + self._right_padding
         self._right_padding = None
 
-    def filter(self, batch_indices: mx.array) -> None:
-        """Keep only the rows `batch_indices`, in that order; drop padding they all share."""
+    def filter(self, batch_indices: mx.array, kept_padding: list[int] | None = None) -> None:
+        """Keep only the rows `batch_indices`, in that order; drop padding they all share.
+        `kept_padding`: those rows' left padding, when the caller has it on the host (no read
+        from the device)."""
         if self.keys is not None:
             self.keys = tuple(x[batch_indices] for x in self.keys)
             self.values = tuple(x[batch_indices] for x in self.values)
         self.offset = self.offset[batch_indices]
-        self.left_padding = self.left_padding[batch_indices]
-        shared = min(self.left_padding.tolist())
+        if kept_padding is None:
+            self.left_padding = self.left_padding[batch_indices]
+            kept_padding = self.left_padding.tolist()
+        else:
+            self.left_padding = mx.array(kept_padding)
+        shared = min(kept_padding)
         if shared > 0:
             if self.keys is not None:
                 self.keys = tuple(x[..., shared:, :] for x in self.keys)

@@ -269,10 +269,11 @@ class BatchAffineKVCache(_Affine, LeftPaddedBatch):
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = width
 
-    def extract(self, i: int) -> AffineKVCache:
-        """Row `i` as its own cache (copied, without padding)."""
+    def extract(self, i: int, pad: int | None = None) -> AffineKVCache:
+        """Row `i` as its own cache (copied, without padding); `pad`: its left padding, when
+        the caller has it on the host."""
         cache = AffineKVCache(*self._params())
-        pad = self.left_padding.tolist()[i]
+        pad = self.left_padding.tolist()[i] if pad is None else pad
         if self.keys is not None:
             cache.keys = tuple(mx.contiguous(x[i:i + 1, :, pad:self._idx]) for x in self.keys)
             cache.values = tuple(mx.contiguous(x[i:i + 1, :, pad:self._idx]) for x in self.values)

@@ -216,10 +216,11 @@ class BatchTurboKVCache(_Turbo, LeftPaddedBatch):
             values = tuple(mx.pad(p, [(0, 0), (0, 0), (left, right), (0, 0)]) for p in values)
         return keys, values, self.left_padding + left
 
-    def extract(self, idx: int) -> TurboKVCache:
-        """Row `idx` as its own per-row cache (padding dropped, arrays copied)."""
+    def extract(self, idx: int, pad: int | None = None) -> TurboKVCache:
+        """Row `idx` as its own per-row cache (padding dropped, arrays copied); `pad`: its left
+        padding, when the caller has it on the host."""
         cache = TurboKVCache(**self.params)
-        pad = self.left_padding.tolist()[idx]
+        pad = self.left_padding.tolist()[idx] if pad is None else pad
         if self.keys is not None:
             cache.keys = tuple(mx.contiguous(p[idx:idx + 1, :, pad:self._idx]) for p in self.keys)
             cache.values = tuple(mx.contiguous(p[idx:idx + 1, :, pad:self._idx])

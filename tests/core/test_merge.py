@@ -4,11 +4,16 @@ its extract and filter, which read the rows' padding once for every layer, exact
 Pure MLX."""
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.rows import RowStore, extract_rows, filter_layers, merge_layer
+from pipeserve.kv.quantized import AffineKVCache, BatchAffineKVCache
+from pipeserve.kv.turbo import BatchTurboKVCache, TurboKVCache
 
 
 def row(n: int, seed: int, capacity_step: int = 256) -> KVCache:
@@ -43,7 +48,7 @@ def batch(lengths: list[int]) -> BatchKVCache:
     return b
 
 
-def copy(b: BatchKVCache) -> BatchKVCache:
+def clone(b: BatchKVCache) -> BatchKVCache:
     c = BatchKVCache([0] * b.keys.shape[0])
     c.keys, c.values, c.offset, c.left_padding, c._idx = (
         b.keys, b.values, b.offset, b.left_padding, b._idx)
@@ -68,7 +73,7 @@ def test_rows_leave_a_batch_as_mlx_lms_filter_and_extract_leave_them(keep: list[
     assert all(c.offset == 2 and mx.array_equal(c.keys, layers[0].extract(i).keys[..., :2, :])
                for c, i in zip((p[0] for p in prefix), leaving))
 
-    theirs = [copy(layer) for layer in layers]
+    theirs = [clone(layer) for layer in layers]
     idx = mx.array(keep, dtype=mx.int32)
     for layer in theirs:
         layer.filter(idx)
@@ -96,3 +101,42 @@ def test_a_batched_rows_prefix_copy_is_what_its_caches_hold() -> None:
         assert mx.array_equal(fresh.values, held.values[..., :n - 2, :])
     store.own("c")
     assert store.copy_of("c", 1) is None
+
+
+@pytest.mark.parametrize("layout", ["q8", "turbo"])
+def test_quantized_rows_leave_a_batch_as_their_own_extract_and_filter_leave_them(layout: str
+                                                                                  ) -> None:
+    """The quantized layouts are told the padding the store read once; what they give is what
+    their own extract and filter give reading it themselves."""
+    one, batched = {"q8": (AffineKVCache, BatchAffineKVCache),
+                    "turbo": (TurboKVCache, BatchTurboKVCache)}[layout]
+    lengths = [70, 130, 64]
+
+    def layer() -> Any:
+        rows = []
+        for i, n in enumerate(lengths):
+            c = one()
+            k = mx.random.normal((1, 2, n, 64), key=mx.random.key(i))
+            c.update_and_fetch(k, k * 2)
+            rows.append(c)
+        b = batched.merge(rows)
+        k = mx.ones((len(lengths), 2, 1, 64))
+        b.update_and_fetch(k, k)
+        return b
+
+    def same(a: Any, b: Any) -> bool:
+        return (a.offset == b.offset if isinstance(a.offset, int)
+                else a.offset.tolist() == b.offset.tolist()) and all(
+            mx.array_equal(x, y) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)))
+
+    layers = [layer(), layer()]
+    for i, mine in zip([0, 2], extract_rows([layers[0]], [0, 2])):
+        assert same(mine[0], layers[0].extract(i))
+    theirs = [copy.copy(c) for c in layers]
+    idx = mx.array([1, 2], dtype=mx.int32)
+    for c in theirs:
+        c.filter(idx)
+    filter_layers(layers, [1, 2], idx)
+    for mine, ref in zip(layers, theirs):
+        assert mine._idx == ref._idx and same(mine, ref)
+        assert mine.left_padding.tolist() == ref.left_padding.tolist()
