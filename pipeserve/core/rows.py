@@ -414,11 +414,8 @@ def host_padding(caches: list[Any]) -> list[list[int] | None]:
               if isinstance(getattr(c, "left_padding", None), mx.array)]
     if not arrays:
         return [getattr(c, "left_padding", None) or None for c in caches]
-    if len({a.shape for a in arrays}) == 1:
-        rows = iter(mx.stack(arrays).tolist())
-    else:
-        mx.eval(arrays)
-        rows = iter([a.tolist() for a in arrays])
+    mx.eval(arrays)   # the one wait; reading a ready array back keeps the GIL in practice
+    rows = iter([a.tolist() for a in arrays])
     return [next(rows) if isinstance(getattr(c, "left_padding", None), mx.array)
             else (getattr(c, "left_padding", None) or None) for c in caches]
 
