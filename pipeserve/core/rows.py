@@ -141,21 +141,40 @@ class RowStore:
             return self._caches
         return extract_rows(self._caches, [where])[0]
 
+    def entry_bytes(self, rid: str, tokens: int) -> int | None:
+        """What a copy of the batched row's first `tokens` positions would take (`copy_of`'s
+        size, from the layers' shapes: nothing is read or made); None where copy_of gives
+        none."""
+        caches = self._batched_caches(rid)
+        if caches is None:
+            return None
+        return tokens * sum(c.keys.shape[1] * c.keys.shape[3] * c.keys.itemsize
+                            + c.values.shape[1] * c.values.shape[3] * c.values.itemsize
+                            for c in caches)
+
+    def _batched_caches(self, rid: str) -> list[Any] | None:
+        """The batched caches holding row `rid` where every layer is plain batched attention
+        (what copy_of copies from); None for any other row or layout."""
+        g = self._groups.get(rid)
+        if g is not None:
+            caches = g.caches
+        elif self.solo or rid not in self._rows:
+            return None
+        else:
+            caches = self._caches
+        ok = all(type(c) is BatchKVCache and c.keys is not None for c in caches)
+        return caches if ok else None
+
     def copy_of(self, rid: str, upto: int) -> list[Any] | None:
         """A copy of the batched row's first `upto` positions that only the caller holds, at
         exactly that size (a prompt-cache entry keeps it as it is: no second copy), where every
         layer is a plain batched attention cache; None for a row with caches of its own, the
         lone decode row or another layout (the caller copies from `caches_of`)."""
-        g = self._groups.get(rid)
-        if g is not None:
-            caches, i = g.caches, g.ids.index(rid)
-        else:
-            where = self._where(rid)
-            if where is None or self.solo:
-                return None
-            caches, i = self._caches, where
-        if not all(type(c) is BatchKVCache and c.keys is not None for c in caches):
+        caches = self._batched_caches(rid)
+        if caches is None:
             return None
+        g = self._groups.get(rid)
+        i = g.ids.index(rid) if g is not None else self._rows.index(rid)
         return extract_rows(caches, [i], upto)[0]
 
     def layer_of(self, rid: str, layer: int) -> Any | None:

@@ -108,6 +108,8 @@ class PromptCache(Protocol):
 
     def tick(self) -> None: ...
 
+    def kept(self, sizes: list[int]) -> int: ...   # of entries put in a row, how many it holds
+
     def evict_oldest(self) -> bool: ...   # room for live rows: their KV before cached prefixes
 
     def flush(self) -> threading.Event: ...
@@ -249,6 +251,21 @@ class RamPromptCache:
             self.trie.pop(entry.model, entry.tokens)
             self.nbytes -= entry.nbytes
             self._report()
+
+    def kept(self, sizes: list[int]) -> int:
+        """Of new entries of these byte sizes put one after another (nothing looked up
+        between), how many of the last ones this tier still holds after the last put: it
+        evicts the least recently used first, every older entry before the first of them and
+        the first of them before the last. A tier that spills what it evicts (`on_evict`:
+        the SSD tier behind it) keeps them all. Pins are not counted: it may say a few more."""
+        if self.on_evict is not None or self.max_bytes <= 0:
+            return len(sizes) if self.on_evict is not None else 0
+        room, n = self.max_bytes, 0
+        for size in reversed(sizes):
+            if size > room:
+                break
+            room, n = room - size, n + 1
+        return n
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:

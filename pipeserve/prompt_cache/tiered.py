@@ -103,6 +103,10 @@ class TieredPromptCache:
             self.dirty.pop(key)   # subsumed by a longer entry before it reached disk
         self.metrics.cache_dirty.set(len(self.dirty))
 
+    def kept(self, sizes: list[int]) -> int:
+        """All of them: what the RAM tier evicts is written to the SSD tier."""
+        return len(sizes)
+
     def pin(self, tokens: list[int], ttl_s: float, adapter: str | None = None) -> None:
         self.ram.pin(tokens, ttl_s, adapter)
 

@@ -14,7 +14,9 @@ stage's state. Engine thread."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
+
+import mlx.core as mx
 
 from pipeserve.config import ServeConfig
 from pipeserve.core.rows import RowStore
@@ -70,6 +72,7 @@ class Persist:
         same entries). A copy made before it would sit between the step that sampled the
         first token and the loop reading it: a copy's host work (or an allocation that waits
         for the device) would delay that token."""
+        copies: list[tuple[list[int], list[Any], str | None]] = []
         for rid in [r for r, (req, _) in self.pending.items() if req.output_ids][:rows]:
             req, positions = self.pending.pop(rid)
             if rid not in kv:   # freed meanwhile (failed, preempted, finished)
@@ -78,7 +81,7 @@ class Persist:
             for done in positions:
                 fresh = kv.copy_of(rid, done)   # a batched row: the prefix alone, copied once
                 if fresh is not None:
-                    self.cache.put(req.key_ids[:done], fresh, req.adapter, handed=True)
+                    copies.append((req.key_ids[:done], fresh, req.adapter))
                     continue
                 caches = caches or kv.caches_of(rid)
                 cut = [lend(c) for c in caches]   # new objects: the row's own are untouched
@@ -88,15 +91,29 @@ class Persist:
                     for c in cut:
                         c.trim(c.offset - done)
                 self.cache.put(req.key_ids[:done], cut, req.adapter)
+        if copies:   # one device call for the pass's copies: each call gives the GIL up, and
+            # a busy event loop beside the engine thread may keep it a switch interval
+            mx.async_eval([a for _, caches, _ in copies for c in caches
+                           for a in (c.keys, c.values)])
+            for tokens, caches, adapter in copies:
+                self.cache.put(tokens, caches, adapter, handed=True)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:
         """After a step is applied: finished rows (before their KV is freed), checkpoints."""
         if self.cache is None:
             return
+        # rows finishing together: a tier that evicts the oldest first would drop the first
+        # of their entries to make room for the last, so those are never copied
+        sizes = {r.request_id: kv.entry_bytes(r.request_id, self._entry_tokens(r))
+                 for r in finished if self._entry_tokens(r)}
+        known = [n for n in sizes.values() if n is not None]
+        skip = len(known) - self.cache.kept(known)
         for req in finished:   # its prompt + output entry covers a prompt still waiting
             self.pending.pop(req.request_id, None)
-            self._finished(req, kv)
+            dropped = skip > 0 and sizes.get(req.request_id) is not None
+            skip -= dropped
+            self._finished(req, kv, keep=not dropped)
         if self.checkpoints is not None:
             for req in running:
                 self._checkpoint(req, kv)
@@ -108,13 +125,21 @@ class Persist:
             self.pending.pop(req.request_id, None)
             self._finished(req, kv)
 
-    def _finished(self, req: Request, kv: RowStore) -> None:
-        """Before its KV is freed: keep what the finished (or cancelled) row computed; a
-        completed row's checkpoint is no longer needed (a client cancel keeps it)."""
+    def _entry_tokens(self, req: Request) -> int:
+        """How many tokens a finished row's entry would hold (0: it makes none)."""
+        if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
+            return 0
+        fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
+        return min(fed, len(req.key_ids) + len(req.output_ids))
+
+    def _finished(self, req: Request, kv: RowStore, keep: bool = True) -> None:
+        """Before its KV is freed: keep what the finished (or cancelled) row computed (unless
+        `keep` is False: the cache would not hold it); a completed row's checkpoint is no
+        longer needed (a client cancel keeps it)."""
         if self.checkpoints is not None and req.checkpointed_tokens and req.finish_reason in (
                 FinishReason.STOP, FinishReason.LENGTH):
             self.checkpoints.drop(req)
-        if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
+        if not keep or req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
             return
         known = req.key_ids + req.output_ids
         fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held

@@ -1,0 +1,59 @@
+"""Rows that finish in the same step on a RAM-only prompt cache too small for all their
+entries: only the entries the cache can hold are copied (the first would be evicted at once by
+the last), and the cache then holds them; every answer is the cold one. With an SSD tier behind
+the RAM tier every entry is kept (what the RAM tier evicts is written to disk). Real tiny
+models, the engine alone; RamPromptCache.kept is the count."""
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from pipeserve.metrics import Metrics
+from pipeserve.prompt_cache.ram import RamPromptCache
+from tests.conftest import make_config
+
+EOS_OFF = {0: -100.0, 2: -100.0}
+ROWS, PROMPT, OUT = 8, 40, 4
+
+
+def test_the_cache_counts_what_it_would_keep_of_entries_put_in_a_row() -> None:
+    cache = RamPromptCache(make_config("cache=ram"), Metrics(CollectorRegistry()))
+    cache.max_bytes = 100
+    assert cache.kept([30, 30, 30, 30]) == 3      # the first goes for the fourth
+    assert cache.kept([30, 30, 80]) == 1          # the last alone fills it
+    assert cache.kept([120]) == 0 and cache.kept([]) == 0
+    cache.on_evict = lambda entry: None           # an SSD tier behind it keeps them all
+    assert cache.kept([30, 30, 30, 30]) == 4
+
+
+def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory) -> None:
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
+    model = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
+             "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
+    cold = engine_factory(*model, "cache=off")
+    expected = asyncio.run(cold.generate_many(
+        [cold.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    cold.close()
+
+    h = engine_factory(*model)
+    cache = h.engine.step._cache
+    h.generate([7] * PROMPT, max_tokens=OUT, logit_bias=EOS_OFF)   # an entry's size, measured
+    one = max(cache.entries.values(), key=lambda e: len(e.tokens))
+    per_token = one.nbytes / len(one.tokens)
+    cache.max_bytes = int(3.5 * per_token * (PROMPT + OUT))   # three finished rows' entries
+    puts: list[int] = []
+    inner = cache.put
+
+    def put(tokens, caches, adapter=None, handed=False):   # engine thread
+        puts.append(len(tokens))
+        return inner(tokens, caches, adapter, handed)
+    cache.put = put
+    got = asyncio.run(h.generate_many(
+        [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+
+    assert [g["ids"] for g in got] == [e["ids"] for e in expected]
+    finished = [n for n in puts if n > PROMPT]   # prompt + output entries (prompts: < PROMPT)
+    assert len(finished) == 3, puts
+    held = [e for e in cache.entries.values() if len(e.tokens) > PROMPT]
+    assert len(held) == 3 and cache.nbytes <= cache.max_bytes
