@@ -175,7 +175,8 @@ class RowStore:
             return None
         g = self._groups.get(rid)
         i = g.ids.index(rid) if g is not None else self._rows.index(rid)
-        return extract_rows(caches, [i], upto)[0]
+        copy = extract_rows(caches, [i], upto)[0]
+        return copy if all(c.offset == upto for c in copy) else None   # holds fewer: none
 
     def layer_of(self, rid: str, layer: int) -> Any | None:
         """One layer of this row's caches, as `caches_of` gives them (a copy of only that
@@ -462,7 +463,7 @@ def extract_rows(caches: list[Any], rows: list[int], upto: int | None = None,
                 row.append(layer.extract(i))
                 continue
             start = pad[i]
-            end = layer._idx if upto is None else start + upto
+            end = layer._idx if upto is None else min(start + upto, layer._idx)
             c = KVCache()
             c.keys = mx.contiguous(layer.keys[i:i + 1, :, start:end])
             c.values = mx.contiguous(layer.values[i:i + 1, :, start:end])

@@ -91,14 +91,17 @@ def test_a_batched_rows_prefix_copy_is_what_its_caches_hold() -> None:
     copies from caches_of)."""
     store = RowStore(lambda: [KVCache()])
     for rid, n in (("a", 7), ("b", 19)):
-        store.own(rid)[0].update_and_fetch(*(row(n, n).state[:2]))
+        r = row(n, n)
+        store.own(rid)[0].update_and_fetch(r.keys[..., :n, :], r.values[..., :n, :])
     store.decode_batch(["a", "b"], {"a": 1, "b": 2})
+    assert store.decode_rows == ["a", "b"] and store.caches_of("a")[0].offset == 7
     for rid, n in (("a", 7), ("b", 19)):
         held = store.caches_of(rid)[0]
         fresh = store.copy_of(rid, n - 2)[0]
         assert fresh.offset == n - 2 and fresh.keys.shape[2] == n - 2
         assert mx.array_equal(fresh.keys, held.keys[..., :n - 2, :])
         assert mx.array_equal(fresh.values, held.values[..., :n - 2, :])
+    assert store.copy_of("a", 7 + 1) is None   # more than the row holds (its input is fed next)
     store.own("c")
     assert store.copy_of("c", 1) is None
 
