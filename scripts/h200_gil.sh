@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Where each engine placement's engine thread spends a burst on an H200 (run by the device tool
+# after .gpu-b/install.sh; py-spy comes with the stashed wheels): the generated 8B served with
+# the thread core, then with the core process (server.isolate=true); scripts/http_burst.py sends
+# bursts of N streaming requests (128 tokens each) while py-spy samples the process that runs
+# the engine thread (native frames, idle included); scripts/gil_waits.py splits the engine
+# thread's samples into waiting for the GIL, MLX's calls and Python. Files under $OUT.
+# Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]
+set -uo pipefail
+n=${1:-128}; secs=${2:-15}; out=${OUT:-gil-out}; mkdir -p "$out"
+spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+[ -x "$spy" ] || { echo "py-spy is missing: copy its wheel into .gpu-a (pip download py-spy)"; exit 3; }
+# MODEL: other overrides (a quick check on a CPU: MODEL="model=tiny scheduler.max_batch=128")
+read -r -a model <<< "${MODEL:-model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models scheduler.max_batch=128}"
+model+=(admission.max_queue=1024)
+for placement in thread process; do
+  port=$((18430 + RANDOM % 500)); log="$out/serve-$placement.log"
+  extra=(); [ $placement = process ] && extra=(server.isolate=true)
+  python3 serve.py "${model[@]}" "${extra[@]}" server.port=$port > "$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+  target=$pid
+  if [ $placement = process ]; then   # the engine runs in the pool member's process
+    target=$(grep -o "engine process [0-9]*" "$log" | tail -1 | grep -o "[0-9]*$")
+  fi
+  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n 8 --reps 1 --max-tokens 8 \
+    > /dev/null 2>&1   # the shapes, once
+  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n "$n" --reps 6 \
+    --max-tokens 128 > "$out/burst-$placement.txt" 2>&1 &
+  burst=$!
+  sleep 1
+  "$spy" record --native --idle --threads -r 200 -d "$secs" -f raw -o "$out/$placement.raw" \
+    -p "$target" > "$out/spy-$placement.txt" 2>&1
+  wait $burst
+  echo "== $placement core: $n streams"
+  tail -3 "$out/burst-$placement.txt"
+  python3 scripts/gil_waits.py "$out/$placement.raw" | tee "$out/gil-$placement.md"
+  kill "$pid"; wait "$pid" 2>/dev/null
+done
