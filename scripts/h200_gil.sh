@@ -5,7 +5,7 @@
 # bursts of N streaming requests (128 tokens each) while py-spy samples the process that runs
 # the engine thread (native frames, idle included); scripts/gil_waits.py splits the engine
 # thread's samples into waiting for the GIL, MLX's calls and Python. Files under $OUT.
-# Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]
+# Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]   (PLACEMENTS="thread": one of them)
 set -uo pipefail
 n=${1:-128}; secs=${2:-15}; out=${OUT:-gil-out}; mkdir -p "$out"
 spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -13,7 +13,7 @@ spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 # MODEL: other overrides (a quick check on a CPU: MODEL="model=tiny scheduler.max_batch=128")
 read -r -a model <<< "${MODEL:-model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models scheduler.max_batch=128}"
 model+=(admission.max_queue=1024)
-for placement in thread process; do
+for placement in ${PLACEMENTS:-thread process}; do
   port=$((18430 + RANDOM % 500)); log="$out/serve-$placement.log"
   extra=(); [ $placement = process ] && extra=(server.isolate=true)
   python3 serve.py "${model[@]}" "${extra[@]}" server.port=$port > "$log" 2>&1 &
