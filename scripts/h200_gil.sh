@@ -5,7 +5,8 @@
 # bursts of N streaming requests (128 tokens each) while py-spy samples the process that runs
 # the engine thread (native frames, idle included); scripts/gil_waits.py splits the engine
 # thread's samples into waiting for the GIL, MLX's calls and Python. Files under $OUT.
-# Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]   (PLACEMENTS="thread": one of them)
+# Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]   (PLACEMENTS="thread": one of them; REPS:
+# bursts sent, 6 by default: enough to cover SECONDS at 128 streams; one stream wants ~20)
 set -uo pipefail
 n=${1:-128}; secs=${2:-15}; out=${OUT:-gil-out}; mkdir -p "$out"
 spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -25,7 +26,7 @@ for placement in ${PLACEMENTS:-thread process}; do
   fi
   python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n 8 --reps 1 --max-tokens 8 \
     > /dev/null 2>&1   # the shapes, once
-  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n "$n" --reps 6 \
+  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n "$n" --reps "${REPS:-6}" \
     --max-tokens 128 > "$out/burst-$placement.txt" 2>&1 &
   burst=$!
   sleep 1
