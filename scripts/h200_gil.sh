@@ -19,13 +19,28 @@ for placement in ${PLACEMENTS:-thread process}; do
   extra=(); [ $placement = process ] && extra=(server.isolate=true)
   python3 serve.py "${model[@]}" "${extra[@]}" server.port=$port > "$log" 2>&1 &
   pid=$!
-  for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+  python3 - "$port" "$pid" <<'PY' || { echo "the $placement server did not come up"; tail -20 "$log"; kill "$pid"; continue; }
+import os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(900):   # the 8B's weights are generated on the first launch
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(1)
+    time.sleep(1)
+sys.exit(1)
+PY
+  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n 8 --reps 1 --max-tokens 8 \
+    > /dev/null 2>&1   # the shapes, once (and the model loaded)
   target=$pid
   if [ $placement = process ]; then   # the engine runs in the pool member's process
     target=$(grep -o "engine process [0-9]*" "$log" | tail -1 | grep -o "[0-9]*$")
   fi
-  python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n 8 --reps 1 --max-tokens 8 \
-    > /dev/null 2>&1   # the shapes, once
   python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n "$n" --reps "${REPS:-6}" \
     --max-tokens 128 > "$out/burst-$placement.txt" 2>&1 &
   burst=$!
