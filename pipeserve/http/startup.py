@@ -52,7 +52,7 @@ async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
             if cfg.server.chat_page else "")
     ok = await asyncio.get_running_loop().run_in_executor(None, engine.wait_ready)
     if not ok:
-        _failed(app, engine)
+        await _failed(app, engine)
         return
     if app.ctx.pool is not None:   # models load on first use (pipeserve/pool/)
         app.ctx.pool.started({"version": _version("pipeserve"),
@@ -65,7 +65,7 @@ async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
     _model_ready(app, cfg, engine, metrics, page)
 
 
-def _failed(app: Sanic, engine: EngineClient) -> None:
+async def _failed(app: Sanic, engine: EngineClient) -> None:
     """The engine failed to start: the launch error (reported by serve.py, one line on
     stderr) and its exit code, and the server stops."""
     err = engine.startup_error
@@ -77,6 +77,10 @@ def _failed(app: Sanic, engine: EngineClient) -> None:
         app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
                                 f"{first}); the log above has the details")
     app.ctx.exit_code = LAUNCH_ERROR
+    # Stopped only once Sanic's startup listeners are done: a stop while they still run ends
+    # their run_until_complete instead of the server's run_forever, which then never returns
+    while not app.state.is_running:
+        await asyncio.sleep(0.05)
     app.stop()
 
 

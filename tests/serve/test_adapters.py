@@ -5,13 +5,17 @@ Several adapters at launch, chosen per request, behave the same with the engine 
 own process (server.isolate=true)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from pipeserve.launch.checks import LAUNCH_ERROR
 from pipeserve.model.tiny.text import ensure_model
+from tests.conftest import ROOT, free_port
 from tests.adapters.test_adapters import write_adapter
 from tests.serve.test_openai import NO_EOS, TIMEOUT, metric_families, sample_value
 
@@ -65,6 +69,50 @@ def test_unknown_adapter_stops_the_launch(server_factory: Any, adapter_dir: Path
     assert s.proc.wait(120) != 0
     assert "model.adapter 'nope' is not in model.adapter_dir" in s.log()
     assert "adapters there: support-bot" in s.log()
+
+
+# serve.py with one more startup listener that is still awaiting when the engine has already
+# failed (as the batch runner's resume can be on a loaded machine)
+SLOW_STARTUP = """
+import asyncio, sys
+import pipeserve.http.server as server
+build = server.build_app
+def build_app(*args, **kwargs):
+    app = build(*args, **kwargs)
+    @app.after_server_start
+    async def _slow(app):
+        await asyncio.sleep(4)
+    return app
+server.build_app = build_app
+from pipeserve.launch.serve import main
+main()
+"""
+
+
+def test_a_failed_launch_stops_while_startup_listeners_still_run(
+        tmp_path: Path, model_cache: Path, adapter_dir: Path) -> None:
+    """The launch error is reported and the process exits even when the engine fails before
+    Sanic's startup listeners finish (a stop then used to end their run and the server ran on
+    forever, or died of "Event loop stopped before Future completed")."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_STARTUP, f"server.port={port}", "model=tiny",
+             f"model.cache_dir={model_cache}", f"hydra.run.dir={tmp_path / 'run'}",
+             f"server.files_dir={tmp_path / 'files'}", f"model.adapter_dir={adapter_dir}",
+             "model.adapter=nope", "draft.gate=false"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    text = log.read_text(errors="replace")
+    assert code == LAUNCH_ERROR, text
+    assert "model.adapter 'nope' is not in model.adapter_dir" in text
+    assert "Event loop stopped" not in text
 
 
 # -- several adapters, chosen per request (model.adapters) ---------------------------------
