@@ -170,13 +170,27 @@ class RowStore:
         exactly that size (a prompt-cache entry keeps it as it is: no second copy), where every
         layer is a plain batched attention cache; None for a row with caches of its own, the
         lone decode row or another layout (the caller copies from `caches_of`)."""
-        caches = self._batched_caches(rid)
-        if caches is None:
-            return None
-        g = self._groups.get(rid)
-        i = g.ids.index(rid) if g is not None else self._rows.index(rid)
-        copy = extract_rows(caches, [i], upto)[0]
-        return copy if all(c.offset == upto for c in copy) else None   # holds fewer: none
+        return self.copies_of({rid: upto}).get(rid)
+
+    def copies_of(self, wanted: dict[str, int]) -> dict[str, list[Any]]:
+        """`copy_of` for many rows (row id → positions): the rows of one batch are copied
+        with its padding read once (each read waits for the device and gives the GIL up). Rows
+        `copy_of` would answer None for are left out."""
+        by_batch: dict[int, tuple[list[Any], list[tuple[str, int, int]]]] = {}
+        for rid, upto in wanted.items():
+            caches = self._batched_caches(rid)
+            if caches is None:
+                continue
+            g = self._groups.get(rid)
+            i = g.ids.index(rid) if g is not None else self._rows.index(rid)
+            by_batch.setdefault(id(caches), (caches, []))[1].append((rid, i, upto))
+        out: dict[str, list[Any]] = {}
+        for caches, rows in by_batch.values():
+            copies = extract_rows(caches, [i for _, i, _ in rows], [u for _, _, u in rows])
+            for (rid, _, upto), copy in zip(rows, copies):
+                if all(c.offset == upto for c in copy):   # the row holds fewer: none
+                    out[rid] = copy
+        return out
 
     def layer_of(self, rid: str, layer: int) -> Any | None:
         """One layer of this row's caches, as `caches_of` gives them (a copy of only that
@@ -440,14 +454,15 @@ def host_padding(caches: list[Any]) -> list[list[int] | None]:
             else (getattr(c, "left_padding", None) or None) for c in caches]
 
 
-def extract_rows(caches: list[Any], rows: list[int], upto: int | None = None,
+def extract_rows(caches: list[Any], rows: list[int], upto: int | list[int] | None = None,
                  pads: list[list[int] | None] | None = None) -> list[list[Any]]:
     """Batch rows `rows` as caches of their own (copies), each a list over `caches`' layers;
-    `upto`: only each row's first `upto` positions (plain batched layers). A plain batched
-    layer is sliced with its padding read once for all (`pads`, or `host_padding`); any
-    other layout extracts its own way."""
+    `upto`: only each row's first `upto` positions (plain batched layers; one for all rows, or
+    one a row). A plain batched layer is sliced with its padding read once for all (`pads`,
+    or `host_padding`); any other layout extracts its own way."""
     if not rows:
         return []
+    uptos = upto if isinstance(upto, list) else [upto] * len(rows)
     plain = [type(c) is BatchKVCache and c.keys is not None for c in caches]
     padded = [isinstance(c, LeftPaddedBatch) for c in caches]
     if pads is None and (any(plain) or any(padded)):
@@ -455,15 +470,15 @@ def extract_rows(caches: list[Any], rows: list[int], upto: int | None = None,
     out: list[list[Any]] = [[] for _ in rows]
     for layer, is_plain, is_padded, pad in zip(caches, plain, padded,
                                                pads or [None] * len(caches)):
-        for row, i in zip(out, rows):
-            if is_padded and pad is not None and upto is None:   # a quantized layout's own
+        for row, i, up in zip(out, rows, uptos):
+            if is_padded and pad is not None and up is None:   # a quantized layout's own
                 row.append(layer.extract(i, pad[i]))
                 continue
             if not is_plain or pad is None:
                 row.append(layer.extract(i))
                 continue
             start = pad[i]
-            end = layer._idx if upto is None else min(start + upto, layer._idx)
+            end = layer._idx if up is None else min(start + up, layer._idx)
             c = KVCache()
             c.keys = mx.contiguous(layer.keys[i:i + 1, :, start:end])
             c.values = mx.contiguous(layer.values[i:i + 1, :, start:end])

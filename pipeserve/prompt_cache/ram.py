@@ -11,9 +11,10 @@ import logging
 import threading
 from collections import OrderedDict
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import (CacheList, KVCache, PromptTrieResult,
@@ -51,6 +52,12 @@ def own(layer: Any, pending: list[mx.array], handed: bool = False) -> tuple[Any,
     past the content (preallocated, up to 255 tokens) is at most an eighth of it; a short
     row's is copied, so short entries do not count 256 tokens each. MLX never writes a shared
     buffer in place, so even a later write could not reach the entry."""
+    if handed and type(layer) is KVCache and layer.keys is not None \
+            and layer.keys.shape[2] == layer.offset:   # exactly its content (`copy_of`'s)
+        kept = KVCache()   # new array objects (as `lend`): a slice update rebinds the old ones
+        kept.keys, kept.values, kept.offset = layer.keys[...], layer.values[...], layer.offset
+        pending.extend((kept.keys, kept.values))
+        return kept, layer.keys.nbytes + layer.values.nbytes
     if handed and type(layer) is KVCache and layer.keys is not None \
             and 8 * (layer.keys.shape[2] - layer.offset) <= layer.offset:
         state = content_state(layer)
@@ -110,6 +117,8 @@ class PromptCache(Protocol):
 
     def kept(self, sizes: list[int]) -> int: ...   # of entries put in a row, how many it holds
 
+    def batch(self) -> ContextManager[None]: ...   # the puts inside: one device call
+
     def evict_oldest(self) -> bool: ...   # room for live rows: their KV before cached prefixes
 
     def flush(self) -> threading.Event: ...
@@ -126,6 +135,7 @@ class RamPromptCache:
         self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
         self.metrics = metrics
         self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
+        self._batch: list[mx.array] | None = None   # inside `batch()`: the puts' new arrays
         self.trie = TokenTrie()
         self.entries: OrderedDict[tuple[str, tuple[int, ...]], Entry] = OrderedDict()  # LRU
         # order, keyed by Entry.key (adapter root, tokens)
@@ -219,7 +229,10 @@ class RamPromptCache:
             return None
         pending: list[mx.array] = []
         owned = [own(c, pending, handed) for c in caches]
-        mx.async_eval(pending)   # the copies run on the device; nothing waits for them
+        if self._batch is not None:   # inside `batch()`: one device call for all the puts
+            self._batch.extend(pending)
+        else:
+            mx.async_eval(pending)   # the copies run on the device; nothing waits for them
         entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
                       can_trim_prompt_cache(caches), model=model)
         if entry.nbytes > self.max_bytes:
@@ -251,6 +264,24 @@ class RamPromptCache:
             self.trie.pop(entry.model, entry.tokens)
             self.nbytes -= entry.nbytes
             self._report()
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Puts made inside go to the device in one call when it ends, after the evictions
+        they caused (so no copy is made while what they evict is still held). Each call gives
+        the GIL up, and an event loop busy beside the engine thread may keep it for a switch
+        interval: 128 rows finishing together made 128. A tier that spills what it evicts
+        (`on_evict`) reads the entries it evicts, so there each put goes to the device at once."""
+        if self._batch is not None or self.on_evict is not None:
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            if batch:
+                mx.async_eval(batch)
 
     def kept(self, sizes: list[int]) -> int:
         """Of new entries of these byte sizes put one after another (nothing looked up

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 from mlx_lm.models.cache import can_trim_prompt_cache
 
@@ -106,6 +106,11 @@ class TieredPromptCache:
     def kept(self, sizes: list[int]) -> int:
         """All of them: what the RAM tier evicts is written to the SSD tier."""
         return len(sizes)
+
+    def batch(self) -> ContextManager[None]:
+        """The RAM tier's (which spills what it evicts, so each put goes to the device at
+        once)."""
+        return self.ram.batch()
 
     def pin(self, tokens: list[int], ttl_s: float, adapter: str | None = None) -> None:
         self.ram.pin(tokens, ttl_s, adapter)

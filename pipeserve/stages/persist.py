@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import mlx.core as mx
 
 from pipeserve.config import ServeConfig
 from pipeserve.core.rows import RowStore
@@ -93,10 +92,9 @@ class Persist:
                 self.cache.put(req.key_ids[:done], cut, req.adapter)
         if copies:   # one device call for the pass's copies: each call gives the GIL up, and
             # a busy event loop beside the engine thread may keep it a switch interval
-            mx.async_eval([a for _, caches, _ in copies for c in caches
-                           for a in (c.keys, c.values)])
-            for tokens, caches, adapter in copies:
-                self.cache.put(tokens, caches, adapter, handed=True)
+            with self.cache.batch():
+                for tokens, caches, adapter in copies:
+                    self.cache.put(tokens, caches, adapter, handed=True)
 
     def __call__(self, finished: Sequence[Request], running: Sequence[Request],
                  kv: RowStore) -> None:
@@ -109,11 +107,20 @@ class Persist:
                  for r in finished if self._entry_tokens(r)}
         known = [n for n in sizes.values() if n is not None]
         skip = len(known) - self.cache.kept(known)
-        for req in finished:   # its prompt + output entry covers a prompt still waiting
-            self.pending.pop(req.request_id, None)
+        keep: dict[str, bool] = {}
+        for req in finished:
             dropped = skip > 0 and sizes.get(req.request_id) is not None
             skip -= dropped
-            self._finished(req, kv, keep=not dropped)
+            keep[req.request_id] = not dropped
+        # the batched rows' copies: one padding read for each batch they leave; the puts'
+        # copies go to the device in one call, after the evictions the puts make
+        fresh = kv.copies_of({r.request_id: n for r in finished
+                              if keep[r.request_id] and (n := self._entry_tokens(r))})
+        with self.cache.batch():
+            for req in finished:   # its prompt + output entry covers a prompt still waiting
+                self.pending.pop(req.request_id, None)
+                self._finished(req, kv, keep=keep[req.request_id],
+                               fresh=fresh.get(req.request_id))
         if self.checkpoints is not None:
             for req in running:
                 self._checkpoint(req, kv)
@@ -132,10 +139,12 @@ class Persist:
         fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
         return min(fed, len(req.key_ids) + len(req.output_ids))
 
-    def _finished(self, req: Request, kv: RowStore, keep: bool = True) -> None:
+    def _finished(self, req: Request, kv: RowStore, keep: bool = True,
+                  fresh: list[Any] | None = None) -> None:
         """Before its KV is freed: keep what the finished (or cancelled) row computed (unless
         `keep` is False: the cache would not hold it); a completed row's checkpoint is no
-        longer needed (a client cancel keeps it)."""
+        longer needed (a client cancel keeps it). `fresh`: the batched row's copy, made
+        already (`RowStore.copies_of`)."""
         if self.checkpoints is not None and req.checkpointed_tokens and req.finish_reason in (
                 FinishReason.STOP, FinishReason.LENGTH):
             self.checkpoints.drop(req)
@@ -143,7 +152,8 @@ class Persist:
             return
         known = req.key_ids + req.output_ids
         fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
-        fresh = kv.copy_of(req.request_id, min(fed, len(known)))   # a batched row's, once
+        if fresh is None:
+            fresh = kv.copy_of(req.request_id, min(fed, len(known)))   # a batched row's, once
         if fresh is not None:
             self.cache.put(known[:min(fed, len(known))], fresh, req.adapter, handed=True)
             return

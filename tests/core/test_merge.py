@@ -106,6 +106,32 @@ def test_a_batched_rows_prefix_copy_is_what_its_caches_hold() -> None:
     assert store.copy_of("c", 1) is None
 
 
+def test_rows_leaving_one_batch_together_are_copied_with_one_padding_read(monkeypatch) -> None:
+    """copies_of: each row's copy equals its own copy_of, and the rows of one batch cost one
+    read of its padding (a read waits for the device and gives the GIL up), not one a row."""
+    from pipeserve.core import rows as rows_module
+    store = RowStore(lambda: [KVCache(), KVCache()])
+    sizes = {"a": 7, "b": 19, "c": 12}
+    for rid, n in sizes.items():
+        r = row(n, n)
+        for layer in store.own(rid):
+            layer.update_and_fetch(r.keys[..., :n, :], r.values[..., :n, :])
+    store.decode_batch(list(sizes), {rid: i for i, rid in enumerate(sizes)})
+    wanted = {"a": 5, "b": 19, "c": 13}   # c holds 12: none for it, as copy_of says
+    one_by_one = {rid: store.copy_of(rid, n) for rid, n in wanted.items()}
+    reads = []
+    real = rows_module.host_padding
+    monkeypatch.setattr(rows_module, "host_padding", lambda c: reads.append(1) or real(c))
+    together = store.copies_of(wanted)
+    assert len(reads) == 1
+    assert set(together) == {"a", "b"} and one_by_one["c"] is None
+    for rid, copy in together.items():
+        for mine, theirs in zip(copy, one_by_one[rid]):
+            assert mine.offset == theirs.offset == wanted[rid]
+            assert mx.array_equal(mine.keys, theirs.keys)
+            assert mx.array_equal(mine.values, theirs.values)
+
+
 @pytest.mark.parametrize("layout", ["q8", "turbo"])
 def test_quantized_rows_leave_a_batch_as_their_own_extract_and_filter_leave_them(layout: str
                                                                                   ) -> None:

@@ -6,10 +6,13 @@ models, the engine alone; RamPromptCache.kept is the count."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
 from pipeserve.metrics import Metrics
+from pipeserve.prompt_cache import ram as ram_module
 from pipeserve.prompt_cache.ram import RamPromptCache
 from tests.conftest import make_config
 
@@ -27,7 +30,8 @@ def test_the_cache_counts_what_it_would_keep_of_entries_put_in_a_row() -> None:
     assert cache.kept([30, 30, 30, 30]) == 4
 
 
-def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory) -> None:
+def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory,
+                                                               monkeypatch) -> None:
     prompts = [[5 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
     model = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
              "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
@@ -43,17 +47,32 @@ def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory) 
     per_token = one.nbytes / len(one.tokens)
     cache.max_bytes = int(3.5 * per_token * (PROMPT + OUT))   # three finished rows' entries
     puts: list[int] = []
-    inner = cache.put
+    calls: list[int] = []   # arrays in each device call the puts make (engine thread)
+    inner, real_eval = cache.put, mx.async_eval
 
     def put(tokens, caches, adapter=None, handed=False):   # engine thread
         puts.append(len(tokens))
         return inner(tokens, caches, adapter, handed)
+
+    def async_eval(*arrays):
+        engine = threading.current_thread().name == "pipeserve-engine"
+        if engine and getattr(cache, "_batch", None) is None \
+                and any(n > PROMPT for n in puts):   # from the first finished put on
+            calls.append(len(arrays[0]) if len(arrays) == 1 and isinstance(arrays[0], list)
+                         else len(arrays))
+        return real_eval(*arrays)
     cache.put = put
+    monkeypatch.setattr(ram_module.mx, "async_eval", async_eval)
     got = asyncio.run(h.generate_many(
         [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    monkeypatch.undo()
 
     assert [g["ids"] for g in got] == [e["ids"] for e in expected]
     finished = [n for n in puts if n > PROMPT]   # prompt + output entries (prompts: < PROMPT)
     assert len(finished) == 3, puts
+    # the three entries' copies went to the device together: one call, both arrays of every
+    # layer of each (one call a put before: each gives the GIL up to a busy event loop)
+    layers = len(one.caches)
+    assert calls[:1] == [3 * 2 * layers], calls
     held = [e for e in cache.entries.values() if len(e.tokens) > PROMPT]
     assert len(held) == 3 and cache.nbytes <= cache.max_bytes
