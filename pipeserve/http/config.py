@@ -26,6 +26,10 @@ class LogFormat(Enum):
 class ServerConfig:
     host: str = "127.0.0.1"   # address to listen on; 0.0.0.0 for every interface
     port: int = 8080          # TCP port to listen on
+    # connections the kernel completes before the server accepts them (listen backlog; the
+    # kernel caps it at net.core.somaxconn): a burst of new clients beyond it while the event
+    # loop is busy has its connects dropped and retried a second later
+    backlog: int = 2048
     api_key: Optional[str] = None     # when set, requests need `Authorization: Bearer <key>`
     admin_key: Optional[str] = None   # guards /admin/* when set
     api_key_file: Optional[str] = None    # read api_key from this file at launch (stripped)
@@ -86,6 +90,8 @@ class ServerConfig:
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.files_max_mb", self.files_max_mb, allow_none=False)
+        if self.backlog < 1:
+            raise ConfigError(f"server.backlog must be >= 1, got {self.backlog}")
         if self.background_checkpoint_tokens < 1:
             raise ConfigError(f"server.background_checkpoint_tokens must be >= 1, got "
                               f"{self.background_checkpoint_tokens}")

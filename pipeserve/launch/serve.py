@@ -98,7 +98,7 @@ def serve(raw: DictConfig) -> None:
     app.ctx.launch_error = None
     try:
         app.run(host=cfg.server.host, port=cfg.server.port, single_process=True,
-                access_log=False, motd=False)
+                access_log=False, motd=False, backlog=cfg.server.backlog)
     except OSError as e:   # lost the port between check_port and the bind
         _fail(f"config error: {launch.port_message(cfg.server.host, cfg.server.port, e)}")
     if app.ctx.launch_error:   # the engine could not load the model
