@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-
 from pipeserve.config import ServeConfig
 from pipeserve.core.rows import RowStore
 from pipeserve.core.plan import StepPlan
