@@ -37,6 +37,18 @@ def test_an_entry_over_the_cap_is_not_stored() -> None:
     assert not ResponseStore(ttl_s=60, max_bytes=0).put("a", *entry(1))
 
 
+def test_an_entry_json_cannot_write_is_not_stored() -> None:
+    """Nested past orjson's 254 levels: not stored (the caller logs it), never an exception
+    after the response was generated."""
+    deep: object = 0
+    for _ in range(300):
+        deep = {"a": deep}
+    store = ResponseStore(ttl_s=60, max_bytes=1 << 20)
+    assert not store.put("deep", {"id": "deep", "tools": [deep]}, [])
+    assert store.get("deep") is None and len(store) == 0 and store.nbytes == 0
+    assert store.put("a", *entry(10))
+
+
 def test_entries_expire_after_the_ttl() -> None:
     store = ResponseStore(ttl_s=0.05, max_bytes=10**6)
     store.put("a", *entry(10))

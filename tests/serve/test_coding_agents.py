@@ -158,6 +158,23 @@ def test_codex_tools_hosted_ones_dropped_and_named(srv: Any) -> None:
     assert r.tools[1].format.definition == LARK
 
 
+def test_a_custom_tools_extra_fields_are_not_echoed_nor_stored(srv: Any) -> None:
+    """A custom tool is echoed with the fields a custom tool has: an unknown field nested past
+    orjson's 254 levels used to reach the response store and end the request in a 500 after
+    its tokens were generated (the fuzz campaign's find)."""
+    deep = '{"a": ' * 300 + "0" + "}" * 300
+    body = ('{"model": "tiny", "input": "Fix the bug.", "max_output_tokens": 2, "tools": '
+            '[{"type": "custom", "name": "ticket", "description": "File a ticket", '
+            '"parameters": %s}]}' % deep)
+    r = httpx.post(f"{srv.base_url}/v1/responses", content=body, timeout=TIMEOUT,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tools"] == [{"type": "custom", "name": "ticket",
+                                  "description": "File a ticket"}]
+    again = httpx.get(f"{srv.base_url}/v1/responses/{r.json()['id']}", timeout=TIMEOUT)
+    assert again.status_code == 200 and again.json()["tools"] == r.json()["tools"]
+
+
 def test_custom_tool_call_under_its_regex(srv: Any) -> None:
     choice = {"type": "custom", "name": "ticket"}
     r = codex(srv, tool_choice=choice, parallel_tool_calls=False).parse()

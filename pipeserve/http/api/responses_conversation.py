@@ -53,8 +53,8 @@ def save_response(store: ResponseStore, body: dict[str, Any],
             call["function"]["arguments"] = json.loads(call["function"]["arguments"])
     stored = conversation + [turn]
     if not store.put(body["id"], body, stored):
-        log.warning("response %s is larger than server.responses_store_mb; not stored",
-                    body["id"])
+        log.warning("response %s is larger than server.responses_store_mb, or nests too deep "
+                    "to write as JSON; not stored", body["id"])
     return stored
 
 

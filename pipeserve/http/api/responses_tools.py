@@ -47,7 +47,9 @@ def parse_tools(raw: list[Any], strict: bool) -> ResponseTools:
                              "parameters": fn["parameters"], "strict": bool(fn.get("strict"))})
         elif kind == "custom":
             out.tools.append(custom_tool(tool, where))
-            out.echo.append(tool)
+            # echoed (and stored) with the fields a custom tool has, not what else came with it
+            out.echo.append({k: tool[k] for k in ("type", "name", "description", "format")
+                             if k in tool})
             custom.add(tool["name"])
         elif isinstance(kind, str) and kind:
             if strict:

@@ -30,8 +30,12 @@ class ResponseStore:
     def put(self, response_id: str, body: dict[str, Any],
             conversation: list[dict[str, Any]], ttl_s: float | None = None) -> bool:
         """Store one response (for `ttl_s`, the store's own by default); False when it alone
-        is over the byte cap (not stored)."""
-        size = len(orjson.dumps(body)) + len(orjson.dumps(conversation))
+        is over the byte cap, or cannot be written as JSON (nested past orjson's 254 levels),
+        and is not stored."""
+        try:
+            size = len(orjson.dumps(body)) + len(orjson.dumps(conversation))
+        except TypeError:   # orjson.JSONEncodeError: "Recursion limit reached", say
+            return False
         self.delete(response_id)
         if size > self.max_bytes:
             return False
