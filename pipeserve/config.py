@@ -197,7 +197,7 @@ def config_hash(cfg: DictConfig | ServeConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def build(target: str, *args: Any) -> Any:
-    """Instantiate the class named by a `_target_` string with *args."""
+def build(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Instantiate the class named by a `_target_` string with *args and **kwargs."""
     module, _, name = target.rpartition(".")
-    return getattr(importlib.import_module(module), name)(*args)
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)

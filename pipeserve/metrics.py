@@ -221,6 +221,18 @@ class Metrics:
         self.cache_evictions = Counter(
             f"{PREFIX}_prompt_cache_evictions", "Entries evicted to stay under a tier's byte cap",
             tier, registry=r)
+        self.cache_capacity = Gauge(
+            f"{PREFIX}_prompt_cache_capacity_bytes",
+            "A tier's byte cap (the RAM tier's cache.ram_gb, or the size fitted at load)", tier,
+            registry=r)
+        self.cache_release_pending = Gauge(
+            f"{PREFIX}_prompt_cache_release_pending_bytes",
+            "Bytes of evicted RAM entries not yet freed (cache.release_slice_mb: a slice a pass "
+            "between steps)", registry=r)
+        self.cache_too_large = Counter(
+            f"{PREFIX}_prompt_cache_too_large",
+            "Prefixes not kept because one takes more bytes than the tier holds", tier,
+            registry=r)
         self.cache_ssd_writes = Counter(
             f"{PREFIX}_prompt_cache_ssd_writes", "Entries written to the SSD tier", registry=r)
         self.cache_ssd_write_bytes = Counter(
@@ -377,7 +389,8 @@ class Metrics:
         for kind in MEMORY_KINDS:
             self.mlx_memory.labels(kind)
         for family in (self.cache_hits, self.cache_hit_tokens, self.cache_bytes,
-                       self.cache_entries, self.cache_evictions):
+                       self.cache_entries, self.cache_evictions, self.cache_capacity,
+                       self.cache_too_large):
             for tier in CACHE_TIERS:
                 family.labels(tier)
         for reason in CACHE_MISS_REASONS:

@@ -45,7 +45,7 @@ elif [ "$kind" = shared ]; then
   done
 elif [ "$kind" = long ]; then
   # shellcheck disable=SC2086
-  timeout 300 python3 bench.py bench.workload=ttft $model model.max_context=65600 \
+  timeout 300 python3 bench.py bench.workload=ttft $model model.max_context=65700 \
     'bench.ttft_cold=[32768,65536,4096]' 'bench.ttft_bursts=[]' bench.out="$out/long" 2>&1 \
     | tail -12
 else

@@ -50,7 +50,7 @@ def instrument_more(engine: Any, clock: StepClock) -> None:
         clock.wrap(engine.scheduler, "lookup", "cache_lookup")
     cache = step._cache
     if cache is not None:
-        for name in ("put", "_evict", "tick"):
+        for name in ("put", "_evict", "tick", "release"):
             if hasattr(cache, name):
                 clock.wrap(cache, name, f"cache.{name}")
 

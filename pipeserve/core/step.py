@@ -25,7 +25,7 @@ from pipeserve.memory import MemoryModel, setup_memory
 from pipeserve.metrics import Metrics
 from pipeserve.core.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
 from pipeserve.prompt_cache.protocol import reserve
-from pipeserve.prompt_cache.ram import PromptCache
+from pipeserve.prompt_cache.ram import PromptCache, fit_ram_bytes
 from pipeserve.request import Request
 from pipeserve.core.sampler_states import SamplerStates
 from pipeserve.core.scheduler import Limits
@@ -99,7 +99,7 @@ class Step:
 
     def bind_metrics(self) -> None:
         """Take the metric children the hot path observes (again after Metrics.muted)."""
-        names = ["draft", "prefill", "sample", "verify", "persist"]
+        names = ["draft", "prefill", "sample", "verify", "persist", "cache_release"]
         self._timers = {n: self._metrics.stage_seconds.labels(n) for n in names}
         self._tokens = {p: self._metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
         self._batch_size = self._metrics.batch_size
@@ -241,10 +241,15 @@ class Step:
     def idle_wait_s(self) -> float | None:
         """How long an idle engine waits for a command before `idle` runs again (None: until
         one comes; a prompt cache with idle work, the SSD tier's demotion, wants 1 s)."""
+        if self._cache is not None and self._cache.releasing:
+            return 0.0   # evicted memory to free: a slice a pass, a command between slices
         return 1.0 if self._ticking else None
 
     def idle(self) -> None:
-        """Nothing to run: memory gauges, and the prompt cache's idle work."""
+        """Nothing to run: memory gauges, and the prompt cache's idle work (a slice of the
+        memory it evicted freed first)."""
+        if self._cache is not None and self._cache.releasing:
+            self._timed("cache_release", self._cache.release)
         sample_memory(self._metrics, self.kv, self._layout)
         if self.draft is not None:
             self.draft.idle()
@@ -257,6 +262,8 @@ class Step:
         its rows' first step comes next, and the copies would delay those first tokens."""
         if self.caching and (busy or plan is None or all(r.samples for r in plan.rows)):
             self._timed("persist", lambda: self.persist.drain(self.kv, PERSIST_ROWS))
+            if self._cache is not None and self._cache.releasing:   # a slice of what it evicted
+                self._timed("cache_release", self._cache.release)
 
     def forget_timings(self) -> None:
         """The kernel warm-up is over: what its steps took says nothing of the traffic."""
@@ -304,7 +311,11 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
     prompt_cache = None
     if cfg.cache.enabled:
-        prompt_cache = build(cfg.cache._target_, cfg, metrics, cache_identity(loaded, layout))
+        ram_bytes, why = fit_ram_bytes(cfg.cache.ram_gb, memory)
+        prompt_cache = build(cfg.cache._target_, cfg, metrics, cache_identity(loaded, layout),
+                             max_bytes=ram_bytes)
+        log.info("prompt cache: %s, RAM tier %.1f GiB (%s; %d tokens of KV)", cfg.cache.name,
+                 ram_bytes / (1 << 30), why, ram_bytes // max(memory.kv_bytes_per_token, 1))
     layout.attach(prompt_cache)
     step = Step(cfg, loaded, metrics, layout, prompt_cache, scheduler)
     # with a prompt cache, admission looks each request up (and may wait for a shared prefix)

@@ -24,7 +24,10 @@ class SsdConfig:
 @dataclass
 class CacheConfig:
     _target_: str = MISSING
-    ram_gb: float = 8.0           # GiB of KV the RAM tier keeps (byte-capped LRU)
+    # GiB of KV the RAM tier keeps (byte-capped LRU); unset: fitted at load to two entries of
+    # the longest context the server takes, at least 8, at most a quarter of the device memory
+    # the weights leave
+    ram_gb: Optional[float] = None
     checkpoint_every: Optional[int] = None  # tokens between generation checkpoints (cache=ssd)
     # keep the state at the end of each chat's history (before the generation prompt) as well
     # as at the end of the prompt and of the reply: the next turn of an agent session renders
@@ -39,6 +42,11 @@ class CacheConfig:
     # batched prefill (on the H200, 128 arrivals of 76-token prompts: 1.26 s as hits, 0.36 s
     # computed). 0: any hit; unset: 256 on a GPU, 0 on a CPU (whose prefill is the slow part)
     min_reuse_tokens: Optional[int] = None
+    # MB of evicted entries' memory freed a pass between steps (an idle engine: a slice a pass
+    # until none is left; memory pressure: all at once); 0: freed at eviction. Unset: 256 on
+    # CUDA, where MLX frees device memory synchronously once its buffer cache is full (a 16k
+    # token entry of an 8B model, 2.4 GB, stalled the engine 0.3 s), 0 elsewhere
+    release_slice_mb: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -51,12 +59,15 @@ class CacheConfig:
         return True
 
     def __post_init__(self) -> None:
-        if self.ram_gb < 0:
+        if self.ram_gb is not None and self.ram_gb < 0:
             raise ConfigError(f"cache.ram_gb must be >= 0, got {self.ram_gb}")
         _positive("cache.checkpoint_every", self.checkpoint_every)
         if self.min_reuse_tokens is not None and self.min_reuse_tokens < 0:
             raise ConfigError(
                 f"cache.min_reuse_tokens must be >= 0 (0: any hit), got {self.min_reuse_tokens}")
+        if self.release_slice_mb is not None and self.release_slice_mb < 0:
+            raise ConfigError(f"cache.release_slice_mb must be >= 0 (0: freed at eviction), "
+                              f"got {self.release_slice_mb}")
         if self.warmup_budget_tokens < 0:
             raise ConfigError(
                 f"cache.warmup_budget_tokens must be >= 0 (0: off), got {self.warmup_budget_tokens}")
@@ -89,7 +100,7 @@ class SsdCacheConfig(CacheConfig):
 @dataclass
 class OffCacheConfig(CacheConfig):
     _target_: str = "pipeserve.prompt_cache.ram.RamPromptCache"
-    ram_gb: float = 0.0
+    ram_gb: Optional[float] = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +108,6 @@ class OffCacheConfig(CacheConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.ram_gb != 0:
+        if self.ram_gb not in (None, 0):
             raise ConfigError(f"cache=off keeps nothing; got cache.ram_gb={self.ram_gb} "
                               "(use cache=ram to set a RAM budget)")

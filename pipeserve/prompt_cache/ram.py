@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,10 +27,13 @@ from pipeserve.prompt_cache.protocol import content_state, lend, rebuild, shrink
 from pipeserve.prompt_cache.trie import TokenTrie
 
 if TYPE_CHECKING:
+    from pipeserve.memory import MemoryModel
     from pipeserve.prompt_cache.checkpoint import Checkpoints
 
 log = logging.getLogger(__name__)
 MAX_PINS = 4096      # pinned prefixes remembered at once
+FLOOR_BYTES = 8 << 30   # the fitted RAM tier's least size (the fixed default before fitting)
+RELEASE_SLICE_MB_CUDA = 256   # cache.release_slice_mb unset, on CUDA
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
 
 
@@ -121,9 +124,32 @@ class PromptCache(Protocol):
 
     def evict_oldest(self) -> bool: ...   # room for live rows: their KV before cached prefixes
 
+    @property
+    def releasing(self) -> bool: ...   # evicted memory waits for `release`
+
+    def release(self, budget: int | None = -1) -> bool: ...   # a slice of it freed (between steps)
+
     def flush(self) -> threading.Event: ...
 
     def close(self) -> None: ...
+
+
+def fit_ram_bytes(ram_gb: float | None, memory: MemoryModel | None) -> tuple[int, str]:
+    """The RAM tier's byte cap and why: `cache.ram_gb` when set; else two entries of the
+    longest context the server takes (an agent's whole context and the one it replaces), at
+    least FLOOR_BYTES, at most a quarter of the device memory the weights leave, so a long
+    prompt's repeat is a hit on a device with room for it."""
+    if ram_gb is not None:
+        return int(ram_gb * (1 << 30)), "cache.ram_gb"
+    if memory is None:
+        return FLOOR_BYTES, "the default"
+    want = 2 * memory.kv_bytes(memory.max_context)
+    room = max(memory.device_bytes - memory.weight_bytes, 0) // 4
+    fitted = max(FLOOR_BYTES, min(want, room))
+    why = ("two %d-token entries" % memory.max_context if fitted == want
+           else "a quarter of the memory the weights leave" if fitted == room
+           else "the least fitted size")
+    return fitted, f"fitted: {why}"
 
 
 class RamPromptCache:
@@ -131,9 +157,23 @@ class RamPromptCache:
     checkpoints: Checkpoints | None = None   # RAM only: no generation checkpoints
     idle_work = False
 
-    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str = "") -> None:
-        self.max_bytes = int(cfg.cache.ram_gb * (1 << 30))
+    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str = "",
+                 max_bytes: int | None = None) -> None:
+        """`max_bytes`: the byte cap fitted at load (fit_ram_bytes); None: cache.ram_gb, or
+        the floor when that is unset."""
+        self.max_bytes = (max_bytes if max_bytes is not None
+                          else fit_ram_bytes(cfg.cache.ram_gb, None)[0])
         self.metrics = metrics
+        self._warned_size = False   # a prefix larger than the tier: said once, then counted
+        slice_mb = cfg.cache.release_slice_mb
+        if slice_mb is None:
+            from pipeserve.kv.attention import on_cuda
+            slice_mb = RELEASE_SLICE_MB_CUDA if on_cuda() else 0
+        self.release_slice = int(slice_mb * (1 << 20))   # bytes freed a pass; 0: at eviction
+        # evicted entries' layers, freed by `release`: [layers, bytes they keep alive]
+        self.dropped: deque[list[Any]] = deque()
+        self.dropped_bytes = 0
+        metrics.cache_capacity.labels(self.tier).set(self.max_bytes)
         self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
         self._batch: list[mx.array] | None = None   # inside `batch()`: the puts' new arrays
         self.trie = TokenTrie()
@@ -229,18 +269,20 @@ class RamPromptCache:
             return None
         pending: list[mx.array] = []
         owned = [own(c, pending, handed) for c in caches]
+        entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
+                      can_trim_prompt_cache(caches), model=model)
+        if entry.nbytes > self.max_bytes:   # known from the shapes: the copies never run
+            self._too_large(entry)
+            return None
         if self._batch is not None:   # inside `batch()`: one device call for all the puts
             self._batch.extend(pending)
         else:
             mx.async_eval(pending)   # the copies run on the device; nothing waits for them
-        entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
-                      can_trim_prompt_cache(caches), model=model)
-        if entry.nbytes > self.max_bytes:
-            return None
         key = entry.key
         prev = self.entries.pop(key, None)
         if prev is not None:
             self.nbytes -= prev.nbytes
+            self._drop(prev)
         self._searched = None
         # the trie keys the entry by its own tuple (shared, not copied); one walk over it
         # adds it and, when it is trimmable, drops the shorter entries it extends
@@ -254,6 +296,7 @@ class RamPromptCache:
         for n, old in gone:   # redundant now: the new entry serves every prefix of it
             if old is not entry and self.entries.pop(old.key, None) is not None:
                 self.nbytes -= old.nbytes
+                self._drop(old)
         self._evict()
         self._report()
         return entry if key in self.entries else None
@@ -263,6 +306,7 @@ class RamPromptCache:
             self._searched = None
             self.trie.pop(entry.model, entry.tokens)
             self.nbytes -= entry.nbytes
+            self._drop(entry)
             self._report()
 
     @contextmanager
@@ -283,14 +327,24 @@ class RamPromptCache:
             if batch:
                 mx.async_eval(batch)
 
+    def _too_large(self, entry: Entry) -> None:
+        self.metrics.cache_too_large.labels(self.tier).inc()
+        if not self._warned_size:
+            self._warned_size = True
+            log.warning("prompt cache: a %d-token prefix takes %.2f GiB, more than the RAM tier "
+                        "holds (%.2f GiB): not kept, so its repeat is computed again; raise "
+                        "cache.ram_gb to keep it", len(entry.tokens), entry.nbytes / (1 << 30),
+                        self.max_bytes / (1 << 30))
+
     def kept(self, sizes: list[int]) -> int:
         """Of new entries of these byte sizes put one after another (nothing looked up
         between), how many of the last ones this tier still holds after the last put: it
         evicts the least recently used first, every older entry before the first of them and
         the first of them before the last. A tier that spills what it evicts (`on_evict`:
-        the SSD tier behind it) keeps them all. Pins are not counted: it may say a few more."""
-        if self.on_evict is not None or self.max_bytes <= 0:
-            return len(sizes) if self.on_evict is not None else 0
+        the SSD tier behind it) keeps all but those larger than the RAM tier, which it never
+        takes. Pins are not counted: it may say a few more."""
+        if self.on_evict is not None or self.max_bytes <= 0:   # one larger than the tier: never
+            return sum(s <= self.max_bytes for s in sizes) if self.on_evict is not None else 0
         room, n = self.max_bytes, 0
         for size in reversed(sizes):
             if size > room:
@@ -300,12 +354,55 @@ class RamPromptCache:
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:
-            self.evict_oldest()
+            self._evict_one(defer=True)
 
     def evict_oldest(self) -> bool:
-        """Drop the least recently used entry (spilling it to the SSD tier, if any); False
-        when there is none. kv=paged calls it when its block pool runs short: cached
-        prefixes and running rows share one pool, and running rows come first."""
+        """Room now: the memory of entries evicted before and not yet freed, else the least
+        recently used entry, freed at once (spilled to the SSD tier, if any); False when there
+        is neither. The scheduler's memory gate calls it, and kv=paged when its block pool runs
+        short: cached prefixes and running rows share one pool, and running rows come first."""
+        if self.dropped:
+            self.release(None)
+            return True
+        return self._evict_one(defer=False)
+
+    def _drop(self, entry: Entry, defer: bool = True) -> None:
+        """An entry out of the index: with `release_slice`, its layers wait for `release`
+        (between steps, a slice a pass): on CUDA, MLX frees device memory synchronously once
+        its buffer cache is full, and a long entry's frees stalled the step loop (and, in the
+        thread core, the event loop) for a third of a second. Pool-lent layers (kv=paged) go
+        back to their pool at once."""
+        if not (defer and self.release_slice) or not entry.caches \
+                or any(hasattr(c, "portable") for c in entry.caches):
+            return   # the last reference goes with the caller's: freed now
+        self.dropped.append([list(entry.caches), entry.nbytes])
+        self.dropped_bytes += entry.nbytes
+        self.metrics.cache_release_pending.set(self.dropped_bytes)
+
+    @property
+    def releasing(self) -> bool:
+        """Evicted memory waits for `release`."""
+        return bool(self.dropped)
+
+    def release(self, budget: int | None = -1) -> bool:
+        """Free evicted entries' memory, a layer at a time (at least one), up to `budget`
+        bytes (-1: `release_slice`; None: all of it). True while some is left."""
+        budget = self.release_slice if budget == -1 else budget
+        while self.dropped and (budget is None or budget > 0):
+            layers, left = self.dropped[0]
+            per = left // len(layers)
+            layers.pop()   # the layer's arrays go with it (unless a borrower still holds them)
+            self.dropped[0][1] -= per
+            freed = per if layers else left
+            if not layers:
+                self.dropped.popleft()
+            self.dropped_bytes -= freed
+            if budget is not None:
+                budget -= freed
+        self.metrics.cache_release_pending.set(self.dropped_bytes)
+        return bool(self.dropped)
+
+    def _evict_one(self, defer: bool) -> bool:
         if not self.entries:
             return False
         entry = self._victim()
@@ -317,6 +414,7 @@ class RamPromptCache:
         self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))
         if self.on_evict is not None:
             self.on_evict(entry)
+        self._drop(entry, defer)
         self._report()
         return True
 
@@ -324,7 +422,8 @@ class RamPromptCache:
         """Engine idle: nothing to do in RAM."""
 
     def flush(self) -> threading.Event:
-        """Nothing waits for a disk: already set."""
+        """Nothing waits for a disk: already set (evicted memory is freed)."""
+        self.release(None)
         done = threading.Event()
         done.set()
         return done

@@ -28,10 +28,11 @@ TICK_BYTES = 64 << 20    # host bytes encoded per idle tick, so the engine answe
 class TieredPromptCache:
     idle_work = True   # write-behind and demotion run in `tick`
 
-    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str) -> None:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics, identity: str,
+                 max_bytes: int | None = None) -> None:
         ssd = cfg.cache.ssd
         self.metrics = metrics
-        self.ram = RamPromptCache(cfg, metrics)
+        self.ram = RamPromptCache(cfg, metrics, max_bytes=max_bytes)
         self.ram.on_evict = self._spill
         self.ssd = SsdStore(Path(ssd.dir).expanduser(), identity, int(ssd.max_gb * (1 << 30)),
                             ssd.verify, metrics)
@@ -104,8 +105,8 @@ class TieredPromptCache:
         self.metrics.cache_dirty.set(len(self.dirty))
 
     def kept(self, sizes: list[int]) -> int:
-        """All of them: what the RAM tier evicts is written to the SSD tier."""
-        return len(sizes)
+        """All that fit the RAM tier: what it evicts is written to the SSD tier."""
+        return self.ram.kept(sizes)
 
     def batch(self) -> ContextManager[None]:
         """The RAM tier's (which spills what it evicts, so each put goes to the device at
@@ -117,6 +118,13 @@ class TieredPromptCache:
 
     def evict_oldest(self) -> bool:
         return self.ram.evict_oldest()
+
+    @property
+    def releasing(self) -> bool:
+        return self.ram.releasing
+
+    def release(self, budget: int | None = -1) -> bool:
+        return self.ram.release(budget)
 
     def _write(self, entry: Entry) -> None:
         self.dirty.pop(entry.key, None)
@@ -149,6 +157,7 @@ class TieredPromptCache:
 
     def flush(self) -> threading.Event:
         """Hand every dirty entry to the writer; the event is set once all are on disk."""
+        self.ram.release(None)
         t0 = time.perf_counter()
         for entry in list(self.dirty.values()):
             self._write(entry)

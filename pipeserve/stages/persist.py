@@ -77,6 +77,9 @@ class Persist:
                 continue
             caches = None
             for done in positions:
+                size = kv.entry_bytes(rid, done)
+                if size is not None and not self.cache.kept([size]):
+                    continue   # larger than the tier: a copy it would drop
                 fresh = kv.copy_of(rid, done)   # a batched row: the prefix alone, copied once
                 if fresh is not None:
                     copies.append((req.key_ids[:done], fresh, req.adapter))
@@ -104,13 +107,14 @@ class Persist:
         # of their entries to make room for the last, so those are never copied
         sizes = {r.request_id: kv.entry_bytes(r.request_id, self._entry_tokens(r))
                  for r in finished if self._entry_tokens(r)}
-        known = [n for n in sizes.values() if n is not None]
+        # one larger than the whole tier is never kept, wherever it comes
+        keep = {r.request_id: (n := sizes.get(r.request_id)) is None or self.cache.kept([n]) > 0
+                for r in finished}
+        known = [n for rid, n in sizes.items() if n is not None and keep[rid]]
         skip = len(known) - self.cache.kept(known)
-        keep: dict[str, bool] = {}
         for req in finished:
-            dropped = skip > 0 and sizes.get(req.request_id) is not None
-            skip -= dropped
-            keep[req.request_id] = not dropped
+            if skip > 0 and keep[req.request_id] and sizes.get(req.request_id) is not None:
+                keep[req.request_id], skip = False, skip - 1
         # the batched rows' copies: one padding read for each batch they leave; the puts'
         # copies go to the device in one call, after the evictions the puts make
         fresh = kv.copies_of({r.request_id: n for r in finished

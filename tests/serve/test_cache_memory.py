@@ -1,7 +1,9 @@
 """Memory accounting that matches memory: after a storm of streams whose clients disconnect
 mid-generation, MLX's active memory is what the prompt cache reports plus the running rows plus
 the server's baseline (weights and the rest) — an entry never keeps a batch's or a
-preallocated buffer alive that it does not count — and `cache.ram_gb` caps the real bytes."""
+preallocated buffer alive that it does not count — and `cache.ram_gb` caps the real bytes. The
+same holds when evicted entries are freed a slice at a time between steps
+(`cache.release_slice_mb`, the CUDA default): an idle server has freed them all."""
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +34,10 @@ def memory(base_url: str) -> dict[str, float]:
                                 "pipeserve_prompt_cache_entries", cache_tier="ram"),
         "evictions": sample_value(fams, "pipeserve_prompt_cache_evictions",
                                   "pipeserve_prompt_cache_evictions_total", cache_tier="ram"),
+        "pending": sample_value(fams, "pipeserve_prompt_cache_release_pending_bytes",
+                                "pipeserve_prompt_cache_release_pending_bytes"),
+        "capacity": sample_value(fams, "pipeserve_prompt_cache_capacity_bytes",
+                                 "pipeserve_prompt_cache_capacity_bytes", cache_tier="ram"),
     }
 
 
@@ -72,9 +78,11 @@ def settled(base_url: str) -> dict[str, float]:
     return memory(base_url)
 
 
-@pytest.fixture(scope="module")
-def stormed(server_factory: Any) -> dict[str, Any]:
-    server = server_factory("scheduler=continuous", "cache=ram", f"cache.ram_gb={RAM_GB}")
+@pytest.fixture(scope="module", params=["at eviction", "in slices"])
+def stormed(request: pytest.FixtureRequest, server_factory: Any) -> dict[str, Any]:
+    slices = ["cache.release_slice_mb=0.05"] if request.param == "in slices" else []
+    server = server_factory("scheduler=continuous", "cache=ram", f"cache.ram_gb={RAM_GB}",
+                            *slices)
     storm(server.base_url, CONCURRENCY, first=10_000)   # warm-up: kernels, first allocations
     base = settled(server.base_url)
     base_active = base["active"] - base["cache"] - base["rows"]   # weights and the rest
@@ -86,6 +94,7 @@ def test_cancel_storm_memory_matches_the_accounting(stormed: dict[str, Any]) -> 
     after = stormed["after"]
     assert all(n == CUT for n in stormed["got"])           # every stream was cut mid-way
     assert after["rows"] == 0                               # no dropped row kept its KV
+    assert after["pending"] == 0                            # evicted memory all freed
     assert after["entries"] >= 1 and after["cache"] > 0     # what they computed is kept
     expected = stormed["base_active"] + after["cache"] + after["rows"]
     assert abs(after["active"] - expected) <= TOLERANCE * after["active"], (
@@ -97,6 +106,31 @@ def test_cancel_storm_memory_matches_the_accounting(stormed: dict[str, Any]) -> 
 def test_ram_cap_bounds_the_real_bytes(stormed: dict[str, Any]) -> None:
     after = stormed["after"]
     cap = RAM_GB * (1 << 30)
+    assert after["capacity"] == int(cap)
     assert after["evictions"] >= 1                          # the storm overflowed the cap
     assert after["cache"] <= cap
     assert after["active"] - stormed["base_active"] <= cap * (1 + TOLERANCE)
+
+
+def test_a_prefix_larger_than_the_tier_is_said_and_counted_and_the_default_is_fitted(
+        server_factory: Any) -> None:
+    """A prompt whose KV alone passes cache.ram_gb is served, not kept (a warning naming
+    cache.ram_gb, a counter), so its repeat is computed again; at the default the tier is
+    fitted at load (the tiny model's context needs less than the 8 GiB floor)."""
+    small = server_factory("cache=ram", "cache.ram_gb=0.00002")   # ~21 kB: one short prompt
+    body = {"model": "tiny", "prompt": "a long prompt " * 40, "max_tokens": 2, "temperature": 0}
+    for _ in range(2):
+        r = httpx.post(small.base_url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+    assert r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+    fams = metric_families(small.base_url)
+    assert sample_value(fams, "pipeserve_prompt_cache_too_large",
+                        "pipeserve_prompt_cache_too_large_total", cache_tier="ram") >= 1
+    assert "raise cache.ram_gb to keep it" in small.log()
+
+    fitted = server_factory("cache=ram")
+    for _ in range(2):
+        r = httpx.post(fitted.base_url + "/v1/completions", json=body, timeout=60)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # kept: a hit
+    assert memory(fitted.base_url)["capacity"] == 8 << 30
+    assert "RAM tier 8.0 GiB (fitted: the least fitted size" in fitted.log()
