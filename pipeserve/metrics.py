@@ -225,10 +225,6 @@ class Metrics:
             f"{PREFIX}_prompt_cache_capacity_bytes",
             "A tier's byte cap (the RAM tier's cache.ram_gb, or the size fitted at load)", tier,
             registry=r)
-        self.cache_release_pending = Gauge(
-            f"{PREFIX}_prompt_cache_release_pending_bytes",
-            "Bytes of evicted RAM entries not yet freed (cache.release_slice_mb: a slice a pass "
-            "between steps)", registry=r)
         self.cache_too_large = Counter(
             f"{PREFIX}_prompt_cache_too_large",
             "Prefixes not kept because one takes more bytes than the tier holds", tier,

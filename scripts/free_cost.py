@@ -1,11 +1,16 @@
-"""What freeing MLX arrays costs the thread that drops them, by buffer size: with MLX's cache
-of freed buffers full (what a busy server's is: freed memory then goes back to the device at
-once; on CUDA a synchronous cudaFree of managed memory), with room in it (the buffer is only
-recycled), and while a long computation is queued on the device (does a free wait for it?);
-then what `mx.clear_cache()` costs with the cache at its cap. One JSON line per case.
+"""What MLX's allocator costs the thread that frees or allocates, by buffer size: freeing with
+MLX's cache of freed buffers full (what a busy server's is; freed memory then goes back to the
+device) and with room in it (the buffer is only recycled); allocating sizes no cached buffer
+fits (a new device allocation) and sizes the cache holds (reuse); a free while the device
+still runs queued work; and `mx.clear_cache()` with the cache at its cap. One JSON line per
+case; the fill of the cache is itself timed (new allocations of distinct sizes).
 
     python scripts/free_cost.py                 # the device's defaults (pipeserve's CUDA cap)
-    python scripts/free_cost.py --total-mb 64   # a small run (the CPU)
+    python scripts/free_cost.py --total-mb 64 --cache-cap-gb 0.2   # a small run (the CPU)
+
+Measured on the H200 (2026-12-05, docs/notes/2026-12-05-round7.md): a free costs the dropping
+thread 1-3 us a buffer with the cache full, and clear_cache 7 ms for 6.2 GB; filling 15 GB
+with new 8 MB buffers took most of a 100 s call.
 """
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ import time
 import mlx.core as mx
 
 SIZES_KB = (160, 4096, 33 * 1024, 256 * 1024)   # a short entry's layer .. a long one's
+FILL_MB = 64   # the cache is filled with new buffers of about this size, each a distinct size
 
 
-def arrays(n: int, size_kb: int) -> list[mx.array]:
-    out = [mx.zeros((size_kb * 256,), dtype=mx.float32) for _ in range(n)]
+def arrays(n: int, size_kb: int, pad: int = 0) -> list[mx.array]:
+    """n evaluated arrays of size_kb KiB (plus `pad` bytes each: a size nothing cached fits)."""
+    out = [mx.zeros((size_kb * 1024 + pad,), dtype=mx.uint8) for _ in range(n)]
     mx.eval(out)
     return out
 
@@ -33,15 +40,25 @@ def timed_drop(batch: list[mx.array]) -> float:
     return time.perf_counter() - t0
 
 
-def fill_cache(target: int) -> None:
-    """MLX's buffer cache at `target` bytes: arrays made and dropped while there is room."""
+def fill_cache(target: int, seed: list[int]) -> None:
+    """MLX's buffer cache up to `target` bytes with buffers of sizes never asked for before;
+    prints how long those new allocations took."""
+    t0, made = time.perf_counter(), 0
     while mx.get_cache_memory() < target:
         before = mx.get_cache_memory()
-        a = arrays(8, 8 * 1024)
+        seed[0] += 1
+        a = mx.zeros(((FILL_MB << 20) + 16384 * seed[0],), dtype=mx.uint8)
+        mx.eval(a)
+        made += 1
         del a
-        gc.collect()
         if mx.get_cache_memory() <= before:   # the cap keeps it lower
-            return
+            break
+    if made:
+        s = time.perf_counter() - t0
+        print(json.dumps({"case": "fill (new allocations)", "size_kb": FILL_MB * 1024,
+                          "buffers": made, "ms": round(1000 * s, 1),
+                          "ms_per_buffer": round(1000 * s / made, 3),
+                          "cache_bytes": mx.get_cache_memory()}), flush=True)
 
 
 def case(name: str, size_kb: int, n: int, seconds: float, **extra: object) -> None:
@@ -50,6 +67,12 @@ def case(name: str, size_kb: int, n: int, seconds: float, **extra: object) -> No
                       "us_per_buffer": round(1e6 * seconds / n, 1),
                       "ms_per_gb": round(1000 * seconds / (n * size_kb / 2**20), 2), **extra}),
           flush=True)
+
+
+def timed_alloc(n: int, size_kb: int, pad: int) -> tuple[float, list[mx.array]]:
+    t0 = time.perf_counter()
+    made = arrays(n, size_kb, pad)
+    return time.perf_counter() - t0, made
 
 
 def main() -> None:
@@ -66,28 +89,38 @@ def main() -> None:
         mx.set_cache_limit(cap)
     print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
                       "cache_cap_bytes": cap}), flush=True)
+    seed = [0]
     for size_kb in SIZES_KB:
         n = max(2, args.total_mb * 1024 // size_kb)
-        # the cache full: every free goes back to the device
-        batch = arrays(n, size_kb)
+        pad = 4096 * (size_kb % 7 + 1)
         if cap is not None:
-            fill_cache(cap)
-        case("cache full", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
-        # room in the cache: the buffers are kept for reuse
+            fill_cache(cap, seed)
+        # new sizes with the cache full: device allocations (and the cache trimmed to its cap)
+        spent, batch = timed_alloc(n, size_kb, pad)
+        case("alloc new sizes, cache full", size_kb, n, spent, cache_bytes=mx.get_cache_memory())
+        # the cache full: every free goes back to the device
+        if cap is not None:
+            fill_cache(cap, seed)
+        case("free, cache full", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
+        # room in the cache: the buffers are kept for reuse, then reused
         mx.clear_cache()
         if cap is not None:
             mx.set_cache_limit(max(cap, 2 * n * size_kb * 1024))
-        batch = arrays(n, size_kb)
-        case("cache room", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
+        batch = arrays(n, size_kb, pad)
+        case("free, cache room", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
+        spent, batch = timed_alloc(n, size_kb, pad)
+        case("alloc cached sizes", size_kb, n, spent, cache_bytes=mx.get_cache_memory())
+        del batch
         if cap is not None:
             mx.set_cache_limit(cap)
         mx.clear_cache()
+        gc.collect()
     # a free while the device still runs queued work: how long the drop waits
     size_kb = 33 * 1024
     n = max(2, args.total_mb * 1024 // size_kb)
     batch = arrays(n, size_kb)
     if cap is not None:
-        fill_cache(cap)
+        fill_cache(cap, seed)
     dim = 8192 if mx.default_device().type == mx.DeviceType.gpu else 512
     a = mx.random.normal((dim, dim))
     mx.eval(a)
@@ -100,11 +133,11 @@ def main() -> None:
     dropped = timed_drop(batch)
     t1 = time.perf_counter()
     mx.eval(work)
-    case("cache full, device busy", size_kb, n, dropped,
-         queued_ms=round(1000 * queued, 2), rest_of_work_ms=round(1000 * (time.perf_counter() - t1), 2))
+    case("free, cache full, device busy", size_kb, n, dropped, queued_ms=round(1000 * queued, 2),
+         rest_of_work_ms=round(1000 * (time.perf_counter() - t1), 2))
     # the whole cache back to the device at once (what a periodic clear_cache costs)
     if cap is not None:
-        fill_cache(cap)
+        fill_cache(cap, seed)
     held = mx.get_cache_memory()
     t0 = time.perf_counter()
     mx.clear_cache()

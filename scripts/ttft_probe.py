@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import cProfile
 import io
 import json
@@ -50,9 +51,21 @@ def instrument_more(engine: Any, clock: StepClock) -> None:
         clock.wrap(engine.scheduler, "lookup", "cache_lookup")
     cache = step._cache
     if cache is not None:
-        for name in ("put", "_evict", "tick", "release"):
+        for name in ("put", "_evict", "tick"):
             if hasattr(cache, name):
                 clock.wrap(cache, name, f"cache.{name}")
+
+
+def time_gc(clock: StepClock) -> None:
+    """The collector's pauses (any thread: each holds the GIL), by generation, in the clock."""
+    began = [0.0]
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif clock.on:
+            clock.total[f"gc (gen {info['generation']})"] += time.perf_counter() - began[0]
+    gc.callbacks.append(seen)
 
 
 class Timeline:
@@ -175,9 +188,12 @@ def main() -> None:
     t0 = time.perf_counter()
     engine.start()
     assert engine.wait_ready(1800), f"engine failed: {engine.startup_error!r}"
+    gc.collect()
+    gc.freeze()   # as the server does once ready: a full collection walks only what came later
     clock = StepClock()
     instrument(engine, clock)
     instrument_more(engine, clock)
+    time_gc(clock)
     line = Timeline()
     if args.timeline:   # outermost: the timers above count inside these
         line.wrap(engine.step, "launch", "launch")

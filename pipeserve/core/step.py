@@ -99,7 +99,7 @@ class Step:
 
     def bind_metrics(self) -> None:
         """Take the metric children the hot path observes (again after Metrics.muted)."""
-        names = ["draft", "prefill", "sample", "verify", "persist", "cache_release"]
+        names = ["draft", "prefill", "sample", "verify", "persist"]
         self._timers = {n: self._metrics.stage_seconds.labels(n) for n in names}
         self._tokens = {p: self._metrics.step_tokens.labels(p) for p in ("decode", "prefill")}
         self._batch_size = self._metrics.batch_size
@@ -241,15 +241,10 @@ class Step:
     def idle_wait_s(self) -> float | None:
         """How long an idle engine waits for a command before `idle` runs again (None: until
         one comes; a prompt cache with idle work, the SSD tier's demotion, wants 1 s)."""
-        if self._cache is not None and self._cache.releasing:
-            return 0.0   # evicted memory to free: a slice a pass, a command between slices
         return 1.0 if self._ticking else None
 
     def idle(self) -> None:
-        """Nothing to run: memory gauges, and the prompt cache's idle work (a slice of the
-        memory it evicted freed first)."""
-        if self._cache is not None and self._cache.releasing:
-            self._timed("cache_release", self._cache.release)
+        """Nothing to run: memory gauges, and the prompt cache's idle work."""
         sample_memory(self._metrics, self.kv, self._layout)
         if self.draft is not None:
             self.draft.idle()
@@ -262,8 +257,6 @@ class Step:
         its rows' first step comes next, and the copies would delay those first tokens."""
         if self.caching and (busy or plan is None or all(r.samples for r in plan.rows)):
             self._timed("persist", lambda: self.persist.drain(self.kv, PERSIST_ROWS))
-            if self._cache is not None and self._cache.releasing:   # a slice of what it evicted
-                self._timed("cache_release", self._cache.release)
 
     def forget_timings(self) -> None:
         """The kernel warm-up is over: what its steps took says nothing of the traffic."""

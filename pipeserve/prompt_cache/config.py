@@ -42,11 +42,6 @@ class CacheConfig:
     # batched prefill (on the H200, 128 arrivals of 76-token prompts: 1.26 s as hits, 0.36 s
     # computed). 0: any hit; unset: 256 on a GPU, 0 on a CPU (whose prefill is the slow part)
     min_reuse_tokens: Optional[int] = None
-    # MB of evicted entries' memory freed a pass between steps (an idle engine: a slice a pass
-    # until none is left; memory pressure: all at once); 0: freed at eviction. Unset: 256 on
-    # CUDA, where MLX frees device memory synchronously once its buffer cache is full (a 16k
-    # token entry of an 8B model, 2.4 GB, stalled the engine 0.3 s), 0 elsewhere
-    release_slice_mb: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -65,9 +60,6 @@ class CacheConfig:
         if self.min_reuse_tokens is not None and self.min_reuse_tokens < 0:
             raise ConfigError(
                 f"cache.min_reuse_tokens must be >= 0 (0: any hit), got {self.min_reuse_tokens}")
-        if self.release_slice_mb is not None and self.release_slice_mb < 0:
-            raise ConfigError(f"cache.release_slice_mb must be >= 0 (0: freed at eviction), "
-                              f"got {self.release_slice_mb}")
         if self.warmup_budget_tokens < 0:
             raise ConfigError(
                 f"cache.warmup_budget_tokens must be >= 0 (0: off), got {self.warmup_budget_tokens}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_PINS = 4096      # pinned prefixes remembered at once
 FLOOR_BYTES = 8 << 30   # the fitted RAM tier's least size (the fixed default before fitting)
-RELEASE_SLICE_MB_CUDA = 256   # cache.release_slice_mb unset, on CUDA
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
 
 
@@ -124,11 +123,6 @@ class PromptCache(Protocol):
 
     def evict_oldest(self) -> bool: ...   # room for live rows: their KV before cached prefixes
 
-    @property
-    def releasing(self) -> bool: ...   # evicted memory waits for `release`
-
-    def release(self, budget: int | None = -1) -> bool: ...   # a slice of it freed (between steps)
-
     def flush(self) -> threading.Event: ...
 
     def close(self) -> None: ...
@@ -165,14 +159,6 @@ class RamPromptCache:
                           else fit_ram_bytes(cfg.cache.ram_gb, None)[0])
         self.metrics = metrics
         self._warned_size = False   # a prefix larger than the tier: said once, then counted
-        slice_mb = cfg.cache.release_slice_mb
-        if slice_mb is None:
-            from pipeserve.kv.attention import on_cuda
-            slice_mb = RELEASE_SLICE_MB_CUDA if on_cuda() else 0
-        self.release_slice = int(slice_mb * (1 << 20))   # bytes freed a pass; 0: at eviction
-        # evicted entries' layers, freed by `release`: [layers, bytes they keep alive]
-        self.dropped: deque[list[Any]] = deque()
-        self.dropped_bytes = 0
         metrics.cache_capacity.labels(self.tier).set(self.max_bytes)
         self.on_evict: Callable[[Entry], None] | None = None   # the SSD tier's spill hook
         self._batch: list[mx.array] | None = None   # inside `batch()`: the puts' new arrays
@@ -282,7 +268,6 @@ class RamPromptCache:
         prev = self.entries.pop(key, None)
         if prev is not None:
             self.nbytes -= prev.nbytes
-            self._drop(prev)
         self._searched = None
         # the trie keys the entry by its own tuple (shared, not copied); one walk over it
         # adds it and, when it is trimmable, drops the shorter entries it extends
@@ -296,7 +281,6 @@ class RamPromptCache:
         for n, old in gone:   # redundant now: the new entry serves every prefix of it
             if old is not entry and self.entries.pop(old.key, None) is not None:
                 self.nbytes -= old.nbytes
-                self._drop(old)
         self._evict()
         self._report()
         return entry if key in self.entries else None
@@ -306,7 +290,6 @@ class RamPromptCache:
             self._searched = None
             self.trie.pop(entry.model, entry.tokens)
             self.nbytes -= entry.nbytes
-            self._drop(entry)
             self._report()
 
     @contextmanager
@@ -354,55 +337,12 @@ class RamPromptCache:
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self.entries:
-            self._evict_one(defer=True)
+            self.evict_oldest()
 
     def evict_oldest(self) -> bool:
-        """Room now: the memory of entries evicted before and not yet freed, else the least
-        recently used entry, freed at once (spilled to the SSD tier, if any); False when there
-        is neither. The scheduler's memory gate calls it, and kv=paged when its block pool runs
-        short: cached prefixes and running rows share one pool, and running rows come first."""
-        if self.dropped:
-            self.release(None)
-            return True
-        return self._evict_one(defer=False)
-
-    def _drop(self, entry: Entry, defer: bool = True) -> None:
-        """An entry out of the index: with `release_slice`, its layers wait for `release`
-        (between steps, a slice a pass): on CUDA, MLX frees device memory synchronously once
-        its buffer cache is full, and a long entry's frees stalled the step loop (and, in the
-        thread core, the event loop) for a third of a second. Pool-lent layers (kv=paged) go
-        back to their pool at once."""
-        if not (defer and self.release_slice) or not entry.caches \
-                or any(hasattr(c, "portable") for c in entry.caches):
-            return   # the last reference goes with the caller's: freed now
-        self.dropped.append([list(entry.caches), entry.nbytes])
-        self.dropped_bytes += entry.nbytes
-        self.metrics.cache_release_pending.set(self.dropped_bytes)
-
-    @property
-    def releasing(self) -> bool:
-        """Evicted memory waits for `release`."""
-        return bool(self.dropped)
-
-    def release(self, budget: int | None = -1) -> bool:
-        """Free evicted entries' memory, a layer at a time (at least one), up to `budget`
-        bytes (-1: `release_slice`; None: all of it). True while some is left."""
-        budget = self.release_slice if budget == -1 else budget
-        while self.dropped and (budget is None or budget > 0):
-            layers, left = self.dropped[0]
-            per = left // len(layers)
-            layers.pop()   # the layer's arrays go with it (unless a borrower still holds them)
-            self.dropped[0][1] -= per
-            freed = per if layers else left
-            if not layers:
-                self.dropped.popleft()
-            self.dropped_bytes -= freed
-            if budget is not None:
-                budget -= freed
-        self.metrics.cache_release_pending.set(self.dropped_bytes)
-        return bool(self.dropped)
-
-    def _evict_one(self, defer: bool) -> bool:
+        """Drop the least recently used entry (spilling it to the SSD tier, if any); False
+        when there is none. kv=paged calls it when its block pool runs short: cached
+        prefixes and running rows share one pool, and running rows come first."""
         if not self.entries:
             return False
         entry = self._victim()
@@ -414,7 +354,6 @@ class RamPromptCache:
         self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))
         if self.on_evict is not None:
             self.on_evict(entry)
-        self._drop(entry, defer)
         self._report()
         return True
 
@@ -422,8 +361,7 @@ class RamPromptCache:
         """Engine idle: nothing to do in RAM."""
 
     def flush(self) -> threading.Event:
-        """Nothing waits for a disk: already set (evicted memory is freed)."""
-        self.release(None)
+        """Nothing waits for a disk: already set."""
         done = threading.Event()
         done.set()
         return done

@@ -119,13 +119,6 @@ class TieredPromptCache:
     def evict_oldest(self) -> bool:
         return self.ram.evict_oldest()
 
-    @property
-    def releasing(self) -> bool:
-        return self.ram.releasing
-
-    def release(self, budget: int | None = -1) -> bool:
-        return self.ram.release(budget)
-
     def _write(self, entry: Entry) -> None:
         self.dirty.pop(entry.key, None)
         self.ssd.submit(entry.tokens, stage(list(entry.tokens), entry.caches), entry.model)
@@ -157,7 +150,6 @@ class TieredPromptCache:
 
     def flush(self) -> threading.Event:
         """Hand every dirty entry to the writer; the event is set once all are on disk."""
-        self.ram.release(None)
         t0 = time.perf_counter()
         for entry in list(self.dirty.values()):
             self._write(entry)
