@@ -112,6 +112,9 @@ ROWS: list[RowSpec] = [
         PanelSpec("Step stage time p95 by stage", [Query(
             f"histogram_quantile(0.95, sum by (le, stage) ({rate('pipeserve_stage_seconds_bucket')}))",
             "{{stage}}")], "s", width=24),
+        PanelSpec("Collector pauses, seconds a second by generation", [Query(
+            f"sum by (generation) ({rate('pipeserve_gc_pause_seconds_sum')})",
+            "gen {{generation}}")], "s"),
     ]),
     RowSpec("Batching & queue", [
         PanelSpec("Batch size (rows per step)", [

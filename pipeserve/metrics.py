@@ -2,6 +2,8 @@
 process). Updated from the engine thread and the event loop; the client is thread-safe."""
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -229,6 +231,12 @@ class Metrics:
             f"{PREFIX}_prompt_cache_too_large",
             "Prefixes not kept because one takes more bytes than the tier holds", tier,
             registry=r)
+        self.gc_pause = Histogram(
+            f"{PREFIX}_gc_pause_seconds",
+            "Pauses of Python's cyclic collector in the server process, by generation (each "
+            "holds the GIL: the event loop waits, and in the thread core the engine thread too)",
+            ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r)
         self.cache_ssd_writes = Counter(
             f"{PREFIX}_prompt_cache_ssd_writes", "Entries written to the SSD tier", registry=r)
         self.cache_ssd_write_bytes = Counter(
@@ -389,6 +397,8 @@ class Metrics:
                        self.cache_too_large):
             for tier in CACHE_TIERS:
                 family.labels(tier)
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation)
         for reason in CACHE_MISS_REASONS:
             self.cache_misses.labels(reason)
         for reason in SPILL_REASONS:
@@ -422,3 +432,24 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
     """Every series name a PromQL query can use (`_bucket`, `_sum`, `_count` of histograms
     too), whether or not a labelled family has a series yet."""
     return {m.name + suffix for m in registry.collect() for suffix in _SAMPLE_SUFFIXES[m.type]}
+
+
+_gc_watch: dict[str, Any] = {"metrics": None, "began": 0.0}
+
+
+def watch_gc(metrics: Metrics) -> None:
+    """Time the collector's pauses into `metrics.gc_pause` (one callback a process; a later
+    call points it at other metrics)."""
+    if _gc_watch["metrics"] is None:
+        gc.callbacks.append(_gc_seen)
+    _gc_watch["metrics"] = metrics
+
+
+def _gc_seen(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_watch["began"] = time.perf_counter()
+        return
+    metrics = _gc_watch["metrics"]
+    if metrics is not None:
+        metrics.gc_pause.labels(str(info["generation"])).observe(
+            time.perf_counter() - _gc_watch["began"])

@@ -58,6 +58,8 @@ def _state(base_url: str) -> dict[str, float]:
              "pipeserve_prompt_cache_bytes": 1e9, "pipeserve_stage_seconds_sum": 1.0,
              "pipeserve_queue_wait_seconds_sum": 1.0, "pipeserve_batch_size_count": 1.0,
              "pipeserve_memory_waits_total": 1.0,   # requests admission.memory_high_water held
+             # the collector's pauses by generation (seconds, and how many)
+             "pipeserve_gc_pause_seconds_sum": 1.0, "pipeserve_gc_pause_seconds_count": 1.0,
              # the admission model's terms: weights + tokens x KV per token (+ a chunk's work)
              "pipeserve_model_weight_bytes": 1e9, "pipeserve_kv_bytes_per_token": 1.0}
     for line in text.splitlines():

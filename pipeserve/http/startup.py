@@ -19,7 +19,7 @@ from pipeserve.http.api import background_resume
 from pipeserve.http.api.record import base_record
 from pipeserve.http.front import Front
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
-from pipeserve.metrics import Metrics
+from pipeserve.metrics import Metrics, watch_gc
 
 log = logging.getLogger("pipeserve")
 
@@ -97,6 +97,7 @@ def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
     # collection no longer walks it (a long pause holding the GIL, stalling the loop)
     gc.collect()
     gc.freeze()
+    watch_gc(metrics)   # what pauses are left: pipeserve_gc_pause_seconds
     metrics.build.info({
         "version": _version("pipeserve"), "mlx_version": _version("mlx"),
         "device": limits.device, "model": cfg.model.name,

@@ -388,6 +388,13 @@ def test_metrics_families_and_counters(server: Any, client: openai.OpenAI) -> No
                  "pipeserve_time_to_first_token_seconds_count") == 1
     assert 1 <= delta("pipeserve_inter_token_latency_seconds",
                       "pipeserve_inter_token_latency_seconds_count") <= 5
+    # the collector's pauses are timed: 300 tokens of one request allocate past gen 0's
+    # threshold many times over
+    pauses = {g: sample_value(after, "pipeserve_gc_pause_seconds",
+                              "pipeserve_gc_pause_seconds_count", generation=g) for g in "012"}
+    assert pauses["0"] >= 1, pauses
+    assert sample_value(after, "pipeserve_gc_pause_seconds", "pipeserve_gc_pause_seconds_sum",
+                        generation="0") > 0
 
 
 # -- disconnects ---------------------------------------------------------------------------
