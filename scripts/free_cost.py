@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 SIZES_KB = (160, 4096, 33 * 1024, 256 * 1024)   # a short entry's layer .. a long one's
-FILL_MB = 64   # the cache is filled with new buffers of about this size, each a distinct size
+FILL_MB = 64   # the cache is filled with new buffers of at most this size (a 64th of its cap)
 
 
 def arrays(n: int, size_kb: int, pad: int = 0) -> list[mx.array]:
@@ -44,10 +44,11 @@ def fill_cache(target: int, seed: list[int]) -> None:
     """MLX's buffer cache up to `target` bytes with buffers of sizes never asked for before;
     prints how long those new allocations took."""
     t0, made = time.perf_counter(), 0
-    while mx.get_cache_memory() < target:
+    size = max(1 << 20, min(FILL_MB << 20, target // 64))
+    while mx.get_cache_memory() < 0.95 * target:
         before = mx.get_cache_memory()
         seed[0] += 1
-        a = mx.zeros(((FILL_MB << 20) + 16384 * seed[0],), dtype=mx.uint8)
+        a = mx.zeros((size + 16384 * seed[0],), dtype=mx.uint8)
         mx.eval(a)
         made += 1
         del a
@@ -55,7 +56,7 @@ def fill_cache(target: int, seed: list[int]) -> None:
             break
     if made:
         s = time.perf_counter() - t0
-        print(json.dumps({"case": "fill (new allocations)", "size_kb": FILL_MB * 1024,
+        print(json.dumps({"case": "fill (new allocations)", "size_kb": size // 1024,
                           "buffers": made, "ms": round(1000 * s, 1),
                           "ms_per_buffer": round(1000 * s / made, 3),
                           "cache_bytes": mx.get_cache_memory()}), flush=True)
@@ -102,18 +103,15 @@ def main() -> None:
         if cap is not None:
             fill_cache(cap, seed)
         case("free, cache full", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
-        # room in the cache: the buffers are kept for reuse, then reused
-        mx.clear_cache()
-        if cap is not None:
-            mx.set_cache_limit(max(cap, 2 * n * size_kb * 1024))
+        # room in the cache (its limit raised past what it holds, nothing cleared, so the
+        # next size needs no new fill): the buffers are kept for reuse, then reused
         batch = arrays(n, size_kb, pad)
+        mx.set_cache_limit(mx.get_cache_memory() + 2 * n * (size_kb * 1024 + pad))
         case("free, cache room", size_kb, n, timed_drop(batch), cache_bytes=mx.get_cache_memory())
         spent, batch = timed_alloc(n, size_kb, pad)
         case("alloc cached sizes", size_kb, n, spent, cache_bytes=mx.get_cache_memory())
         del batch
-        if cap is not None:
-            mx.set_cache_limit(cap)
-        mx.clear_cache()
+        mx.set_cache_limit(cap if cap is not None else mx.get_memory_limit())
         gc.collect()
     # a free while the device still runs queued work: how long the drop waits
     size_kb = 33 * 1024
