@@ -11,6 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from pipeserve.config import ServeConfig, check_overrides, load_config
 from pipeserve.errors import ConfigError
 from pipeserve.pool.scan import scan
+from pipeserve.prompt_cache.config import RAM_FLOOR_GB
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -69,6 +70,10 @@ def compose_members(cfg: ServeConfig, launch: list[str]) -> dict[str, ServeConfi
     found = scan(cfg.pool.model_dir) if cfg.pool.model_dir is not None else {}
     for model_id, overrides in {**listed, **found, **listed}.items():
         members[model_id] = compose_member(launch, model_id, overrides)
+    if len(members) > 1:   # members share the device: none fits its RAM tier to all of it
+        for member in members.values():
+            if member.cache.ram_gb is None and member.cache.enabled:
+                member.cache.ram_gb = RAM_FLOOR_GB
     if not members:
         raise ConfigError(f"pool.model_dir {cfg.pool.model_dir!r} holds no model (a directory "
                           "with config.json and *.safetensors, or a .gguf file) and pool.models "

@@ -12,6 +12,9 @@ from pipeserve.errors import ConfigError, check_positive as _positive
 from pipeserve.registry import register
 
 
+RAM_FLOOR_GB = 8.0   # the fitted RAM tier's least size (the fixed default before fitting)
+
+
 @dataclass
 class SsdConfig:
     dir: str = "~/.cache/pipeserve/prompt-cache"  # diskcache directory; survives restarts

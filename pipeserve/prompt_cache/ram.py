@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (CacheList, KVCache, PromptTrieResult,
 
 from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
+from pipeserve.prompt_cache.config import RAM_FLOOR_GB
 from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex, model_key
 from pipeserve.prompt_cache.protocol import content_state, lend, rebuild, shrink
 from pipeserve.prompt_cache.trie import TokenTrie
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_PINS = 4096      # pinned prefixes remembered at once
-FLOOR_BYTES = 8 << 30   # the fitted RAM tier's least size (the fixed default before fitting)
+FLOOR_BYTES = int(RAM_FLOOR_GB * (1 << 30))   # the fitted RAM tier's least size
 MIN_EXPLAINED = 16   # shared tokens that make a miss "evicted" / "incompatible" rather than none
 
 

@@ -168,6 +168,13 @@ def test_pool_example_composes_two_models_of_different_architectures(tmp_path) -
     assert compose_members(make_config(), []) is None   # one model: in-process, as before
     one = compose_members(make_config("server.isolate=true"), ["server.isolate=true"])
     assert one is not None and list(one) == ["tiny"]
+    # members share the device: each RAM tier keeps the fixed size unless set; one model alone
+    # has it fitted at load
+    assert [m.cache.ram_gb for m in members.values()] == [8.0, 8.0]
+    assert one["tiny"].cache.ram_gb is None
+    set_ = compose_members(cfg, ["model=tiny", f"model.cache_dir={tmp_path}", "pool=example",
+                                 "cache.ram_gb=2"])
+    assert [m.cache.ram_gb for m in set_.values()] == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("launch,member,message", [
