@@ -24,6 +24,7 @@ from pipeserve.model.loader import LoadedModel, load
 from pipeserve.memory import MemoryModel, setup_memory
 from pipeserve.metrics import Metrics
 from pipeserve.core.plan import NO_DRAFTS, Logits, RowOutput, Sampled, StepOutput, StepPlan
+from pipeserve.prompt_cache.config import RAM_FLOOR_GB
 from pipeserve.prompt_cache.protocol import reserve
 from pipeserve.prompt_cache.ram import PromptCache, fit_ram_bytes
 from pipeserve.request import Request
@@ -304,7 +305,11 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
     memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
     prompt_cache = None
     if cfg.cache.enabled:
-        ram_bytes, why = fit_ram_bytes(cfg.cache.ram_gb, memory)
+        # every rank of a distributed group must keep the same entries: a size fitted to each
+        # rank's own device could differ, so the group keeps the fixed one unless it is set
+        fixed = cfg.cache.ram_gb is None and cfg.distributed.enabled
+        ram_bytes, why = fit_ram_bytes(RAM_FLOOR_GB if fixed else cfg.cache.ram_gb, memory)
+        why = "fixed in a distributed group" if fixed else why
         prompt_cache = build(cfg.cache._target_, cfg, metrics, cache_identity(loaded, layout),
                              max_bytes=ram_bytes)
         log.info("prompt cache: %s, RAM tier %.1f GiB (%s; %d tokens of KV)", cfg.cache.name,

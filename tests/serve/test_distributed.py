@@ -225,6 +225,8 @@ def test_ranks_listen_on_loopback_only_and_only_rank0_serves_http(qwen3: Any) ->
         assert (f"127.0.0.1:{group.port}" in listens) == (rank == 0), (rank, held)
         if rank:
             assert listens == [], (rank, held)   # the ring's listener is rank 0's here
+    # ranks must keep the same entries: the RAM tier is not fitted to each one's device
+    assert "RAM tier 8.0 GiB (fixed in a distributed group" in group.log()
 
 
 def test_seeds_logprobs_structured_output_and_prompt_cache_across_ranks(qwen3: Any) -> None:
