@@ -175,6 +175,54 @@ def test_a_custom_tools_extra_fields_are_not_echoed_nor_stored(srv: Any) -> None
     assert again.status_code == 200 and again.json()["tools"] == r.json()["tools"]
 
 
+DEEP = '{"a": ' * 300 + "0" + "}" * 300   # past orjson's 254-level writer
+# (the fields sent, one unknown field nested 300 deep; the field as the response repeats it)
+ECHOED = {
+    "text.format": ('"text": {"format": {"type": "text", "schema": %s}}' % DEEP,
+                    lambda r: r["text"]["format"], {"type": "text"}),
+    "tool_choice": ('"tools": [{"type": "function", "name": "f"}], '
+                    '"tool_choice": {"type": "function", "name": "f", "x": %s}' % DEEP,
+                    lambda r: r["tool_choice"], {"type": "function", "name": "f"}),
+    "custom format": ('"tools": [{"type": "custom", "name": "t", "format": {"type": "grammar", '
+                      '"syntax": "regex", "definition": "a+", "x": %s}}]' % DEEP,
+                      lambda r: r["tools"][0]["format"],
+                      {"type": "grammar", "syntax": "regex", "definition": "a+"}),
+}
+
+
+@pytest.fixture(scope="module")
+def echo_srv(server_factory: Any) -> Any:
+    """A server of its own: the forced tool_choice call is cut short, which counts in the
+    incomplete-tool-calls total another test reads from `srv`."""
+    return server_factory()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", sorted(ECHOED))
+def test_fields_the_response_repeats_are_repeated_without_unknown_fields(
+        echo_srv: Any, name: str, stream: bool) -> None:
+    """text.format, a named tool_choice and a custom tool's format are repeated in the
+    response with the fields they have: each used to be repeated as sent, so an unknown field
+    nested 300 deep ended the request in a 500 after its tokens were generated, streamed or
+    not (the fuzz campaign's find: text.format {"type": "text", "schema": <deep>})."""
+    sent, repeated, want = ECHOED[name]
+    body = ('{"model": "tiny", "input": "Fix the bug.", "max_output_tokens": 2, '
+            '"stream": %s, %s}' % (json.dumps(stream), sent))
+    r = httpx.post(f"{echo_srv.base_url}/v1/responses", content=body, timeout=TIMEOUT,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        got = events[-1]["response"]
+    else:
+        got = r.json()
+    assert repeated(got) == want
+    again = httpx.get(f"{echo_srv.base_url}/v1/responses/{got['id']}", timeout=TIMEOUT)
+    assert again.status_code == 200 and repeated(again.json()) == want
+
+
 def test_custom_tool_call_under_its_regex(srv: Any) -> None:
     choice = {"type": "custom", "name": "ticket"}
     r = codex(srv, tool_choice=choice, parallel_tool_calls=False).parse()

@@ -53,7 +53,7 @@ def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = Fa
     parallel = F.get(body, "parallel_tool_calls", bool, True)
     echo = {"instructions": instructions, "parallel_tool_calls": parallel,
             "truncation": _truncation(body), "max_output_tokens": requested.max_tokens,
-            "previous_response_id": previous, "tool_choice": body.get("tool_choice") or "auto",
+            "previous_response_id": previous, "tool_choice": _choice_echo(body.get("tool_choice")),
             "tools": served.echo,
             "metadata": F.check_depth(F.get(body, "metadata", dict) or {}, "metadata", "metadata"),
             "reasoning": {"effort": effort, "summary": _summary(reasoning)},
@@ -70,6 +70,13 @@ def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = Fa
                          cache_breakpoints=pins)
     return Parsed(inputs, requested, conversation, echo, F.get(body, "stream", bool, False),
                   F.get(body, "store", bool, True), constraint, served, echo["background"])
+
+
+def _choice_echo(value: Any) -> Any:
+    """tool_choice as the response repeats it: a named choice with its type and name only."""
+    if isinstance(value, dict):
+        return {"type": value["type"], "name": value["name"]}
+    return value or "auto"
 
 
 def _truncation(body: dict[str, Any]) -> str:

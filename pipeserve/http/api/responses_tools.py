@@ -48,8 +48,10 @@ def parse_tools(raw: list[Any], strict: bool) -> ResponseTools:
         elif kind == "custom":
             out.tools.append(custom_tool(tool, where))
             # echoed (and stored) with the fields a custom tool has, not what else came with it
-            out.echo.append({k: tool[k] for k in ("type", "name", "description", "format")
+            out.echo.append({k: tool[k] for k in ("type", "name", "description")
                              if k in tool})
+            if "format" in tool:
+                out.echo[-1]["format"] = _format_echo(tool["format"])
             custom.add(tool["name"])
         elif isinstance(kind, str) and kind:
             if strict:
@@ -107,6 +109,11 @@ def _grammar_format(fmt: Any, where: str) -> tuple[str, str]:
     if not isinstance(definition, str) or not definition.strip():
         raise InvalidRequest(f"{where}.definition must be a non-empty string", param="tools")
     return syntax, definition
+
+
+def _format_echo(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A custom tool's format (checked by custom_tool) with the fields a format has."""
+    return fmt and {k: fmt[k] for k in ("type", "syntax", "definition") if k in fmt}
 
 
 def custom_input(arguments: dict[str, Any]) -> str:

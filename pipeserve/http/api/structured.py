@@ -12,6 +12,10 @@ from pipeserve.grammar.constraint import Constraint
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 FORMAT_TYPES = ("text", "json_object", "json_schema")
+# the fields each text.format type has: the response repeats these, not what else came with it
+# (an unknown field nested past orjson's 254-level writer would end the request in a 500)
+FORMAT_FIELDS = {"text": ("type",), "json_object": ("type",),
+                 "json_schema": ("type", "name", "schema", "description", "strict")}
 
 
 def from_body(body: dict[str, Any],
@@ -37,7 +41,8 @@ def from_text_format(body: dict[str, Any]) -> tuple[Constraint | None, dict[str,
         constraint: Constraint | None = _schema(fmt, param, param)
     else:
         constraint = _simple_format(kind, param)
-    return _one([constraint] + [_guided(body, name) for name in GUIDED]), fmt
+    echo = {k: fmt[k] for k in FORMAT_FIELDS[kind] if k in fmt}
+    return _one([constraint] + [_guided(body, name) for name in GUIDED]), echo
 
 
 def response_format(fmt: dict[str, Any], param: str) -> Constraint | None:
