@@ -21,6 +21,11 @@ from pipeserve.http.api.store import ResponseStore
 from pipeserve.request import PromptInput, Requested
 
 
+# Nesting a background request's body may have: its record on disk holds it one level down, and
+# orjson writes 254 levels at most (the reader takes 1024)
+BACKGROUND_DEPTH = 253
+
+
 @dataclass
 class Parsed:
     inputs: PromptInput
@@ -62,6 +67,9 @@ def parse(body: dict[str, Any], store: ResponseStore | Looked, strict: bool = Fa
     if user is not None:   # OpenAI's Response omits `user` when none was given
         echo["user"] = user
     echo["background"] = F.get(body, "background", bool, False)
+    if echo["background"]:   # kept on disk as sent, one level down in its record
+        F.check_depth(body, "a background request's body (kept on disk as sent, so a restart "
+                      "resumes it)", "background", BACKGROUND_DEPTH)
     cache_echo, pins = cache_key.pin(body, messages)   # the session's history kept in cache
     echo.update(cache_echo)
     inputs = PromptInput(messages=messages, tools=tools or None, template_kwargs=kwargs,
