@@ -38,6 +38,19 @@ def test_each_line_is_a_request_or_its_own_error() -> None:
     assert "this batch's endpoint is '/v1/chat/completions'" in got[2].message
 
 
+def test_a_body_nested_past_what_orjson_writes_is_an_error_line() -> None:
+    """A line's body is sent on as JSON, which orjson writes to 254 levels (it reads 1024): a
+    body nested deeper is an error line of its own naming the limit, not a batch that fails
+    whole with the writer's exception."""
+    def nested(cid: str, levels: int) -> bytes:   # x: `levels` arrays, one in another
+        return row(cid, x=0).replace(b'"x":0', b'"x":' + b"[" * levels + b"]" * levels)
+    # the body's own object and 253 arrays: 254 levels; with 254 arrays, 255
+    kept, refused = L.parse(nested("a", 253) + b"\n" + nested("b", 254), URL)
+    assert kept.code is None and orjson.loads(orjson.dumps(kept.body)) == kept.body
+    assert (refused.custom_id, refused.code, refused.body) == ("b", "invalid_value", None)
+    assert refused.message.startswith("line 2: body nests arrays/objects deeper than 254 levels")
+
+
 @pytest.mark.parametrize("data, words", [
     (b"", "has no lines"), (b"\xff\xfe", "not UTF-8"), (b"[1]\n{x\n", "no line of the input"),
     (row("a") + b"\n" + row("a"), "used by an earlier line")])

@@ -132,6 +132,22 @@ def test_batch_outputs_equal_live_requests(state: dict[str, Any]) -> None:
     assert done.id in [b.id for b in client.batches.list()]
 
 
+def test_a_line_nested_too_deep_to_send_is_its_own_error(state: dict[str, Any]) -> None:
+    """A line whose body nests past the 254 levels orjson writes used to fail the whole batch
+    (`server_error`, "TypeError: Recursion limit reached", the good lines' answers lost); it
+    is an error line naming the limit and the rest run."""
+    client = client_of(state["srv"])
+    deep = orjson.dumps(line("deep", {**chat_body("hi", 2), "x": 0}))
+    deep = deep.replace(b'"x":0', b'"x":' + b"[" * 300 + b"]" * 300)
+    done = poll(client, submit(client, [line("ok", chat_body("hi", 2)), deep]).id, ended)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    assert [o["custom_id"] for o in read_lines(client, done.output_file_id)] == ["ok"]
+    [err] = read_lines(client, done.error_file_id)
+    assert err["custom_id"] == "deep" and err["error"]["code"] == "invalid_value"
+    assert "deeper than 254 levels" in err["error"]["message"]
+
+
 def test_a_responses_batch_equals_the_live_response(state: dict[str, Any]) -> None:
     client = client_of(state["srv"])
     body = {"model": "tiny", "input": "Name a colour.", "max_output_tokens": 6,

@@ -11,9 +11,13 @@ from typing import Any
 import orjson
 
 from pipeserve.errors import InvalidRequest
+from pipeserve.http.api.fields import check_depth
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 MAX_LINES = 50_000   # OpenAI's limit of requests in one batch
+# nesting a line's body may have: it is sent on as JSON, and orjson writes 254 levels at most
+# (it reads 1024)
+BODY_DEPTH = 254
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,10 @@ def _line(index: int, number: int, text: str, endpoint: str) -> Line:
     if body.get("stream") or body.get("background"):
         key = "stream" if body.get("stream") else "background"
         return bad("invalid_value", f"body.{key} is true; a batch line is answered whole")
+    try:
+        check_depth(body, "body", "body", BODY_DEPTH)
+    except InvalidRequest as e:
+        return bad("invalid_value", f"{e.message} (a line's body is sent on as JSON)")
     return Line(index, cid, body)
 
 
