@@ -56,6 +56,55 @@ def instrument_more(engine: Any, clock: StepClock) -> None:
                 clock.wrap(cache, name, f"cache.{name}")
 
 
+class TimedMx:
+    """mlx.core as a module sees it, with `async_eval` and `clear_cache` timed under `label`."""
+
+    def __init__(self, mx: Any, clock: StepClock, label: str) -> None:
+        self._mx, self._clock, self._label = mx, clock, label
+
+    def __getattr__(self, name: str) -> Any:
+        inner = getattr(self._mx, name)
+        if name not in ("async_eval", "clear_cache"):
+            return inner
+        clock, label = self._clock, f"{self._label}.{name}"
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                if clock.on:
+                    clock.total[label] += time.perf_counter() - t0
+        return timed
+
+
+def instrument_split(engine: Any, clock: StepClock) -> None:
+    """Finer timers inside the parts that store what rows computed (--split): the row copies,
+    the batch filter, the cache's own copies, trie, evictions (the frees of what they drop) and
+    its one device call, and the every-256th-pass clear_cache."""
+    import mlx.core as mx
+    from pipeserve.core import rows, step as step_mod
+    from pipeserve.prompt_cache import ram
+    kv = engine.step.kv
+    for name in ("copy_of", "release_many", "entry_bytes"):
+        if hasattr(kv, name):
+            clock.wrap(kv, name, f"kv.{name}")
+    clock.wrap(rows, "extract_rows", "rows.extract_rows")
+    clock.wrap(rows, "host_padding", "rows.host_padding")
+    clock.wrap(ram, "own", "cache.own")
+    ram.mx = TimedMx(mx, clock, "cache.mx")
+    step_mod.mx = TimedMx(mx, clock, "step.mx")
+    cache = engine.step._cache
+    if cache is not None:
+        for name in ("evict_oldest", "_report", "kept"):
+            if hasattr(cache, name):
+                clock.wrap(cache, name, f"cache.{name}")
+        trie = getattr(cache, "trie", None)
+        if trie is not None:
+            for name in ("add", "add_over_prefixes", "pop"):
+                clock.wrap(trie, name, f"cache.trie.{name}")
+
+
 def time_gc(clock: StepClock) -> None:
     """The collector's pauses (any thread: each holds the GIL), by generation, in the clock."""
     began = [0.0]
@@ -164,6 +213,9 @@ def main() -> None:
                     help="each burst's engine calls in order (launch, read, apply, persist)")
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread (cold)")
+    ap.add_argument("--split", action="store_true",
+                    help="finer timers inside persist and the prompt cache (copies, batch "
+                         "filter, trie, evictions' frees, their device calls, clear_cache)")
     ap.add_argument("--prefix", type=int, default=0,
                     help="tokens every cold prompt starts with (a chat template's, say)")
     ap.add_argument("--repeat", action="store_true",
@@ -193,6 +245,8 @@ def main() -> None:
     clock = StepClock()
     instrument(engine, clock)
     instrument_more(engine, clock)
+    if args.split:
+        instrument_split(engine, clock)
     time_gc(clock)
     line = Timeline()
     if args.timeline:   # outermost: the timers above count inside these

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeserve.core.engine import Engine
-from pipeserve.core.events import Failed, Finished, TokenDelta
+from pipeserve.core.events import Failed, Finished, Settle, TokenDelta
 from pipeserve.metrics import Metrics
 from pipeserve.request import PromptInput, Request, SamplingParams
 from pipeserve.core.stream import RequestStream
@@ -93,7 +93,10 @@ class EngineHarness:
                 else:
                     assert isinstance(event, Failed)
                     raise event.error
-        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), timeout_s)
+        got = await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), timeout_s)
+        # a finish goes out before its row is retired: read the engine after that
+        await asyncio.wait_for(asyncio.wrap_future(self.engine.command(Settle())), timeout_s)
+        return got
 
     def close(self) -> None:
         self.engine.stop()

@@ -16,8 +16,8 @@ from pipeserve.core.client import EngineLoad, EngineState
 from pipeserve.core import kernel_prebuild, kernel_warmup
 from pipeserve.core.inbox import Inbox
 from pipeserve.core.limits import EngineLimits
-from pipeserve.core.events import (Abort, AdapterSwap, Command, Failed, Flush, Submit, TokenDelta,
-                                   answer)
+from pipeserve.core.events import (Abort, AdapterSwap, Command, Failed, Flush, Settle, Submit,
+                                   TokenDelta, answer)
 from pipeserve.model.loader import LoadedModel
 from pipeserve.memory import MemoryModel
 from pipeserve.metrics import Metrics
@@ -255,7 +255,7 @@ class Engine:
                 # a prompt chunk's forward is evaluated inside launch: the step in flight posts
                 # its tokens (first tokens among them) first instead of waiting for the chunk;
                 # the rows it ended leave after the launch (this plan was made with them)
-                held = self._apply(pending, hold=True)
+                held = self._apply(pending)
                 pending = None
                 self._out.flush()
             if plan is not None:
@@ -265,11 +265,13 @@ class Engine:
                     self._fail_plan(plan, e)
             if held is not None:
                 held()
+            # the rows a step ended are retired (their KV stored, then freed) once its events
+            # are out: a client's last tokens and finish never wait for that bookkeeping
             if pending is not None:
-                self._apply(pending)
+                self._retire_after_flush(self._apply(pending))
             if launched is not None and (launched.sync or not launched.samples):
-                self._apply(launched)   # the next plan needs these results: no pipelining
-                launched = None
+                self._retire_after_flush(self._apply(launched))   # the next plan needs these
+                launched = None                                     # results: no pipelining
             self._out.flush()
             if launched is not None:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
@@ -281,9 +283,14 @@ class Engine:
         if self.group is not None:   # rank 0 tells the group it stops (pipeserve/distributed)
             self.group.leave(self)
 
-    def _apply(self, launched: Launched, hold: bool = False) -> Callable[[], None] | None:
-        """Read a step's results back and apply them: events out, finished rows retired.
-        `hold`: the rows that ended (finished or failed) keep their KV until the returned call."""
+    def _retire_after_flush(self, end: Callable[[], None] | None) -> None:
+        self._out.flush()
+        if end is not None:
+            end()
+
+    def _apply(self, launched: Launched) -> Callable[[], None] | None:
+        """Read a step's results back and apply them: their events are posted; the rows that
+        ended (finished or failed) keep their KV until the returned call retires them."""
         try:
             output = self.step.read(launched)
         except Exception as e:
@@ -307,10 +314,7 @@ class Engine:
                 self.scheduler.release(req.request_id)
             self.metrics.active_rows.set(len(self.scheduler.running))
             self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
-        if hold:
-            return end
-        end()
-        return None
+        return end
 
     def take_commands(self, block: bool, timeout: float | None = None) -> list[Command]:
         """Run every command in the inbox (waiting up to `timeout` for one when `block`);
@@ -325,6 +329,8 @@ class Engine:
         """One inbox command, between steps (other ranks: the commands rank 0 broadcast)."""
         if isinstance(cmd, Flush):
             cmd.reply(self.prompt_cache.flush() if self.prompt_cache is not None else None)
+        elif isinstance(cmd, Settle):
+            answer(cmd.future, True)
         elif isinstance(cmd, AdapterSwap):   # hot-swap: pipeserve/adapters/swap.py
             adapter_swap.run(self, cmd)
         elif isinstance(cmd, Score):   # prompt scoring: pipeserve/core/scoring.py

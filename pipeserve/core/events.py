@@ -69,7 +69,17 @@ class AdapterSwap:
     error: ServeError | None = None
 
 
-Command = Submit | Abort | Flush | AdapterSwap
+@dataclass(slots=True)
+class Settle:
+    """Answered True between passes, once the pass running when it came has ended: the rows
+    that finished before it are retired (their KV stored, then freed). A finish is posted
+    before that bookkeeping, so a caller that reads the engine's state after a request ended
+    (a test, a probe) sends this first."""
+
+    future: Future[Any] = field(default_factory=Future)
+
+
+Command = Submit | Abort | Flush | AdapterSwap | Settle
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ the configured sample stage). A replaced persist gets all it needs from its cons
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,6 +85,34 @@ class PersistThatFailsOnce:
         if finished and not self.failed:
             self.failed = True
             raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        self.inner(finished, running, kv)
+
+
+class PersistThatWaits:
+    """The built-in persist, whose retirement of finished rows waits until the test lets it
+    go (`GATE`), saying when it started (`STARTED`): a slow store (128 rows finishing at once
+    copy 9,216 layer slices on the 8B) made visible."""
+
+    GATE = threading.Event()
+    STARTED = threading.Event()
+
+    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
+        from pipeserve.stages.persist import Persist
+        self.inner = Persist(cfg, deps)
+
+    def prompts(self, plan, kv) -> None:
+        self.inner.prompts(plan, kv)
+
+    def drain(self, kv, rows) -> None:
+        self.inner.drain(kv, rows)
+
+    def waiting(self, rid) -> bool:
+        return self.inner.waiting(rid)
+
+    def __call__(self, finished, running, kv) -> None:
+        if finished:
+            self.STARTED.set()
+            assert self.GATE.wait(30), "the test never let persist go on"
         self.inner(finished, running, kv)
 
 
@@ -194,3 +223,45 @@ def test_a_failing_persist_costs_only_its_cache_entries(engine_factory, caplog) 
     assert h.engine.state.value == "ready" and h.engine.step.kv.num_rows == 0
     again = h.generate(PROMPTS[1], max_tokens=8)   # the second one was cached: a hit
     assert again["ids"] == want[1] and again["cached"] > 0
+
+
+def test_a_finish_is_out_before_its_row_is_stored_and_the_next_turn_still_hits(
+        engine_factory) -> None:
+    """A client's finish never waits for the engine's bookkeeping: while persist is still
+    storing the finished row (held here), the request has its whole output and its finish;
+    the engine takes the client's next turn only after the row is stored, so that turn is a
+    hit, with the output of an engine that never held persist."""
+    plain = engine_factory("scheduler=serial")
+    prompt, turn = PROMPTS[1], [60, 61, 62]
+    want = plain.generate(prompt, max_tokens=8)["ids"]
+    want_next = plain.generate(prompt + want + turn, max_tokens=8)["ids"]
+    h = engine_factory("scheduler=serial", f"pipeline.persist._target_={HERE}.PersistThatWaits")
+    PersistThatWaits.GATE.clear()
+    PersistThatWaits.STARTED.clear()
+
+    async def first() -> tuple[list[int], str, bool]:
+        from pipeserve.core.events import Finished, TokenDelta
+        from pipeserve.core.stream import RequestStream
+        stream = RequestStream(asyncio.get_running_loop())
+        h.engine.submit(h.request(prompt, max_tokens=8), stream)
+        ids: list[int] = []
+        while True:
+            event = await stream.next()
+            if isinstance(event, TokenDelta):
+                ids.extend(event.token_ids)
+            else:
+                assert isinstance(event, Finished), event
+                return ids, event.reason.value, PersistThatWaits.GATE.is_set()
+
+    try:
+        ids, reason, let_go = asyncio.run(asyncio.wait_for(first(), 120))
+        assert (ids, reason) == (want, "length")
+        assert not let_go                                  # the finish came while persist waited
+        assert PersistThatWaits.STARTED.wait(60)           # ... inside the row's store
+        assert h.engine.step.kv.num_rows == 1              # its KV still held for the copy
+    finally:
+        PersistThatWaits.GATE.set()
+    again = h.generate(prompt + want + turn, max_tokens=8)
+    assert again["ids"] == want_next
+    assert again["cached"] >= len(prompt) + len(want) - 1   # the stored row served the turn
+    assert h.engine.step.kv.num_rows == 0
