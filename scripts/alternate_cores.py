@@ -4,7 +4,8 @@ requests sent to one, then the same burst to the other (which goes first alterna
 so a host whose speed drifts between runs (the lent H200's moves by 2x at one stream) slows
 both alike. Prints one JSON line per burst, then per placement and stream count the median,
 min and max of aggregate tok/s and TTFT p50, and the process core's median over the thread
-core's.
+core's, beside the median of each rep's own ratio (the two bursts of a rep ran back to back:
+that one cancels the host's drift between reps) and how many reps each won.
 
     python scripts/alternate_cores.py --streams 1,32,128 --reps 5 -- model=tiny model.size=large \
         model.dtype=bfloat16 model.compute_dtype=checkpoint scheduler.max_batch=128
@@ -124,8 +125,27 @@ def summary(rows: list[dict]) -> list[dict]:
                         "ttft_p50_s_min": min(ttft), "ttft_p50_s_max": max(ttft)})
         if len(med) == 2:
             out.append({"what": "process / thread", "streams": n,
-                        "agg_tok_s_medians": round(med["process"] / med["thread"], 3)})
+                        "agg_tok_s_medians": round(med["process"] / med["thread"], 3),
+                        **paired(rows, n)})
     return out
+
+
+def paired(rows: list[dict], n: int) -> dict[str, float | int]:
+    """The two placements' bursts of one rep were sent back to back, so the host's drift
+    between reps moves both: the median of each rep's own ratio cancels it (the ratio of the
+    medians does not), and how many reps the process core won."""
+    by_rep: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        if r["streams"] == n:
+            by_rep.setdefault(r["rep"], {})[r["placement"]] = r
+    pairs = [(g["process"], g["thread"]) for g in by_rep.values() if len(g) == 2]
+    if not pairs:
+        return {}
+    tok = [p["agg_tok_s"] / t["agg_tok_s"] for p, t in pairs]
+    ttft = [p["ttft_p50_s"] / t["ttft_p50_s"] for p, t in pairs]
+    return {"agg_tok_s_paired_median": round(statistics.median(tok), 3),
+            "ttft_p50_s_paired_median": round(statistics.median(ttft), 3),
+            "process_faster_reps": sum(x > 1 for x in tok), "paired_reps": len(pairs)}
 
 
 def main() -> None:

@@ -6,7 +6,10 @@
 # the engine thread (native frames, idle included); scripts/gil_waits.py splits the engine
 # thread's samples into waiting for the GIL, MLX's calls and Python. Files under $OUT.
 # Usage: scripts/h200_gil.sh [N=128] [SECONDS=15]   (PLACEMENTS="thread": one of them; REPS:
-# bursts sent, 6 by default: enough to cover SECONDS at 128 streams; one stream wants ~20)
+# bursts sent, 6 by default: enough to cover SECONDS at 128 streams; one stream wants ~20;
+# MAX_TOKENS: each request's tokens out, 128 by default; 4 makes back-to-back bursts, as
+# bench.py's ttft workload sends them; GIL=1: sample only the thread holding the GIL, in the
+# server process (the core process's parent: its event loop), read by gil_waits.py --holders)
 set -uo pipefail
 n=${1:-128}; secs=${2:-15}; out=${OUT:-gil-out}; mkdir -p "$out"
 spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -38,18 +41,23 @@ PY
   python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n 8 --reps 1 --max-tokens 8 \
     > /dev/null 2>&1   # the shapes, once (and the model loaded)
   target=$pid
-  if [ $placement = process ]; then   # the engine runs in the pool member's process
+  if [ $placement = process ] && [ -z "${GIL:-}" ]; then   # the engine: the member's process
     target=$(grep -o "engine process [0-9]*" "$log" | tail -1 | grep -o "[0-9]*$")
   fi
   python3 scripts/http_burst.py --url "http://127.0.0.1:$port" --n "$n" --reps "${REPS:-6}" \
-    --max-tokens 128 > "$out/burst-$placement.txt" 2>&1 &
+    --max-tokens "${MAX_TOKENS:-128}" > "$out/burst-$placement.txt" 2>&1 &
   burst=$!
   sleep 1
-  "$spy" record --native --idle --threads -r 200 -d "$secs" -f raw -o "$out/$placement.raw" \
+  mode=(--idle -r 200); [ -n "${GIL:-}" ] && mode=(--gil -r 500)
+  "$spy" record --native "${mode[@]}" --threads -d "$secs" -f raw -o "$out/$placement.raw" \
     -p "$target" > "$out/spy-$placement.txt" 2>&1
   wait $burst
   echo "== $placement core: $n streams"
   tail -3 "$out/burst-$placement.txt"
-  python3 scripts/gil_waits.py "$out/$placement.raw" | tee "$out/gil-$placement.md"
+  if [ -n "${GIL:-}" ]; then
+    python3 scripts/gil_waits.py --holders "$out/$placement.raw" | tee "$out/gil-$placement.md"
+  else
+    python3 scripts/gil_waits.py "$out/$placement.raw" | tee "$out/gil-$placement.md"
+  fi
   kill "$pid"; wait "$pid" 2>/dev/null
 done

@@ -36,3 +36,28 @@ def test_the_engine_threads_samples_are_sorted_by_what_they_wait_for(tmp_path: P
     assert rows == {"waiting for a command (idle engine)": 100, "MLX async_eval": 50,
                     "waiting for the GIL": 30, "MLX eval / read back": 15,
                     "Python (holding the GIL)": 5}
+
+
+HELD = "\n".join([
+    f"{LOOP};Persist.__call__ (pipeserve/stages/persist.py:116);RamPromptCache.put "
+    "(pipeserve/prompt_cache/ram.py:214);0x7f1 (libpython3.12.so);mlx::core::array::~array "
+    "(libmlx.so);cudaFree (libcudart.so) 40",
+    f"{LOOP};Scheduler.schedule (pipeserve/core/scheduler.py:200) 10",
+    "thread (2): MainThread;Loop.run (uvloop.py:1);_stream (pipeserve/http/api/openai_http.py:"
+    "168) 60",
+]) + "\n"
+
+
+def test_holders_says_which_thread_held_the_gil_and_in_which_call(tmp_path: Path) -> None:
+    raw = tmp_path / "gil.raw"
+    raw.write_text(HELD)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gil_waits.py"), "--holders",
+                          str(raw)], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("|")]
+    assert "GIL held: 110 samples" in out
+    assert [r[0].strip("| ") for r in rows] == [
+        "MainThread", "_stream (pipeserve/http/api/openai_http.py:168)",
+        "pipeserve-engine",
+        "RamPromptCache.put (pipeserve/prompt_cache/ram.py:214) > cudaFree",
+        "Scheduler.schedule (pipeserve/core/scheduler.py:200)"]
+    assert [int(r[1]) for r in rows] == [60, 60, 50, 40, 10]
