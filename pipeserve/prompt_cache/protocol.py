@@ -9,6 +9,7 @@ boundary, ...) are part of `state`, as in its QuantizedKVCache."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +24,24 @@ from pipeserve.kv.turbo import TurboKVCache
 # Per-row layouts whose every 4-D array in `state` is (B, H, capacity, ·) with `offset` tokens
 # from the start: capacity past `offset` is preallocated, never content.
 PREFIX_LAYOUTS = (KVCache, QuantizedKVCache, AffineKVCache, TurboKVCache, DelayedKVCache)
+
+
+@dataclass(eq=False)
+class Block:
+    """Arrays several rows' copies live in together (`RowStore.copies_of`: rows leaving one
+    batch at once, copied with one gather a layer, not one copy per row and layer); each
+    row's caches are views of them. Its bytes stay held while any of those views does."""
+
+    arrays: list[mx.array]
+    nbytes: int
+    queued: bool = False   # handed to the device for evaluation (once, by whoever puts first)
+
+
+class SharedKVCache(KVCache):
+    """A row's copy as views of a `Block` (`keys`, `values`: exactly its content); a prompt
+    cache that keeps it counts the block, not the views (pipeserve/prompt_cache/ram.py)."""
+
+    block: Block
 
 
 def map_arrays(fn: Callable[[mx.array], mx.array], state: Any) -> Any:

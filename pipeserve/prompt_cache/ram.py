@@ -1,7 +1,9 @@
 """RamPromptCache: KV prefixes in a token trie (trie.py) with a byte-capped LRU.
 An entry owns its arrays (`own`: a copy of exactly the tokens it holds, never a view that would
 keep a running batch's or a preallocated buffer alive; a finished row's buffers, freed right
-after, are handed over instead of copied), and counts their bytes. A hit lends the
+after, are handed over instead of copied), and counts their bytes; the entries of rows copied
+together share one block (`Block`: views of one gather a layer), counted once while any of
+them is held. A hit lends the
 entry's arrays (new array objects over the same buffers, no copy); the borrower's first write
 copies, so the entry stays intact. Both go through the caches' `state` / `from_state`
 (pipeserve/prompt_cache/protocol.py). Engine thread only."""
@@ -24,7 +26,8 @@ from pipeserve.config import ServeConfig
 from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.config import RAM_FLOOR_GB
 from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex, model_key
-from pipeserve.prompt_cache.protocol import content_state, lend, rebuild, shrink
+from pipeserve.prompt_cache.protocol import (Block, SharedKVCache, content_state, lend,
+                                             rebuild, shrink)
 from pipeserve.prompt_cache.trie import TokenTrie
 
 if TYPE_CHECKING:
@@ -55,6 +58,13 @@ def own(layer: Any, pending: list[mx.array], handed: bool = False) -> tuple[Any,
     past the content (preallocated, up to 255 tokens) is at most an eighth of it; a short
     row's is copied, so short entries do not count 256 tokens each. MLX never writes a shared
     buffer in place, so even a later write could not reach the entry."""
+    if handed and isinstance(layer, SharedKVCache):   # views of a block (`copies_of`'s):
+        kept = KVCache()   # the entry counts the block once (RamPromptCache._charge), and
+        kept.keys, kept.values, kept.offset = layer.keys, layer.values, layer.offset
+        if not layer.block.queued:   # its arrays go to the device once; the views stay lazy
+            layer.block.queued = True
+            pending.extend(layer.block.arrays)
+        return kept, layer.keys.nbytes + layer.values.nbytes
     if handed and type(layer) is KVCache and layer.keys is not None \
             and layer.keys.shape[2] == layer.offset:   # exactly its content (`copy_of`'s)
         kept = KVCache()   # new array objects (as `lend`): a slice update rebinds the old ones
@@ -83,6 +93,13 @@ def own(layer: Any, pending: list[mx.array], handed: bool = False) -> tuple[Any,
     return rebuild(layer, keep, content_state(layer)), nbytes
 
 
+def _plain(layer: SharedKVCache) -> KVCache:
+    """A block's row as a plain cache over the same views (`own` then copies it)."""
+    c = KVCache()
+    c.keys, c.values, c.offset = layer.keys, layer.values, layer.offset
+    return c
+
+
 @dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]
@@ -91,10 +108,19 @@ class Entry:
     trimmable: bool         # attention-only: any prefix of it can be reused
     last_used_s: float = field(default_factory=time.monotonic)
     model: str = TRIE_KEY   # its adapter's trie root (model_key)
+    block: Block | None = None   # the arrays it shares with other rows' entries (views of)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
         return (self.model, self.tokens)
+
+
+@dataclass(slots=True)
+class _Live:
+    """A block some entries share, and which of them are still held (by key)."""
+
+    block: Block
+    entries: dict[tuple[str, tuple[int, ...]], Entry] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -166,7 +192,8 @@ class RamPromptCache:
         self.trie = TokenTrie()
         self.entries: OrderedDict[tuple[str, tuple[int, ...]], Entry] = OrderedDict()  # LRU
         # order, keyed by Entry.key (adapter root, tokens)
-        self.nbytes = 0
+        self.nbytes = 0   # what its entries hold: each its own bytes, a shared block once
+        self._blocks: dict[int, _Live] = {}   # the blocks its entries share, by id
         self.ghosts = GhostIndex()   # token keys of recently evicted entries: explains misses
         self.pins: dict[tuple[str, tuple[int, ...]], float] = {}   # (root, tokens) → until
         # the last trie search (root, query, answer), until the trie changes: a partial hit's
@@ -254,21 +281,23 @@ class RamPromptCache:
                   handed: bool = False) -> Entry | None:
         if self.max_bytes <= 0 or not tokens:
             return None
+        block = next((c.block for c in caches if isinstance(c, SharedKVCache)), None)
+        if block is not None and not (handed and all(
+                isinstance(c, SharedKVCache) and c.block is block for c in caches)):
+            block, handed = None, False   # not handed whole: every layer copied out of it
+            caches = [_plain(c) if isinstance(c, SharedKVCache) else c for c in caches]
         pending: list[mx.array] = []
         owned = [own(c, pending, handed) for c in caches]
         entry = Entry(tuple(tokens), [c for c, _ in owned], sum(n for _, n in owned),
-                      can_trim_prompt_cache(caches), model=model)
+                      can_trim_prompt_cache(caches), model=model, block=block)
         if entry.nbytes > self.max_bytes:   # known from the shapes: the copies never run
             self._too_large(entry)
             return None
-        if self._batch is not None:   # inside `batch()`: one device call for all the puts
-            self._batch.extend(pending)
-        else:
-            mx.async_eval(pending)   # the copies run on the device; nothing waits for them
+        self._device(pending)
         key = entry.key
         prev = self.entries.pop(key, None)
         if prev is not None:
-            self.nbytes -= prev.nbytes
+            self._discharge(prev)
         self._searched = None
         # the trie keys the entry by its own tuple (shared, not copied); one walk over it
         # adds it and, when it is trimmable, drops the shorter entries it extends
@@ -278,19 +307,69 @@ class RamPromptCache:
         else:
             self.trie.add(model, entry.tokens, entry)
         self.entries[key] = entry
-        self.nbytes += entry.nbytes
+        self._charge(entry)
         for n, old in gone:   # redundant now: the new entry serves every prefix of it
             if old is not entry and self.entries.pop(old.key, None) is not None:
-                self.nbytes -= old.nbytes
+                self._discharge(old)
         self._evict()
         self._report()
         return entry if key in self.entries else None
+
+    def _device(self, pending: list[mx.array]) -> None:
+        if not pending:
+            return
+        if self._batch is not None:   # inside `batch()`: one device call for all the puts
+            self._batch.extend(pending)
+        else:
+            mx.async_eval(pending)   # the copies run on the device; nothing waits for them
+
+    def _charge(self, entry: Entry) -> None:
+        """An entry comes in: its bytes, or its block's the first time one of the block's
+        entries does (a block is held whole while any of its views is)."""
+        block = entry.block
+        if block is None:
+            self.nbytes += entry.nbytes
+            return
+        live = self._blocks.setdefault(id(block), _Live(block))
+        if not live.entries:
+            self.nbytes += block.nbytes
+        live.entries[entry.key] = entry
+
+    def _discharge(self, entry: Entry) -> None:
+        """An entry goes: its bytes, or, for one in a block, the block's once its last entry
+        went. When what is left of a block uses less than half of it, the entries left are
+        copied out of it (once each), so it is freed: a hit entry that outlives the others
+        of its burst never keeps all of them alive."""
+        block = entry.block
+        if block is None:
+            self.nbytes -= entry.nbytes
+            return
+        live = self._blocks.get(id(block))
+        if live is None or live.entries.pop(entry.key, None) is None:
+            return
+        if not live.entries:
+            del self._blocks[id(block)]
+            self.nbytes -= block.nbytes
+            return
+        if 2 * sum(e.nbytes for e in live.entries.values()) >= block.nbytes:
+            return
+        del self._blocks[id(block)]
+        self.nbytes -= block.nbytes
+        pending: list[mx.array] = []
+        for left in live.entries.values():
+            owned = [own(c, pending) for c in left.caches]
+            left.caches, left.block = [c for c, _ in owned], None
+            left.nbytes = sum(n for _, n in owned)
+            self.nbytes += left.nbytes
+        self._device(pending)
+        log.debug("prompt cache: %d entries copied out of a block they alone held",
+                  len(live.entries))
 
     def remove(self, entry: Entry) -> None:
         if self.entries.pop(entry.key, None) is not None:
             self._searched = None
             self.trie.pop(entry.model, entry.tokens)
-            self.nbytes -= entry.nbytes
+            self._discharge(entry)
             self._report()
 
     @contextmanager
@@ -350,7 +429,7 @@ class RamPromptCache:
         del self.entries[entry.key]
         self._searched = None
         self.trie.pop(entry.model, entry.tokens)
-        self.nbytes -= entry.nbytes
+        self._discharge(entry)
         self.metrics.cache_evictions.labels(self.tier).inc()
         self.ghosts.add(entry.tokens, entry.model, (entry.last_used_s, time.monotonic()))
         if self.on_evict is not None:

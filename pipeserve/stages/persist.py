@@ -22,6 +22,7 @@ from pipeserve.core.plan import StepPlan
 from pipeserve.prompt_cache.protocol import PREFIX_LAYOUTS, lend, rewinds
 from pipeserve.request import FinishReason, Request
 from pipeserve.core.stage import StageDeps
+from pipeserve.stages.cache_lookup import min_reuse
 
 
 class Persist:
@@ -36,6 +37,9 @@ class Persist:
         # first; only where any prefix of the KV is valid (attention-only models) and the
         # layout's row caches can be cut back by their offset
         self.pending: dict[str, tuple[Request, list[int]]] = {}
+        # an entry shorter than the least prefix a lookup takes (cache.min_reuse_tokens: 256
+        # on a GPU) could never serve a hit: such a prompt or finished row is not stored
+        self.min_tokens = min_reuse(cfg)
         model = deps.loaded.model
         self.defer = (self.cache is not None and model is not None and rewinds(model)
                       and all(type(c) in PREFIX_LAYOUTS for c in deps.layout.make_cache(model)))
@@ -52,7 +56,7 @@ class Persist:
             req = row.request
             done = row.start + row.num_tokens
             if (done == req.num_prompt_tokens - 1 or done in req.checkpoints_at) \
-                    and req.num_cached_tokens < done:
+                    and req.num_cached_tokens < done and done >= self.min_tokens:
                 if self.defer:
                     self.pending.setdefault(row.request_id, (req, []))[1].append(done)
                     continue
@@ -140,7 +144,8 @@ class Persist:
         if req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
             return 0
         fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held
-        return min(fed, len(req.key_ids) + len(req.output_ids))
+        n = min(fed, len(req.key_ids) + len(req.output_ids))
+        return n if n >= self.min_tokens else 0
 
     def _finished(self, req: Request, kv: RowStore, keep: bool = True,
                   fresh: list[Any] | None = None) -> None:
@@ -151,7 +156,7 @@ class Persist:
         if self.checkpoints is not None and req.checkpointed_tokens and req.finish_reason in (
                 FinishReason.STOP, FinishReason.LENGTH):
             self.checkpoints.drop(req)
-        if not keep or req.finish_reason is FinishReason.ERROR or req.num_computed_tokens < 1:
+        if not keep or not self._entry_tokens(req):
             return
         known = req.key_ids + req.output_ids
         fed = req.num_computed_tokens + self._tokens_ahead(req.request_id)   # KV held

@@ -70,9 +70,58 @@ def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory,
     assert [g["ids"] for g in got] == [e["ids"] for e in expected]
     finished = [n for n in puts if n > PROMPT]   # prompt + output entries (prompts: < PROMPT)
     assert len(finished) == 3, puts
-    # the three entries' copies went to the device together: one call, both arrays of every
-    # layer of each (one call a put before: each gives the GIL up to a busy event loop)
+    # the three entries' copies went to the device together: one call, one gather of both
+    # arrays of every layer for the three rows (not one copy a row and layer; and one call a
+    # put before that: each gives the GIL up to a busy event loop)
     layers = len(one.caches)
-    assert calls[:1] == [3 * 2 * layers], calls
+    assert calls[:1] == [2 * layers], calls
     held = [e for e in cache.entries.values() if len(e.tokens) > PROMPT]
     assert len(held) == 3 and cache.nbytes <= cache.max_bytes
+    # ... views of that one block, counted once
+    assert held[0].block is not None and all(e.block is held[0].block for e in held)
+    others = sum(e.nbytes for e in cache.entries.values() if e.block is None)
+    assert cache.nbytes == others + held[0].block.nbytes
+
+
+def test_next_turns_after_a_burst_hit_the_rows_block_and_answer_as_cold(engine_factory) -> None:
+    """Rows finishing together are stored as views of one block; each one's next turn (its
+    prompt, its answer and new tokens: an agent's loop) is a hit on it and answers what an
+    engine without a cache answers."""
+    prompts = [[5 + (i * 11 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
+    model = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
+             "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
+    cold = engine_factory(*model, "cache=off")
+    first = asyncio.run(cold.generate_many(
+        [cold.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    turns = [p + f["ids"] + [40 + i, 41, 42] for i, (p, f) in enumerate(zip(prompts, first))]
+    expected = asyncio.run(cold.generate_many(
+        [cold.request(t, max_tokens=OUT, logit_bias=EOS_OFF) for t in turns]))
+    cold.close()
+
+    h = engine_factory(*model)
+    got = asyncio.run(h.generate_many(
+        [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    assert [g["ids"] for g in got] == [f["ids"] for f in first]
+    cache = h.engine.step._cache
+    held = [e for e in cache.entries.values() if len(e.tokens) > PROMPT]
+    assert len(held) == ROWS and len({id(e.block) for e in held}) == 1 and held[0].block
+    again = asyncio.run(h.generate_many(
+        [h.request(t, max_tokens=OUT, logit_bias=EOS_OFF) for t in turns]))
+    assert [a["ids"] for a in again] == [e["ids"] for e in expected]
+    assert all(a["cached"] >= PROMPT + OUT - 1 for a in again), [a["cached"] for a in again]
+
+
+def test_prefixes_shorter_than_any_hit_a_lookup_takes_are_not_stored(engine_factory) -> None:
+    """With cache.min_reuse_tokens (256 on a GPU unless set) a lookup never takes a shorter
+    hit, so a prompt or a finished row shorter than that is not copied into the cache at all
+    (a burst of 128 short chats stores nothing); longer ones are, and are reused."""
+    h = engine_factory("model=tiny", "cache.min_reuse_tokens=64")
+    cache = h.engine.step._cache
+    short = [5 + j % 50 for j in range(40)]
+    h.generate(short, max_tokens=OUT, logit_bias=EOS_OFF)   # 40 + 4 tokens: nothing kept
+    assert not cache.entries and cache.nbytes == 0
+    long = [7 + j % 90 for j in range(100)]
+    first = h.generate(long, max_tokens=OUT, logit_bias=EOS_OFF)
+    assert sorted(len(e.tokens) for e in cache.entries.values()) == [100 + OUT - 1]
+    again = h.generate(long, max_tokens=OUT, logit_bias=EOS_OFF)
+    assert again["ids"] == first["ids"] and again["cached"] == 99
