@@ -515,10 +515,14 @@ def shared_rows(caches: list[Any], rows: list[tuple[int, int]],
         lo, hi = min(a for a, _ in mine), max(b for _, b in mine)
         keys, values = layer.keys[:, :, lo:hi][idx], layer.values[:, :, lo:hi][idx]
         arrays += [keys, values]
-        for j, (row, (a, b)) in enumerate(zip(out, mine)):
+        if all(span == (lo, hi) for span in mine):   # rows of one length: one split a layer
+            ks, vs = mx.split(keys, len(rows), axis=0), mx.split(values, len(rows), axis=0)
+        else:
+            ks = [keys[j:j + 1, :, a - lo:b - lo] for j, (a, b) in enumerate(mine)]
+            vs = [values[j:j + 1, :, a - lo:b - lo] for j, (a, b) in enumerate(mine)]
+        for row, k, v, (a, b) in zip(out, ks, vs, mine):
             c = SharedKVCache()
-            c.keys, c.values = keys[j:j + 1, :, a - lo:b - lo], values[j:j + 1, :, a - lo:b - lo]
-            c.offset = b - a
+            c.keys, c.values, c.offset = k, v, b - a
             row.append(c)
     block = Block(arrays, sum(a.nbytes for a in arrays))
     for row in out:

@@ -5,6 +5,7 @@ the block is freed. Real MLX arrays in mlx-lm's BatchKVCache; no model."""
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import BatchKVCache
 from prometheus_client import CollectorRegistry
 
@@ -30,9 +31,13 @@ def batch(pads: list[int], width: int) -> list[BatchKVCache]:
     return out
 
 
-def test_rows_of_one_batch_share_one_gather_a_layer_with_each_rows_exact_content() -> None:
-    caches = batch([2, 0, 1, 0], 40)
-    rows = [(0, 38), (1, 40), (3, 39)]   # (row, its first positions kept)
+@pytest.mark.parametrize("pads, rows", [
+    ([2, 0, 1, 0], [(0, 38), (1, 40), (3, 39)]),   # (row, its first positions kept)
+    ([0, 0, 0, 0], [(0, 40), (1, 40), (2, 40), (3, 40)]),   # one length: split, not sliced
+], ids=["lengths", "one-length"])
+def test_rows_of_one_batch_share_one_gather_a_layer_with_each_rows_exact_content(
+        pads: list[int], rows: list[tuple[int, int]]) -> None:
+    caches = batch(pads, 40)
     pads = host_padding(caches)
     shared = shared_rows(caches, rows, pads)
     plain = extract_rows(caches, [i for i, _ in rows], [u for _, u in rows], pads=pads)
