@@ -112,6 +112,21 @@ def busy_device(dim: int) -> mx.array:
     return work
 
 
+def drop_while_busy(batch: list[mx.array], dim: int) -> tuple[float, dict[str, float]]:
+    """Seconds dropping `batch` takes while the device runs queued matmuls, and how long
+    queueing them and the rest of their work took (ms): a free that waits for the device
+    shows as a drop as long as the work."""
+    work = busy_device(dim)
+    t0 = time.perf_counter()
+    mx.async_eval(work)
+    queued = time.perf_counter() - t0
+    dropped = timed_drop(batch)
+    t1 = time.perf_counter()
+    mx.eval(work)
+    return dropped, {"queued_ms": round(1000 * queued, 2),
+                     "rest_of_work_ms": round(1000 * (time.perf_counter() - t1), 2)}
+
+
 class DevicePool:
     """CUDA's default memory pool of device 0, through the driver API (MLX links the CUDA
     runtime statically; the pool is the driver's, shared by every runtime in the process)."""
@@ -174,16 +189,9 @@ def unified_cases(args: argparse.Namespace, cap: int | None, seed: list[int]) ->
         mx.eval(batch)
         if cap is not None:
             fill_cache(cap, seed)
-        work = busy_device(args.busy_dim)
-        t0 = time.perf_counter()
-        mx.async_eval(work)
-        queued = time.perf_counter() - t0
-        dropped = timed_drop(batch)
-        t1 = time.perf_counter()
-        mx.eval(work)
+        dropped, busy = drop_while_busy(batch, args.busy_dim)
         case("host arrays: free, cache full, device busy", size_b / 1024, n, dropped,
-             bytes_each=size_b, queued_ms=round(1000 * queued, 2),
-             rest_of_work_ms=round(1000 * (time.perf_counter() - t1), 2))
+             bytes_each=size_b, **busy)
         # device results read back (moved to unified memory on CUDA), as a step's token ids are
         made = [mx.zeros((size_b + 64 * (i % 61),), dtype=mx.uint8) + (i % 251) for i in range(n)]
         mx.eval(made)
@@ -247,15 +255,8 @@ def device_cases(args: argparse.Namespace, cap: int | None, seed: list[int]) -> 
     batch = arrays(n, size_kb)
     if cap is not None:
         fill_cache(cap, seed)
-    work = busy_device(args.busy_dim)
-    t0 = time.perf_counter()
-    mx.async_eval(work)
-    queued = time.perf_counter() - t0
-    dropped = timed_drop(batch)
-    t1 = time.perf_counter()
-    mx.eval(work)
-    case("free, cache full, device busy", size_kb, n, dropped, queued_ms=round(1000 * queued, 2),
-         rest_of_work_ms=round(1000 * (time.perf_counter() - t1), 2))
+    dropped, busy = drop_while_busy(batch, args.busy_dim)
+    case("free, cache full, device busy", size_kb, n, dropped, **busy)
     # the whole cache back to the device at once (what a periodic clear_cache costs)
     if cap is not None:
         fill_cache(cap, seed)

@@ -56,26 +56,14 @@ def instrument_more(engine: Any, clock: StepClock) -> None:
                 clock.wrap(cache, name, f"cache.{name}")
 
 
-class TimedMx:
-    """mlx.core as a module sees it, with `async_eval` and `clear_cache` timed under `label`."""
+class MxView:
+    """mlx.core as one module sees it: timers set on it (StepClock.wrap) leave mlx.core alone."""
 
-    def __init__(self, mx: Any, clock: StepClock, label: str) -> None:
-        self._mx, self._clock, self._label = mx, clock, label
+    def __init__(self, mx: Any) -> None:
+        self._mx = mx
 
     def __getattr__(self, name: str) -> Any:
-        inner = getattr(self._mx, name)
-        if name not in ("async_eval", "clear_cache"):
-            return inner
-        clock, label = self._clock, f"{self._label}.{name}"
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                if clock.on:
-                    clock.total[label] += time.perf_counter() - t0
-        return timed
+        return getattr(self._mx, name)
 
 
 def instrument_split(engine: Any, clock: StepClock) -> None:
@@ -92,8 +80,10 @@ def instrument_split(engine: Any, clock: StepClock) -> None:
     clock.wrap(rows, "extract_rows", "rows.extract_rows")
     clock.wrap(rows, "host_padding", "rows.host_padding")
     clock.wrap(ram, "own", "cache.own")
-    ram.mx = TimedMx(mx, clock, "cache.mx")
-    step_mod.mx = TimedMx(mx, clock, "step.mx")
+    for module, label in ((ram, "cache.mx"), (step_mod, "step.mx")):
+        module.mx = MxView(mx)
+        for name in ("async_eval", "clear_cache"):
+            clock.wrap(module.mx, name, f"{label}.{name}")
     cache = engine.step._cache
     if cache is not None:
         for name in ("evict_oldest", "_report", "kept"):

@@ -63,38 +63,10 @@ class WrongCall:
         raise AssertionError("never called with one argument")
 
 
-class PersistThatFailsOnce:
-    """The built-in persist, whose first retirement fails the way a full device does. Only
-    the Persist protocol's calls are forwarded: nothing is set on a stage after it is built
-    (the ledger and the sampler keys come in `deps`)."""
-
-    def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
-        from pipeserve.stages.persist import Persist
-        self.inner, self.failed = Persist(cfg, deps), False
-
-    def prompts(self, plan, kv) -> None:
-        self.inner.prompts(plan, kv)
-
-    def drain(self, kv, rows) -> None:
-        self.inner.drain(kv, rows)
-
-    def waiting(self, rid) -> bool:
-        return self.inner.waiting(rid)
-
-    def __call__(self, finished, running, kv) -> None:
-        if finished and not self.failed:
-            self.failed = True
-            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-        self.inner(finished, running, kv)
-
-
-class PersistThatWaits:
-    """The built-in persist, whose retirement of finished rows waits until the test lets it
-    go (`GATE`), saying when it started (`STARTED`): a slow store (128 rows finishing at once
-    copy 9,216 layer slices on the 8B) made visible."""
-
-    GATE = threading.Event()
-    STARTED = threading.Event()
+class ForwardingPersist:
+    """The built-in persist behind a stand-in. Only the Persist protocol's calls are
+    forwarded: nothing is set on a stage after it is built (the ledger and the sampler keys
+    come in `deps`)."""
 
     def __init__(self, cfg: ServeConfig, deps: StageDeps) -> None:
         from pipeserve.stages.persist import Persist
@@ -108,6 +80,30 @@ class PersistThatWaits:
 
     def waiting(self, rid) -> bool:
         return self.inner.waiting(rid)
+
+    def __call__(self, finished, running, kv) -> None:
+        self.inner(finished, running, kv)
+
+
+class PersistThatFailsOnce(ForwardingPersist):
+    """The built-in persist, whose first retirement fails the way a full device does."""
+
+    failed = False
+
+    def __call__(self, finished, running, kv) -> None:
+        if finished and not self.failed:
+            self.failed = True
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        self.inner(finished, running, kv)
+
+
+class PersistThatWaits(ForwardingPersist):
+    """The built-in persist, whose retirement of finished rows waits until the test lets it
+    go (`GATE`), saying when it started (`STARTED`): a slow store (128 rows finishing at once
+    copied 9,216 layer slices on the 8B) made visible."""
+
+    GATE = threading.Event()
+    STARTED = threading.Event()
 
     def __call__(self, finished, running, kv) -> None:
         if finished:

@@ -18,6 +18,14 @@ from tests.conftest import make_config
 
 EOS_OFF = {0: -100.0, 2: -100.0}
 ROWS, PROMPT, OUT = 8, 40, 4
+ONE_GROUP = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
+             "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
+
+
+def burst(h, prompts: list[list[int]]) -> list[dict]:
+    """Every prompt at once, OUT tokens each (EOS off: all finish in one step)."""
+    return asyncio.run(h.generate_many(
+        [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
 
 
 def test_the_cache_counts_what_it_would_keep_of_entries_put_in_a_row() -> None:
@@ -33,14 +41,11 @@ def test_the_cache_counts_what_it_would_keep_of_entries_put_in_a_row() -> None:
 def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory,
                                                                monkeypatch) -> None:
     prompts = [[5 + (i * 7 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
-    model = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
-             "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
-    cold = engine_factory(*model, "cache=off")
-    expected = asyncio.run(cold.generate_many(
-        [cold.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    cold = engine_factory(*ONE_GROUP, "cache=off")
+    expected = burst(cold, prompts)
     cold.close()
 
-    h = engine_factory(*model)
+    h = engine_factory(*ONE_GROUP)
     cache = h.engine.step._cache
     h.generate([7] * PROMPT, max_tokens=OUT, logit_bias=EOS_OFF)   # an entry's size, measured
     one = max(cache.entries.values(), key=lambda e: len(e.tokens))
@@ -63,8 +68,7 @@ def test_rows_finishing_together_copy_only_what_the_cache_keeps(engine_factory,
         return real_eval(*arrays)
     cache.put = put
     monkeypatch.setattr(ram_module.mx, "async_eval", async_eval)
-    got = asyncio.run(h.generate_many(
-        [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    got = burst(h, prompts)
     monkeypatch.undo()
 
     assert [g["ids"] for g in got] == [e["ids"] for e in expected]
@@ -88,25 +92,19 @@ def test_next_turns_after_a_burst_hit_the_rows_block_and_answer_as_cold(engine_f
     prompt, its answer and new tokens: an agent's loop) is a hit on it and answers what an
     engine without a cache answers."""
     prompts = [[5 + (i * 11 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
-    model = ("model=tiny", f"scheduler.max_batch={ROWS}", "scheduler.arrival_gap_ms=100",
-             "scheduler.arrival_window_ms=2000")   # one group: every row finishes in one step
-    cold = engine_factory(*model, "cache=off")
-    first = asyncio.run(cold.generate_many(
-        [cold.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    cold = engine_factory(*ONE_GROUP, "cache=off")
+    first = burst(cold, prompts)
     turns = [p + f["ids"] + [40 + i, 41, 42] for i, (p, f) in enumerate(zip(prompts, first))]
-    expected = asyncio.run(cold.generate_many(
-        [cold.request(t, max_tokens=OUT, logit_bias=EOS_OFF) for t in turns]))
+    expected = burst(cold, turns)
     cold.close()
 
-    h = engine_factory(*model)
-    got = asyncio.run(h.generate_many(
-        [h.request(p, max_tokens=OUT, logit_bias=EOS_OFF) for p in prompts]))
+    h = engine_factory(*ONE_GROUP)
+    got = burst(h, prompts)
     assert [g["ids"] for g in got] == [f["ids"] for f in first]
     cache = h.engine.step._cache
     held = [e for e in cache.entries.values() if len(e.tokens) > PROMPT]
     assert len(held) == ROWS and len({id(e.block) for e in held}) == 1 and held[0].block
-    again = asyncio.run(h.generate_many(
-        [h.request(t, max_tokens=OUT, logit_bias=EOS_OFF) for t in turns]))
+    again = burst(h, turns)
     assert [a["ids"] for a in again] == [e["ids"] for e in expected]
     assert all(a["cached"] >= PROMPT + OUT - 1 for a in again), [a["cached"] for a in again]
 
