@@ -38,6 +38,10 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
         ("mlx-lm BatchGenerator", "ttft:burst, shared 40-token head", "3")}, got
     for r in rows:
         assert math.isfinite(float(r["ttft_p50_s"])) and float(r["ttft_p50_s"]) > 0, r
+    # a burst's row also has its wall time, first request sent to last finished
+    bursts = [r for r in rows if r["workload"] in ("ttft:burst", "ttft:burst + logit_bias")
+              and r["target"].startswith("pipeserve")]
+    assert len(bursts) == 4 and all(float(r["wall_s"]) >= float(r["ttft_p95_s"]) for r in bursts)
     cold = [r for r in rows if r["workload"].startswith("ttft:cold")]
     assert sorted({r["prompt_tokens"] for r in cold}) == ["48", "96"]
     # the repeat is the last 96-token prompt; the new turn adds 64 tokens to it

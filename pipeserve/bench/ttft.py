@@ -10,7 +10,9 @@ prompt gives every request):
 - after them, the last of the longest cold prompts again (an exact repeat: a prompt-cache hit)
   and with 64 new tokens (a new turn on the cached prefix);
 - bursts of bench.ttft_bursts simultaneous 76-token prompts, without and with a logit_bias on
-  every request (the same prompts again: below cache.min_reuse_tokens they are computed);
+  every request (the same prompts again: below cache.min_reuse_tokens they are computed), each
+  sent when the one before has finished, its row's wall_s the burst's first request sent to
+  its last finished;
 - with bench.ttft_shared_head, bursts whose prompts share a head that long (one request with
   it first, so the cache holds it) before 76 tokens of their own;
 - the library: mlx-lm's generate_step time to its first token for each cold prompt, and its
@@ -93,10 +95,15 @@ def _row(target: str, what: str, streams: int, ttft: list[float], out_tokens: in
 
 
 async def _burst(base: str, model: str, prompts: list[list[int]],
-                 bias: dict[str, float]) -> list[float]:
+                 bias: dict[str, float], spent: list[float] | None = None) -> list[float]:
+    """Each request's time to its first token, sorted; `spent` gets the burst's wall time,
+    its first request sent to its last finish (what a client that sends again when all are
+    done waits for each round)."""
     async with _session(len(prompts), 600) as client:
         got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
                                           OUT_TOKENS, bias) for p in prompts))
+    if spent is not None and got:
+        spent.append(max(r["end"] for r in got) - min(r["t0"] for r in got))
     return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])
 
 
@@ -215,9 +222,11 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     rows: list[Row] = []
     memory = (out / "memory.jsonl").open("w")
 
+    spent: list[float] = []   # each timed scenario's wall: the bursts' rows show it
+
     def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
         with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
-            return asyncio.run(_burst(base, model, prompts, bias))
+            return asyncio.run(_burst(base, model, prompts, bias, spent))
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
@@ -254,6 +263,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                 label = f"burst{' + logit_bias' if bias else ''}"
                 rows.append(_row(target, label, n, ttft, OUT_TOKENS, said,
                                  prompt_tokens=BURST_TOKENS))
+                rows[-1].wall_s = round(spent[-1], 4)   # first sent to last finished
                 note(f"{label} {n}")
         for n, prompts in shared.items():
             asyncio.run(_burst(base, model, prompts[:1], {}))   # the head, into the cache
