@@ -1,0 +1,94 @@
+"""A server log's request lines (one a finished request: its total and first-token times, by
+the server's clock) grouped into bursts: requests whose handlers started within --gap seconds
+of the one before belong to one burst. Per burst, one JSON line: its size, prompt and cached
+tokens, how long after the previous burst's last response ended its first handler started
+(the server's share of a client's turnaround), how spread its arrivals were, its first-token
+p50 and spread. Reads the text format and server.log_format=json.
+
+    python scripts/request_log_bursts.py bench-out/8b/pipeserve.log
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+
+TEXT = re.compile(r"^\[(?P<at>[\d-]+ [\d:,]+)\].* - request \S+ (?P<fields>.*)$")
+
+
+@dataclass
+class Done:
+    start: float      # the handler's start (its end minus its total)
+    first: float      # its first token (start + ttft)
+    end: float
+    prompt: int
+    cached: int
+
+
+def requests(lines: Iterator[str]) -> Iterator[Done]:
+    for line in lines:
+        fields: dict[str, str] = {}
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") != "request":
+                continue
+            at = datetime.fromisoformat(str(rec["ts"])).timestamp()
+            fields = {k: str(v) for k, v in rec.items()}
+        else:
+            m = TEXT.match(line)
+            if m is None:
+                continue
+            at = datetime.strptime(m["at"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            fields = dict(kv.split("=", 1) for kv in m["fields"].split() if "=" in kv)
+        if fields.get("ttft_s") in (None, "-", "None") or fields.get("total_s") is None:
+            continue   # refused or failed before a token: no first token to time
+        total, ttft = float(fields["total_s"]), float(fields["ttft_s"])
+        cached = fields.get("cached_tokens", "0")
+        yield Done(at - total, at - total + ttft, at, int(fields.get("prompt_tokens", 0)),
+                   int(cached) if cached.isdigit() else 0)
+
+
+def bursts(done: list[Done], gap: float) -> list[dict[str, float | int]]:
+    done = sorted(done, key=lambda d: d.start)
+    groups: list[list[Done]] = []
+    for d in done:
+        if groups and d.start - groups[-1][-1].start < gap:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    out: list[dict[str, float | int]] = []
+    prev_end = None
+    for g in groups:
+        start = min(d.start for d in g)
+        firsts = [d.first - d.start for d in g]
+        out.append({
+            "requests": len(g), "prompt_tokens": g[0].prompt, "cached_tokens": g[0].cached,
+            "after_previous_end_s": round(start - prev_end, 3) if prev_end is not None else None,
+            "arrival_spread_s": round(max(d.start for d in g) - start, 3),
+            "ttft_p50_s": round(statistics.median(firsts), 3),
+            "first_token_spread_s": round(max(d.first for d in g) - min(d.first for d in g), 3),
+            "wall_s": round(max(d.end for d in g) - start, 3)})
+        prev_end = max(d.end for d in g)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log", help="the server's log (pipeserve.log, or serve.py's output)")
+    ap.add_argument("--gap", type=float, default=0.25,
+                    help="seconds between two handlers' starts that split bursts")
+    args = ap.parse_args()
+    with open(args.log, encoding="utf-8", errors="replace") as f:
+        for row in bursts(list(requests(f)), args.gap):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
