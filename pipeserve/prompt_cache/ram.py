@@ -292,6 +292,8 @@ class RamPromptCache:
                       can_trim_prompt_cache(caches), model=model, block=block)
         if entry.nbytes > self.max_bytes:   # known from the shapes: the copies never run
             self._too_large(entry)
+            if block is not None:   # the block's gathers still run: its other rows' views
+                self._device(pending)   # would otherwise hold the whole batch they read
             return None
         self._device(pending)
         key = entry.key

@@ -103,3 +103,19 @@ def test_a_blocks_rows_put_without_handing_them_over_are_copied_out() -> None:
     entry = cache.put(list(range(16)), rows[0], handed=False)
     assert entry.block is None and cache.nbytes == entry.nbytes
     assert entry.nbytes == sum(c.keys.nbytes + c.values.nbytes for c in rows[0])
+
+
+def test_a_row_too_large_for_the_tier_leaves_its_blocks_other_rows_whole() -> None:
+    cache = RamPromptCache(make_config("cache=ram"), Metrics(CollectorRegistry()))
+    caches = batch([0, 0], 16)
+    rows = shared_rows(caches, [(0, 16), (1, 16)], host_padding(caches))
+    share = sum(c.keys.nbytes + c.values.nbytes for c in rows[0])
+    cache.max_bytes = share - 1   # the first row alone is more than the tier
+    with cache.batch():
+        assert cache.put(list(range(16)), rows[0], handed=True) is None
+    assert rows[0][0].block.queued and cache.nbytes == 0   # gathered, not kept
+    cache.max_bytes = 10 * share
+    kept = cache.put(list(range(100, 116)), rows[1], handed=True)
+    assert kept is not None and cache.nbytes == rows[1][0].block.nbytes
+    for c, was in zip(kept.caches, rows[1]):
+        assert mx.array_equal(c.keys, was.keys).item()
