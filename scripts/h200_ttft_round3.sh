@@ -11,22 +11,24 @@
 #   shared: the cached-head bursts alone, memory gate at 0.9 and off (admission.memory_high_water).
 #   long: 32k and 64k prompts beside the library (its own call: bf16's bench and probe take
 #         about 540 s of the device's 600 s a call).
-# Usage: scripts/h200_ttft_round3.sh bf16|q4|long|shared
+# Usage: scripts/h200_ttft_round3.sh bf16|q4|long|shared   (SIZE=medium: the 0.6B shape, files
+# under $OUT/0.6b instead of $OUT/8b)
 set -uo pipefail
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
 kind=${1:-bf16}
 out=${OUT:-bench-out}
 export MLX_PTX_CACHE_DIR=$(mktemp -d)
-model="model=tiny model.size=large model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models"
+size=${SIZE:-large}; tag=8b; [ "$size" = medium ] && tag=0.6b
+model="model=tiny model.size=$size model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models"
 cold="bench.ttft_cold=[16384,16384,16384,16384,16384,16384,16384,16384,16384,16384,4096]"
 if [ "$kind" = bf16 ]; then
   # shellcheck disable=SC2086
   timeout 450 python3 bench.py bench.workload=ttft $model bench.ttft_first_burst=32 "$cold" \
-    'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/8b" 2>&1 | tail -48
-  grep -h "kernel warm-up:\|ready:" "$out"/8b/pipeserve*.log | cut -c1-1500
-  cat "$out"/8b/memory.jsonl "$out"/8b/core-process/memory.jsonl 2>/dev/null | cut -c1-400
-  find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/8b/ptx.txt"
+    'bench.cores=[thread,process]' bench.ttft_shared_head=2048 bench.out="$out/$tag" 2>&1 | tail -48
+  grep -h "kernel warm-up:\|ready:" "$out"/$tag/pipeserve*.log | cut -c1-1500
+  cat "$out"/$tag/memory.jsonl "$out"/$tag/core-process/memory.jsonl 2>/dev/null | cut -c1-400
+  find "$MLX_PTX_CACHE_DIR" -name '*.ptx' -printf '%TT %s %P\n' | sort > "$out/$tag/ptx.txt"
   # shellcheck disable=SC2086
   timeout 150 python3 scripts/ttft_probe.py --cold 16384,16384,16384,16384 --prefix 16 --burst 32,128 --timeline --repeat \
     --shared-head 2048 -- \
