@@ -6,6 +6,7 @@ Merging, extending, filtering, padding and a verify step's rollback live here (t
 recurrent layout needs runs through the forward the store is built with). Engine thread only."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,10 +24,12 @@ Replay = Callable[[list[PlannedRow], "RowStore"], Any]   # Forward.feed: rows fe
 
 @dataclass(eq=False)
 class _Group:
-    """Rows prefilled together: one batched cache per layer whose rows are `ids`, in order.
-    They join the decode batch together (no extract + merge)."""
+    """Rows prefilled together, or parked together out of the decode batch: one batched cache
+    per layer whose rows are `ids`, in order. They join the decode batch together (no extract +
+    merge). A None id is a dead slot: a row that stayed in the decode batch when the others
+    left it (its KV there is a copy); the first filter of the group drops it."""
 
-    ids: list[str]
+    ids: list[str | None]
     caches: list[Any]
 
 
@@ -99,7 +102,8 @@ class RowStore:
         where the caller's write ends; a hit's lent plain caches too short for it are first
         rebuilt with room up to the 256-token step past it (one copy of the prefix; growing
         an exact-size view costs that copy plus a zeroed tail, at a size no cold row has)."""
-        assert rid not in self._groups and rid not in self._rows, rid
+        assert rid not in self._rows, rid
+        self._ungroup(rid)
         caches = self._own.get(rid)
         if caches is None:
             caches = self._own[rid] = self.make_cache()
@@ -112,19 +116,36 @@ class RowStore:
     def mergeable(self, rid: str) -> bool:
         """Whether the row's own KV may join a padded group forward: none yet, or plain
         attention caches (a prompt-cache hit's prefix)."""
+        g = self._groups.get(rid)
+        if g is not None:   # parked in a group: its extracted row is plain where the layers are
+            return all(type(c) is BatchKVCache for c in g.caches)
         caches = self._own.get(rid)
         return caches is None or all(type(c) is KVCache for c in caches)
 
     def take_own(self, rids: Sequence[str]) -> list[list[Any]]:
         """The rows' own caches, handed over (for a grouped prefill: `group` gives them back)."""
         self._lent.difference_update(rids)
+        for r in rids:
+            self._ungroup(r)
         return [self._own.pop(r, None) or self.make_cache() for r in rids]
 
-    def group(self, rids: Sequence[str], caches: list[Any]) -> None:
-        """These rows now live in one batched cache per layer (rows in `rids` order)."""
+    def _ungroup(self, rid: str) -> None:
+        """A row parked in a group that is to be fed on its own (a drafter's row catching up
+        by prompt chunks) gets its KV as its own caches (a copy); its slot becomes dead."""
+        g = self._groups.pop(rid, None)
+        if g is None:
+            return
+        i = g.ids.index(rid)
+        self._own[rid] = extract_rows(g.caches, [i])[0]
+        g.ids[i] = None
+
+    def group(self, rids: Sequence[str | None], caches: list[Any]) -> None:
+        """These rows now live in one batched cache per layer (rows in `rids` order; None: a
+        dead slot)."""
         g = _Group(list(rids), caches)
         for r in rids:
-            self._groups[r] = g
+            if r is not None:
+                self._groups[r] = g
 
     def caches_of(self, rid: str) -> list[Any] | None:
         """This row's per-layer caches: its own (live), or extracted from a group or the batch
@@ -249,7 +270,9 @@ class RowStore:
         kept = set(keep)
         leaving = [i for i in range(len(self._rows)) if i not in kept]
         pads = None if self.solo else host_padding(self._caches)   # one read serves all below
-        if park:
+        if park and not self.solo and all(_rebinds(c) for c in self._caches):
+            self._park_group(keep, leaving, pads)
+        elif park:
             parked = (extract_rows(self._caches, leaving, pads=pads) if not self.solo
                       else [list(self._caches)] * len(leaving))
             for i, caches in zip(leaving, parked):
@@ -270,6 +293,28 @@ class RowStore:
         if len(keep) == 1:
             self._caches = extract_rows(self._caches, [0], pads=pads)[0]
             self.solo = True
+
+    def _park_group(self, keep: list[int], leaving: list[int],
+                    pads: list[list[int] | None]) -> None:
+        """Rows leaving the decode batch (all of a burst's rows whose last outputs are in
+        flight, say) park as one group instead of a copy each (rows x layers slices, and the
+        old batch alive beside the copies until they ran: twice a large batch's KV at once).
+        When at least as many leave as stay, the group keeps the old batch itself (no copy:
+        the staying rows become dead slots there until the group is next filtered) and the
+        staying rows are gathered into a new batch; otherwise the leaving rows are gathered
+        into the group, one gather a layer. `self._caches` is then filtered to `keep`."""
+        old, rows = self._caches, self._rows
+        assert old is not None
+        if len(leaving) >= len(keep):
+            kept = set(keep)
+            self.group([r if i not in kept else None for i, r in enumerate(rows)], old)
+            self._caches = [copy.copy(c) for c in old] if keep else old
+            return
+        parked = [copy.copy(c) for c in old]   # filters rebind: the batch's own stay as they are
+        filter_layers(parked, leaving, mx.array(leaving, dtype=mx.int32), pads)
+        # run now: a lazy gather would keep the whole old batch alive until it was read
+        mx.async_eval([a for c in parked for a in _arrays(c)])
+        self.group([rows[i] for i in leaving], parked)
 
     def _extend(self, joiners: list[str], known: dict[str, int | None]) -> None:
         if self._caches is None and len(joiners) == 1 and joiners[0] not in self._groups:
@@ -317,12 +362,13 @@ class RowStore:
             keep = [i for i, m in enumerate(g.ids) if m in joining]
             if len(keep) != len(g.ids):   # members not joining now keep their KV as their own
                 pads = host_padding(g.caches)
-                others = [i for i, m in enumerate(g.ids) if m not in joining]
+                others = [i for i, m in enumerate(g.ids) if m is not None and m not in joining]
                 for i, caches in zip(others, extract_rows(g.caches, others, pads=pads)):
                     self._own[g.ids[i]] = caches
                 filter_layers(g.caches, keep, mx.array(keep, dtype=mx.int32), pads)
             for m in g.ids:
-                self._groups.pop(m, None)
+                if m is not None:
+                    self._groups.pop(m, None)
             parts.append(([g.ids[i] for i in keep], g.caches))
         return parts
 
@@ -419,7 +465,7 @@ class RowStore:
             if g is not None:
                 shrunk[id(g)] = g
         for g in shrunk.values():   # one filter a group, however many of its rows finished
-            keep = [j for j, m in enumerate(g.ids) if m not in gone]
+            keep = [j for j, m in enumerate(g.ids) if m is not None and m not in gone]
             g.ids = [g.ids[j] for j in keep]
             if keep:
                 filter_layers(g.caches, keep, mx.array(keep, dtype=mx.int32))
@@ -442,6 +488,22 @@ class RowStore:
         held += sum(c.nbytes for caches in self._own.values() for c in caches)
         groups = {id(g): g for g in self._groups.values()}
         return held + sum(c.nbytes for g in groups.values() for c in g.caches)
+
+
+def _rebinds(layer: Any) -> bool:
+    """Whether the layer's filter rebinds its arrays (never writes them in place), so that a
+    shallow copy of it can be filtered apart from the original: plain batched attention and
+    the quantized layouts' padded batch."""
+    return (type(layer) is BatchKVCache and layer.keys is not None) or \
+        isinstance(layer, LeftPaddedBatch)
+
+
+def _arrays(layer: Any) -> list[mx.array]:
+    out: list[mx.array] = []
+    for name in ("keys", "values"):
+        a = getattr(layer, name, None)
+        out += [a] if isinstance(a, mx.array) else [x for x in a or () if isinstance(x, mx.array)]
+    return out
 
 
 def host_padding(caches: list[Any]) -> list[list[int] | None]:

@@ -169,3 +169,87 @@ def test_quantized_rows_leave_a_batch_as_their_own_extract_and_filter_leave_them
     for mine, ref in zip(layers, theirs):
         assert mine._idx == ref._idx and same(mine, ref)
         assert mine.left_padding.tolist() == ref.left_padding.tolist()
+
+
+def _store_of(lengths: dict[str, int], heads: int = 4, dim: int = 16) -> RowStore:
+    """A decode batch of these rows (two plain layers), each row's KV seeded by its length."""
+    store = RowStore(lambda: [KVCache(), KVCache()])
+    for rid, n in lengths.items():
+        k = mx.random.normal((1, heads, n, dim), key=mx.random.key(n)).astype(mx.bfloat16)
+        for layer in store.own(rid):
+            layer.update_and_fetch(k, k * 2)
+    store.decode_batch(list(lengths), {rid: i for i, rid in enumerate(lengths)})
+    return store
+
+
+def _kv(store: RowStore, rid: str) -> list[tuple[int, mx.array, mx.array]]:
+    out = []
+    for c in store.caches_of(rid):
+        n = c.offset if isinstance(c.offset, int) else int(c.offset.item())
+        out.append((n, c.keys[..., :n, :], c.values[..., :n, :]))
+    mx.eval(out)
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    return all(n == m and mx.array_equal(k, k2) and mx.array_equal(v, v2)
+               for (n, k, v), (m, k2, v2) in zip(a, b))
+
+
+def test_a_whole_batch_parked_at_once_keeps_its_kv_without_copying_it() -> None:
+    """Every row leaving the decode batch at once (a burst whose last outputs are in flight
+    while new prompts prefill) parks as it is: no row is copied — on an 80 GB GPU those copies
+    beside the old batch ran a 128-row burst out of memory — and each row's KV is unchanged,
+    to rejoin or be stored from."""
+    lengths = {"a": 3000, "b": 2900, "c": 3100, "d": 3000}
+    store = _store_of(lengths, heads=8, dim=64)
+    before = {rid: _kv(store, rid) for rid in lengths}
+    batch_bytes = store.nbytes
+    k = mx.ones((1, 8, 20, 64), mx.bfloat16)
+    for layer in store.own("e"):   # a new row, its prompt done, decodes next
+        layer.update_and_fetch(k, k)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    store.decode_batch(["e"], {"e": 0})
+    mx.synchronize()
+    assert mx.get_peak_memory() - start < batch_bytes // 8   # not another batch's worth
+    assert store.decode_rows == ["e"] and store.num_rows == 5
+    assert all(_same(_kv(store, rid), before[rid]) for rid in lengths)
+    # they rejoin together, later, and decode on with the KV they had
+    store.decode_batch(["c", "a"], {"c": 1, "a": 2})
+    assert sorted(store.decode_rows) == ["a", "c"]
+    assert _same(_kv(store, "a"), before["a"]) and _same(_kv(store, "c"), before["c"])
+    assert _same(_kv(store, "b"), before["b"]) and _same(_kv(store, "d"), before["d"])
+    store.release_many(["a", "b", "c", "d", "e"])
+    assert store.num_rows == 0 and store.nbytes == 0
+
+
+@pytest.mark.parametrize("keep", [["b"], ["a", "b", "d"], ["d", "a"]])
+def test_rows_parked_while_others_decode_on_keep_their_kv(keep: list[str]) -> None:
+    """Some rows leave, the rest decode on: the staying rows' next writes never reach the
+    parked rows' KV (whether the parked rows kept the old batch or were gathered out of it),
+    a parked row fed on its own (a drafter catching up) gets its KV as its own caches, and
+    every row's KV ends as a plain path keeps it."""
+    lengths = {"a": 9, "b": 17, "c": 5, "d": 12}
+    store = _store_of(lengths)
+    before = {rid: _kv(store, rid) for rid in lengths}
+    caches, order, _ = store.decode_batch(keep, {})
+    assert order == [r for r in lengths if r in keep]
+    k = mx.full((len(order), 4, 1, 16), 7.0, mx.bfloat16)
+    for layer in caches:   # the staying rows decode one token
+        layer.update_and_fetch(k, k)
+    parked = [r for r in lengths if r not in keep]
+    assert all(_same(_kv(store, r), before[r]) for r in parked)
+    for r in keep:
+        (n, key, _), = _kv(store, r)[:1]
+        assert n == lengths[r] + 1 and mx.array_equal(key[..., :-1, :], before[r][0][1])
+        assert bool(mx.all(key[..., -1:, :] == 7.0))
+    own = store.own(parked[0])   # fed on its own from here
+    assert [c.offset for c in own] == [lengths[parked[0]]] * 2
+    assert _same(_kv(store, parked[0]), before[parked[0]])
+    assert all(_same(_kv(store, r), before[r]) for r in parked[1:])
+    store.decode_batch(list(lengths), {r: 0 for r in lengths})   # everyone back
+    assert all(_same(_kv(store, r)[:1], before[r][:1]) or r in keep for r in lengths)
+    store.release_many(list(lengths))
+    assert store.num_rows == 0 and store.nbytes == 0
