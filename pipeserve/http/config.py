@@ -55,6 +55,9 @@ class ServerConfig:
     # the engine thread builds each step's graph while the event loop writes every stream's
     # tokens; a shorter slice keeps the engine from waiting out the loop's
     switch_interval_ms: float = 5.0
+    # log each time the event loop, or every Python thread (a C call holding the GIL), went this
+    # long without running, with where each thread was (pipeserve/launch/stalls.py); 0: off
+    stall_report_ms: float = 0.0
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
     # detokenize); None: on for a pool, off for a single model (pipeserve/pool/)
     isolate: Optional[bool] = None
@@ -90,6 +93,9 @@ class ServerConfig:
                 f"server.responses_store_mb must be >= 0, got {self.responses_store_mb}")
         _positive("server.max_body_mb", self.max_body_mb, allow_none=False)
         _positive("server.files_max_mb", self.files_max_mb, allow_none=False)
+        if self.stall_report_ms < 0:
+            raise ConfigError(f"server.stall_report_ms must be >= 0 (0: off), got "
+                              f"{self.stall_report_ms}")
         if self.backlog < 1:
             raise ConfigError(f"server.backlog must be >= 1, got {self.backlog}")
         if self.background_checkpoint_tokens < 1:

@@ -19,6 +19,7 @@ from pipeserve.http.api import background_resume
 from pipeserve.http.api.record import base_record
 from pipeserve.http.front import Front
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
+from pipeserve.launch.stalls import StallWatch
 from pipeserve.metrics import Metrics, watch_gc
 
 log = logging.getLogger("pipeserve")
@@ -39,7 +40,15 @@ def add_startup(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Met
     @app.before_server_start
     async def _start(app: Sanic) -> None:
         sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # process-wide
+        if cfg.server.stall_report_ms > 0:
+            app.ctx.stalls = StallWatch(asyncio.get_running_loop(),
+                                        cfg.server.stall_report_ms / 1000).start()
         engine.start()
+
+    @app.before_server_stop
+    async def _stop_watch(app: Sanic) -> None:
+        if getattr(app.ctx, "stalls", None) is not None:
+            app.ctx.stalls.stop()
 
     @app.after_server_start
     async def _wait_ready(app: Sanic) -> None:
