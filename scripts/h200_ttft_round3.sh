@@ -12,7 +12,8 @@
 #   long: 32k and 64k prompts beside the library (its own call: bf16's bench and probe take
 #         about 540 s of the device's 600 s a call).
 # Usage: scripts/h200_ttft_round3.sh bf16|q4|long|shared   (SIZE=medium: the 0.6B shape, files
-# under $OUT/0.6b instead of $OUT/8b)
+# under $OUT/0.6b instead of $OUT/8b; EXTRA: more overrides for every server, e.g.
+# EXTRA=server.stall_report_ms=50)
 set -uo pipefail
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
@@ -20,7 +21,7 @@ kind=${1:-bf16}
 out=${OUT:-bench-out}
 export MLX_PTX_CACHE_DIR=$(mktemp -d)
 size=${SIZE:-large}; tag=8b; [ "$size" = medium ] && tag=0.6b
-model="model=tiny model.size=$size model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models"
+model="model=tiny model.size=$size model.dtype=bfloat16 model.compute_dtype=checkpoint model.cache_dir=/tmp/models ${EXTRA:-}"
 cold="bench.ttft_cold=[16384,16384,16384,16384,16384,16384,16384,16384,16384,16384,4096]"
 if [ "$kind" = bf16 ]; then
   # shellcheck disable=SC2086
