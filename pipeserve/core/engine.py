@@ -13,7 +13,7 @@ from pipeserve.adapters import swap as adapter_swap
 from pipeserve.config import ServeConfig, build
 from pipeserve.errors import ConfigError, EngineUnavailable, ServeError, row_failure, step_failed
 from pipeserve.core.client import EngineLoad, EngineState
-from pipeserve.core import kernel_prebuild, kernel_warmup
+from pipeserve.core import kernel_prebuild, kernel_warmup, preempt
 from pipeserve.core.inbox import Inbox
 from pipeserve.core.limits import EngineLimits
 from pipeserve.core.events import (Abort, AdapterSwap, Command, Failed, Flush, Settle, Submit,
@@ -33,6 +33,7 @@ from pipeserve.prompt_cache.protocol import rewinds
 
 log = logging.getLogger(__name__)
 MEMORY_LOG_S = 10.0   # the memory gate's log line, at most this often
+OOM_CEILING = 0.85    # after a step ran out of device memory, the memory gate's ceiling times this
 
 
 __all__ = ["Engine", "EngineState"]
@@ -53,6 +54,7 @@ class Engine:
         self.layout: Any = None         # pipeserve.kv.layouts.*; the step: load_parts
         self._inbox, self._out = Inbox(), Outbox(metrics)
         self._arrivals = (0.0, 0.0)   # (gap, window) seconds an idle engine takes arrivals for
+        self._oom_retried: set[str] = set()   # rows that waited again after an out-of-memory step
         self._memory_logged, self._memory_waits = -MEMORY_LOG_S, 0   # the memory gate's log
         self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
@@ -312,6 +314,7 @@ class Engine:
             self.step.retire(finished, self.scheduler.running)
             for req in finished:
                 self.scheduler.release(req.request_id)
+                self._oom_retried.discard(req.request_id)
             self.metrics.active_rows.set(len(self.scheduler.running))
             self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
         return end
@@ -391,11 +394,46 @@ class Engine:
         if self.group is not None:   # a rank's collectives may be half done: the group stops
             self.group.fatal(cause)
         ids = list(dict.fromkeys([r.request_id for r in plan.rows] + self.step.kv.drop_shared()))
-        log.error("step failed for %d request(s): %s", len(ids), ", ".join(ids), exc_info=cause)
-        for rid in ids:
+        again = (self._out_of_memory(ids, cause)
+                 if self.group is None and preempt.out_of_memory(cause) else set())
+        failed = [rid for rid in ids if rid not in again]
+        if failed:
+            log.error("step failed for %d request(s): %s", len(failed), ", ".join(failed),
+                      exc_info=cause)
+        for rid in failed:
             self._fail_request(rid, step_failed(rid))
 
+    def _out_of_memory(self, ids: list[str], cause: Exception) -> set[str]:
+        """The step ran out of device memory: the prompt cache's entries are dropped and
+        MLX's cached buffers given back, the memory gate's ceiling is lowered, and each of the
+        step's rows waits again (its output so far folded into its prompt, computed again, as
+        a preemption): the client sees its stream go on. A row that already waited again once
+        for this, or that cannot fold (a grammar, media), fails as any failed step's rows do.
+        Returns the rows that wait again."""
+        sched = self.scheduler
+        running = {r.request_id: r for r in sched.running}
+        again = [running[rid] for rid in ids if rid in running and rid not in self._oom_retried
+                 and preempt.foldable(running[rid])]
+        dropped = self.step.free_cached()
+        before = sched.memory_ceiling
+        if before is not None:
+            sched.memory_ceiling = int(before * OOM_CEILING)
+        for req in again:
+            self._oom_retried.add(req.request_id)
+            self.step.evict(req, keep=False)   # the step's shared KV is not to be trusted
+            sched.requeue(req)
+        self.metrics.preemptions.inc(len(again))
+        log.warning("step ran out of device memory (%s) with %d row(s): %d wait again and are "
+                    "computed again, %d fail; %d prompt-cache entries dropped; %s", cause,
+                    len(ids), len(again), len(ids) - len(again), dropped,
+                    f"new rows now wait while MLX's active memory would pass "
+                    f"{sched.memory_ceiling / 1e9:.1f} GB (was {before / 1e9:.1f}; "
+                    f"admission.memory_high_water)" if before is not None else
+                    "the memory gate is off (admission.memory_high_water=0 or a paged pool)")
+        return {r.request_id for r in again}
+
     def _fail_request(self, rid: str, err: ServeError) -> None:
+        self._oom_retried.discard(rid)
         req = self.scheduler.abort(rid, FinishReason.ERROR)   # its KV is not kept
         if req is not None:
             self.step.release(req)

@@ -26,11 +26,24 @@ def victim(running: Sequence[Request], urgent: int,
         return None
     best: Request | None = None
     for req in running:
-        if (req.priority in preemptible and req.priority > urgent and req.grammar is None
-                and req.constraint is None and req.media is None
+        if (req.priority in preemptible and req.priority > urgent and foldable(req)
                 and (best is None or req.priority >= best.priority)):
             best = req
     return best
+
+
+def foldable(req: Request) -> bool:
+    """Whether the row can give its row up and go on later from its folded output: not under a
+    grammar (its matcher follows the output) nor with media (positions keyed by image)."""
+    return req.grammar is None and req.constraint is None and req.media is None
+
+
+def out_of_memory(cause: BaseException) -> bool:
+    """Whether a step failed for want of device memory (CUDA's and Metal's allocators say so
+    in their messages; MLX raises them as RuntimeError)."""
+    return isinstance(cause, MemoryError) or (
+        isinstance(cause, RuntimeError)
+        and any(s in str(cause).lower() for s in ("out of memory", "insufficient memory")))
 
 
 def fold(req: Request) -> None:

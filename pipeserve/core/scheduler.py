@@ -295,15 +295,21 @@ class Scheduler:
         out = preempt.victim(self.running, req.priority, self.preemptible)
         if out is None:
             return False
-        self.running.remove(out)
         self.evict(out)   # its KV, with the in-flight tokens the ledger still counts
-        self.release(out.request_id)
-        self.kv_reserved -= out.kv_reserved_bytes
-        out.kv_reserved_bytes = 0
-        preempt.fold(out)
-        self.add(out, first=True)
+        self.requeue(out)
         self.preempted.append(out)
         return True
+
+    def requeue(self, req: Request) -> None:
+        """A running row (its KV already freed) gives its row up and waits again, first among
+        its priority, its output folded into its prompt (a preemption; a step that ran out of
+        device memory): its readmission computes it again, or finds it in the prompt cache."""
+        self.running.remove(req)
+        self.release(req.request_id)
+        self.kv_reserved -= req.kv_reserved_bytes
+        req.kv_reserved_bytes = 0
+        preempt.fold(req)
+        self.add(req, first=True)
 
     def _apply_hit(self, req: Request) -> None:
         """The cache_lookup stage's answer, applied to the row: the positions persist still

@@ -211,13 +211,14 @@ class Step:
             for req in finished:
                 self._release_state(req)
 
-    def evict(self, req: Request) -> None:
+    def evict(self, req: Request, keep: bool = True) -> None:
         """A row the scheduler preempts: what it computed goes into the prompt cache (so its
-        readmission is a hit), then its KV and row state are freed; its sampler stream goes on
-        at readmission from the key of its first token not applied yet (a seeded sampled row's
-        output equals its unpreempted run). A persist that fails costs only the recompute."""
+        readmission is a hit; not with `keep` false: KV a failed step left untrusted), then its
+        KV and row state are freed; its sampler stream goes on at readmission from the key of
+        its first token not applied yet (a seeded sampled row's output equals its unpreempted
+        run). A persist that fails costs only the recompute."""
         try:
-            if self.caching:
+            if self.caching and keep:
                 self._timed("persist", lambda: self.persist.keep(req, self.kv))
         except Exception:
             log.exception("persist failed; preempted row %s computes its KV again",
@@ -227,6 +228,15 @@ class Step:
         self.release(req)
         if key is not None:
             self.samplers.resume(rid, key)
+
+    def free_cached(self) -> int:
+        """Device memory held for later, given back: every prompt-cache entry (spilled to the
+        SSD tier where there is one) and MLX's cached buffers. Returns the entries dropped."""
+        dropped = 0
+        while self._cache is not None and self._cache.evict_oldest():
+            dropped += 1
+        mx.clear_cache()
+        return dropped
 
     def release(self, req: Request) -> None:
         self.kv.release(req.request_id)
