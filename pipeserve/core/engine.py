@@ -343,6 +343,7 @@ class Engine:
             self.scheduler.add(cmd.request)
             self._inbox.num_added += 1
         elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
+            self._oom_retried.discard(req.request_id)
             self.step.retire([req], [])
             self.scheduler.release(req.request_id)
             self._out.post(req.request_id, finished_event(req))
