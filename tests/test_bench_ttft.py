@@ -38,6 +38,13 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
         ("mlx-lm BatchGenerator", "ttft:burst, shared 40-token head", "3")}, got
     for r in rows:
         assert math.isfinite(float(r["ttft_p50_s"])) and float(r["ttft_p50_s"]) > 0, r
+    # the servers' rows count the tokens their responses reported: at most 4 a request, and
+    # some (the tiny model may end a request early at its end-of-text token)
+    for r in rows:
+        if r["target"].startswith("pipeserve"):
+            assert 0 < int(r["output_tokens"]) <= 4 * int(r["requests"]), r
+        if r["workload"] == "ttft:burst + logit_bias":   # its end-of-text token suppressed
+            assert int(r["output_tokens"]) == 4 * int(r["requests"]), r
     # a burst's row also has its wall time, first request sent to last finished
     bursts = [r for r in rows if r["workload"] in ("ttft:burst", "ttft:burst + logit_bias")
               and r["target"].startswith("pipeserve")]

@@ -95,15 +95,18 @@ def _row(target: str, what: str, streams: int, ttft: list[float], out_tokens: in
 
 
 async def _burst(base: str, model: str, prompts: list[list[int]],
-                 bias: dict[str, float], spent: list[float] | None = None) -> list[float]:
+                 bias: dict[str, float], spent: list[float] | None = None,
+                 made: list[int] | None = None) -> list[float]:
     """Each request's time to its first token, sorted; `spent` gets the burst's wall time,
     its first request sent to its last finish (what a client that sends again when all are
-    done waits for each round)."""
+    done waits for each round); `made`, the tokens its responses say they generated."""
     async with _session(len(prompts), 600) as client:
         got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
                                           OUT_TOKENS, bias) for p in prompts))
     if spent is not None and got:
         spent.append(max(r["end"] for r in got) - min(r["t0"] for r in got))
+    if made is not None:
+        made.append(sum(int(r["tokens"] or 0) for r in got))
     return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])
 
 
@@ -223,10 +226,11 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     memory = (out / "memory.jsonl").open("w")
 
     spent: list[float] = []   # each timed scenario's wall: the bursts' rows show it
+    made: list[int] = []      # each timed scenario's generated tokens, as its responses said
 
     def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
         with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
-            return asyncio.run(_burst(base, model, prompts, bias, spent))
+            return asyncio.run(_burst(base, model, prompts, bias, spent, made))
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
@@ -272,8 +276,9 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                              n, ttft, OUT_TOKENS, said, prompt_tokens=len(prompts[0])))
             note(f"{rows[-1].workload} {n}")
         rss = sum(_peak_rss_mb(pid) for pid in _with_children(server.proc.pid))
-        for r in rows:
+        for r, tokens in zip(rows, made, strict=True):   # one timed call a row, in order
             r.peak_rss_mb = round(rss, 1)
+            r.output_tokens = tokens   # what the responses reported, not what was asked for
     finally:
         memory.close()
         server.stop()
