@@ -107,6 +107,9 @@ def time_gc(clock: StepClock) -> None:
     gc.callbacks.append(seen)
 
 
+TIMELINE = "part, start ms, ms, rows, prompt rows, prompt tokens"
+
+
 class Timeline:
     """Each engine-thread call of the wrapped parts, (part, start ms, ms, rows, prompt rows,
     prompt tokens), from `reset()`: where a burst's first step goes, in order."""
@@ -261,13 +264,17 @@ def main() -> None:
             clock.profile, clock.profiling = cProfile.Profile(), True
         for i, ids in enumerate(prompts):
             clock.reset()
-            clock.on = True
+            line.reset()
+            clock.on = line.on = True
             r = asyncio.run(one(engine, ids, 4))
-            clock.on = False
+            clock.on = line.on = False
             parts = {k: round(v * 1000, 1) for k, v in clock.total.items()}
             print(json.dumps({"what": "engine cold prompt", "i": i, "tokens": len(ids), **r,
                               "steps": clock.steps, "ms_total_by_part": parts, **memory()}),
                   flush=True)
+            if args.timeline:   # each prompt chunk's launch, against the library's chunks
+                print(json.dumps({"what": "timeline", "cold prompt": i, "columns": TIMELINE,
+                                  "events": line.events[:60]}), flush=True)
         if args.repeat:   # the bench's order: the last of the longest, then a new turn on it
             ref = max(reversed(prompts), key=len)
             turn = ref + [rng.randrange(3, vocab) for _ in range(64)]
@@ -303,8 +310,7 @@ def main() -> None:
                                   "rep": rep, **r, "per_step_ms": clock.report()}), flush=True)
                 if args.timeline:
                     print(json.dumps({"what": "timeline", "streams": n, "rep": rep,
-                                      "logit_bias": with_bias, "columns": "part, start ms, ms, "
-                                      "rows, prompt rows, prompt tokens",
+                                      "logit_bias": with_bias, "columns": TIMELINE,
                                       "events": line.events[:40]}), flush=True)
     if args.shared_head:
         system = [rng.randrange(3, vocab) for _ in range(args.shared_head)]
@@ -327,8 +333,7 @@ def main() -> None:
                   flush=True)
             if args.timeline:
                 print(json.dumps({"what": "timeline", "streams": n, "head": len(system),
-                                  "columns": "part, start ms, ms, rows, prompt rows, "
-                                  "prompt tokens", "events": line.events[:60]}), flush=True)
+                                  "columns": TIMELINE, "events": line.events[:60]}), flush=True)
     model_dir = engine.loaded.path
     engine.stop()
     del engine
