@@ -49,7 +49,7 @@ class StallWatch:
         self.beat = time.perf_counter()
         self.stalls = {"gil": 0, "loop": 0}   # stalls logged, by kind
         self._stop = threading.Event()
-        self._loop_thread = threading.get_ident()   # started on the loop
+        self._loop_name = threading.current_thread().name   # started on the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-stalls", daemon=True)
 
     def start(self) -> StallWatch:
@@ -83,7 +83,7 @@ class StallWatch:
             since_beat = now - self.beat
             if since_beat > self.threshold_s:
                 busy_since = busy_since or self.beat
-                busy[after.get(_name(self._loop_thread), "?")] += 1
+                busy[after.get(self._loop_name, "?")] += 1
             elif busy:
                 self.stalls["loop"] += 1
                 top = "; ".join(f"{n}x {s}" for s, n in busy.most_common(3))
@@ -94,10 +94,6 @@ class StallWatch:
                 busy_since = 0.0
             before = after
             expected = time.perf_counter() + self.tick_s
-
-
-def _name(ident: int) -> str:
-    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
 def _threads(by_name: dict[str, str]) -> str:
