@@ -38,6 +38,10 @@ class SchedulerConfig:
     # 2 on a GPU, 0 (off) on a CPU. Only an idle engine waits: a running batch never does
     arrival_gap_ms: Optional[float] = None
     arrival_window_ms: float = 20.0
+    # log one line per engine step (pipeserve.steps, INFO): its wall clock and each part's
+    # milliseconds (inbox, schedule, launch, apply), to line a burst's steps up with its
+    # request lines (core/step_trace.py); a diagnostic, off by default
+    step_trace: bool = False
 
     def __post_init__(self) -> None:
         for key in ("arrival_gap_ms", "arrival_window_ms"):

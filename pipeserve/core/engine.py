@@ -26,6 +26,7 @@ from pipeserve.request import FinishReason, Request
 from pipeserve.core.scheduler import Scheduler, finished_event
 from pipeserve.core.scoring import Score
 from pipeserve.core.step import Launched, load_parts
+from pipeserve.core.step_trace import StepTrace
 from pipeserve.launch.progress import StepProgress
 from pipeserve.core.outbox import Outbox
 from pipeserve.core.stream import RequestStream
@@ -231,6 +232,8 @@ class Engine:
         in flight; `trace` gets each pass's seconds, rows and tokens)."""
         sched = self.scheduler
         pending: Launched | None = None   # last step, queued on the device, not yet read back
+        tr = StepTrace() if self.cfg.scheduler.step_trace and until is None else None
+        taken: list[Command] = []
         while not self.stopping:
             t_pass = time.perf_counter()
             if until is not None and pending is None and until():
@@ -238,11 +241,17 @@ class Engine:
             idle = pending is None and not sched.has_work()
             if idle:
                 self.step.idle()
+            if tr is not None:
+                tr.begin()
             if self.group is not None:   # every rank runs rank 0's plan (pipeserve/distributed)
                 plan = self.group.next_plan(self, idle)
             else:
-                self.take_commands(block=idle, timeout=self.step.idle_wait_s)
+                taken = self.take_commands(block=idle, timeout=self.step.idle_wait_s)
+                if tr is not None:
+                    tr.mark("inbox")
                 plan = None if self.stopping else sched.schedule()
+            if tr is not None:
+                tr.mark("schedule")
             if self.stopping:
                 break
             if sched.preempted:
@@ -260,20 +269,28 @@ class Engine:
                 held = self._apply(pending)
                 pending = None
                 self._out.flush()
+                if tr is not None:
+                    tr.mark("apply_before")
             if plan is not None:
                 try:
                     launched = self.step.launch(plan)
                 except Exception as e:  # a step failure fails that step's rows only
                     self._fail_plan(plan, e)
+                if tr is not None:
+                    tr.mark("launch")
             if held is not None:
                 held()
             # the rows a step ended are retired (their KV stored, then freed) once its events
             # are out: a client's last tokens and finish never wait for that bookkeeping
             if pending is not None:
                 self._retire_after_flush(self._apply(pending))
+                if tr is not None:
+                    tr.mark("apply")
             if launched is not None and (launched.sync or not launched.samples):
                 self._retire_after_flush(self._apply(launched))   # the next plan needs these
                 launched = None                                     # results: no pipelining
+                if tr is not None:
+                    tr.mark("apply_now")
             self._out.flush()
             if launched is not None:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
@@ -282,6 +299,9 @@ class Engine:
             self.step.passed()
             if trace is not None and plan is not None:
                 trace.append((time.perf_counter() - t_pass, len(plan.rows), plan.num_tokens))
+            if tr is not None and plan is not None:
+                tr.end(len(plan.rows), len(plan.prefill),
+                       sum(r.width for r in plan.prefill), len(taken))
         if self.group is not None:   # rank 0 tells the group it stops (pipeserve/distributed)
             self.group.leave(self)
 

@@ -139,7 +139,7 @@ def test_text_log_line_per_request(continuous: Any) -> None:
     assert len(lines) == 1, lines
     for field in ("endpoint=chat", "outcome=ok", f"prompt_tokens={r.usage.prompt_tokens} ",
                   f"cached_tokens={r.usage.prompt_tokens_details.cached_tokens} ",
-                  "generated_tokens=8", "ttft_s=", "total_s=", "finish=length"):
+                  "generated_tokens=8", "ttft_s=", "queue_s=", "total_s=", "finish=length"):
         assert field in lines[0], (field, lines[0])
     assert "[INFO]" in lines[0]
 
@@ -164,6 +164,7 @@ def test_json_logs_are_one_object_per_line(server_factory: Any) -> None:
     assert ok[0]["generated_tokens"] == 8
     assert ok[0]["cached_tokens"] == r.usage.prompt_tokens_details.cached_tokens
     assert 0 < ok[0]["ttft_s"] <= ok[0]["total_s"]
+    assert 0 <= ok[0]["queue_s"] < ok[0]["ttft_s"]   # a row before its first token
     assert any(rec["outcome"] == "invalid" for rec in requests)
     loading = [rec["msg"] for rec in records if rec["logger"] == "pipeserve.model.loader"]
     assert any("[1/5]" in m for m in loading) and any("[5/5]" in m for m in loading), loading

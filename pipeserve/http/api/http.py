@@ -253,6 +253,7 @@ class Scope:
         ends with its status and the reason the client was given."""
         req, gen = self.request, self.gen
         ttft = gen.first_token_s - self.t0 if gen is not None and gen.first_token_s else None
+        wait = gen.engine_extras.get("queue_wait_s") if gen is not None else None
         fields: dict[str, Any] = {
             "request_id": req.request_id if req is not None else None,
             "endpoint": self.endpoint, "outcome": outcome,
@@ -263,6 +264,8 @@ class Scope:
             "generated_tokens": sum(g.usage.completion_tokens for g in [gen, *self.more])
                                 if gen is not None else None,
             "ttft_s": round(ttft, 4) if ttft is not None else None,
+            # arrival until the scheduler gave it a row: ttft_s less this is its prefill's
+            "queue_s": round(wait, 4) if isinstance(wait, float) else None,
             "total_s": round(elapsed, 4),
             "finish": gen.finish_reason if gen is not None else None}
         preempted = sum(_preemptions(g) for g in ([gen] if gen is not None else []) + self.more)

@@ -1,0 +1,53 @@
+"""scheduler.step_trace: one log line per engine step, with its wall clock, its parts'
+milliseconds and who ran, so a server's steps line up with its request lines. Real engine,
+real model."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+LINE = re.compile(r"step: at=(?P<at>[\d.]+) (?P<parts>.*?) rows=(?P<rows>\d+) "
+                  r"prompt_rows=(?P<prompt_rows>\d+) tokens=(?P<tokens>\d+) taken=(?P<taken>\d+)$")
+PROMPTS = [[11, 12, 13, 14, 15], [40 + i for i in range(37)], [7, 8, 9] * 5]
+
+
+def steps(caplog) -> list[dict]:
+    out = []
+    for rec in caplog.records:
+        if rec.name == "pipeserve.steps":
+            m = LINE.match(rec.getMessage())
+            assert m, rec.getMessage()
+            parts = dict(p.split("=") for p in m["parts"].split())
+            out.append({**{k: float(v) for k, v in m.groupdict().items() if k != "parts"},
+                        "parts": {k: float(v) for k, v in parts.items()}})
+    return out
+
+
+def test_each_step_is_one_line_naming_its_rows_and_parts(engine_factory, caplog) -> None:
+    h = engine_factory("scheduler.step_trace=true", "scheduler.arrival_gap_ms=100",
+                       "scheduler.arrival_window_ms=2000")
+    caplog.set_level(logging.INFO, logger="pipeserve.steps")
+    before = time.time()
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=6) for p in PROMPTS]))
+    assert [len(g["ids"]) for g in got] == [6, 6, 6]
+    trace = steps(caplog)
+    # the three arrivals are prefilled in one step: their prompts but the last token, which
+    # the first decode step feeds and samples from
+    first = trace[0]
+    assert (first["rows"], first["prompt_rows"], first["taken"]) == (3, 3, 3), trace[:2]
+    assert first["tokens"] == sum(len(p) - 1 for p in PROMPTS)
+    assert "launch" in first["parts"] and "inbox" in first["parts"]
+    # then one decode step per token, each of the three rows, no prompt
+    decode = trace[1:]
+    assert len(decode) == 6 and all(s["prompt_rows"] == 0 and s["rows"] == 3 for s in decode)
+    assert before <= first["at"] <= min(s["at"] for s in decode) <= time.time()
+    assert all(v >= 0 for s in trace for v in s["parts"].values())
+
+
+def test_off_by_default(engine_factory, caplog) -> None:
+    h = engine_factory()
+    caplog.set_level(logging.INFO, logger="pipeserve.steps")
+    h.generate(PROMPTS[0], max_tokens=3)
+    assert steps(caplog) == []
