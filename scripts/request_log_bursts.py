@@ -6,6 +6,10 @@ tokens, how long after the previous burst's last response ended its first handle
 p50 and spread. Reads the text format and server.log_format=json.
 
     python scripts/request_log_bursts.py bench-out/8b/pipeserve.log
+
+With `--steps` (a server run with scheduler.step_trace=true), each burst also lists the engine
+steps from its first arrival to its last first token: [ms after its first arrival, rows, prompt
+rows, prompt tokens, {part: ms}], to tell a slow forward from a late start.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 TEXT = re.compile(r"^\[(?P<at>[\d-]+ [\d:,]+)\].* - request \S+ (?P<fields>.*)$")
+STEP = re.compile(r"step: at=(?P<at>[\d.]+) (?P<parts>.*?) rows=(?P<rows>\d+) "
+                  r"prompt_rows=(?P<prompt_rows>\d+) tokens=(?P<tokens>\d+)")
 
 
 @dataclass
@@ -27,6 +33,31 @@ class Done:
     end: float
     prompt: int
     cached: int
+    queue: float | None = None   # arrival until it had a row (queue_s), where the log has it
+
+
+@dataclass
+class Step:
+    at: float
+    rows: int
+    prompt_rows: int
+    tokens: int
+    parts: dict[str, float]
+
+
+def steps(lines: Iterator[str]) -> Iterator[Step]:
+    """The engine's step lines (scheduler.step_trace), text or JSON."""
+    for line in lines:
+        if line.startswith("{"):
+            try:
+                line = str(json.loads(line).get("msg", ""))
+            except ValueError:
+                continue
+        m = STEP.search(line)
+        if m is not None:
+            parts = dict(kv.split("=", 1) for kv in m["parts"].split() if "=" in kv)
+            yield Step(float(m["at"]), int(m["rows"]), int(m["prompt_rows"]), int(m["tokens"]),
+                       {k: float(v) for k, v in parts.items()})
 
 
 def requests(lines: Iterator[str]) -> Iterator[Done]:
@@ -51,11 +82,14 @@ def requests(lines: Iterator[str]) -> Iterator[Done]:
             continue   # refused or failed before a token: no first token to time
         total, ttft = float(fields["total_s"]), float(fields["ttft_s"])
         cached = fields.get("cached_tokens", "0")
+        queue = fields.get("queue_s")
         yield Done(at - total, at - total + ttft, at, int(fields.get("prompt_tokens", 0)),
-                   int(cached) if cached.isdigit() else 0)
+                   int(cached) if cached.isdigit() else 0,
+                   float(queue) if queue not in (None, "-", "None") else None)
 
 
-def bursts(done: list[Done], gap: float) -> list[dict[str, float | int]]:
+def bursts(done: list[Done], gap: float,
+           trace: list[Step] | None = None) -> list[dict[str, object]]:
     done = sorted(done, key=lambda d: d.start)
     groups: list[list[Done]] = []
     for d in done:
@@ -63,7 +97,7 @@ def bursts(done: list[Done], gap: float) -> list[dict[str, float | int]]:
             groups[-1].append(d)
         else:
             groups.append([d])
-    out: list[dict[str, float | int]] = []
+    out: list[dict[str, object]] = []
     prev_end = None
     for g in groups:
         start = min(d.start for d in g)
@@ -75,6 +109,13 @@ def bursts(done: list[Done], gap: float) -> list[dict[str, float | int]]:
             "ttft_p50_s": round(statistics.median(firsts), 3),
             "first_token_spread_s": round(max(d.first for d in g) - min(d.first for d in g), 3),
             "wall_s": round(max(d.end for d in g) - start, 3)})
+        queues = [d.queue for d in g if d.queue is not None]
+        if queues:
+            out[-1]["queue_p50_s"] = round(statistics.median(queues), 3)
+        if trace is not None:
+            last = max(d.first for d in g)
+            out[-1]["steps"] = [[round((t.at - start) * 1000, 1), t.rows, t.prompt_rows,
+                                 t.tokens, t.parts] for t in trace if start <= t.at <= last]
         prev_end = max(d.end for d in g)
     return out
 
@@ -84,10 +125,14 @@ def main() -> None:
     ap.add_argument("log", help="the server's log (pipeserve.log, or serve.py's output)")
     ap.add_argument("--gap", type=float, default=0.25,
                     help="seconds between two handlers' starts that split bursts")
+    ap.add_argument("--steps", action="store_true",
+                    help="list each burst's engine steps (a log of scheduler.step_trace=true)")
     args = ap.parse_args()
     with open(args.log, encoding="utf-8", errors="replace") as f:
-        for row in bursts(list(requests(f)), args.gap):
-            print(json.dumps(row), flush=True)
+        lines = f.readlines()
+    trace = list(steps(iter(lines))) if args.steps else None
+    for row in bursts(list(requests(iter(lines))), args.gap, trace):
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -48,3 +48,43 @@ def test_two_bursts_and_the_gap_between_them(tmp_path: Path, fmt: str) -> None:
     assert rows[1]["after_previous_end_s"] == pytest.approx(0.38, abs=0.002)
     assert rows[0]["arrival_spread_s"] == pytest.approx(0.02, abs=0.002)
     assert [r["ttft_p50_s"] for r in rows] == pytest.approx([0.30, 0.20], abs=0.002)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_steps_listed_with_the_burst_they_served(tmp_path: Path, fmt: str) -> None:
+    """--steps: the engine's step lines (scheduler.step_trace, as core/step_trace.py logs them)
+    from a burst's first arrival to its last first token, in ms after that arrival; queue_s's
+    p50 beside the first-token p50."""
+    from pipeserve.core.step_trace import StepTrace
+    t = 1_700_000_000.0
+    recs = []
+    for i in range(3):   # handlers started t..t+0.02, first tokens t+0.30..t+0.32
+        rec = record(t + 0.50 + i * 0.01, 0.50, 0.30)
+        rec.queue_s = 0.05 + i * 0.01
+        rec.args = (rec.args[0], rec.args[1].replace(" total_s=", f" queue_s={rec.queue_s} total_s="))
+        recs.append(rec)
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lines.append   # type: ignore[method-assign]
+    steps_log = logging.getLogger("pipeserve.steps")
+    steps_log.addHandler(handler)
+    steps_log.setLevel(logging.INFO)
+    try:
+        for at, rows, prompt_rows, tokens in ((0.1, 3, 3, 225), (0.31, 3, 0, 0), (0.35, 3, 0, 0)):
+            tr = StepTrace()
+            tr.begin()
+            tr.mark("inbox")
+            tr.mark("launch")
+            tr.wall = t + at - tr.parts[0][1]   # the step's wall clock: `at` once its inbox ended
+            tr.end(rows, prompt_rows, tokens, taken=3 if prompt_rows else 0)
+    finally:
+        steps_log.removeHandler(handler)
+    f = formatter(fmt)
+    log = tmp_path / "pipeserve.log"
+    log.write_text("\n".join(f.format(r) for r in sorted(recs + lines, key=lambda r: r.created))
+                   + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "request_log_bursts.py"),
+                          "--steps", str(log)], capture_output=True, text=True, check=True).stdout
+    [row] = [json.loads(line) for line in out.splitlines()]
+    assert row["queue_p50_s"] == pytest.approx(0.06)
+    assert [s[:4] for s in row["steps"]] == [[100.0, 3, 3, 225], [310.0, 3, 0, 0]]
