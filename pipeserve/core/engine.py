@@ -35,6 +35,7 @@ from pipeserve.prompt_cache.protocol import rewinds
 log = logging.getLogger(__name__)
 MEMORY_LOG_S = 10.0   # the memory gate's log line, at most this often
 OOM_CEILING = 0.85    # after a step ran out of device memory, the memory gate's ceiling times this
+OOM_RETRIES = 3       # times a row may wait again after out-of-memory steps before it fails
 
 
 __all__ = ["Engine", "EngineState"]
@@ -55,7 +56,7 @@ class Engine:
         self.layout: Any = None         # pipeserve.kv.layouts.*; the step: load_parts
         self._inbox, self._out = Inbox(), Outbox(metrics)
         self._arrivals = (0.0, 0.0)   # (gap, window) seconds an idle engine takes arrivals for
-        self._oom_retried: set[str] = set()   # rows that waited again after an out-of-memory step
+        self._oom_retried: dict[str, int] = {}   # rows that waited again after out-of-memory steps
         self._memory_logged, self._memory_waits = -MEMORY_LOG_S, 0   # the memory gate's log
         self._ready, self.stopping = threading.Event(), False   # stopping: leave the loop
         self._thread = threading.Thread(target=self._run, name="pipeserve-engine", daemon=True)
@@ -334,7 +335,7 @@ class Engine:
             self.step.retire(finished, self.scheduler.running)
             for req in finished:
                 self.scheduler.release(req.request_id)
-                self._oom_retried.discard(req.request_id)
+                self._oom_retried.pop(req.request_id, None)
             self.metrics.active_rows.set(len(self.scheduler.running))
             self.metrics.kv_reserved.set(self.scheduler.kv_reserved)
         return end
@@ -363,7 +364,7 @@ class Engine:
             self.scheduler.add(cmd.request)
             self._inbox.num_added += 1
         elif (req := self.scheduler.abort(cmd.request_id, cmd.reason)) is not None:
-            self._oom_retried.discard(req.request_id)
+            self._oom_retried.pop(req.request_id, None)
             self.step.retire([req], [])
             self.scheduler.release(req.request_id)
             self._out.post(req.request_id, finished_event(req))
@@ -428,19 +429,21 @@ class Engine:
         """The step ran out of device memory: the prompt cache's entries are dropped and
         MLX's cached buffers given back, the memory gate's ceiling is lowered, and each of the
         step's rows waits again (its output so far folded into its prompt, computed again, as
-        a preemption): the client sees its stream go on. A row that already waited again once
-        for this, or that cannot fold (a grammar, media), fails as any failed step's rows do.
-        Returns the rows that wait again."""
+        a preemption): the client sees its stream go on, and the gate admits fewer rows at
+        once. A row fails as any failed step's rows do when it cannot fold (a grammar, media),
+        when it waited again OOM_RETRIES times already, or when it ran out again alone (no
+        smaller step can hold it). Returns the rows that wait again."""
         sched = self.scheduler
         running = {r.request_id: r for r in sched.running}
-        again = [running[rid] for rid in ids if rid in running and rid not in self._oom_retried
-                 and preempt.foldable(running[rid])]
+        tries = self._oom_retried
+        again = [running[rid] for rid in ids if rid in running and preempt.foldable(running[rid])
+                 and tries.get(rid, 0) < OOM_RETRIES and not (len(ids) == 1 and rid in tries)]
         dropped = self.step.free_cached()
         before = sched.memory_ceiling
         if before is not None:
             sched.memory_ceiling = int(before * OOM_CEILING)
         for req in again:
-            self._oom_retried.add(req.request_id)
+            tries[req.request_id] = tries.get(req.request_id, 0) + 1
             self.step.evict(req, keep=False)   # the step's shared KV is not to be trusted
             sched.requeue(req)
         self.metrics.preemptions.inc(len(again))
@@ -454,7 +457,7 @@ class Engine:
         return {r.request_id for r in again}
 
     def _fail_request(self, rid: str, err: ServeError) -> None:
-        self._oom_retried.discard(rid)
+        self._oom_retried.pop(rid, None)
         req = self.scheduler.abort(rid, FinishReason.ERROR)   # its KV is not kept
         if req is not None:
             self.step.release(req)
