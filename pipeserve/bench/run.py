@@ -43,6 +43,7 @@ from pipeserve.bench.server import (
 from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive
 from pipeserve.config import load_config, register_configs
+from pipeserve.model.cache import release_mlx_buffers
 from pipeserve.model.config import ModelSource
 from pipeserve.model.tiny.assistant import ensure_assistant
 from pipeserve.model.tiny.dflash import ensure_dflash
@@ -73,6 +74,7 @@ def quantized(model_dir: Path, bits: int) -> Path:
     tmp = model_dir.with_name(f".{target.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     convert(str(model_dir), mlx_path=str(tmp), quantize=True, q_bits=bits)
+    release_mlx_buffers()   # the conversion's weights: the servers measured next need the device
     tmp.rename(target)
     return target
 
@@ -287,6 +289,8 @@ def _write_adapters(model_dir: Path, root: Path, n: int) -> list[str]:
         mx.save_safetensors(str(out / "adapters.safetensors"), weights)
         (out / "adapter_config.json").write_text(json.dumps(
             {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": params}))
+    del model, lora
+    release_mlx_buffers()   # the model loaded for the adapters' shapes
     return ids
 
 

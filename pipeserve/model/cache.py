@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,17 @@ def publish(final: Path, write: Callable[[Path], None]) -> Path:
             if not (final / "config.json").is_file():
                 raise
     finally:
+        release_mlx_buffers()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def release_mlx_buffers() -> None:
+    """Give back the buffers a writer's arrays were freed into. MLX keeps freed buffers in a
+    cache that on CUDA may grow to its whole memory limit, and that memory is the device's:
+    an 8B model's draws and casts (~48 GB) would stay with the process that made the model
+    (bench.py, for every server it then runs beside it) until it exits."""
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        mx.clear_cache()
