@@ -43,6 +43,12 @@ def test_each_step_is_one_line_naming_its_rows_and_parts(engine_factory, caplog)
     decode = trace[1:]
     assert len(decode) == 6 and all(s["prompt_rows"] == 0 and s["rows"] == 3 for s in decode)
     assert before <= first["at"] <= min(s["at"] for s in decode) <= time.time()
+    # the step that samples the three first tokens reads them back before the next step is
+    # built (core/step.py first_tokens); the steps after it are pipelined: each is read back
+    # in the next pass, after that pass's launch
+    assert "apply_now" in decode[0]["parts"], decode[:2]
+    assert all("apply_now" not in s["parts"] for s in decode[1:-1]), decode
+    assert all("apply" in s["parts"] for s in decode[2:]), decode
     assert all(v >= 0 for s in trace for v in s["parts"].values())
 
 
