@@ -94,15 +94,14 @@ def _row(target: str, what: str, streams: int, ttft: list[float], out_tokens: in
     return row
 
 
-async def _burst(base: str, model: str, prompts: list[list[int]],
+async def _burst(client: Any, base: str, model: str, prompts: list[list[int]],
                  bias: dict[str, float], spent: list[float] | None = None,
                  made: list[int] | None = None) -> list[float]:
     """Each request's time to its first token, sorted; `spent` gets the burst's wall time,
     its first request sent to its last finish (what a client that sends again when all are
     done waits for each round); `made`, the tokens its responses say they generated."""
-    async with _session(len(prompts), 600) as client:
-        got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
-                                          OUT_TOKENS, bias) for p in prompts))
+    got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
+                                      OUT_TOKENS, bias) for p in prompts))
     if spent is not None and got:
         spent.append(max(r["end"] for r in got) - min(r["t0"] for r in got))
     if made is not None:
@@ -215,7 +214,11 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
            cold: list[list[int]], bursts: dict[int, list[list[int]]],
            eos_bias: dict[str, float], shared: dict[int, list[list[int]]],
            turn: list[int]) -> list[Row]:
-    """One server launched with `overrides`, each scenario sent to it in turn: its rows."""
+    """One server launched with `overrides`, each scenario sent to it in turn: its rows. One
+    client session serves them all, a connection per stream kept alive from one scenario to
+    the next (as an SDK's connection pool does), so a burst's first tokens are the server's
+    and not the TCP connects of 128 new connections (only the first burst after launch makes
+    them)."""
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
@@ -228,9 +231,17 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     spent: list[float] = []   # each timed scenario's wall: the bursts' rows show it
     made: list[int] = []      # each timed scenario's generated tokens, as its responses said
 
+    runner = asyncio.Runner()
+    streams = max([len(first), 1, *map(len, shapes.values()), *map(len, bursts.values()),
+                   *map(len, shared.values())])
+    client = runner.run(_open(streams))
+
+    def send(prompts: list[list[int]], bias: dict[str, float], **kw: Any) -> list[float]:
+        return runner.run(_burst(client, base, model, prompts, bias, **kw))
+
     def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
         with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
-            return asyncio.run(_burst(base, model, prompts, bias, spent, made))
+            return send(prompts, bias, spent=spent, made=made)
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
@@ -246,9 +257,9 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                                  prompt_tokens=BURST_TOKENS))
                 rows[-1].wall_s = round(ready_s, 1)   # launch to ready
                 note(label)
-        asyncio.run(_burst(base, model, [warm], {}))   # the chunk shapes, as the library gets
+        send([warm], {})   # the chunk shapes, as the library gets
         for prompts in shapes.values():                  # and each burst's batch shapes
-            asyncio.run(_burst(base, model, prompts, {}))
+            send(prompts, {})
         for i, ids in enumerate(cold):
             ttft = timed([ids], {})
             rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
@@ -270,7 +281,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                 rows[-1].wall_s = round(spent[-1], 4)   # first sent to last finished
                 note(f"{label} {n}")
         for n, prompts in shared.items():
-            asyncio.run(_burst(base, model, prompts[:1], {}))   # the head, into the cache
+            send(prompts[:1], {})   # the head, into the cache
             ttft = timed(prompts[1:], {})
             rows.append(_row(target, f"burst, shared {len(prompts[0]) - BURST_TOKENS}-token head",
                              n, ttft, OUT_TOKENS, said, prompt_tokens=len(prompts[0])))
@@ -280,6 +291,13 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             r.peak_rss_mb = round(rss, 1)
             r.output_tokens = tokens   # what the responses reported, not what was asked for
     finally:
+        runner.run(client.close())
+        runner.close()
         memory.close()
         server.stop()
     return rows
+
+
+async def _open(streams: int) -> Any:
+    """The bench's client session, made on the loop that will use it."""
+    return _session(streams, 600)
