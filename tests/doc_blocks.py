@@ -102,7 +102,7 @@ def _unwrap_admonitions(text: str) -> str:
 def is_command(text: str) -> bool:
     for line in text.splitlines():
         line = re.sub(r"^\$ ", "", line.strip())
-        line = re.sub(r"^([A-Z_][A-Z0-9_]*=\S*\s+)+", "", line)
+        line = re.sub(r"""^([A-Z_][A-Z0-9_]*=("[^"]*"|'[^']*'|\S*)\s+)+""", "", line)
         if line.split(" ", 1)[0] in COMMANDS or re.match(r"[A-Z_][A-Z0-9_]*=\S", line):
             return True
     return False
