@@ -68,6 +68,8 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
         peaks = [x["mlx_memory_gb.peak"] for x in lines]
         assert peaks == sorted(peaks) and peaks[-1] > 0, peaks   # the peak so far
         assert lines[-1]["stage_seconds_sum.prefill"] > lines[0]["stage_seconds_sum.prefill"]
+        # the bench's own process holds no MLX memory beside the servers it measures
+        assert all(x["bench_mlx_gb"] == 0.0 for x in lines), [x["bench_mlx_gb"] for x in lines]
 
 
 def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:

@@ -244,7 +244,8 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             return send(prompts, bias, spent=spent, made=made)
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
-        memory.write(json.dumps({"scenario": scenario, **_state(base)}) + "\n")
+        memory.write(json.dumps({"scenario": scenario, **_state(base),
+                                 "bench_mlx_gb": _own_mlx_gb()}) + "\n")
         memory.flush()
     try:
         t0 = time.perf_counter()
@@ -296,6 +297,14 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
         memory.close()
         server.stop()
     return rows
+
+
+def _own_mlx_gb() -> float:
+    """What MLX holds in this (the bench's) process, active and cached (GB): memory the
+    servers measured beside it do not have (round 10: an 8B the bench had generated, ~42 GB
+    on the device; pipeserve/model/cache.py now gives it back)."""
+    mx = sys.modules.get("mlx.core")
+    return round((mx.get_active_memory() + mx.get_cache_memory()) / 1e9, 3) if mx else 0.0
 
 
 async def _open(streams: int) -> Any:
