@@ -64,6 +64,7 @@ class Scheduler:
         self.shared_min = SHARED_PREFIX_MIN   # head a request must share to wait for a donor
         self._ahead: dict[str, int] = {}     # request id → tokens planned, not yet applied
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
+        self._held_prompts = False   # the last plan left prompt chunks for first tokens
         self._hits: list[tuple[str, CacheHit]] = []
         self._lockstep = cfg.distributed.name != "none"
         # the priorities whose running rows a more urgent request may take (core/preempt.py);
@@ -195,6 +196,8 @@ class Scheduler:
         budget -= len(rows)
         rows = self._draft_room(rows, budget)
         budget -= sum(r.max_drafts for r in rows)
+        first = sum(1 for r in rows if not r.request.output_ids
+                    and not self._outputs_ahead.get(r.request_id))
         if len(prefilling) > 1:   # the prompt budget goes to the most urgent first (stable)
             prefilling.sort(key=lambda p: p[0].priority)
         for req, pos in prefilling:
@@ -212,6 +215,14 @@ class Scheduler:
                 break
             rows.append(PlannedRow(req, pos, n))
             budget -= n
+        held, self._held_prompts = self._held_prompts, False
+        if not held and 0 < sum(1 for r in rows if not r.samples) < first:
+            # more rows sample their first token than prompts would run beside them: a prompt
+            # chunk is evaluated before the step's decode, so those first tokens would wait
+            # for it (round 10: 29 rows held 75 ms by 3 late arrivals' prefill). The chunks go
+            # in the next step, once these tokens are out; never two steps running
+            rows = [r for r in rows if r.samples]
+            self._held_prompts = True
         hits, self._hits = tuple(self._hits), []
         if not rows:
             return StepPlan((), hits) if hits else None

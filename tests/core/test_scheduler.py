@@ -220,7 +220,9 @@ def test_decode_rows_are_never_starved_by_prompts() -> None:
     prompts = [req(400, 2, f"p{i}") for i in range(8)]
     for r in prompts:
         s.add(r)
-    for _ in range(5):
+    plan, _ = run_step(s)   # their first tokens: more of them than prompts, so alone
+    assert shape(plan) == [(f"d{i}", 1, 1) for i in range(4)]
+    for _ in range(4):
         plan, _ = run_step(s)
         # every decoding row gets its 1 token, planned first; prompts take the rest
         assert [(r.request_id, r.num_tokens) for r in plan.rows[:4]] == \
@@ -237,10 +239,39 @@ def test_decode_row_count_never_exceeds_the_budget_at_its_minimum() -> None:
     for i in range(3):
         s.add(req(1, 10, f"d{i}"))
     s.add(req(30, 2, "p"))
+    plan, _ = run_step(s)   # three first tokens: the one prompt waits a step for them
+    assert shape(plan) == [("d0", 0, 1), ("d1", 0, 1), ("d2", 0, 1)]
     plan, _ = run_step(s)
-    assert shape(plan) == [("d0", 0, 1), ("d1", 0, 1), ("d2", 0, 1), ("p", 0, 1)]
+    assert shape(plan) == [("d0", 1, 1), ("d1", 1, 1), ("d2", 1, 1), ("p", 0, 1)]
     plan, _ = run_step(s)
-    assert shape(plan) == [("d0", 1, 1), ("d1", 1, 1), ("d2", 1, 1), ("p", 1, 1)]
+    assert shape(plan) == [("d0", 2, 1), ("d1", 2, 1), ("d2", 2, 1), ("p", 1, 1)]
+
+
+def test_first_tokens_are_not_held_by_fewer_late_prompts() -> None:
+    """A burst split by its arrivals (round 10: 29 rows, then 3 more): the step that samples
+    the first group's first tokens runs no prompt chunk of the late group, whose forward would
+    be evaluated before them; the late prompts run in the next step, never later. Where the
+    late prompts are as many or more, they share the step as before."""
+    s = budget_sched(4096, 64)
+    early = [req(20, 4, f"e{i}") for i in range(3)]
+    for r in early:
+        s.add(r)
+    plan, _ = run_step(s)                 # the early prompts
+    assert shape(plan) == [(f"e{i}", 0, 19) for i in range(3)]
+    s.add(req(20, 4, "late"))
+    plan, _ = run_step(s)                 # their first tokens alone
+    assert shape(plan) == [(f"e{i}", 19, 1) for i in range(3)]
+    plan, _ = run_step(s)                 # then the late prompt beside their next tokens
+    assert shape(plan) == [(f"e{i}", 20, 1) for i in range(3)] + [("late", 0, 19)]
+    # as many late prompts as first tokens: one step for both
+    s = budget_sched(4096, 64)
+    for i in range(2):
+        s.add(req(20, 4, f"e{i}"))
+    run_step(s)
+    for i in range(2):
+        s.add(req(20, 4, f"l{i}"))
+    plan, _ = run_step(s)
+    assert shape(plan) == [("e0", 19, 1), ("e1", 19, 1), ("l0", 0, 19), ("l1", 0, 19)]
 
 
 # -- drafts count against the budget ------------------------------------------------------
