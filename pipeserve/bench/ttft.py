@@ -96,14 +96,22 @@ def _row(target: str, what: str, streams: int, ttft: list[float], out_tokens: in
 
 async def _burst(client: Any, base: str, model: str, prompts: list[list[int]],
                  bias: dict[str, float], spent: list[float] | None = None,
-                 made: list[int] | None = None) -> list[float]:
+                 made: list[int] | None = None,
+                 sends: list[dict[str, float]] | None = None) -> list[float]:
     """Each request's time to its first token, sorted; `spent` gets the burst's wall time,
     its first request sent to its last finish (what a client that sends again when all are
-    done waits for each round); `made`, the tokens its responses say they generated."""
+    done waits for each round); `made`, the tokens its responses say they generated; `sends`,
+    the ms after the first request's start when the client had written its requests (p50,
+    last), against which the server's arrival spread (request_log_bursts.py) reads."""
     got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
                                       OUT_TOKENS, bias) for p in prompts))
     if spent is not None and got:
         spent.append(max(r["end"] for r in got) - min(r["t0"] for r in got))
+    if sends is not None and got:
+        start = min(r["t0"] for r in got)
+        at = sorted(1000 * (r["sent"] - start) for r in got if r.get("sent") is not None)
+        sends.append({"client_sent_ms_p50": round(_pct(at, 0.5), 2) if at else float("nan"),
+                      "client_sent_ms_last": round(at[-1], 2) if at else float("nan")})
     if made is not None:
         made.append(sum(int(r["tokens"] or 0) for r in got))
     return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])
@@ -230,6 +238,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
 
     spent: list[float] = []   # each timed scenario's wall: the bursts' rows show it
     made: list[int] = []      # each timed scenario's generated tokens, as its responses said
+    sends: list[dict[str, float]] = []   # each timed scenario's client send spread
 
     runner = asyncio.Runner()
     streams = max([len(first), 1, *map(len, shapes.values()), *map(len, bursts.values()),
@@ -241,11 +250,11 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
 
     def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
         with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
-            return send(prompts, bias, spent=spent, made=made)
+            return send(prompts, bias, spent=spent, made=made, sends=sends)
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         memory.write(json.dumps({"scenario": scenario, **_state(base),
-                                 "bench_mlx_gb": _own_mlx_gb()}) + "\n")
+                                 "bench_mlx_gb": _own_mlx_gb(), **sends[-1]}) + "\n")
         memory.flush()
     try:
         t0 = time.perf_counter()

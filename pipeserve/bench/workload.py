@@ -88,7 +88,8 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
     usage_tokens = None
     usage: dict[str, Any] = {}
     end = float("nan")
-    async with client.post(url, data=orjson.dumps(body),
+    sent: dict[str, float] = {}   # when its headers were written (the session's trace hook)
+    async with client.post(url, data=orjson.dumps(body), trace_request_ctx=sent,
                            headers={"Content-Type": "application/json"}) as r:
         if r.status != 200:   # the server's own error names the field and the limit
             raise SystemExit(f"bench: {url} answered {r.status}: {(await r.text())[:500]}")
@@ -109,7 +110,7 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
                 elif ch.get("text") is not None:
                     stamps.append(now)   # one chunk per token (text may be empty)
     n = usage_tokens if usage_tokens is not None else len(stamps)
-    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end,
+    return {"t0": t0, "stamps": stamps, "tokens": n, "end": end, "sent": sent.get("at"),
             "prompt_tokens": usage.get("prompt_tokens"), "speculation": usage.get("speculation")}
 
 
@@ -196,11 +197,20 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
             "spec_accepted": sum(int(x.get("accepted", 0)) for x in specs)}
 
 
+async def _headers_sent(_: Any, ctx: Any, __: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["at"] = time.perf_counter()
+
+
 def _session(streams: int, timeout_s: float) -> aiohttp.ClientSession:
-    """The bench's client: a connection per stream, kept alive between its requests."""
+    """The bench's client: a connection per stream, kept alive between its requests; each
+    request's result says when its headers went out (`sent`), to tell the client's sending
+    from the server's reading in a burst's arrival spread."""
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_headers_sent)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=streams + 4, limit_per_host=streams + 4),
-        timeout=aiohttp.ClientTimeout(total=timeout_s))
+        timeout=aiohttp.ClientTimeout(total=timeout_s), trace_configs=[trace])
 
 
 async def _single(base: str, model: str, prompt: str, n: int, bias: dict[str, float]) -> dict:
