@@ -311,3 +311,26 @@ def test_responses_stream_events_and_body(setup) -> None:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == TEXT and events[-1]["response"]["output"][0]["content"][0]["text"] == TEXT
+
+
+def test_an_ended_stream_keeps_its_frames_and_not_its_request(setup) -> None:
+    """A finished stream stays resumable for server.stream_resume_s, holding its frames only:
+    not the request that made it (Sanic's request, its generation, through the producer
+    task's or the expiry timer's context), which would otherwise live on for that minute, a
+    few hundred objects a request for every full collection to walk."""
+    import gc
+
+    import sanic
+
+    async def scenario(client):
+        bodies = [(await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).text
+                  for _ in range(3)]
+        sid = data_of(sse_frames(bodies[0]))[0]["id"]
+        again = await client.get(f"/v1/streams/{sid}", params={"after": -1})
+        return bodies, again
+    (bodies, again), _ = run(setup, scenario)
+    assert again.status_code == 200 and again.text == bodies[0]   # still resumable
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, sanic.Request)
+            and o.path == "/v1/chat/completions"]
+    assert live == [], f"{len(live)} finished chat requests still alive"

@@ -5,6 +5,7 @@ are produced by a task of their own; connections only read the log. Event loop."
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -289,8 +290,10 @@ class StreamStore:
 
     def ended(self, stream: StreamLog) -> None:
         self._report()
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.resume_s, self._expire, stream)
+        # in an empty context: a timer keeps the one it is made in (the request's, through
+        # Sanic's request variable) alive until it fires
+        asyncio.get_running_loop().call_later(self.resume_s, self._expire, stream,
+                                              context=contextvars.Context())
 
     def _expire(self, stream: StreamLog) -> None:
         if self.logs.get(stream.stream_id) is stream:
@@ -354,6 +357,10 @@ async def serve(http: sanic.Request, store: StreamStore, stream_id: str, resumab
             raise
         finally:
             stream.end()
+            # an ended log is kept for resumes; its task is not: a task holds its context, and
+            # so the whole request (Sanic's request, its generation) for stream_resume_s,
+            # hundreds of objects a request for each full collection to walk
+            stream.task = None
 
     task = stream.task = asyncio.get_running_loop().create_task(run())
     try:
