@@ -11,12 +11,13 @@ from mlx_lm.models.cache import PromptTrie
 from pipeserve.prompt_cache.trie import TokenTrie
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_answers_as_mlx_lm_does_under_random_edits(seed: int) -> None:
     rng = random.Random(seed)
     ref, trie, stored = PromptTrie(), TokenTrie(), set()
+    longest = 7 if seed < 40 else 14   # longer edges: splits and merges inside them
     for _ in range(80):
-        seq = tuple(rng.randrange(4) for _ in range(rng.randrange(1, 7)))
+        seq = tuple(rng.randrange(4 if seed < 40 else 2) for _ in range(rng.randrange(1, longest)))
         r = rng.random()
         if r < 0.5 or (r < 0.75 and not stored):
             ref.add("m", list(seq), seq)
@@ -36,7 +37,7 @@ def test_answers_as_mlx_lm_does_under_random_edits(seed: int) -> None:
             else:
                 assert trie.add_over_prefixes("m", seq, seq)[1] == popped
             stored -= {seq[:i] for i, _ in popped}
-        query = [rng.randrange(4) for _ in range(rng.randrange(0, 8))]
+        query = [rng.randrange(4 if seed < 40 else 2) for _ in range(rng.randrange(0, longest + 1))]
         want, got = ref.search("m", query), trie.search("m", query)
         assert (got.exact, got.shorter, got.common_prefix) == (
             want.exact, want.shorter, want.common_prefix), query
@@ -46,6 +47,32 @@ def test_answers_as_mlx_lm_does_under_random_edits(seed: int) -> None:
             assert got.longer[:got.common_prefix] == query[:got.common_prefix]
         for seq in stored:
             assert trie.get("m", list(seq)) == seq
+        assert_compact(trie, stored)
+
+
+def assert_compact(trie: TokenTrie, stored: set[tuple[int, ...]]) -> None:
+    """The radix shape: no node but a root is empty with one child (it would have joined its
+    child's edge), so there are at most two nodes a stored sequence; each node points at a
+    sequence stored at or below it (its own when it stores one)."""
+    from pipeserve.prompt_cache.trie import _EMPTY
+    nodes = 0
+    for root in trie._roots.values():
+        todo = [(root, (), True)]
+        while todo:
+            node, prefix, is_root = todo.pop()
+            nodes += 1
+            here = prefix + node.edge
+            if not is_root:
+                assert node.value is not _EMPTY or len(node.children) != 1, here
+                assert node.value is not _EMPTY or node.children, here
+            if node.value is not _EMPTY:
+                assert node.below == here and node.below in stored, here
+            elif node.below is not None:
+                assert node.below[:len(here)] == here and node.below in stored, here
+            for first, child in node.children.items():
+                assert child.edge[0] == first
+                todo.append((child, here, False))
+    assert nodes <= 2 * len(stored) + len(trie._roots)
 
 
 def test_long_entries_extend_a_short_match() -> None:
@@ -93,3 +120,33 @@ def test_a_root_emptied_and_filled_again_is_listed_and_searched():
     assert sorted(t.models()) == ["base", "lora"]
     assert t.search("base", [5, 6, 7]).longer == [5, 6, 7, 8]
     assert t.search("base", [5, 9]).longer == [5, 6, 7, 8]
+
+
+def test_a_long_entry_is_a_few_objects_for_the_collector() -> None:
+    """Twenty 16k-token entries sharing a 2k head, then lookups and pops: the trie holds a
+    few nodes an entry, not one a token, so Python's cyclic collector, whose full
+    collections walk every live container while holding the GIL, does not grow with the
+    tokens the prompt cache holds (it did: a dict a token)."""
+    import gc
+
+    from pipeserve.prompt_cache.trie import _Node
+    rng = random.Random(5)
+    head = [rng.randrange(500) for _ in range(2048)]
+    entries = [tuple(head + [rng.randrange(500) for _ in range(14_000)]) for _ in range(20)]
+    gc.collect()
+    before = len(gc.get_objects())
+    trie = TokenTrie()
+    for e in entries:
+        trie.add("m", e, e)
+    gc.collect()
+    grew = len(gc.get_objects()) - before
+    nodes = sum(1 for o in gc.get_objects() if type(o) is _Node)
+    assert nodes <= 2 * len(entries) + 1, nodes
+    assert grew < 10 * len(entries), grew   # nodes and their child dicts: not 16k each
+    found = trie.search("m", head + [entries[3][2048], 7, 7])
+    assert found.common_prefix == 2049 and found.longer == list(entries[3])
+    assert trie.search("m", list(entries[7]) + [1]).shorter == list(entries[7])
+    for e in entries[:19]:
+        trie.pop("m", list(e))
+    assert trie.search("m", head[:10]).longer == list(entries[19])
+    assert_compact(trie, {entries[19]})
