@@ -35,9 +35,10 @@ class SchedulerConfig:
     # an idle engine that wakes to a request keeps taking arrivals until none came for this
     # long (at most arrival_window_ms), so a burst is prefilled together rather than split
     # over two steps, the first group's first tokens waiting for the second's chunk; unset:
-    # 2 on a GPU, 0 (off) on a CPU. Only an idle engine waits: a running batch never does
+    # 5 on a GPU, 0 (off) on a CPU. Only an idle engine waits: a running batch never does.
+    # The window covers a burst of 128 reaching the engine (the client's writes, the reads)
     arrival_gap_ms: Optional[float] = None
-    arrival_window_ms: float = 20.0
+    arrival_window_ms: float = 50.0
     # log one line per engine step (pipeserve.steps, INFO): its wall clock and each part's
     # milliseconds (inbox, schedule, launch, apply), to line a burst's steps up with its
     # request lines (core/step_trace.py); a diagnostic, off by default

@@ -145,7 +145,7 @@ class Engine:
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
         s = self.cfg.scheduler
         gap_ms = s.arrival_gap_ms if s.arrival_gap_ms is not None else (
-            2.0 if "gpu" in self.device else 0.0)
+            5.0 if "gpu" in self.device else 0.0)
         self._arrivals = (gap_ms / 1000, s.arrival_window_ms / 1000)
         self.publish()
 
