@@ -3,6 +3,7 @@ the Engine thread and the prompt cache; its main thread reads commands from the 
 engine thread's outbox writes each step's events as one message (PipeLoop)."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ from pipeserve.embed.engine import Embed, EmbedEngine
 from pipeserve.errors import EngineUnavailable, ServeError
 from pipeserve.grammar.constraint import GrammarCompiler
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
-from pipeserve.metrics import Metrics
+from pipeserve.metrics import Metrics, watch_gc
 
 log = logging.getLogger("pipeserve.pool")
 REMOUNT_S = 600.0   # the most a restarted core waits for one adapter to mount again
@@ -79,10 +80,11 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
 
     t0 = time.perf_counter()
     registry = CollectorRegistry()
+    metrics = Metrics(registry)
     if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
-        engine: Any = EmbedEngine(cfg, Metrics(registry))
+        engine: Any = EmbedEngine(cfg, metrics)
     else:
-        engine = Engine(cfg, Metrics(registry))
+        engine = Engine(cfg, metrics)
     engine.start()
     if not engine.wait_ready():
         send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
@@ -91,6 +93,12 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
         _exit(0)
     if adapters is not None:
         _remount(engine, adapters)
+    # what loading made lives as long as the process: out of the collector's view, as the
+    # server's own at ready (pipeserve/http/startup.py); the pauses left are this process's
+    # pipeserve_gc_pause_seconds (the server's carry model="")
+    gc.collect()
+    gc.freeze()
+    watch_gc(metrics)
     send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
     _serve(conn, send, engine, lambda: generate_latest(registry).decode())
     sender.close()   # what the engine said last (its final events, replies) goes out first

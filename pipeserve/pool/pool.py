@@ -384,7 +384,8 @@ class ModelPool:
         texts = await asyncio.gather(*(loop.run_in_executor(None, e.metrics_text, 5.0)
                                        for e in self.live()))
         by_model = {e.model_id: t for e, t in zip(self.live(), texts) if t is not None}
-        server_keep = pool_metrics.SERVER_FAMILIES | self.metrics.names
+        server_keep = (pool_metrics.SERVER_FAMILIES | pool_metrics.PROCESS_FAMILIES
+                       | self.metrics.names)
         sources: list[tuple[str, str, Any, Any]] = [
             ("", generate_latest(self.registry).decode(), server_keep, ())]
         for m in self.members.values():

@@ -138,6 +138,18 @@ def test_a_client_leaving_mid_stream_frees_its_row(process_core: Any) -> None:
     assert chat(base, PROMPTS[1], 5).choices[0].finish_reason == "length"
 
 
+def test_the_collectors_pauses_of_both_processes_are_in_metrics(process_core: Any) -> None:
+    """The engine process times its collector's pauses as the server does its own: /metrics
+    has both, the engine's under the model's label, the server's under model="" (before, the
+    engine's family was there and empty, and the server's was dropped)."""
+    base = process_core.base_url
+    assert chat(base, PROMPTS[2], 300).choices[0].finish_reason == "length"
+    fams = metric_families(base)
+    counted = {s.labels.get("model"): s.value for s in fams["pipeserve_gc_pause_seconds"].samples
+               if s.name == "pipeserve_gc_pause_seconds_count" and s.labels["generation"] == "0"}
+    assert counted.get(MODEL, 0) >= 1 and counted.get("", 0) >= 1, counted
+
+
 def _stream(base_url: str, out: dict[str, Any], started: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
             "max_tokens": 4000, "temperature": 0, "logit_bias": NO_EOS, "stream": True}
