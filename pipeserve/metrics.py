@@ -233,8 +233,10 @@ class Metrics:
             registry=r)
         self.gc_pause = Histogram(
             f"{PREFIX}_gc_pause_seconds",
-            "Pauses of Python's cyclic collector in the server process, by generation (each "
-            "holds the GIL: the event loop waits, and in the thread core the engine thread too)",
+            "Pauses of Python's cyclic collector, by generation (each holds the GIL: the event "
+            "loop waits, and in the thread core the engine thread too); with the engine in its "
+            "own process (server.isolate, a pool) its pauses carry the model's label, the "
+            "server's model=\"\"",
             ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r)
         self.cache_ssd_writes = Counter(
