@@ -439,6 +439,15 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
 _gc_watch: dict[str, Any] = {"metrics": None, "began": 0.0}
 
 
+def quiet_collector(metrics: Metrics) -> None:
+    """A process's startup is done: what it made lives as long as the process, so it goes out
+    of the collector's view (a full collection no longer walks it, a pause holding the GIL),
+    and the pauses left are timed (pipeserve_gc_pause_seconds)."""
+    gc.collect()
+    gc.freeze()
+    watch_gc(metrics)
+
+
 def watch_gc(metrics: Metrics) -> None:
     """Time the collector's pauses into `metrics.gc_pause` (one callback a process; a later
     call points it at other metrics)."""

@@ -4,7 +4,6 @@ fails with one line saying why). Event loop."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -20,7 +19,7 @@ from pipeserve.http.api.record import base_record
 from pipeserve.http.front import Front
 from pipeserve.launch.checks import LAUNCH_ERROR, chat_url
 from pipeserve.launch.stalls import StallWatch
-from pipeserve.metrics import Metrics, watch_gc
+from pipeserve.metrics import Metrics, quiet_collector
 
 log = logging.getLogger("pipeserve")
 
@@ -68,20 +67,11 @@ async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
                               "mlx_version": _version("mlx"),
                               "config_hash": app.ctx.config_hash,
                               "blas": blas.name or "bundled"})
-        _quiet_collector(metrics)
+        quiet_collector(metrics)
         log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
                  cfg.server.host, cfg.server.port, page)
         return
     _model_ready(app, cfg, engine, metrics, page)
-
-
-def _quiet_collector(metrics: Metrics) -> None:
-    """What startup made lives as long as the process: out of the collector's view, a full
-    collection no longer walks it (a long pause holding the GIL, stalling the loop); the
-    pauses left are timed (pipeserve_gc_pause_seconds)."""
-    gc.collect()
-    gc.freeze()
-    watch_gc(metrics)
 
 
 async def _failed(app: Sanic, engine: EngineClient) -> None:
@@ -112,7 +102,7 @@ def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
     adapter = loaded.adapter.identity if loaded.adapter is not None else None
     app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
     app.ctx.front = None if cfg.model.encoder else Front(cfg, engine, metrics)
-    _quiet_collector(metrics)
+    quiet_collector(metrics)
     metrics.build.info({
         "version": _version("pipeserve"), "mlx_version": _version("mlx"),
         "device": limits.device, "model": cfg.model.name,

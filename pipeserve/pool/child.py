@@ -3,7 +3,6 @@ the Engine thread and the prompt cache; its main thread reads commands from the 
 engine thread's outbox writes each step's events as one message (PipeLoop)."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -23,7 +22,7 @@ from pipeserve.embed.engine import Embed, EmbedEngine
 from pipeserve.errors import EngineUnavailable, ServeError
 from pipeserve.grammar.constraint import GrammarCompiler
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
-from pipeserve.metrics import Metrics, watch_gc
+from pipeserve.metrics import Metrics, quiet_collector
 
 log = logging.getLogger("pipeserve.pool")
 REMOUNT_S = 600.0   # the most a restarted core waits for one adapter to mount again
@@ -93,12 +92,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
         _exit(0)
     if adapters is not None:
         _remount(engine, adapters)
-    # what loading made lives as long as the process: out of the collector's view, as the
-    # server's own at ready (pipeserve/http/startup.py); the pauses left are this process's
-    # pipeserve_gc_pause_seconds (the server's carry model="")
-    gc.collect()
-    gc.freeze()
-    watch_gc(metrics)
+    quiet_collector(metrics)   # as the server at ready; its pauses under this model's label
     send({"op": "ready", "facts": _facts(engine, time.perf_counter() - t0)})
     _serve(conn, send, engine, lambda: generate_latest(registry).decode())
     sender.close()   # what the engine said last (its final events, replies) goes out first

@@ -8,9 +8,8 @@ the query.
 
 A radix tree: a node's edge holds every token up to the next branch or stored sequence, so
 the nodes are about two a stored sequence, not one a token. A dict a token made each 16k-token
-entry 16k objects for Python's cyclic collector to walk: full collections grew with what the
-cache held (12 ms after four cold 16k prompts, 58 ms after twenty, on an H100's host, holding
-the GIL). Not thread-safe: each owner calls it from one thread."""
+entry 16k objects for Python's cyclic collector to walk, so its full collections (which hold
+the GIL) grew with what the cache held. Not thread-safe: each owner calls it from one thread."""
 from __future__ import annotations
 
 from collections.abc import Sequence
