@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from pipeserve import registry
+from pipeserve.launch.logs import count_drops
 
 PREFIX = "pipeserve"
 
@@ -239,6 +240,10 @@ class Metrics:
             "server's model=\"\"",
             ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r)
+        self.log_dropped = Counter(
+            f"{PREFIX}_log_records_dropped",
+            "Log records dropped because a log's reader did not keep up (server.log_buffer_records "
+            "were waiting for it); per process, as the collector's pauses", registry=r)
         self.cache_ssd_writes = Counter(
             f"{PREFIX}_prompt_cache_ssd_writes", "Entries written to the SSD tier", registry=r)
         self.cache_ssd_write_bytes = Counter(
@@ -446,6 +451,7 @@ def quiet_collector(metrics: Metrics) -> None:
     gc.collect()
     gc.freeze()
     watch_gc(metrics)
+    count_drops(metrics.log_dropped)
 
 
 def watch_gc(metrics: Metrics) -> None:

@@ -58,6 +58,11 @@ class ServerConfig:
     # log each time the event loop, or every Python thread (a C call holding the GIL), went this
     # long without running, with where each thread was (pipeserve/launch/stalls.py); 0: off
     stall_report_ms: float = 0.0
+    # each log handler (the console, the run's log file) writes on a thread of its own, so a
+    # reader that stops reading (stdout a pipe nobody drains) never blocks the event loop or
+    # the engine: this many records wait for it, then new ones are dropped and counted
+    # (pipeserve_log_records_dropped_total) until it reads again
+    log_buffer_records: int = 10_000
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
     # detokenize); None: on for a pool, off for a single model (pipeserve/pool/)
     isolate: Optional[bool] = None
@@ -96,6 +101,9 @@ class ServerConfig:
         if self.stall_report_ms < 0:
             raise ConfigError(f"server.stall_report_ms must be >= 0 (0: off), got "
                               f"{self.stall_report_ms}")
+        if self.log_buffer_records < 1:
+            raise ConfigError(f"server.log_buffer_records must be >= 1, got "
+                              f"{self.log_buffer_records}")
         if self.backlog < 1:
             raise ConfigError(f"server.backlog must be >= 1, got {self.backlog}")
         if self.background_checkpoint_tokens < 1:

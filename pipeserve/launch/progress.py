@@ -47,7 +47,8 @@ def _watch_terminal_handlers() -> None:
     """Every handler that writes to a terminal (the root's, Sanic's own) clears a bar first."""
     loggers = [logging.getLogger()] + [x for x in logging.Logger.manager.loggerDict.values()
                                       if isinstance(x, logging.Logger)]
-    for handler in {h for lg in loggers for h in lg.handlers}:
+    # a handler on its own thread (logs.own_threads) writes through its target
+    for handler in {getattr(h, "target", h) for lg in loggers for h in lg.handlers}:
         stream = getattr(handler, "stream", None)
         if stream is not None and _is_terminal(stream) and not any(
                 isinstance(f, _ClearBar) for f in handler.filters):

@@ -22,6 +22,7 @@ from pipeserve.launch import checks as launch
 from pipeserve.config import ServeConfig, check_overrides, load_config, register_configs
 from pipeserve.errors import ConfigError
 from pipeserve.launch.overrides import expand_home
+from pipeserve.launch.logs import own_threads, stop_threads
 from pipeserve.launch.run_files import write_run_files
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.distributed.lifeline import stop_self, watch_launcher
@@ -80,6 +81,7 @@ def serve(raw: DictConfig) -> None:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
         check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
         cfg = load_config(raw)
+        own_threads(cfg.server.log_buffer_records)   # no thread that logs waits on a log's reader
         members = compose_members(cfg, list(hydra_cfg.overrides.task))   # pool=...: each model's config
         _check_models(cfg, members)
         if not cfg.distributed.enabled:   # rank 0 of a group is known only once MLX runs
@@ -123,7 +125,8 @@ def _fail(message: str) -> None:
 def _exit(code: int) -> None:
     """Exit without interpreter teardown: destroying MLX's C++ thread state during it can
     abort (SIGABRT)."""
-    logging.shutdown()
+    if stop_threads():   # else a handler's reader is stuck, and a flush would wait on it
+        logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -21,6 +21,7 @@ from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
 from pipeserve.errors import EngineUnavailable, ServeError
 from pipeserve.grammar.constraint import GrammarCompiler
+from pipeserve.launch.logs import own_threads, stop_threads
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.metrics import Metrics, quiet_collector
 
@@ -70,6 +71,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{model_id} pid {os.getpid()}] "
                                "%(name)s: %(message)s")
+    own_threads(cfg.server.log_buffer_records)   # a stuck stderr never holds the engine
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
     dump_stacks_on_sigusr1()
     sender = Sender(conn)
@@ -243,7 +245,8 @@ class _Grammars:
 
 def _exit(code: int) -> None:
     """As serve.py: no interpreter teardown (MLX's thread state can abort in it)."""
-    logging.shutdown()
+    if stop_threads():   # else a handler's reader is stuck, and a flush would wait on it
+        logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -20,7 +20,7 @@ MEMBER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_e2e_request_
                              f"{PREFIX}_adapter_requests_total",
                              f"{PREFIX}_adapter_generation_tokens_total"})
 # families every process has of its own (the server's under model="", each engine's beside)
-PROCESS_FAMILIES = frozenset({f"{PREFIX}_gc_pause_seconds"})
+PROCESS_FAMILIES = frozenset({f"{PREFIX}_gc_pause_seconds", f"{PREFIX}_log_records_dropped_total"})
 # families the server itself owns (requests before routing: an unknown model, a bad body)
 SERVER_FAMILIES = frozenset({f"{PREFIX}_requests_total", f"{PREFIX}_build_info",
                              f"{PREFIX}_admission_memory_budget_bytes",
