@@ -1,5 +1,5 @@
 """End to end: a server whose log reader stops reading goes on serving. serve.py's stdout is a
-pipe this test does not read (as a supervisor that stopped draining it, or `serve.py | less`
+pipe this test does not read (as a supervisor that stopped draining it, or a pager
 left paused); before, the event loop blocked in the first log write past the pipe's buffer and
 every client, /health included, waited. Real serve.py processes on 127.0.0.1; every wait is
 bounded."""
