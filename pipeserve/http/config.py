@@ -58,9 +58,9 @@ class ServerConfig:
     # log each time the event loop, or every Python thread (a C call holding the GIL), went this
     # long without running, with where each thread was (pipeserve/launch/stalls.py); 0: off
     stall_report_ms: float = 0.0
-    # each log handler (the console, the run's log file) writes on a thread of its own, so a
-    # reader that stops reading (stdout a pipe nobody drains) never blocks the event loop or
-    # the engine: this many records wait for it, then new ones are dropped and counted
+    # a log handler whose reader falls behind (stdout a pipe nobody drains) gets its lines
+    # from a thread of its own, so the event loop and the engine never wait on it: this many
+    # records wait for it, then new ones are dropped and counted
     # (pipeserve_log_records_dropped_total) until it reads again
     log_buffer_records: int = 10_000
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
