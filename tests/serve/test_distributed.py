@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, free_port, make_config, startup_error, wait_http
+from tests.conftest import ROOT, make_config, startup_error, wait_http
 from pipeserve.errors import ConfigError
 
 TIMEOUT = 60
@@ -59,11 +59,14 @@ class Group:
     """`mlx.launch --backend ring -n N python serve.py ...` in its own process group."""
 
     def __init__(self, overrides: list[str], run_dir: Path, model_cache: Path, n: int = 2) -> None:
-        self.port = free_port()
+        # the HTTP port right after the ring's, from the worker's band too: a port-0 pick is
+        # in the ephemeral range, where another test's client or server can take it first
+        ring = ring_ports(n + 1)
+        self.port = ring + n
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = run_dir / f"group-{self.port}.log"
         args = [launcher(), "--backend", "ring", "-n", str(n), "--starting-port",
-                str(ring_ports(n)), sys.executable, str(ROOT / "serve.py"),
+                str(ring), sys.executable, str(ROOT / "serve.py"),
                 f"server.port={self.port}", f"model.cache_dir={model_cache}",
                 f"hydra.run.dir={run_dir / str(self.port)}", *overrides]
         self._log = open(self.log_path, "wb")
