@@ -318,10 +318,11 @@ def load_parts(cfg: ServeConfig, metrics: Metrics, scheduler: Any) -> Parts:
         metrics.watch_experts(loaded.experts)
     layout = build_layout(cfg.kv, loaded.model, on_convert=metrics.kv_conversions.inc)
     composed = cfg.model.composed_attention
+    limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
     if layout.own_attention or (composed and on_cuda()):
         install_attention(loaded.model, composed_on_cuda=composed,
-                          compose_decode=cfg.model.composed_decode)
-    limits = Limits.fit(cfg, on_gpu=mx.default_device().type == mx.DeviceType.gpu)
+                          compose_decode=cfg.model.composed_decode,
+                          prefill_chunk=limits.prefill_chunk)
     memory, kv_budget, pool = setup_memory(cfg, loaded, layout, metrics, limits.prefill_chunk)
     prompt_cache = None
     if cfg.cache.enabled:

@@ -17,7 +17,10 @@ and a verify forward (a few queries per row, one more key every
 step) would build one every step. With `composed=True` such calls run as plain matmul + softmax
 instead whenever their float32 scores fit COMPOSED_MAX_SCORE_BYTES (verify, short and medium
 prompt chunks of many rows); long chunks, whose scores would not, keep the fused (flash)
-kernel, and so does decode (one query per row) unless `model.composed_decode`."""
+kernel, and so does decode (one query per row) unless `model.composed_decode`. So does one
+row's full prompt chunk (`scheduler.prefill_chunk` queries): chunks end on multiples of it, so
+its shapes recur in every long prompt and each graph is built once (the kernel warm-up builds
+the first two), where the composed form would write up to 512 MiB of scores per layer."""
 from __future__ import annotations
 
 import sys
@@ -30,6 +33,7 @@ _stock = base.scaled_dot_product_attention
 COMPOSED_MAX_SCORE_BYTES = 512 << 20   # the composed form's float32 scores, at most
 composed = False   # set by install(): CUDA with model.composed_attention
 composed_decode = False   # set by install(): model.composed_decode (masked decode composed too)
+full_chunk = 0   # set by install(): scheduler.prefill_chunk (one row's full chunk stays fused)
 
 
 def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -72,10 +76,13 @@ def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 def _composable(queries: mx.array, keys: mx.array, mask: Any) -> bool:
     """One query per row (decode) keeps MLX's fused kernel unless `composed_decode` and the
     batch is padded (masked): once its cuDNN graphs are built for those key lengths, the fused
-    kernel decodes faster than the composed form.
+    kernel decodes faster than the composed form. So does one row's full prompt chunk (its
+    shapes recur; composed, its scores cost several passes over up to 512 MiB).
     Anything else (prompt chunks, verify) is composed while its scores fit the budget."""
     B, n_q, L, _ = queries.shape
     if L == 1 and not (composed_decode and mask is not None):
+        return False
+    if B == 1 and L == full_chunk:
         return False
     return B * n_q * L * keys.shape[2] * 4 <= COMPOSED_MAX_SCORE_BYTES
 
@@ -117,12 +124,13 @@ def on_cuda() -> bool:
 
 
 def install(model: Any = None, composed_on_cuda: bool = False,
-            compose_decode: bool = False) -> int:
+            compose_decode: bool = False, prefill_chunk: int = 0) -> int:
     """Route attention through `dispatch` in every imported mlx-lm model module (and the
     module of `model`, if given). Returns how many modules were patched; idempotent."""
-    global composed, composed_decode
+    global composed, composed_decode, full_chunk
     composed = composed or (composed_on_cuda and on_cuda())
     composed_decode = compose_decode
+    full_chunk = prefill_chunk
     names = [n for n in list(sys.modules) if n.startswith(("mlx_lm.models.", "mlx_vlm.models."))]
     vlm_base = sys.modules.get("mlx_vlm.models.base")   # loaded with a model mlx-vlm serves
     stocks = (_stock, getattr(vlm_base, "scaled_dot_product_attention", _stock))

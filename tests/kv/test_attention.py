@@ -60,6 +60,25 @@ def test_composed_only_where_its_scores_fit(monkeypatch) -> None:
     assert used == ["composed", "fused"]
 
 
+def test_one_rows_full_prompt_chunk_stays_fused(monkeypatch) -> None:
+    """A long prompt's full chunks (scheduler.prefill_chunk queries, one row) keep the fused
+    kernel even where their scores would fit the budget: their shapes recur in every long
+    prompt. A shorter chunk of that row (a prompt's last) and a group of rows with the same
+    query length still compose."""
+    monkeypatch.setattr(attention, "composed", True)
+    monkeypatch.setattr(attention, "full_chunk", 64)
+    used: list[str] = []
+    monkeypatch.setattr(attention, "composed_attention", lambda *a: used.append("composed"))
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, **k: used.append("fused"))
+    keys = mx.zeros((1, 2, 128, 8))
+    attention.dense_attention(mx.zeros((1, 4, 64, 8)), keys, keys, 1.0, "causal")
+    attention.dense_attention(mx.zeros((1, 4, 63, 8)), keys, keys, 1.0, "causal")
+    group = mx.zeros((2, 2, 128, 8))
+    attention.dense_attention(mx.zeros((2, 4, 64, 8)), group, group, 1.0, "causal")
+    assert used == ["fused", "composed", "composed"]
+
+
 @pytest.mark.parametrize("decode", [False, True])   # model.composed_decode
 def test_grouped_prompts_with_cache_hits_through_composed_attention(engine_factory,
                                                                       monkeypatch,
