@@ -9,7 +9,8 @@
 # bursts sent, 6 by default: enough to cover SECONDS at 128 streams; one stream wants ~20;
 # MAX_TOKENS: each request's tokens out, 128 by default; 4 makes back-to-back bursts, as
 # bench.py's ttft workload sends them; GIL=1: sample only the thread holding the GIL, in the
-# server process (the core process's parent: its event loop), read by gil_waits.py --holders)
+# server process (the core process's parent: its event loop), read by gil_waits.py --holders;
+# not paused for its samples)
 set -uo pipefail
 n=${1:-128}; secs=${2:-15}; out=${OUT:-gil-out}; mkdir -p "$out"
 spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
@@ -48,8 +49,10 @@ PY
     --max-tokens "${MAX_TOKENS:-128}" > "$out/burst-$placement.txt" 2>&1 &
   burst=$!
   sleep 1
-  mode=(--idle -r 200); [ -n "${GIL:-}" ] && mode=(--gil -r 500)
-  "$spy" record --native "${mode[@]}" --threads -d "$secs" -f raw -o "$out/$placement.raw" \
+  # GIL=1: non-blocking and no native frames: a process paused for each sample serves
+  # slower while the GPU does not wait, and its loop then looks busier than it is
+  mode=(--native --idle -r 200); [ -n "${GIL:-}" ] && mode=(--gil --nonblocking -r 100)
+  "$spy" record "${mode[@]}" --threads -d "$secs" -f raw -o "$out/$placement.raw" \
     -p "$target" > "$out/spy-$placement.txt" 2>&1
   wait $burst
   echo "== $placement core: $n streams"
