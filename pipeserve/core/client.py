@@ -67,6 +67,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def coming(self) -> None:
+        """A client opened a connection: a request is probably on its way (an idle engine
+        gathering a burst waits for it as for an arrival). A hint; cheap; any thread."""
+
     def command(self, cmd: Any) -> Future[Any]: ...
 
     def stop(self, timeout: float = 10.0) -> None: ...

@@ -32,10 +32,11 @@ class SchedulerConfig:
     # burst under every sampling path) so the first users do not wait while MLX builds its
     # kernels; unset: on a GPU (a CPU builds them in milliseconds)
     kernel_warmup: Optional[bool] = None
-    # an idle engine that wakes to a request keeps taking arrivals until none came for this
-    # long (at most arrival_window_ms), so a burst is prefilled together rather than split
-    # over two steps, the first group's first tokens waiting for the second's chunk; unset:
-    # 5 on a GPU, 0 (off) on a CPU. Only an idle engine waits: a running batch never does.
+    # an idle engine that wakes to a request keeps taking arrivals (a client opening a
+    # connection counts) until none came for this long (at most arrival_window_ms), so a
+    # burst is prefilled together rather than split over two steps, the first group's first
+    # tokens waiting for the second's chunk; unset: 5 on a GPU, 0 (off) on a CPU. Only an
+    # idle engine waits: a running batch never does.
     # The window covers a burst of 128 reaching the engine (the client's writes, the reads)
     arrival_gap_ms: Optional[float] = None
     arrival_window_ms: float = 50.0

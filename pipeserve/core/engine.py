@@ -93,6 +93,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
+    def coming(self) -> None:
+        self._inbox.coming()
+
     def command(self, cmd: Any) -> Future[Any]:
         """Any thread: the engine runs `cmd` between steps (a Flush: every dirty prompt-cache
         entry written; its future is True once they are all on disk)."""

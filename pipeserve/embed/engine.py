@@ -97,6 +97,9 @@ class EmbedEngine:
     def abort(self, request_id: str) -> None:
         pass
 
+    def coming(self) -> None:
+        pass
+
     def command(self, cmd: Any) -> Future[Any]:
         """An Embed runs in the next batch; a Flush is done at once (no prompt cache); a
         generation command (prompt scoring, an adapter swap) fails."""

@@ -8,10 +8,12 @@ import secrets
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import sanic
 from prometheus_client import CollectorRegistry
 from sanic import HTTPResponse, Sanic
+from sanic.server.protocols.http_protocol import HttpProtocol
 
 from pipeserve.http.api import (adapter_routes, anthropic, openai_http, responses, resume,
                                 scripting_routes)
@@ -58,6 +60,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if engine is None:
         engine = _engine(cfg, app.ctx.pool, metrics)
     _context(app, cfg, engine, metrics, registry)
+
     startup.add_startup(app, cfg, engine, metrics)
     drain.add_drain(app, cfg, engine, metrics)
     add_middleware(app, cfg)
@@ -66,6 +69,15 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     batch_routes.add_routes(app)   # /v1/files, /v1/batches
     add_chat_page(app, cfg.server.chat_page)
     return app
+
+
+class Protocol(HttpProtocol):
+    """Sanic's HTTP protocol, telling the engine when a client opens a connection (its request
+    is on its way: an idle engine gathering a burst waits for it; EngineClient.coming)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.app.ctx.engine.coming()
 
 
 def _engine(cfg: ServeConfig, pool: ModelPool | None, metrics: Metrics) -> EngineClient:

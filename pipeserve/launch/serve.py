@@ -94,13 +94,13 @@ def serve(raw: DictConfig) -> None:
         if (code := follow(cfg)) is not None:
             _exit(code)
         watch_launcher(stop_self)   # rank 0: a lost launcher drains and stops the group
-    from pipeserve.http.server import build_app
+    from pipeserve.http.server import Protocol, build_app
     app = build_app(cfg, members=members, launch=list(hydra_cfg.overrides.task))
     app.ctx.exit_code = 0
     app.ctx.launch_error = None
     try:
         app.run(host=cfg.server.host, port=cfg.server.port, single_process=True,
-                access_log=False, motd=False, backlog=cfg.server.backlog)
+                access_log=False, motd=False, backlog=cfg.server.backlog, protocol=Protocol)
     except OSError as e:   # lost the port between check_port and the bind
         _fail(f"config error: {launch.port_message(cfg.server.host, cfg.server.port, e)}")
     if app.ctx.launch_error:   # the engine could not load the model

@@ -148,6 +148,8 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "abort":
             if not grammars.cancel(msg["id"]):
                 engine.abort(msg["id"])
+        elif op == "coming":
+            engine.coming()
         elif op == "flush":   # answered once every dirty entry is on disk
             engine.command(Flush()).add_done_callback(lambda f, n=msg["n"]: send(
                 {"op": "reply", "of": "flush", "n": n, "ok": f.exception() is None}))

@@ -53,6 +53,11 @@ class PoolEngine:
     def abort(self, request_id: str) -> None:
         pass
 
+    def coming(self) -> None:
+        """Which model the connection's request names is not known yet: every live one."""
+        for engine in self.pool.live():
+            engine.coming()
+
     def command(self, cmd: Any) -> Future[Any]:
         """A Flush goes to every loaded member (True once each has answered that it
         flushed); other commands run on the member a request is routed to."""

@@ -47,6 +47,7 @@ class ChildEngine:
         self.facts: dict[str, Any] = {}
         self.exitcode: int | None = None
         self.last_event_s = time.monotonic()
+        self._coming_sent = 0.0   # when `coming` last told the child
         self._previous, self._on_exit = previous, on_exit
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -143,6 +144,17 @@ class ChildEngine:
                 self._send({"op": "abort", "id": request_id})
             except EngineUnavailable:
                 pass
+
+    def coming(self) -> None:
+        """At most one message a millisecond: the child's gap is a few of them."""
+        now = time.monotonic()
+        if self.state is not EngineState.READY or now - self._coming_sent < 0.001:
+            return
+        self._coming_sent = now
+        try:
+            self._send({"op": "coming"})
+        except EngineUnavailable:
+            pass
 
     def command(self, cmd: Any) -> Future[Any]:
         """A Flush, a prompt Score, an Embed or an AdapterSwap goes over the pipe, its reply

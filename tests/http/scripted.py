@@ -93,6 +93,9 @@ class ScriptedEngine:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def coming(self) -> None:
+        pass
+
     def command(self, cmd: Any) -> Future[Any]:
         """A Flush is done at once (no prompt cache); it runs no other command."""
         if not isinstance(cmd, Flush):
