@@ -201,6 +201,10 @@ def main() -> None:
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=76)
+    ap.add_argument("--lengths", default="", help="each timed prompt's length (the server "
+                    "run's, one a stream; default: --prompt-tokens each)")
+    ap.add_argument("--warm-lengths", default="", help="the warm-up prompts' lengths (the "
+                    "server run's warm-up; default: --prompt-tokens, one a stream)")
     ap.add_argument("--bias", choices=["both", "on", "off"], default="both")
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--reps", type=int, default=1)
@@ -228,8 +232,12 @@ def main() -> None:
     eos = sorted(engine.loaded.tokenizer.eos_token_ids)
     rng = random.Random(7)
     streams = [int(s) for s in args.streams.split(",")]
-    prompts_by_n = {n: [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
-                        for _ in range(n)] for n in streams}
+    def ids(lengths: str, n: int) -> list[list[int]]:
+        """Random prompts: as long as `lengths` says (cycled to n), or --prompt-tokens each."""
+        sizes = [int(x) for x in lengths.split(",") if x] or [args.prompt_tokens]
+        return [[rng.randrange(3, vocab) for _ in range(sizes[i % len(sizes)])]
+                for i in range(n)]
+    prompts_by_n = {n: ids(args.lengths, n) for n in streams}
     biases = {"on": [True], "off": [False], "both": [True, False]}[args.bias]
     run = asyncio.run
     if args.loop == "uvloop":
@@ -238,7 +246,7 @@ def main() -> None:
     for n in streams:
         for with_bias in biases:
             bias = {t: -100.0 for t in eos} if with_bias else {}
-            warm = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(n)]
+            warm = ids(args.warm_lengths, n)
             run(run_batch(engine, warm, 16, bias))   # kernels for these shapes
             for rep in range(args.reps):
                 clock.reset()
@@ -249,6 +257,7 @@ def main() -> None:
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
+                      "prompt_tokens": [len(p) for p in prompts_by_n[n]],
                       "loop": args.loop, "rep": rep, "per_step_ms": clock.report()}
                 print(json.dumps(r), flush=True)
                 if clock.profile is not None:

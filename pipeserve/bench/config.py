@@ -28,8 +28,9 @@ class BenchConfig:
     #                                 (the library, no server: the batched ceiling)
     engine_alone: bool = False      # also drive pipeserve's engine with no HTTP (scripts/
     #                                 engine_alone.py: Engine.submit + RequestStreams, the same
-    #                                 overrides, prompt length and output, EOS suppressed), so a
-    #                                 loss is attributed to the engine or to the HTTP side
+    #                                 overrides, output and prompt lengths, each warm-up and
+    #                                 timed prompt's, EOS suppressed), so a loss is attributed
+    #                                 to the engine or to the HTTP side
     # where pipeserve's engine core runs, one timed target each, in one call: thread (beside
     # the event loop, the default launch) and/or process (its own process: server.isolate=true)
     cores: list[str] = field(default_factory=lambda: ["thread"])

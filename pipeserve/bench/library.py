@@ -3,6 +3,7 @@ the step probe, each run in a child process on the same model directory."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -143,14 +144,23 @@ def _step_probe(b: BenchConfig, cfg: ServeConfig, model_dir: Path, out: Path) ->
 
 
 def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
-                  prompt_tokens: float) -> Row:
+                  prompt_tokens: float, out: Path) -> Row:
     """The engine with no HTTP around it (one process, pipeserve's own config): random prompt
-    ids as long as the server's prompts were, greedy, logit_bias suppressing EOS."""
+    ids as long as the server's prompts were, each one (warm-up and timed, from the server
+    run's prompt-lengths.json), so both meet the same shapes cold or warm; greedy, logit_bias
+    suppressing EOS."""
     n = round(prompt_tokens) if prompt_tokens == prompt_tokens else b.prompt_words
+    lengths = out / "prompt-lengths.json"
+    given = []
+    if lengths.is_file():
+        seen = json.loads(lengths.read_text())
+        if all(isinstance(x, int) for x in seen["warm"] + seen["timed"]):
+            given = ["--lengths", ",".join(map(str, seen["timed"])),
+                     "--warm-lengths", ",".join(map(str, seen["warm"]))]
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_alone.py"),
                           "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
-                          "--prompt-tokens", str(n), "--bias", "on", "--library", "none", "--",
-                          *overrides, f"model.path={model_dir}"],
+                          "--prompt-tokens", str(n), *given, "--bias", "on", "--library", "none",
+                          "--", *overrides, f"model.path={model_dir}"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
@@ -158,7 +168,7 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
     row = Row("pipeserve engine alone", b.workload, b.streams, b.streams, r["tokens"],
               r["wall_s"], r["agg_tok_s"], r["decode_tok_s_row"] or float("nan"),
               r["ttft_p50_s"], r["ttft_p95_s"], float("nan"), float("nan"), float("nan"))
-    row.prompt_tokens = float(n)
+    row.prompt_tokens = statistics.mean(r["prompt_tokens"])
     return row
 
 

@@ -126,7 +126,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
 
     if b.engine_alone:
         prompt_tokens = rows[-1].prompt_tokens if rows else float("nan")
-        rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens))
+        rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens, out))
         _write(out, rows[-1:])
 
     if b.mlx_lm:
@@ -180,6 +180,7 @@ def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
         rss = sum(_peak_rss_mb(pid) for pid in pids)
         row = _row(target, b, m, rss, " ".join([*overrides, *added]), kv)
         _plot_run(out, target, m, row)
+        (out / "prompt-lengths.json").write_text(json.dumps(m["lengths"]))   # engine alone's
         return row
     finally:
         ours.stop()

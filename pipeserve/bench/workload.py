@@ -143,11 +143,12 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     # httpx's pool rescans every connection for every queued request, so at many streams the
     # client itself was the bottleneck (docs/notes, the bench client: httpx against aiohttp)
     async with _session(b.streams, b.timeout_s) as client:
+        warmed: list[dict[str, Any]] = []
         if b.warmup:   # compile kernels for these shapes (GPU JIT) before timing
             warm = _prompts(b, salt="warm-up")
-            await _one(client, url, model_of(0), warm[0], b.max_tokens, eos_bias)
-            await asyncio.gather(*(_one(client, url, model_of(i), p, 16, eos_bias)
-                                   for i, p in enumerate(warm[:b.streams])))
+            warmed.append(await _one(client, url, model_of(0), warm[0], b.max_tokens, eos_bias))
+            warmed += await asyncio.gather(*(_one(client, url, model_of(i), p, 16, eos_bias)
+                                             for i, p in enumerate(warm[:b.streams])))
 
         total = b.streams * b.requests_per_stream
         done = 0
@@ -189,7 +190,10 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     per_request = [{"start_s": r["t0"] - t0, "ttft_s": r["stamps"][0] - r["t0"],
                     "latency_s": r["end"] - r["t0"], "tokens": r["tokens"]}
                    for r in results if r["stamps"] and r["end"] == r["end"]]
-    return {"per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+    # the token lengths of the prompts sent, warm-up and timed (the engine-alone row's prompts)
+    lengths = {"warm": [r["prompt_tokens"] for r in warmed],
+               "timed": [r["prompt_tokens"] for r in results]}
+    return {"lengths": lengths, "per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
             "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
             "prefill": statistics.mean(prefill) if prefill else float("nan"),
