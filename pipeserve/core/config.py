@@ -45,6 +45,12 @@ class SchedulerConfig:
     # request lines (core/step_trace.py); a diagnostic, off by default
     step_trace: bool = False
 
+    def arrival_gap_s(self, device: str) -> float:
+        """The gap an idle engine on `device` (its name, e.g. "Device(gpu, 0)") waits for."""
+        gap_ms = self.arrival_gap_ms if self.arrival_gap_ms is not None else (
+            5.0 if "gpu" in device else 0.0)
+        return gap_ms / 1000
+
     def __post_init__(self) -> None:
         for key in ("arrival_gap_ms", "arrival_window_ms"):
             value = getattr(self, key)

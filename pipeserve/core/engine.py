@@ -147,9 +147,7 @@ class Engine:
         self.loaded, self.device, self.layout, self.memory = p.loaded, p.device, p.layout, p.memory
         self.kv_pool_bytes, self.prompt_cache, self.step = p.kv_pool_bytes, p.prompt_cache, p.step
         s = self.cfg.scheduler
-        gap_ms = s.arrival_gap_ms if s.arrival_gap_ms is not None else (
-            5.0 if "gpu" in self.device else 0.0)
-        self._arrivals = (gap_ms / 1000, s.arrival_window_ms / 1000)
+        self._arrivals = (s.arrival_gap_s(self.device), s.arrival_window_ms / 1000)
         self.publish()
 
     def publish(self) -> None:

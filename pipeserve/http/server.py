@@ -60,7 +60,6 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if engine is None:
         engine = _engine(cfg, app.ctx.pool, metrics)
     _context(app, cfg, engine, metrics, registry)
-
     startup.add_startup(app, cfg, engine, metrics)
     drain.add_drain(app, cfg, engine, metrics)
     add_middleware(app, cfg)

@@ -146,9 +146,13 @@ class ChildEngine:
                 pass
 
     def coming(self) -> None:
-        """At most one message a millisecond: the child's gap is a few of them."""
+        """Only to an engine that gathers bursts (a gap: a GPU's by default), at most one
+        message a millisecond: its gap is a few of them."""
         now = time.monotonic()
-        if self.state is not EngineState.READY or now - self._coming_sent < 0.001:
+        limits = self.limits
+        if (self.state is not EngineState.READY or limits is None
+                or not self.cfg.scheduler.arrival_gap_s(limits.device or "")
+                or now - self._coming_sent < 0.001):
             return
         self._coming_sent = now
         try:
