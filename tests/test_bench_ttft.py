@@ -72,6 +72,8 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
         assert all(x["bench_mlx_gb"] == 0.0 for x in lines), [x["bench_mlx_gb"] for x in lines]
         # when the client had written each scenario's requests, after its first one started
         assert all(0 <= x["client_sent_ms_p50"] <= x["client_sent_ms_last"] for x in lines), lines
+        # and none sent again: the server reset or refused no kept-alive connection
+        assert all(x["client_retries"] == 0 for x in lines), lines
 
 
 def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:

@@ -102,7 +102,8 @@ async def _burst(client: Any, base: str, model: str, prompts: list[list[int]],
     its first request sent to its last finish (what a client that sends again when all are
     done waits for each round); `made`, the tokens its responses say they generated; `sends`,
     the ms after the first request's start when the client had written its requests (p50,
-    last), against which the server's arrival spread (request_log_bursts.py) reads."""
+    last), against which the server's arrival spread (request_log_bursts.py) reads, and how
+    many requests the client sent again after a refused or reset connection."""
     got = await asyncio.gather(*(_one(client, f"{base}/v1/completions", model, p,
                                       OUT_TOKENS, bias) for p in prompts))
     if spent is not None and got:
@@ -111,7 +112,8 @@ async def _burst(client: Any, base: str, model: str, prompts: list[list[int]],
         start = min(r["t0"] for r in got)
         at = sorted(1000 * (r["sent"] - start) for r in got if r.get("sent") is not None)
         sends.append({"client_sent_ms_p50": round(_pct(at, 0.5), 2) if at else float("nan"),
-                      "client_sent_ms_last": round(at[-1], 2) if at else float("nan")})
+                      "client_sent_ms_last": round(at[-1], 2) if at else float("nan"),
+                      "client_retries": sum(r.get("retries", 0) for r in got)})
     if made is not None:
         made.append(sum(int(r["tokens"] or 0) for r in got))
     return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])

@@ -71,7 +71,9 @@ async def _one(client: aiohttp.ClientSession, url: str, model: str, prompt: str,
     retried (a server with a short listen backlog drops bursts of connects)."""
     for attempt in range(attempts):
         try:
-            return await _one_try(client, url, model, prompt, max_tokens, eos_bias)
+            got = await _one_try(client, url, model, prompt, max_tokens, eos_bias)
+            got["retries"] = attempt   # each one cost a reconnect after a 0.2 s+ sleep
+            return got
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError):
             if attempt == attempts - 1:
                 raise
