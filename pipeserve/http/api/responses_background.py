@@ -115,6 +115,9 @@ async def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
         gen.ids = []
 
     async def finish() -> None:
+        # registered by its own first step: a task cancelled before that step runs none of
+        # its code (nothing below would store "cancelled"), so none can be cancelled unseen
+        running[rid] = asyncio.current_task()   # type: ignore[assignment]
         started = resumed
         try:
             async for _ in gen.deltas():
@@ -137,7 +140,6 @@ async def launch(app: Sanic, scope: Any, gen: Generation, shape: ResponseShape,
             persisted.close()
 
     task = asyncio.create_task(finish())
-    running[rid] = task
     scope.detach(task)
     return json_response(queued)
 
