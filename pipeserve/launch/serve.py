@@ -77,6 +77,12 @@ def serve(raw: DictConfig) -> None:
              or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     dump_stacks_on_sigusr1()
+    if hydra_cfg.runtime.choices.get("distributed", "none") != "none":
+        # join the group before the imports below: MLX's ring connect retries for about 15 s,
+        # and ranks whose imports run at different speeds (a loaded host, a cold disk) can
+        # reach it further apart than that
+        from pipeserve.distributed.shard import world
+        world()
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
         check_overrides(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
