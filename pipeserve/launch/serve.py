@@ -26,6 +26,7 @@ from pipeserve.launch.logs import own_threads, stop_threads
 from pipeserve.launch.run_files import write_run_files
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.distributed.lifeline import stop_self, watch_launcher
+from pipeserve.distributed.shard import world
 from pipeserve.pool.members import compose_members
 
 log = logging.getLogger("pipeserve")
@@ -81,7 +82,6 @@ def serve(raw: DictConfig) -> None:
         # join the group before the imports below: MLX's ring connect retries for about 15 s,
         # and ranks whose imports run at different speeds (a loaded host, a cold disk) can
         # reach it further apart than that
-        from pipeserve.distributed.shard import world
         world()
     try:
         # unresolved: an override may be a reference (`server.api_key=${oc.env:VAR}`)
