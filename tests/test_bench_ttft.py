@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +95,33 @@ def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_c
         ("pipeserve", "ttft:cold prompt 1"), ("pipeserve", "ttft:exact repeat"),
         ("pipeserve", "ttft:new turn on a cached prefix"), ("pipeserve", "ttft:burst"),
         ("pipeserve", "ttft:burst + logit_bias")}
+
+
+def test_a_refused_burst_fails_the_run_and_leaves_no_server_running(
+        tmp_path: Path, model_cache: Path) -> None:
+    """A server that refuses a burst (429: one row, one queued) ends the run with its error,
+    and the server the run started is stopped, not left holding the port and the device (the
+    client's loop re-raised the error as the run closed it, before the server's stop)."""
+    res = subprocess.run(
+        [sys.executable, "bench.py", "bench.workload=ttft", "model=tiny",
+         "bench.ttft_cold=[]", "bench.ttft_bursts=[6]", "bench.bare_loop=false",
+         "scheduler.max_batch=1", "admission.max_queue=1",
+         f"bench.out={tmp_path}", f"model.cache_dir={model_cache}",
+         f"hydra.run.dir={tmp_path}/run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode != 0
+    assert "answered 429" in res.stderr + res.stdout, res.stderr[-2000:]
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"serve.py" in cmdline and str(tmp_path).encode() in cmdline:
+            left.append(int(proc.name))
+    for pid in left:   # the run's own servers: stopped here so a failure leaves none behind
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"servers still running: {left}"
 
 
 def test_a_slow_scenario_leaves_the_stacks_of_the_server_in_its_log(tmp_path: Path) -> None:

@@ -196,26 +196,33 @@ def _cache_ttft(b: BenchConfig, model: str, overrides: list[str], model_dir: Pat
         raise SystemExit("bench.workload=cache_ttft needs cache=ssd (and cache.ssd.dir=...)")
     prompt = _words(b.prompt_words, 0)
     rows = []
-    for phase in ("cold", "ram hit", "ssd hit after restart"):
-        if phase != "ram hit":
-            port = _free_port()
-            server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
-                              f"model.path={model_dir}", f"model.name={model}",
-                              f"server.port={port}",
-                              f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
-            server.wait_http(f"http://127.0.0.1:{port}/health")
-        base = f"http://127.0.0.1:{port}"
-        if phase == "cold":   # compile kernels on a prompt that shares nothing
-            asyncio.run(_single(base, model, "warm-up " + _words(b.prompt_words, 5), 4, eos_bias))
-        r = asyncio.run(_single(base, model, prompt, b.max_tokens, eos_bias))
-        ttft = r["stamps"][0] - r["t0"]
-        rows.append(Row(f"pipeserve, {phase}", "cache_ttft", 1, 1, r["tokens"],
-                        round(r["end"] - r["t0"], 3), float("nan"), float("nan"),
-                        round(ttft, 3), round(ttft, 3), float("nan"), float("nan"),
-                        round(_peak_rss_mb(server.proc.pid), 1), " ".join(overrides)))
-        if phase != "cold":
-            _get(base + "/admin/cache/flush", 600, data=b"")
+    server: Process | None = None
+    try:
+        for phase in ("cold", "ram hit", "ssd hit after restart"):
+            if phase != "ram hit":
+                port = _free_port()
+                server = Process([sys.executable, str(ROOT / "serve.py"), *overrides,
+                                  f"model.path={model_dir}", f"model.name={model}",
+                                  f"server.port={port}",
+                                  f"hydra.run.dir={out / 'serve-run'}"], out / "pipeserve.log")
+                server.wait_http(f"http://127.0.0.1:{port}/health")
+            base = f"http://127.0.0.1:{port}"
+            if phase == "cold":   # compile kernels on a prompt that shares nothing
+                asyncio.run(_single(base, model, "warm-up " + _words(b.prompt_words, 5), 4,
+                                    eos_bias))
+            r = asyncio.run(_single(base, model, prompt, b.max_tokens, eos_bias))
+            ttft = r["stamps"][0] - r["t0"]
+            rows.append(Row(f"pipeserve, {phase}", "cache_ttft", 1, 1, r["tokens"],
+                            round(r["end"] - r["t0"], 3), float("nan"), float("nan"),
+                            round(ttft, 3), round(ttft, 3), float("nan"), float("nan"),
+                            round(_peak_rss_mb(server.proc.pid), 1), " ".join(overrides)))
+            if phase != "cold":
+                _get(base + "/admin/cache/flush", 600, data=b"")
+                server.stop()
+    except BaseException:   # a failed phase leaves no server running
+        if server is not None:
             server.stop()
+        raise
     return rows
 
 

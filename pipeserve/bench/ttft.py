@@ -303,10 +303,12 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             r.peak_rss_mb = round(rss, 1)
             r.output_tokens = tokens   # what the responses reported, not what was asked for
     finally:
-        runner.run(client.close())
-        runner.close()
-        memory.close()
-        server.stop()
+        try:   # after a failed request (SystemExit in a burst's task) this re-raises it
+            runner.run(client.close())
+            runner.close()
+        finally:   # so the server is stopped whatever the client's loop does
+            memory.close()
+            server.stop()
     return rows
 
 
