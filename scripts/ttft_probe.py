@@ -218,6 +218,9 @@ def main() -> None:
                          "(one request with it first, so the prompt cache holds it)")
     ap.add_argument("--mlx-trie", action="store_true",
                     help="the prompt cache on mlx-lm's PromptTrie (the before of an A/B)")
+    ap.add_argument("--reps", type=int, default=2, help="timed bursts of each kind")
+    ap.add_argument("--clear-after-cold", action="store_true",
+                    help="MLX's buffer cache emptied after the cold prompts (mx.clear_cache)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import mlx.core as mx
@@ -293,6 +296,9 @@ def main() -> None:
             pstats.Stats(clock.profile, stream=s).sort_stats("cumtime").print_stats(40)
             print(s.getvalue(), flush=True)
             clock.profile = None
+    if args.clear_after_cold:
+        print(json.dumps({"what": "clear_cache after cold", **memory()}), flush=True)
+        mx.clear_cache()
     bursts = {}
     for n in ([] if args.burst == "none" else [int(b) for b in args.burst.split(",")]):
         burst = bursts[n] = [[rng.randrange(3, vocab) for _ in range(76)] for _ in range(n)]
@@ -300,14 +306,16 @@ def main() -> None:
             bias = {t: -100.0 for t in eos} if with_bias else {}
             asyncio.run(run_batch(engine, [[rng.randrange(3, vocab) for _ in range(76)]
                                            for _ in range(n)], 8, bias))
-            for rep in range(2):
+            for rep in range(args.reps):
+                before = memory()
                 clock.reset()
                 line.reset()
                 clock.on = line.on = True
                 r = asyncio.run(run_batch(engine, [list(p) for p in burst], 8, bias))
                 clock.on = line.on = False
                 print(json.dumps({"what": "engine burst", "streams": n, "logit_bias": with_bias,
-                                  "rep": rep, **r, "per_step_ms": clock.report()}), flush=True)
+                                  "rep": rep, **r, "per_step_ms": clock.report(),
+                                  "before": before, **memory()}), flush=True)
                 if args.timeline:
                     print(json.dumps({"what": "timeline", "streams": n, "rep": rep,
                                       "logit_bias": with_bias, "columns": TIMELINE,
