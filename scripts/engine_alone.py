@@ -113,7 +113,7 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
 
-    async def one(ids: list[int]) -> tuple[float, float, int]:
+    async def one(ids: list[int]) -> tuple[float, float, int, int]:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=dict(bias))
         req = Request(request_id=f"b-{uuid.uuid4().hex[:8]}", endpoint="bench",
                       inputs=PromptInput(token_ids=ids), prompt_ids=list(ids), sampling=sp,
@@ -129,7 +129,7 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
                 first = first or last
                 n += len(event.token_ids)
             elif isinstance(event, Finished):
-                return first, last, n
+                return first, last, n, req.num_cached_tokens
             else:
                 assert isinstance(event, Failed)
                 raise event.error
@@ -138,7 +138,8 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
     tokens = sum(g[2] for g in got)
     ttft = sorted(g[0] - t0 for g in got)
     single = got[0]
-    return {"tokens": tokens, "wall_s": round(end - t0, 3),
+    return {"tokens": tokens, "cached_tokens": sum(g[3] for g in got),
+            "wall_s": round(end - t0, 3),
             "agg_tok_s": round(tokens / (end - t0), 1),
             "decode_tok_s_row": round((single[2] - 1) / (single[1] - single[0]), 1)
             if single[1] > single[0] else None,
@@ -249,11 +250,15 @@ def main() -> None:
             warm = ids(args.warm_lengths, n)
             run(run_batch(engine, warm, 16, bias))   # kernels for these shapes
             for rep in range(args.reps):
+                # a rep after the first sends new prompts of the same lengths: the same shapes,
+                # no prompt-cache hit (as a stream's next request through HTTP)
+                prompts = prompts_by_n[n] if rep == 0 else [
+                    [rng.randrange(3, vocab) for _ in p] for p in prompts_by_n[n]]
                 clock.reset()
                 clock.on = True
                 if args.profile == n and rep == 0 and with_bias == biases[0]:
                     clock.profile, clock.profiling = cProfile.Profile(), True
-                r = run(run_batch(engine, prompts_by_n[n], args.max_tokens, bias))
+                r = run(run_batch(engine, prompts, args.max_tokens, bias))
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,

@@ -15,11 +15,14 @@ def test_prompts_as_long_as_the_server_runs(model_cache: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "engine_alone.py"), "--streams", "2",
          "--max-tokens", "3", "--lengths", "9,14", "--warm-lengths", "5", "--bias", "on",
-         "--library", "none", "--", "model=tiny", f"model.cache_dir={model_cache}"],
+         "--library", "none", "--reps", "2", "--", "model=tiny", f"model.cache_dir={model_cache}"],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     alone = [r for r in rows if r.get("what") == "engine alone"]
-    assert len(alone) == 1, out.stdout[-3000:]
-    assert alone[0]["prompt_tokens"] == [9, 14]
-    assert alone[0]["tokens"] == 6 and alone[0]["streams"] == 2
+    assert len(alone) == 2, out.stdout[-3000:]
+    for rep in alone:
+        assert rep["prompt_tokens"] == [9, 14]
+        assert rep["tokens"] == 6 and rep["streams"] == 2
+        # each rep's prompts are new (as a stream's next request through HTTP): no cache hit
+        assert rep["cached_tokens"] == 0, rep

@@ -160,15 +160,22 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_alone.py"),
                           "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
                           "--prompt-tokens", str(n), *given, "--bias", "on", "--library", "none",
+                          "--reps", str(b.requests_per_stream),
                           "--", *overrides, f"model.path={model_dir}"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    r = next(g for g in got if g.get("what") == "engine alone")
-    row = Row("pipeserve engine alone", b.workload, b.streams, b.streams, r["tokens"],
-              r["wall_s"], r["agg_tok_s"], r["decode_tok_s_row"] or float("nan"),
-              r["ttft_p50_s"], r["ttft_p95_s"], float("nan"), float("nan"), float("nan"))
-    row.prompt_tokens = statistics.mean(r["prompt_tokens"])
+    reps = [g for g in got if g.get("what") == "engine alone"]
+    # bench.requests_per_stream batches in a row, as each stream's requests go through HTTP:
+    # the aggregate over all of them, the medians of the per-batch rates and TTFTs
+    tokens, wall = sum(r["tokens"] for r in reps), sum(r["wall_s"] for r in reps)
+    rates = [r["decode_tok_s_row"] for r in reps if r["decode_tok_s_row"]]
+    row = Row("pipeserve engine alone", b.workload, b.streams, b.streams * len(reps), tokens,
+              round(wall, 3), round(tokens / wall, 1),
+              statistics.median(rates) if rates else float("nan"),
+              statistics.median(r["ttft_p50_s"] for r in reps),
+              max(r["ttft_p95_s"] for r in reps), float("nan"), float("nan"), float("nan"))
+    row.prompt_tokens = statistics.mean(reps[0]["prompt_tokens"])
     return row
 
 
