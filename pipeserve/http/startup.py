@@ -54,6 +54,11 @@ def add_startup(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Met
         app.add_task(_ready(app, cfg, engine, metrics))
 
 
+def event_loop_name() -> str:
+    """The running event loop's implementation: "uvloop" or "asyncio"."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
 async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
     """Waits (off the loop) for the engine to load, then makes the server ready."""
     page = (f"; chat page {chat_url(cfg.server.host, cfg.server.port)}"
@@ -62,14 +67,18 @@ async def _ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
     if not ok:
         await _failed(app, engine)
         return
+    loop = event_loop_name()
+    if loop != "uvloop":   # Sanic installs uvloop with itself; an install without it is slower
+        log.warning("event loop: %s, not uvloop (pip install uvloop): every request's parsing "
+                    "and every token's framing cost more on this loop", loop)
     if app.ctx.pool is not None:   # models load on first use (pipeserve/pool/)
         app.ctx.pool.started({"version": _version("pipeserve"),
                               "mlx_version": _version("mlx"),
                               "config_hash": app.ctx.config_hash,
                               "blas": blas.name or "bundled"})
         quiet_collector(metrics)
-        log.info("ready: pool of %s, listening on %s:%d%s", ", ".join(app.ctx.pool.ids),
-                 cfg.server.host, cfg.server.port, page)
+        log.info("ready: pool of %s, listening on %s:%d, event loop %s%s",
+                 ", ".join(app.ctx.pool.ids), cfg.server.host, cfg.server.port, loop, page)
         return
     _model_ready(app, cfg, engine, metrics, page)
 
@@ -107,8 +116,9 @@ def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
         "version": _version("pipeserve"), "mlx_version": _version("mlx"),
         "device": limits.device, "model": cfg.model.name,
         "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
-        "blas": blas.name or "bundled"})
+        "blas": blas.name or "bundled", "event_loop": event_loop_name()})
     log.info("CPU BLAS: %s", blas.describe())
-    log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d%s",
+    loop = event_loop_name()
+    log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d, event loop %s%s",
              cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
-             cfg.server.host, cfg.server.port, page)
+             cfg.server.host, cfg.server.port, loop, page)

@@ -374,6 +374,9 @@ def test_metrics_families_and_counters(server: Any, client: openai.OpenAI) -> No
     labels = build.samples[0].labels
     assert {"mlx_version", "device", "model", "config_hash"} <= set(labels)
     assert labels["model"] == MODEL
+    # Sanic installs uvloop with itself: the server runs on it (GPU measurements once ran on
+    # asyncio's loop because a hand-made install left it out)
+    assert labels["event_loop"] == "uvloop", labels
 
     def delta(family: str, sample: str, **lab: str) -> float:
         return sample_value(after, family, sample, **lab) - sample_value(before, family, sample, **lab)
