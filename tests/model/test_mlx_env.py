@@ -1,0 +1,27 @@
+"""pipeserve/model/mlx_env.py: MLX settings read when mlx.core is first imported are set by
+importing pipeserve, before it, unless the operator set them. MLX's CUDA graph-cache fuse
+(MLX_ENABLE_CACHE_THRASHING_CHECK) raises on every miss once a cache has missed twice its
+capacity over the process's life; a server runs with it off. Pure logic: fresh interpreters."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+PROBE = ("import sys, os, pipeserve; assert 'mlx.core' not in sys.modules; import mlx.core; "
+         "print(os.environ.get('MLX_ENABLE_CACHE_THRASHING_CHECK'))")
+
+
+def _run(env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_the_thrashing_fuse_is_off_unless_the_operator_sets_it() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    assert _run(env) == "0"
+    assert _run(env | {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}) == "1"
