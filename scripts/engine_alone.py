@@ -37,6 +37,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from pipeserve.config import check_overrides, load_config, register_configs  # noqa: E402
+from pipeserve.model.mlx_env import use_cuda_graphs  # noqa: E402
 
 
 class StepClock:
@@ -76,7 +77,9 @@ def compose_cfg(overrides: list[str]) -> Any:
     register_configs()
     check_overrides(overrides)
     with initialize_config_dir(config_dir=str(ROOT / "pipeserve" / "conf"), version_base="1.3"):
-        return load_config(compose("serve", overrides=overrides))
+        raw = compose("serve", overrides=overrides)
+        use_cuda_graphs(raw.server.get("cuda_graphs"))   # as serve.py: before MLX is imported
+        return load_config(raw)
 
 
 def instrument(engine: Any, clock: StepClock) -> None:

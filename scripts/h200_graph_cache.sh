@@ -10,7 +10,7 @@
 set -uo pipefail
 size=${1:-medium}; out=${OUT:-graph-out}; mkdir -p "$out"
 model=(model=tiny model.size="$size" model.dtype=bfloat16 model.compute_dtype=checkpoint
-       model.cache_dir=/tmp/models)
+       model.cache_dir=/tmp/models server.cuda_graphs=true)   # the graphs, as MLX ships them
 for v in ${VARIANTS:-fuse nofuse default big}; do
   args=(--cold 16384,16384,16384,16384 --burst 32,128 --reps 3 --timeline --library none)
   envs=()

@@ -221,6 +221,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="timed bursts of each kind")
     ap.add_argument("--clear-after-cold", action="store_true",
                     help="MLX's buffer cache emptied after the cold prompts (mx.clear_cache)")
+    ap.add_argument("--shapes", default="",
+                    help="then bursts of ROWSxTOKENS prompts, in order (e.g. 128x76,128x76,"
+                         "128x70): a shape's first burst against its next, the steps' launches")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import mlx.core as mx
@@ -320,6 +323,17 @@ def main() -> None:
                     print(json.dumps({"what": "timeline", "streams": n, "rep": rep,
                                       "logit_bias": with_bias, "columns": TIMELINE,
                                       "events": line.events[:40]}), flush=True)
+    for shape in [s for s in args.shapes.split(",") if s]:
+        n, width = (int(x) for x in shape.split("x"))
+        prompts = [[rng.randrange(3, vocab) for _ in range(width)] for _ in range(n)]
+        line.reset()
+        clock.reset()
+        line.on = clock.on = True
+        r = asyncio.run(run_batch(engine, prompts, 4, {}))
+        line.on = clock.on = False
+        launches = [(e[2], e[3], e[4]) for e in line.events if e[0] == "launch"][:2]
+        print(json.dumps({"what": "engine shape", "shape": shape, "ttft_p50_s": r["ttft_p50_s"],
+                          "launches (ms, rows, prompt rows)": launches}), flush=True)
     if args.shared_head:
         system = [rng.randrange(3, vocab) for _ in range(args.shared_head)]
         for n, burst in bursts.items():

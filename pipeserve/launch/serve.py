@@ -25,6 +25,7 @@ from pipeserve.launch.overrides import expand_home
 from pipeserve.launch.logs import own_threads, stop_threads
 from pipeserve.launch.run_files import write_run_files
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
+from pipeserve.model.mlx_env import use_cuda_graphs
 from pipeserve.distributed.lifeline import stop_self, watch_launcher
 from pipeserve.distributed.shard import world
 from pipeserve.pool.members import compose_members
@@ -78,6 +79,8 @@ def serve(raw: DictConfig) -> None:
              or hydra_cfg.runtime.choices.get("model"))
     write_run_files(raw, hydra_cfg)   # literal keys redacted (Hydra's own writer is off)
     dump_stacks_on_sigusr1()
+    # before anything imports MLX (world() below, load_config's stages), which reads it once
+    use_cuda_graphs(OmegaConf.select(raw, "server.cuda_graphs", default=None))
     if hydra_cfg.runtime.choices.get("distributed", "none") != "none":
         # join the group before the imports below: MLX's ring connect retries for about 15 s,
         # and ranks whose imports run at different speeds (a loaded host, a cold disk) can

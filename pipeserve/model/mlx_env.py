@@ -10,8 +10,26 @@ again; a server keeps serving through it."""
 from __future__ import annotations
 
 import os
+import sys
 
 DEFAULTS = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
 
 for _name, _value in DEFAULTS.items():
     os.environ.setdefault(_name, _value)
+
+
+CUDA_GRAPHS = "MLX_USE_CUDA_GRAPHS"
+
+
+def use_cuda_graphs(setting: bool | None) -> str | None:
+    """MLX_USE_CUDA_GRAPHS for this process and the processes it starts, from
+    server.cuda_graphs: True or False sets it; None leaves an operator's value and is off
+    otherwise. MLX reads it once, at import: returns the value in force, or None where
+    mlx.core was imported already (then nothing changes)."""
+    if "mlx.core" in sys.modules:
+        return None
+    if setting is None:
+        os.environ.setdefault(CUDA_GRAPHS, "0")
+    else:
+        os.environ[CUDA_GRAPHS] = "1" if setting else "0"
+    return os.environ[CUDA_GRAPHS]

@@ -25,3 +25,21 @@ def test_the_thrashing_fuse_is_off_unless_the_operator_sets_it() -> None:
     env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
     assert _run(env) == "0"
     assert _run(env | {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}) == "1"
+
+
+GRAPHS = ("import os, sys, pipeserve; from pipeserve.model.mlx_env import use_cuda_graphs; "
+          "print(use_cuda_graphs({setting})); import mlx.core; "
+          "print(use_cuda_graphs(True), os.environ['MLX_USE_CUDA_GRAPHS'])")
+
+
+def test_cuda_graphs_follow_the_config_then_the_operator_then_default_off() -> None:
+    """server.cuda_graphs true/false wins; unset, an operator's MLX_USE_CUDA_GRAPHS stays and
+    is off otherwise; once mlx.core is imported nothing changes (MLX read it already)."""
+    base = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
+    cases = [(None, None, "0"), (None, "1", "1"), (True, None, "1"), (False, "1", "0")]
+    for setting, operator, want in cases:
+        env = base | ({"MLX_USE_CUDA_GRAPHS": operator} if operator else {})
+        out = subprocess.run([sys.executable, "-c", GRAPHS.format(setting=setting)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [want, "None", want], (setting, operator, out.stdout)

@@ -138,6 +138,13 @@ def test_a_client_leaving_mid_stream_frees_its_row(process_core: Any) -> None:
     assert chat(base, PROMPTS[1], 5).choices[0].finish_reason == "length"
 
 
+def test_the_engine_process_runs_with_mlxs_cuda_graphs_off(process_core: Any) -> None:
+    """server.cuda_graphs unset: serve.py sets MLX_USE_CUDA_GRAPHS=0 before MLX loads, and the
+    engine's own process inherits it (on a GPU its bursts of new batch shapes build no graphs)."""
+    environ = open(f"/proc/{engine_pid(process_core, MODEL)}/environ", "rb").read().split(b"\0")
+    assert b"MLX_USE_CUDA_GRAPHS=0" in environ, sorted(e[:40] for e in environ)
+
+
 def test_the_collectors_pauses_of_both_processes_are_in_metrics(process_core: Any) -> None:
     """The engine process times its collector's pauses as the server does its own: /metrics
     has both, the engine's under the model's label, the server's under model="" (before, the
