@@ -18,9 +18,10 @@ run() {   # $1: name; the rest: overrides
   timeout 200 python3 bench.py bench.workload=ttft $model 'bench.ttft_cold=[]' \
     bench.ttft_first_burst=0 'bench.cores=[thread,process]' bench.out="$out/$name" "$@" 2>&1 \
     | grep "^| pipe\|^| mlx\|bench:"
-  # the client's side of each burst: when it had written its requests, and any it sent again
+  # the client's side of each burst: when it had written its requests, any it sent again, and
+  # the server's own TTFT p50 of the same requests
   cat "$out/$name"/memory.jsonl "$out/$name"/core-process/memory.jsonl 2>/dev/null \
-    | python3 -c "import json, sys; [print(d['scenario'], d.get('client_sent_ms_last'), d.get('client_retries')) for d in map(json.loads, sys.stdin)]"
+    | python3 -c "import json, sys; [print(d['scenario'], d.get('client_sent_ms_last'), d.get('client_retries'), d.get('server_ttft_p50_s')) for d in map(json.loads, sys.stdin)]"
   for log in "$out/$name"/pipeserve.log "$out/$name"/core-process/pipeserve.log; do
     [ -f "$log" ] || continue
     python3 scripts/request_log_bursts.py --gap 0.012 --steps "$log" > "$log.bursts.jsonl" 2>&1

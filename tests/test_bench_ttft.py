@@ -76,6 +76,16 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
         assert all(0 <= x["client_sent_ms_p50"] <= x["client_sent_ms_last"] for x in lines), lines
         # and none sent again: the server reset or refused no kept-alive connection
         assert all(x["client_retries"] == 0 for x in lines), lines
+        # the server's own first-token time of the same requests (its request log), which the
+        # client's contains: a client that held requests back shows as the difference
+        core = "pipeserve, core process" if log.parent.name == "core-process" else "pipeserve"
+        client = {r["workload"]: float(r["ttft_p50_s"]) for r in rows if r["target"] == core}
+        for x in lines:
+            if x["scenario"] in ("burst 3", "burst + logit_bias 3"):
+                assert x["server_ttft_found"] == 3, x
+                label = "ttft:" + x["scenario"].removesuffix(" 3")
+                assert 0 < x["server_ttft_p50_s"] <= client[label], (x, client)
+            assert x["server_ttft_found"] >= 1, x
 
 
 def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:

@@ -113,7 +113,8 @@ async def _burst(client: Any, base: str, model: str, prompts: list[list[int]],
         at = sorted(1000 * (r["sent"] - start) for r in got if r.get("sent") is not None)
         sends.append({"client_sent_ms_p50": round(_pct(at, 0.5), 2) if at else float("nan"),
                       "client_sent_ms_last": round(at[-1], 2) if at else float("nan"),
-                      "client_retries": sum(r.get("retries", 0) for r in got)})
+                      "client_retries": sum(r.get("retries", 0) for r in got),
+                      "ids": [r["id"] for r in got if r.get("id")]})
     if made is not None:
         made.append(sum(int(r["tokens"] or 0) for r in got))
     return sorted(r["stamps"][0] - r["t0"] for r in got if r["stamps"])
@@ -255,8 +256,12 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             return send(prompts, bias, spent=spent, made=made, sends=sends)
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
+        sent = dict(sends[-1])
+        server_ttft = _server_ttft(out / "pipeserve.log", sent.pop("ids", []))
         memory.write(json.dumps({"scenario": scenario, **_state(base),
-                                 "bench_mlx_gb": _own_mlx_gb(), **sends[-1]}) + "\n")
+                                 "bench_mlx_gb": _own_mlx_gb(), **sent,
+                                 "server_ttft_p50_s": _pct(server_ttft, 0.5),
+                                 "server_ttft_found": len(server_ttft)}) + "\n")
         memory.flush()
     try:
         t0 = time.perf_counter()
@@ -310,6 +315,26 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             memory.close()
             server.stop()
     return rows
+
+
+REQUEST_LINE = re.compile(r" - request (\S+) .*?\bttft_s=([\d.]+)")
+
+
+def _server_ttft(log: Path, ids: list[str], wait_s: float = 2.0) -> list[float]:
+    """The server's own time to the first token of each of `ids` (its request log: handler
+    start to first token), sorted: beside the client's, it tells the server's share from the
+    client's. The lines are written as requests finish, through the log's own thread: read
+    again for up to `wait_s` until every id has one."""
+    want, found = set(ids), {}
+    deadline = time.monotonic() + wait_s
+    while want:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = {m.group(1): float(m.group(2)) for m in REQUEST_LINE.finditer(text)
+                 if m.group(1) in want}
+        if len(found) == len(want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return sorted(found.values())
 
 
 def _own_mlx_gb() -> float:

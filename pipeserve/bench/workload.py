@@ -89,6 +89,7 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
     stamps: list[float] = []
     usage_tokens = None
     usage: dict[str, Any] = {}
+    rid = None   # the response's id: its line in the server's request log
     end = float("nan")
     sent: dict[str, float] = {}   # when its headers were written (the session's trace hook)
     async with client.post(url, data=orjson.dumps(body), trace_request_ctx=sent,
@@ -100,6 +101,7 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
                 continue
             chunk = orjson.loads(line[6:])
             now = time.perf_counter()
+            rid = rid or chunk.get("id")
             if chunk.get("error"):   # the server failed this request: counted, not timed
                 return {"t0": t0, "stamps": [], "tokens": 0, "end": float("nan"),
                         "prompt_tokens": None, "speculation": None, "error": chunk["error"]}
@@ -113,7 +115,8 @@ async def _one_try(client: aiohttp.ClientSession, url: str, model: str, prompt: 
                     stamps.append(now)   # one chunk per token (text may be empty)
     n = usage_tokens if usage_tokens is not None else len(stamps)
     return {"t0": t0, "stamps": stamps, "tokens": n, "end": end, "sent": sent.get("at"),
-            "prompt_tokens": usage.get("prompt_tokens"), "speculation": usage.get("speculation")}
+            "id": rid, "prompt_tokens": usage.get("prompt_tokens"),
+            "speculation": usage.get("speculation")}
 
 
 def _full_batch_rate(results: list[dict[str, Any]], b: BenchConfig) -> float:
