@@ -86,6 +86,7 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
                 label = "ttft:" + x["scenario"].removesuffix(" 3")
                 assert 0 < x["server_ttft_p50_s"] <= client[label], (x, client)
             assert x["server_ttft_found"] >= 1, x
+            assert x["client_gc_ms"] >= 0, x   # the client's collector pauses in the scenario
 
 
 def test_a_ttft_run_cut_short_keeps_the_rows_it_measured(tmp_path: Path, model_cache: Path) -> None:

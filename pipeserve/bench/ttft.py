@@ -20,6 +20,7 @@ prompt gives every request):
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -252,8 +253,10 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
         return runner.run(_burst(client, base, model, prompts, bias, **kw))
 
     def timed(prompts: list[list[int]], bias: dict[str, float]) -> list[float]:
-        with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"):
-            return send(prompts, bias, spent=spent, made=made, sends=sends)
+        with _stacks_if_slow(server.proc.pid, out / "pipeserve.log"), _client_gc() as paused:
+            got = send(prompts, bias, spent=spent, made=made, sends=sends)
+        sends[-1]["client_gc_ms"] = round(paused[0] * 1000, 2)
+        return got
 
     def note(scenario: str) -> None:   # the server's memory and stage seconds so far
         sent = dict(sends[-1])
@@ -315,6 +318,30 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
             memory.close()
             server.stop()
     return rows
+
+
+@contextmanager
+def _client_gc() -> Iterator[list[float]]:
+    """A timed scenario's client with its collector's work done before it: a full collection,
+    then everything frozen (as the server does once ready), so a collection inside the burst
+    walks only what the burst made. Yields [seconds the collector paused the client during the
+    scenario]: a client paused mid-burst delays its last requests and reads every stream's
+    first token late."""
+    paused, began = [0.0], [0.0]
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            paused[0] += time.perf_counter() - began[0]
+    gc.collect()
+    gc.freeze()
+    gc.callbacks.append(seen)
+    try:
+        yield paused
+    finally:
+        gc.callbacks.remove(seen)
+        gc.unfreeze()
 
 
 REQUEST_LINE = re.compile(r" - request (\S+) .*?\bttft_s=([\d.]+)")
