@@ -57,6 +57,14 @@ def test_the_ttft_workload_rows_each_scenario_beside_the_library(
     assert {r["workload"]: r["prompt_tokens"] for r in rows if r["target"] == "pipeserve"
             and r["workload"] in ("ttft:exact repeat", "ttft:new turn on a cached prefix")} == {
         "ttft:exact repeat": "96", "ttft:new turn on a cached prefix": "160"}
+    # the server's request log: the first burst twice, the warm-up prompt, then each burst
+    # size's shapes twice on new prompts (the second pass on the connections the first opened,
+    # none a cache hit), then the timed scenarios: 4 + 1 + 6 + 3 + 2 + 6 + 4 requests
+    done = [line for line in (tmp_path / "pipeserve.log").read_text().splitlines()
+            if " - request " in line and "ttft_s=" in line]
+    assert len(done) == 26, done
+    shapes = done[5:11]
+    assert all("prompt_tokens=76 " in x and "cached_tokens=0 " in x for x in shapes), shapes
     # the process core's server ran with its engine in a child process (its own log)
     assert "server.isolate=true" in {r["overrides"] for r in rows
                                      if r["target"] == "pipeserve, core process"}.pop()

@@ -143,12 +143,16 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     shared = {n: [system + _ids(rng, BURST_TOKENS, vocab, []) for _ in range(n + 1)]
               for n in sizes} if system else {}   # one more: the request that stores the head
     turn = [rng.randrange(3, vocab) for _ in range(TURN_TOKENS)]
+    # the shapes' second pass, new prompts (the first pass's are cached): drawn last, so every
+    # other scenario's prompts are what they were before it
+    shapes_again = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
     rows: list[Row] = []
     for core in b.cores:
         target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
         done = _serve(target, [*overrides, *CORES[core]], model, model_dir,
                       out / ("" if core == "thread" else f"core-{core}"),
-                      first, warm, shapes, cold, bursts, eos_bias, shared, turn)
+                      first, warm, [shapes, shapes_again], cold, bursts, eos_bias, shared,
+                      turn)
         if done:
             write(done)
         rows += done
@@ -222,7 +226,7 @@ def _stacks_if_slow(pid: int, log: Path, after_s: float = 2.0, every_s: float = 
 
 
 def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: Path,
-           first: list[list[int]], warm: list[int], shapes: dict[int, list[list[int]]],
+           first: list[list[int]], warm: list[int], shapes: list[dict[int, list[list[int]]]],
            cold: list[list[int]], bursts: dict[int, list[list[int]]],
            eos_bias: dict[str, float], shared: dict[int, list[list[int]]],
            turn: list[int]) -> list[Row]:
@@ -245,7 +249,7 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
     sends: list[dict[str, float]] = []   # each timed scenario's client send spread
 
     runner = asyncio.Runner()
-    streams = max([len(first), 1, *map(len, shapes.values()), *map(len, bursts.values()),
+    streams = max([len(first), 1, *map(len, shapes[0].values()), *map(len, bursts.values()),
                    *map(len, shared.values())])
     client = runner.run(_open(streams))
 
@@ -278,8 +282,12 @@ def _serve(target: str, overrides: list[str], model: str, model_dir: Path, out: 
                 rows[-1].wall_s = round(ready_s, 1)   # launch to ready
                 note(label)
         send([warm], {})   # the chunk shapes, as the library gets
-        for prompts in shapes.values():                  # and each burst's batch shapes
-            send(prompts, {})
+        # and each burst's batch shapes, twice: the client opens the connections a burst needs
+        # only after writing on those it has, and the server took the first pass's late ones
+        # in steps of their own (round 14); the second arrives together, as the timed ones do
+        for each_pass in shapes:
+            for prompts in each_pass.values():
+                send(prompts, {})
         for i, ids in enumerate(cold):
             ttft = timed([ids], {})
             rows.append(_row(target, f"cold prompt {i + 1}", 1, ttft, OUT_TOKENS, said,
