@@ -5,6 +5,8 @@ prompt gives every request):
 
 - first burst: bench.ttft_first_burst arrivals right after the server is ready (kernels not
   yet compiled for their shapes), then the same burst again;
+- untimed: each burst size twice (the second over the connections the first opened, so each
+  burst's batch shape is met in one step, as the library's BatchGenerator meets it);
 - cold prompts one after another (bench.ttft_cold lengths), each sharing only the head with
   what the prompt cache holds;
 - after them, the last of the longest cold prompts again (an exact repeat: a prompt-cache hit)
