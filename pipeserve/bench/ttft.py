@@ -145,8 +145,8 @@ def run(b: BenchConfig, model: str, vocab: int, chunk: int, overrides: list[str]
     shared = {n: [system + _ids(rng, BURST_TOKENS, vocab, []) for _ in range(n + 1)]
               for n in sizes} if system else {}   # one more: the request that stores the head
     turn = [rng.randrange(3, vocab) for _ in range(TURN_TOKENS)]
-    # the shapes' second pass, new prompts (the first pass's are cached): drawn last, so every
-    # other scenario's prompts are what they were before it
+    # the shapes' second pass, on prompts of its own (a repeat could meet the prompt cache):
+    # drawn last, so every other scenario's prompts are what they were before it
     shapes_again = {n: [_ids(rng, BURST_TOKENS, vocab, []) for _ in range(n)] for n in sizes}
     rows: list[Row] = []
     for core in b.cores:

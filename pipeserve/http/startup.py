@@ -108,6 +108,7 @@ def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
     build info metric and the ready line."""
     limits = engine.limits
     loaded = limits.model
+    loop = event_loop_name()
     adapter = loaded.adapter.identity if loaded.adapter is not None else None
     app.ctx.record = base_record(cfg, app.ctx.config_hash, loaded.fingerprint, adapter)
     app.ctx.front = None if cfg.model.encoder else Front(cfg, engine, metrics)
@@ -116,9 +117,8 @@ def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Me
         "version": _version("pipeserve"), "mlx_version": _version("mlx"),
         "device": limits.device, "model": cfg.model.name,
         "model_fingerprint": loaded.fingerprint, "config_hash": app.ctx.config_hash,
-        "blas": blas.name or "bundled", "event_loop": event_loop_name()})
+        "blas": blas.name or "bundled", "event_loop": loop})
     log.info("CPU BLAS: %s", blas.describe())
-    loop = event_loop_name()
     log.info("ready: model %s from %s (%d params) on %s, listening on %s:%d, event loop %s%s",
              cfg.model.name, loaded.path.name, loaded.num_params, limits.device,
              cfg.server.host, cfg.server.port, loop, page)
