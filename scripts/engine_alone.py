@@ -73,12 +73,18 @@ class StepClock:
             "steps": self.steps}
 
 
-def compose_cfg(overrides: list[str]) -> Any:
+def compose_cfg(overrides: list[str], strict: bool = True) -> Any:
+    """The serve config of `overrides`, with MLX's environment set from it (server.cuda_graphs);
+    strict: fail where MLX was imported first, so that setting could not take effect."""
     register_configs()
     check_overrides(overrides)
     with initialize_config_dir(config_dir=str(ROOT / "pipeserve" / "conf"), version_base="1.3"):
         raw = compose("serve", overrides=overrides)
-        use_cuda_graphs(raw.server.get("cuda_graphs"))   # as serve.py: before MLX is imported
+        # as serve.py: before MLX is imported, or the setting would be silently ignored
+        # (round 16's engine-alone rows all ran MLX's default, graphs on, whatever it said)
+        if use_cuda_graphs(raw.server.get("cuda_graphs")) is None and strict:
+            raise SystemExit("compose_cfg: mlx.core is imported already, so server.cuda_graphs "
+                             "cannot take effect; compose the config before importing MLX")
         return load_config(raw)
 
 
@@ -218,9 +224,9 @@ def main() -> None:
                          "asyncio's wakes by a socket send that releases the GIL, uvloop's not)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    cfg = compose_cfg(args.overrides)   # first: it sets MLX's environment
     from pipeserve.core.engine import Engine
     from pipeserve.metrics import Metrics
-    cfg = compose_cfg(args.overrides)
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # as the server sets it
     engine = Engine(cfg, Metrics(CollectorRegistry()))
     clock = StepClock()
@@ -230,7 +236,8 @@ def main() -> None:
     instrument(engine, clock)   # the step exists once loaded; nothing is scheduled yet
     import mlx.core as mx
     print(json.dumps({"what": "loaded", "s": round(time.perf_counter() - t0, 1),
-                      "device": str(mx.default_device()), "model": str(engine.loaded.path)}),
+                      "device": str(mx.default_device()), "model": str(engine.loaded.path),
+                      "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS", "1")}),
           flush=True)
     vocab = min(engine.loaded.tokenizer.vocab_size, 500)
     eos = sorted(engine.loaded.tokenizer.eos_token_ids)

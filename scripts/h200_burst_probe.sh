@@ -4,8 +4,8 @@
 # bursts of 128, once per variant, each in its own process; the timelines and MLX's memory
 # before and after each burst. Run by the device tool after .gpu-b/install.sh; files under $OUT.
 # Usage: scripts/h200_burst_probe.sh [SIZE=medium]   (VARIANTS: names below, space-separated;
-# shapes: bursts of new and repeated shapes, at the defaults (MLX's CUDA graphs off);
-# shapes-graphs: the same with server.cuda_graphs=true)
+# shapes: bursts of new and repeated shapes, MLX's CUDA graphs off (server.cuda_graphs=false);
+# shapes-graphs: the same with them on, MLX's default)
 set -uo pipefail
 size=${1:-medium}; out=${OUT:-probe-out}; mkdir -p "$out"
 model=(model=tiny model.size="$size" model.dtype=bfloat16 model.compute_dtype=checkpoint
@@ -24,6 +24,7 @@ for v in ${VARIANTS:-default cleared bigcache nocold}; do
             --shapes 128x76,128x76,128x70,128x70,120x76,120x76,96x60,96x60,128x76) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
+  [ $v = shapes ] && extra=(server.cuda_graphs=false)
   [ $v = shapes-graphs ] && extra=(server.cuda_graphs=true)
   python3 scripts/ttft_probe.py "${args[@]}" -- "${model[@]}" "${extra[@]}" \
     > "$out/probe-$v.jsonl" 2> "$out/probe-$v.err"

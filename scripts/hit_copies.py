@@ -217,9 +217,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    cfg = compose_cfg(args.overrides, strict=False)   # MLX is imported: graphs as set outside
     from pipeserve.core.engine import Engine
     from pipeserve.metrics import Metrics
-    cfg = compose_cfg(args.overrides)
     engine = Engine(cfg, Metrics(CollectorRegistry()))
     engine.start()
     assert engine.wait_ready(300), engine.startup_error

@@ -226,6 +226,7 @@ def main() -> None:
                          "128x70): a shape's first burst against its next, the steps' launches")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    cfg = compose_cfg(args.overrides)   # first: it sets MLX's environment
     import mlx.core as mx
     if args.mlx_trie:
         from mlx_lm.models.cache import PromptTrie
@@ -233,7 +234,6 @@ def main() -> None:
         ram.TokenTrie = PromptTrie
     from pipeserve.core.engine import Engine
     from pipeserve.metrics import Metrics
-    cfg = compose_cfg(args.overrides)
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)
     engine = Engine(cfg, Metrics(CollectorRegistry()))
     t0 = time.perf_counter()

@@ -15,10 +15,14 @@ def test_prompts_as_long_as_the_server_runs(model_cache: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "engine_alone.py"), "--streams", "2",
          "--max-tokens", "3", "--lengths", "9,14", "--warm-lengths", "5", "--bias", "on",
-         "--library", "none", "--reps", "2", "--", "model=tiny", f"model.cache_dir={model_cache}"],
+         "--library", "none", "--reps", "2", "--", "model=tiny", f"model.cache_dir={model_cache}",
+         "server.cuda_graphs=false"],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    # the config's setting reached MLX's environment before MLX was imported (it was ignored
+    # when the script imported the engine first: every row ran MLX's default)
+    assert [r["cuda_graphs"] for r in rows if r.get("what") == "loaded"] == ["0"], out.stdout
     alone = [r for r in rows if r.get("what") == "engine alone"]
     assert len(alone) == 2, out.stdout[-3000:]
     for rep in alone:

@@ -64,10 +64,10 @@ class ServerConfig:
     # (pipeserve_log_records_dropped_total) until it reads again
     log_buffer_records: int = 10_000
     # MLX's CUDA graphs (MLX_USE_CUDA_GRAPHS, set before MLX is imported; children inherit it).
-    # None: off, unless the environment sets it. Off, a burst of a batch shape the process has
-    # not met costs 2-31 ms more than the next one, against 14-72 ms on; batched steps run
-    # faster; one stream of a small model decodes slower (its steps' launches are the bound).
-    # Measured: docs/notes/2026-12-06-round15.md. No effect on the CPU
+    # None: as the environment sets it, MLX's default (on) otherwise. On, one stream decodes
+    # ~20% faster (its steps' launches are the bound); off, batched steps run 0-6% faster and a
+    # burst of a batch shape the process has not met costs 2-31 ms more than the next, against
+    # 14-72 ms on. Measured: docs/notes/2026-12-06-round16.md. No effect on the CPU
     cuda_graphs: Optional[bool] = None
     # each engine in its own child process (the parent keeps HTTP, tokenize, admission and
     # detokenize); None: on for a pool, off for a single model (pipeserve/pool/)

@@ -23,13 +23,12 @@ CUDA_GRAPHS = "MLX_USE_CUDA_GRAPHS"
 
 def use_cuda_graphs(setting: bool | None) -> str | None:
     """MLX_USE_CUDA_GRAPHS for this process and the processes it starts, from
-    server.cuda_graphs: True or False sets it; None leaves an operator's value and is off
-    otherwise. MLX reads it once, at import: returns the value in force, or None where
-    mlx.core was imported already (then nothing changes)."""
+    server.cuda_graphs: True or False sets it; None leaves it as the operator set it, or unset
+    (MLX's default: on). MLX reads it once, at its first device work; this sets it only before
+    mlx.core is imported. Returns the value in force ("1" where unset), or None where mlx.core
+    was imported already (then nothing changes)."""
     if "mlx.core" in sys.modules:
         return None
-    if setting is None:
-        os.environ.setdefault(CUDA_GRAPHS, "0")
-    else:
+    if setting is not None:
         os.environ[CUDA_GRAPHS] = "1" if setting else "0"
-    return os.environ[CUDA_GRAPHS]
+    return os.environ.get(CUDA_GRAPHS, "1")

@@ -35,7 +35,7 @@ def thread_core(server_factory: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def process_core(server_factory: Any) -> Any:
-    return server_factory("model=tiny", "server.isolate=true")
+    return server_factory("model=tiny", "server.isolate=true", "server.cuda_graphs=false")
 
 
 def chat(base_url: str, prompt: str, max_tokens: int = 24) -> Any:
@@ -138,8 +138,8 @@ def test_a_client_leaving_mid_stream_frees_its_row(process_core: Any) -> None:
     assert chat(base, PROMPTS[1], 5).choices[0].finish_reason == "length"
 
 
-def test_the_engine_process_runs_with_mlxs_cuda_graphs_off(process_core: Any) -> None:
-    """server.cuda_graphs unset: serve.py sets MLX_USE_CUDA_GRAPHS=0 before MLX loads, and the
+def test_the_engine_process_runs_with_mlxs_cuda_graphs_as_configured(process_core: Any) -> None:
+    """server.cuda_graphs=false: serve.py sets MLX_USE_CUDA_GRAPHS=0 before MLX loads, and the
     engine's own process inherits it (on a GPU its bursts of new batch shapes build no graphs)."""
     environ = open(f"/proc/{engine_pid(process_core, MODEL)}/environ", "rb").read().split(b"\0")
     assert b"MLX_USE_CUDA_GRAPHS=0" in environ, sorted(e[:40] for e in environ)
