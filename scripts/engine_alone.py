@@ -11,8 +11,10 @@ attributed to host work or to the device.
 --bias both: every measurement with and without a logit_bias on every request (EOS -100; the
 rows have no stop tokens either way, so both run to --max-tokens). --profile N: cProfile the
 engine thread during the N-stream run (top functions by own time). --loop uvloop: the streams
-on the event loop the server runs (asyncio's by default). Used by bench.py for its `engine
-alone` rows (bench.engine_alone=true)."""
+on the event loop the server runs (asyncio's by default). scheduler.step_trace=true: the
+engine's step lines on stderr (bench.py keeps them in engine-alone-N.log; summarized by
+scripts/request_log_bursts.py --steps-only). Used by bench.py for its `engine alone` rows
+(bench.engine_alone=true)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,7 @@ import cProfile
 import io
 import os
 import json
+import logging
 import pstats
 import random
 import sys
@@ -37,6 +40,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from pipeserve.config import check_overrides, load_config, register_configs  # noqa: E402
+from pipeserve.launch.logs import formatter  # noqa: E402
 from pipeserve.model.mlx_env import use_cuda_graphs  # noqa: E402
 
 
@@ -225,6 +229,12 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = compose_cfg(args.overrides)   # first: it sets MLX's environment
+    if cfg.scheduler.step_trace:   # the engine's step lines on stderr, as a server logs them
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(formatter("text"))
+        steps = logging.getLogger("pipeserve.steps")
+        steps.addHandler(handler)
+        steps.setLevel(logging.INFO)
     from pipeserve.core.engine import Engine
     from pipeserve.metrics import Metrics
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)   # as the server sets it

@@ -15,3 +15,14 @@ python3 bench.py -m model.size="$size" model.dtype=bfloat16 model.compute_dtype=
   bench.streams="$streams" bench.max_tokens=128 bench.prompt_words=25 \
   bench.mlx_lm=true bench.batch_generator=true bench.out="$out" "$@"
 cat "$out"/results.md 2>/dev/null || find "$out" -name 'results.md' -exec cat {} +
+# scheduler.step_trace=true among the overrides: each side's steps summarized (how many carried
+# prompts, a decode step's wall and parts), through HTTP per burst, the engine alone per batch
+for f in "$out"/pipeserve*.log "$out"/engine-alone-*.log; do
+  { [ -f "$f" ] && grep -q "step: at=" "$f"; } || continue
+  echo "== steps: $(basename "$f")"
+  case "$f" in
+    *engine-alone-*) python3 scripts/request_log_bursts.py --steps-only "$f" ;;
+    *) python3 scripts/request_log_bursts.py --steps "$f" \
+         | python3 -c 'import json, sys; [print(json.dumps({k: v for k, v in json.loads(line).items() if k != "steps"})) for line in sys.stdin]' ;;
+  esac
+done

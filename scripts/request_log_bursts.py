@@ -9,7 +9,10 @@ p50 and spread. Reads the text format and server.log_format=json.
 
 With `--steps` (a server run with scheduler.step_trace=true), each burst also lists the engine
 steps from its first arrival to its last first token: [ms after its first arrival, rows, prompt
-rows, prompt tokens, {part: ms}], to tell a slow forward from a late start.
+rows, prompt tokens, {part: ms}], to tell a slow forward from a late start, and a `decode`
+summary of the steps from its first arrival to its last response (`summary` below). With
+`--steps-only` (a log with step lines and no request lines: scripts/engine_alone.py's stderr,
+bench.py's engine-alone-N.log), the steps are grouped by --gap alone and each group summarized.
 """
 from __future__ import annotations
 
@@ -58,6 +61,33 @@ def steps(lines: Iterator[str]) -> Iterator[Step]:
             parts = dict(kv.split("=", 1) for kv in m["parts"].split() if "=" in kv)
             yield Step(float(m["at"]), int(m["rows"]), int(m["prompt_rows"]), int(m["tokens"]),
                        {k: float(v) for k, v in parts.items()})
+
+
+def summary(trace: list[Step]) -> dict[str, object]:
+    """Steps in a row: how many, how many carried a prompt, the median wall between one step's
+    start and the next's (a decode step's length as clients feel it), and each part's median ms
+    over the steps that carried no prompt."""
+    decode = [t for t in trace if t.prompt_rows == 0]
+    gaps = [(b.at - a.at) * 1000 for a, b in zip(trace, trace[1:])
+            if a.prompt_rows == 0 and b.prompt_rows == 0]
+    parts = sorted({k for t in decode for k in t.parts})
+    return {"steps": len(trace), "prompt_steps": len(trace) - len(decode),
+            "rows_max": max((t.rows for t in trace), default=0),
+            "decode_interval_ms_p50": round(statistics.median(gaps), 2) if gaps else None,
+            "decode_parts_ms_p50": {k: round(statistics.median(t.parts.get(k, 0.0)
+                                                               for t in decode), 2)
+                                    for k in parts}}
+
+
+def step_groups(trace: list[Step], gap: float) -> list[list[Step]]:
+    """Steps split where the engine ran none for `gap` seconds."""
+    groups: list[list[Step]] = []
+    for t in sorted(trace, key=lambda t: t.at):
+        if groups and t.at - groups[-1][-1].at < gap:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    return groups
 
 
 def requests(lines: Iterator[str]) -> Iterator[Done]:
@@ -116,6 +146,8 @@ def bursts(done: list[Done], gap: float,
             last = max(d.first for d in g)
             out[-1]["steps"] = [[round((t.at - start) * 1000, 1), t.rows, t.prompt_rows,
                                  t.tokens, t.parts] for t in trace if start <= t.at <= last]
+            end = max(d.end for d in g)
+            out[-1]["decode"] = summary([t for t in trace if start <= t.at <= end])
         prev_end = max(d.end for d in g)
     return out
 
@@ -127,9 +159,15 @@ def main() -> None:
                     help="seconds between two handlers' starts that split bursts")
     ap.add_argument("--steps", action="store_true",
                     help="list each burst's engine steps (a log of scheduler.step_trace=true)")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="no request lines: group the step lines by --gap and summarize each")
     args = ap.parse_args()
     with open(args.log, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
+    if args.steps_only:
+        for group in step_groups(list(steps(iter(lines))), args.gap):
+            print(json.dumps(summary(group)), flush=True)
+        return
     trace = list(steps(iter(lines))) if args.steps else None
     for row in bursts(list(requests(iter(lines))), args.gap, trace):
         print(json.dumps(row), flush=True)

@@ -11,12 +11,12 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 
-def test_prompts_as_long_as_the_server_runs(model_cache: Path) -> None:
+def test_prompts_as_long_as_the_server_runs(model_cache: Path, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "engine_alone.py"), "--streams", "2",
          "--max-tokens", "3", "--lengths", "9,14", "--warm-lengths", "5", "--bias", "on",
          "--library", "none", "--reps", "2", "--", "model=tiny", f"model.cache_dir={model_cache}",
-         "server.cuda_graphs=false"],
+         "server.cuda_graphs=false", "scheduler.step_trace=true"],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -30,3 +30,16 @@ def test_prompts_as_long_as_the_server_runs(model_cache: Path) -> None:
         assert rep["tokens"] == 6 and rep["streams"] == 2
         # each rep's prompts are new (as a stream's next request through HTTP): no cache hit
         assert rep["cached_tokens"] == 0, rep
+    # scheduler.step_trace=true: the engine's step lines on stderr, which
+    # request_log_bursts.py --steps-only groups: warm-up and two reps, each of 2 rows
+    log = tmp_path / "engine-alone.log"
+    log.write_text(out.stderr)
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "request_log_bursts.py"),
+                          "--steps-only", "--gap", "60", str(log)],
+                         capture_output=True, text=True, check=True).stdout
+    [group] = [json.loads(line) for line in got.splitlines()]
+    # prompts of 5 (the warm-up), 9 and 14 tokens, 3 tokens out each (the warm-up 16): every
+    # batch's prompt step, then decode steps of its rows
+    assert group["rows_max"] == 2 and group["prompt_steps"] >= 3, group
+    assert group["steps"] > group["prompt_steps"], group
+    assert group["decode_parts_ms_p50"]["launch"] > 0, group   # the forward, timed

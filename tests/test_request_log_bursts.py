@@ -88,3 +88,8 @@ def test_steps_listed_with_the_burst_they_served(tmp_path: Path, fmt: str) -> No
     [row] = [json.loads(line) for line in out.splitlines()]
     assert row["queue_p50_s"] == pytest.approx(0.06)
     assert [s[:4] for s in row["steps"]] == [[100.0, 3, 3, 225], [310.0, 3, 0, 0]]
+    # the burst's steps from its first arrival to its last response: one carried the prompts;
+    # the two decode steps began 40 ms apart
+    assert row["decode"]["steps"] == 3 and row["decode"]["prompt_steps"] == 1
+    assert row["decode"]["rows_max"] == 3
+    assert row["decode"]["decode_interval_ms_p50"] == pytest.approx(40.0, abs=0.5)

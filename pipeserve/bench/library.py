@@ -164,6 +164,7 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
                           "--", *overrides, f"model.path={model_dir}"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
+    (out / f"engine-alone-{b.streams}.log").write_text(res.stderr)   # step lines where traced
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     reps = [g for g in got if g.get("what") == "engine alone"]
     # bench.requests_per_stream batches in a row, as each stream's requests go through HTTP:
