@@ -1,5 +1,6 @@
 """The server's stop: the first SIGINT/SIGTERM drains (new API requests get 503 while the
-engine finishes what it holds), a second stops at once; then the prompt cache is flushed and
+engine finishes what it holds), a second stops at once; an engine on a thread of the server
+that dies while serving stops it too, with ENGINE_DIED; then the prompt cache is flushed and
 the engine stopped. Event loop."""
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import time
 from sanic import Sanic
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.client import EngineClient
+from pipeserve.core.client import EngineClient, EngineState
 from pipeserve.http.api import responses_background
 from pipeserve.http.waits import flushed
+from pipeserve.launch.checks import ENGINE_DIED
 from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve")
+DEATH_POLL_S = 0.25   # how often the server reads its engine's state for a death
+DEATH_GRACE_S = 5.0   # the most a dead engine's failed responses get to go out before the exit
 
 
 def add_drain(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics) -> None:
@@ -30,6 +34,8 @@ def add_drain(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metri
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _on_signal, app, sig)
+        if app.ctx.pool is None and cfg.server.exit_on_engine_death:   # a pool restarts its own
+            app.add_task(_exit_on_death(app, engine), name="pipeserve-engine-death")
 
     @app.before_server_stop
     async def _stopping(app: Sanic) -> None:
@@ -66,6 +72,30 @@ def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     timeout = app.ctx.cfg.server.shutdown_timeout_s
     log.info("%s: draining; %d request(s) in flight; new requests get 503; waiting up to %.0f s",
              sig.name, app.ctx.engine.load().num_inflight, timeout)
+    app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
+
+
+async def _exit_on_death(app: Sanic, engine: EngineClient) -> None:
+    """One model on a thread of the server: once its engine, having served, dies (its loop
+    raised, or a distributed rank is gone: Engine._die), the server stops as a drain does,
+    over a short grace for the 503s already decided to go out, and exits with ENGINE_DIED: a
+    device the dead engine leaves unusable (a corrupt CUDA context) serves again only in a new
+    process, which the supervisor starts. A start that fails is startup.py's (LAUNCH_ERROR)."""
+    while engine.state is EngineState.LOADING:
+        await asyncio.sleep(DEATH_POLL_S)
+    while engine.state is EngineState.READY:
+        await asyncio.sleep(DEATH_POLL_S)
+    if engine.state is not EngineState.DEAD or engine.startup_error is not None:
+        return
+    app.ctx.exit_code = ENGINE_DIED
+    log.error("engine died (its error is logged above): the requests in flight were failed "
+              "with 503; the server exits with status %d so that its supervisor starts it "
+              "again (server.exit_on_engine_death=false keeps it up, answering 503)",
+              ENGINE_DIED)
+    if app.ctx.draining:   # a drain is stopping the server already
+        return
+    app.ctx.draining = True
+    timeout = min(DEATH_GRACE_S, app.ctx.cfg.server.shutdown_timeout_s)
     app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
 
 
