@@ -8,18 +8,19 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 from sanic import Sanic
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.client import EngineClient, EngineState
+from pipeserve.core.client import EngineClient
 from pipeserve.http.api import responses_background
+from pipeserve.http.startup import running
 from pipeserve.http.waits import flushed
 from pipeserve.launch.checks import ENGINE_DIED
 from pipeserve.metrics import Metrics
 
 log = logging.getLogger("pipeserve")
-DEATH_POLL_S = 0.25   # how often the server reads its engine's state for a death
 DEATH_GRACE_S = 5.0   # the most a dead engine's failed responses get to go out before the exit
 
 
@@ -34,8 +35,6 @@ def add_drain(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metri
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _on_signal, app, sig)
-        if app.ctx.pool is None and cfg.server.exit_on_engine_death:   # a pool restarts its own
-            app.add_task(_exit_on_death(app, engine), name="pipeserve-engine-death")
 
     @app.before_server_stop
     async def _stopping(app: Sanic) -> None:
@@ -75,18 +74,23 @@ def _on_signal(app: Sanic, sig: signal.Signals) -> None:
     app.ctx.drain_task = asyncio.get_running_loop().create_task(_drain(app, timeout))
 
 
-async def _exit_on_death(app: Sanic, engine: EngineClient) -> None:
-    """One model on a thread of the server: once its engine, having served, dies (its loop
-    raised, or a distributed rank is gone: Engine._die), the server stops as a drain does,
-    over a short grace for the 503s already decided to go out, and exits with ENGINE_DIED: a
-    device the dead engine leaves unusable (a corrupt CUDA context) serves again only in a new
-    process, which the supervisor starts. A start that fails is startup.py's (LAUNCH_ERROR)."""
-    while engine.state is EngineState.LOADING:
-        await asyncio.sleep(DEATH_POLL_S)
-    while engine.state is EngineState.READY:
-        await asyncio.sleep(DEATH_POLL_S)
-    if engine.state is not EngineState.DEAD or engine.startup_error is not None:
-        return
+def on_engine_death(app: Sanic) -> Callable[[], None]:
+    """The `on_death` of an Engine on a thread of this server (server.exit_on_engine_death):
+    any thread, once the engine died while serving (its loop raised, or a distributed rank is
+    gone). It hands _exit_on_death to the event loop the engine was started from."""
+    def died() -> None:
+        try:
+            app.ctx.loop.call_soon_threadsafe(_exit_on_death, app)
+        except RuntimeError:   # the loop is closed: the server has stopped already
+            pass
+    return died
+
+
+def _exit_on_death(app: Sanic) -> None:
+    """The server stops as a drain does, over a short grace for the 503s already decided to
+    go out, and exits with ENGINE_DIED: a device the dead engine left unusable (a corrupt CUDA
+    context) serves again only in a new process, which the supervisor starts. A pool restarts
+    its engine processes itself; a start that fails is startup.py's (LAUNCH_ERROR)."""
     app.ctx.exit_code = ENGINE_DIED
     log.error("engine died (its error is logged above): the requests in flight were failed "
               "with 503; the server exits with status %d so that its supervisor starts it "
@@ -105,6 +109,7 @@ async def _drain(app: Sanic, timeout: float) -> None:
     still open (a stream's last chunks, a request that was still being tokenized)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    await running(app)   # a signal or an engine's death may come during Sanic's startup
     await responses_background.suspend(app)   # on disk, for the next launch to resume
     while app.ctx.engine.load().num_inflight and loop.time() < deadline:
         await asyncio.sleep(0.05)
