@@ -44,8 +44,12 @@ __all__ = ["Engine", "EngineState"]
 class Engine:
     """An EngineClient (core/client.py) whose engine thread runs in this process."""
 
-    def __init__(self, cfg: ServeConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: ServeConfig, metrics: Metrics,
+                 on_death: Callable[[], None] | None = None) -> None:
+        """`on_death`: called once, from the engine thread or abandon's caller, after the
+        engine died while serving and failed what it held (the server's exit, http/drain.py)."""
         self.cfg, self.metrics, self.state = cfg, metrics, EngineState.LOADING
+        self.on_death = on_death
         self.limits: EngineLimits | None = None   # published at load, again after a swap
         self.loaded: LoadedModel | None = None
         self.memory: MemoryModel | None = None
@@ -472,9 +476,12 @@ class Engine:
         self._die(cause)
 
     def _die(self, cause: Exception) -> None:
+        first = self.state is not EngineState.DEAD   # abandoned, then its loop raised too
         self.state = EngineState.DEAD
         err = EngineUnavailable("the engine stopped after an internal error (logged by the "
                                 "server); retry when /health answers 200")
         for req in self.scheduler.fail_all():
             self._out.post(req.request_id, Failed(req.request_id, err))
         self._out.flush()
+        if first and self.on_death is not None:
+            self.on_death()

@@ -17,11 +17,13 @@ class DistributedConfig:
 
     _target_: str = "pipeserve.distributed.group.Group"
     heartbeat_s: float = 1.0   # an idle rank 0 syncs the group this often (seconds), so a
-                               # lost rank is noticed while no request runs
+                               #   lost rank is noticed while no request runs
     linger_s: float = 5.0      # after the group broke, rank 0 answers /health 503 this long
-                               # (seconds), then stops its server so mlx.launch ends the job
+                               #   (seconds), then stops its server so mlx.launch ends the job;
+                               #   server.exit_on_engine_death stops it sooner, once its
+                               #   503s are out, with status 70
     timeout_s: float = 60.0    # a rank that has not synced for this long (seconds: one step
-                               # plus a heartbeat) means the group is stuck: it stops
+                               #   plus a heartbeat) means the group is stuck: it stops
 
     @property
     def name(self) -> str:

@@ -58,7 +58,7 @@ def build_app(cfg: ServeConfig, *, name: str = "pipeserve",
     if members:
         app.ctx.pool = ModelPool(cfg, members, app.ctx, registry, launch)
     if engine is None:
-        engine = _engine(cfg, app.ctx.pool, metrics)
+        engine = _engine(cfg, app, metrics)
     _context(app, cfg, engine, metrics, registry)
     startup.add_startup(app, cfg, engine, metrics)
     drain.add_drain(app, cfg, engine, metrics)
@@ -79,13 +79,15 @@ class Protocol(HttpProtocol):
         self.app.ctx.engine.coming()
 
 
-def _engine(cfg: ServeConfig, pool: ModelPool | None, metrics: Metrics) -> EngineClient:
-    """The engine cfg names: a pool's, an embedding model's, or the generation engine."""
-    if pool is not None:
-        return PoolEngine(pool, metrics)
+def _engine(cfg: ServeConfig, app: Sanic, metrics: Metrics) -> EngineClient:
+    """The engine cfg names: a pool's, an embedding model's, or the generation engine (on a
+    thread of this server: its death while serving stops the server, drain.py)."""
+    if app.ctx.pool is not None:
+        return PoolEngine(app.ctx.pool, metrics)
     if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
         return EmbedEngine(cfg, metrics)
-    return Engine(cfg, metrics)
+    died = drain.on_engine_death(app) if cfg.server.exit_on_engine_death else None
+    return Engine(cfg, metrics, on_death=died)
 
 
 def _context(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics,

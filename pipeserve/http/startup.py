@@ -42,6 +42,7 @@ def add_startup(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Met
         if cfg.server.stall_report_ms > 0:
             app.ctx.stalls = StallWatch(asyncio.get_running_loop(),
                                         cfg.server.stall_report_ms / 1000).start()
+        app.ctx.loop = asyncio.get_running_loop()   # an engine's death is handed to it (drain.py)
         engine.start()
 
     @app.before_server_stop
@@ -95,11 +96,16 @@ async def _failed(app: Sanic, engine: EngineClient) -> None:
         app.ctx.launch_error = (f"the model failed to load ({type(err).__name__}: "
                                 f"{first}); the log above has the details")
     app.ctx.exit_code = LAUNCH_ERROR
-    # Stopped only once Sanic's startup listeners are done: a stop while they still run ends
-    # their run_until_complete instead of the server's run_forever, which then never returns
+    await running(app)
+    app.stop()
+
+
+async def running(app: Sanic) -> None:
+    """Returns once Sanic's startup listeners are done: the server may be stopped only then (a
+    stop while they still run ends their run_until_complete instead of the server's
+    run_forever, which then never returns)."""
     while not app.state.is_running:
         await asyncio.sleep(0.05)
-    app.stop()
 
 
 def _model_ready(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metrics,

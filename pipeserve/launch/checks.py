@@ -16,6 +16,7 @@ from pipeserve.errors import ConfigError
 from pipeserve.launch.overrides import grammar_message
 
 LAUNCH_ERROR = 2   # every launch error: bad config, model not found, port in use, load failed
+ENGINE_DIED = 70   # EX_SOFTWARE: the engine died while serving (server.exit_on_engine_death)
 HIDDEN_GROUPS = {"hydra", "bench", "schema"}   # Hydra's own, bench.py's, the schema store
 
 

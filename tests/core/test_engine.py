@@ -131,3 +131,22 @@ def test_a_command_is_answered_through_its_future(engine_factory) -> None:
     assert late.done()
     with pytest.raises(EngineUnavailable, match="engine is stopped"):
         late.result(0)
+
+
+def test_an_abandoned_engine_calls_on_death_once(engine_factory) -> None:
+    """abandon (a distributed rank is gone: the engine thread is stuck for good) takes the path
+    of a loop that died: the engine is dead, refuses work with a 503, and calls on_death (the
+    server's exit, http/drain.py) once, however often it is told after. Abandoned while idle:
+    a live engine thread would race the failing of its rows."""
+    h = engine_factory()
+    deaths: list[str] = []
+    h.engine.on_death = lambda: deaths.append("died")
+    h.engine.abandon(RuntimeError("rank 1 is gone"))
+    h.engine.abandon(RuntimeError("rank 1 is gone"))
+    assert deaths == ["died"] and h.engine.state.value == "dead"
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(EngineUnavailable, match="engine is dead"):
+            h.engine.submit(h.request(PROMPT, max_tokens=3), RequestStream(loop))
+    finally:
+        loop.close()
