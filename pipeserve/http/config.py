@@ -75,7 +75,8 @@ class ServerConfig:
     # one model on a thread of the server (isolate unset or false): an engine that dies while
     # serving (its loop raised; a CUDA context left unusable) fails what is in flight with 503
     # and the server exits with status 70, for a supervisor (systemd, Docker, k8s) to start it
-    # again; false: it stays up answering 503. A pool restarts its engine processes itself
+    # again; false: it stays up answering 503. An engine in its own process (isolate, a pool)
+    # exits 70 the same way, whatever this says, and the server restarts it
     exit_on_engine_death: bool = True
     # per-request noise removed from a chat's messages before tokenize, so a session's turns
     # share their prefix in the prompt cache: name → regular expression (null turns them off;

@@ -21,6 +21,7 @@ from pipeserve.core.stream import post_many
 from pipeserve.embed.engine import Embed, EmbedEngine
 from pipeserve.errors import EngineUnavailable, ServeError
 from pipeserve.grammar.constraint import GrammarCompiler
+from pipeserve.launch.checks import ENGINE_DIED
 from pipeserve.launch.logs import own_threads, stop_threads
 from pipeserve.launch.stacks import dump_stacks_on_sigusr1
 from pipeserve.metrics import Metrics, quiet_collector
@@ -85,7 +86,7 @@ def main(conn: Connection, cfg: ServeConfig, model_id: str,
     if cfg.model.encoder:   # an embedding or reranking model (pipeserve/embed/engine.py)
         engine: Any = EmbedEngine(cfg, metrics)
     else:
-        engine = Engine(cfg, metrics)
+        engine = Engine(cfg, metrics, on_death=lambda: _exit_after_death(engine, sender))
     engine.start()
     if not engine.wait_ready():
         send({"op": "start_failed", "error": f"{type(engine.startup_error).__name__}: "
@@ -169,6 +170,18 @@ def _serve(conn: Connection, send: Any, engine: Any, exposition: Any) -> None:
         elif op == "stop":
             break
     engine.stop(30.0)   # the engine thread's exit drains the SSD writer
+
+
+def _exit_after_death(engine: Any, sender: Sender) -> None:
+    """The engine died while serving (engine thread, or abandon's caller): this process exits
+    with ENGINE_DIED once the engine thread has ended (its cleanup drains the SSD writer) and
+    what it said last (every request failed) is on the pipe, and the parent restarts it as
+    after any exit. A process that stayed up would answer 503 while /health said 200."""
+    def run() -> None:
+        engine.stop(30.0)
+        sender.close()
+        _exit(ENGINE_DIED)
+    threading.Thread(target=run, name="pipeserve-engine-died", daemon=True).start()
 
 
 def _remount(engine: Any, wanted: list[str]) -> None:

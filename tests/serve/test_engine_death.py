@@ -7,8 +7,9 @@ model, the engine, the HTTP side and the process are real.
 
 With server.exit_on_engine_death (the default) the requests in flight get their 503 (a stream,
 an error event) and the server exits by itself with status 70 (ENGINE_DIED) for a supervisor
-to start it again; with it false the server stays up and /health answers 503. Every request
-has a timeout; every wait is bounded."""
+to start it again; with it false the server stays up and /health answers 503. With the engine
+in its own process (server.isolate=true), that process exits 70 and the server starts a new one,
+which serves. Every request has a timeout; every wait is bounded."""
 from __future__ import annotations
 
 import threading
@@ -21,6 +22,7 @@ from pipeserve.launch.checks import ENGINE_DIED
 from tests.serve.engine_fault import DIE_SEED
 from tests.serve.test_engine_process import _stream
 from tests.serve.test_openai import NO_EOS
+from tests.serve.test_pool import alive, engine_pid
 
 TIMEOUT = 60.0
 FAULT = "scheduler._target_=tests.serve.engine_fault.DyingScheduler"
@@ -78,3 +80,35 @@ def test_with_exit_on_engine_death_false_the_server_stays_up_answering_503(
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
     assert "the server exits" not in s.log()
     assert s.stop() == 0   # SIGTERM: the drain's exit
+
+
+def test_in_its_own_process_a_dead_engine_exits_70_and_is_restarted(
+        server_factory: Any) -> None:
+    """Before, the engine process stayed up with its loop dead: every request got 503 while
+    /health answered 200, and nothing restarted it."""
+    s = server_factory(FAULT, "server.isolate=true")
+    victim = engine_pid(s, "tiny")
+    streamed: dict[str, Any] = {}
+    started = threading.Event()
+    stream = threading.Thread(target=_stream, args=(s.base_url, streamed, started), daemon=True)
+    stream.start()
+    assert started.wait(TIMEOUT) and streamed["error"] is None
+    r = _die(s.base_url)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+    stream.join(TIMEOUT)
+    assert not stream.is_alive(), "the stream hung after the engine died"
+    assert streamed["error"] is not None, streamed
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "(exit code 70)" not in s.log():
+        time.sleep(0.1)
+    assert "(exit code 70)" in s.log(), s.log()[-4000:]
+    # a new engine process serves; the server never stopped
+    while time.monotonic() < deadline:
+        if httpx.get(s.base_url + "/health", timeout=TIMEOUT).status_code == 200:
+            break
+        time.sleep(0.1)
+    assert s.proc.poll() is None and not alive(victim), s.log()[-4000:]
+    assert engine_pid(s, "tiny") != victim
+    ok = httpx.post(s.base_url + "/v1/chat/completions", timeout=TIMEOUT,
+                    json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4, ok.text
