@@ -13,7 +13,7 @@ from collections.abc import Callable
 from sanic import Sanic
 
 from pipeserve.config import ServeConfig
-from pipeserve.core.client import EngineClient
+from pipeserve.core.client import EngineClient, EngineState
 from pipeserve.http.api import responses_background
 from pipeserve.http.startup import running
 from pipeserve.http.waits import flushed
@@ -49,11 +49,15 @@ def add_drain(app: Sanic, cfg: ServeConfig, engine: EngineClient, metrics: Metri
         left = engine.load().num_inflight
         if left:
             log.warning("shutdown timeout: %d request(s) were cut off", left)
-        t0 = time.perf_counter()
-        ok = await flushed(engine, 300)
-        metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
-        log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
-                 time.perf_counter() - t0)
+        if engine.state is EngineState.DEAD:   # it takes no commands; its thread's exit
+            log.info("prompt cache: not flushed, the engine died (its thread's exit writes "
+                     "what it can)")   # drains the SSD writer (core/engine.py _run)
+        else:
+            t0 = time.perf_counter()
+            ok = await flushed(engine, 300)
+            metrics.cache_flush_seconds.observe(time.perf_counter() - t0)
+            log.info("prompt cache %s in %.2f s", "flushed" if ok else "NOT fully flushed",
+                     time.perf_counter() - t0)
         engine.stop()
 
 

@@ -62,6 +62,8 @@ def test_a_dead_engine_fails_what_is_in_flight_and_the_server_exits_70(
     log = s.log()
     assert "engine loop died" in log and "injected fault" in log, log[-4000:]
     assert f"the server exits with status {ENGINE_DIED}" in log, log[-4000:]
+    # the stop does not ask a dead engine to flush the prompt cache, nor report that it failed to
+    assert "NOT fully flushed" not in log and "not flushed, the engine died" in log, log[-4000:]
 
 
 def test_with_exit_on_engine_death_false_the_server_stays_up_answering_503(
