@@ -2,7 +2,9 @@
 drives it), on any model the serve config names, next to mlx-lm's own loops on the same weights
 in the same process. Prints one JSON object per measurement, and a per-step breakdown of the
 engine thread (schedule / launch / read-back / apply / flush, ms a step), so each loss is
-attributed to host work or to the device.
+attributed to host work or to the device: `host` is the loop's own Python a step, its parts
+less the waits on the device (the read-back, and mx.async_eval, which on the CPU backend runs
+the step). Where it exceeds the device's time a step, the device waits on the host.
 
     python scripts/engine_alone.py --streams 1,32,128 -- model=tiny model.size=large \
         model.dtype=bfloat16 model.compute_dtype=checkpoint
@@ -73,8 +75,12 @@ class StepClock:
 
     def report(self) -> dict[str, float]:
         n = max(self.steps, 1)
-        return {k: round(1000 * v / n, 3) for k, v in sorted(self.total.items())} | {
-            "steps": self.steps}
+        t = self.total
+        # the loop's own Python per step: its parts, less the waits on the device in them
+        host = (t["schedule"] + t["launch"] + t["apply (incl. read)"] + t["flush"] + t["passed"]
+                - t["dispatch (in launch)"] - t["read"])
+        return {k: round(1000 * v / n, 3) for k, v in sorted(t.items())} | {
+            "host": round(1000 * host / n, 3), "steps": self.steps}
 
 
 def compose_cfg(overrides: list[str], strict: bool = True) -> Any:
@@ -112,6 +118,27 @@ def instrument(engine: Any, clock: StepClock) -> None:
         return plan
     sched.schedule = schedule
     clock.wrap(engine.step, "launch", "launch")
+    # mx.async_eval: on the CPU backend it runs the step itself; late (dispatch_late) it is
+    # outside launch and counted apart
+    inner_launch, inner_dispatch = engine.step.launch, engine.step.dispatch
+    inside = [False]
+
+    def launch(*a: Any) -> Any:
+        inside[0] = True
+        try:
+            return inner_launch(*a)
+        finally:
+            inside[0] = False
+
+    def dispatch(*a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_dispatch(*a)
+        finally:
+            if clock.on:
+                clock.total["dispatch (in launch)" if inside[0] else "dispatch (late)"] += (
+                    time.perf_counter() - t0)
+    engine.step.launch, engine.step.dispatch = launch, dispatch
     clock.wrap(engine.step, "read", "read")
     clock.wrap(engine, "_apply", "apply (incl. read)")
     clock.wrap(engine._out, "flush", "flush")

@@ -30,6 +30,11 @@ def test_prompts_as_long_as_the_server_runs(model_cache: Path, tmp_path: Path) -
         assert rep["tokens"] == 6 and rep["streams"] == 2
         # each rep's prompts are new (as a stream's next request through HTTP): no cache hit
         assert rep["cached_tokens"] == 0, rep
+        # the loop's own Python a step: its parts less the waits on the device (async_eval
+        # runs the step itself on the CPU backend, inside launch), within the step's wall
+        ms = rep["per_step_ms"]
+        assert ms["dispatch (in launch)"] > 0 and ms["dispatch (late)"] == 0, ms
+        assert 0 < ms["host"] <= 1000 * rep["wall_s"] / ms["steps"], rep
     # scheduler.step_trace=true: the engine's step lines on stderr, which
     # request_log_bursts.py --steps-only groups: warm-up and two reps, each of 2 rows
     log = tmp_path / "engine-alone.log"
