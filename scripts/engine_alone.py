@@ -13,10 +13,11 @@ the step). Where it exceeds the device's time a step, the device waits on the ho
 --bias both: every measurement with and without a logit_bias on every request (EOS -100; the
 rows have no stop tokens either way, so both run to --max-tokens). --profile N: cProfile the
 engine thread during the N-stream run (top functions by own time). --loop uvloop: the streams
-on the event loop the server runs (asyncio's by default). scheduler.step_trace=true: the
-engine's step lines on stderr (bench.py keeps them in engine-alone-N.log; summarized by
-scripts/request_log_bursts.py --steps-only). Used by bench.py for its `engine alone` rows
-(bench.engine_alone=true)."""
+on the event loop the server runs (asyncio's by default). --spread S: each measurement's
+streams arrive evenly over S seconds, as an HTTP burst's do, instead of all at once.
+scheduler.step_trace=true: the engine's step lines on stderr (bench.py keeps them in
+engine-alone-N.log; summarized by scripts/request_log_bursts.py --steps-only). Used by bench.py
+for its `engine alone` rows (bench.engine_alone=true)."""
 from __future__ import annotations
 
 import argparse
@@ -146,19 +147,24 @@ def instrument(engine: Any, clock: StepClock) -> None:
 
 
 async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
-                    bias: dict[int, float]) -> dict[str, Any]:
+                    bias: dict[int, float], spread_s: float = 0.0) -> dict[str, Any]:
+    """Every prompt as a stream; with `spread_s`, the i-th of n submits i/n of it after the
+    first (arrivals as spread as an HTTP burst's). TTFT counts from each one's own submit."""
     from pipeserve.core.events import Failed, Finished, TokenDelta
     from pipeserve.request import PromptInput, Request, SamplingParams
     from pipeserve.core.stream import RequestStream
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
 
-    async def one(ids: list[int]) -> tuple[float, float, int, int]:
+    async def one(i: int, ids: list[int]) -> tuple[float, float, int, int, float]:
+        if spread_s:
+            await asyncio.sleep(spread_s * i / len(prompts))
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=dict(bias))
         req = Request(request_id=f"b-{uuid.uuid4().hex[:8]}", endpoint="bench",
                       inputs=PromptInput(token_ids=ids), prompt_ids=list(ids), sampling=sp,
                       stop_token_ids=frozenset())
         stream = RequestStream(loop)
+        sent = time.perf_counter()
         engine.submit(req, stream)
         first = last = 0.0
         n = 0
@@ -169,14 +175,14 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
                 first = first or last
                 n += len(event.token_ids)
             elif isinstance(event, Finished):
-                return first, last, n, req.num_cached_tokens
+                return first, last, n, req.num_cached_tokens, sent
             else:
                 assert isinstance(event, Failed)
                 raise event.error
-    got = await asyncio.gather(*(one(p) for p in prompts))
+    got = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     end = max(g[1] for g in got)
     tokens = sum(g[2] for g in got)
-    ttft = sorted(g[0] - t0 for g in got)
+    ttft = sorted(g[0] - g[4] for g in got)
     single = got[0]
     return {"tokens": tokens, "cached_tokens": sum(g[3] for g in got),
             "wall_s": round(end - t0, 3),
@@ -184,7 +190,8 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
             "decode_tok_s_row": round((single[2] - 1) / (single[1] - single[0]), 1)
             if single[1] > single[0] else None,
             "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
-            "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 4)}
+            "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 4),
+            "ttft_last_s": round(got[-1][0] - got[-1][4], 4)}   # the last one submitted
 
 
 def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_tokens: int,
@@ -247,6 +254,9 @@ def main() -> None:
     ap.add_argument("--warm-lengths", default="", help="the warm-up prompts' lengths (the "
                     "server run's warm-up; default: --prompt-tokens, one a stream)")
     ap.add_argument("--bias", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="seconds over which a measurement's streams arrive (evenly; an HTTP "
+                         "burst's spread, from request_log_bursts.py's arrival_spread_s)")
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
@@ -305,12 +315,13 @@ def main() -> None:
                 clock.on = True
                 if args.profile == n and rep == 0 and with_bias == biases[0]:
                     clock.profile, clock.profiling = cProfile.Profile(), True
-                r = run(run_batch(engine, prompts, args.max_tokens, bias))
+                r = run(run_batch(engine, prompts, args.max_tokens, bias, args.spread))
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
                       "prompt_tokens": [len(p) for p in prompts_by_n[n]],
-                      "loop": args.loop, "rep": rep, "per_step_ms": clock.report()}
+                      "loop": args.loop, "spread_s": args.spread, "rep": rep,
+                      "per_step_ms": clock.report()}
                 print(json.dumps(r), flush=True)
                 if clock.profile is not None:
                     run(run_batch(engine, warm[:1], 2, {}))   # disables it, in-thread

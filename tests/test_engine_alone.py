@@ -48,3 +48,21 @@ def test_prompts_as_long_as_the_server_runs(model_cache: Path, tmp_path: Path) -
     assert group["rows_max"] == 2 and group["prompt_steps"] >= 3, group
     assert group["steps"] > group["prompt_steps"], group
     assert group["decode_parts_ms_p50"]["launch"] > 0, group   # the forward, timed
+
+
+def test_spread_arrivals_count_ttft_from_each_submit(model_cache: Path) -> None:
+    """--spread: the streams arrive over that window (an HTTP burst's), not all at once; each
+    one's TTFT counts from its own submit, so the late one's wait is not its TTFT."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "engine_alone.py"), "--streams", "2",
+         "--max-tokens", "3", "--spread", "0.6", "--bias", "on", "--library", "none",
+         "--", "model=tiny", f"model.cache_dir={model_cache}", "server.cuda_graphs=false"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [rep] = [json.loads(line) for line in out.stdout.splitlines()
+             if line.startswith("{") and '"engine alone"' in line]
+    assert rep["spread_s"] == 0.6 and rep["tokens"] == 6, rep
+    assert rep["wall_s"] >= 0.3, rep   # the second stream was sent 0.3 s after the first
+    # its first token came after its own submit, within the run: counted from the run's start
+    # it would be at least the 0.3 s it waited to be sent, and within 3 tokens of wall_s
+    assert 0 < rep["ttft_last_s"] <= rep["wall_s"] - 0.3 + 1e-3, rep
