@@ -12,6 +12,7 @@ from pipeserve.adapters.lora import AdapterSet
 from pipeserve.draft.mtp import target_forward
 from pipeserve.core.rows import RowStore, drop_shared_padding, merge_layer
 from pipeserve.core.plan import Logits, PlannedRow
+from pipeserve.model.fast_decode import fast_decode
 
 BUCKET_SPREAD = 2.0   # prompts within 2x of each other's length share one padded forward
 
@@ -20,13 +21,16 @@ class Forward:
     """Prompt chunks' KV is evaluated before the call returns, so a long prompt never builds
     one giant deferred graph; the decode forward stays lazy (the caller evaluates it)."""
 
-    def __init__(self, model: Any, keep_hidden: bool = False, grouped: bool = True) -> None:
+    def __init__(self, model: Any, keep_hidden: bool = False, grouped: bool = True,
+                 fast: bool = False) -> None:
         self.model = model
         self.keep_hidden = keep_hidden
         self.grouped = grouped
         self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
         self.failed: dict[str, BaseException] = {}     # media rows whose own chunk raised
         self.adapters = AdapterSet.of(model)   # per-row adapters (empty: none mounted yet)
+        # model.fast_decode: one row's decode step in compiled calls, where it is the same
+        self.fast = fast_decode(model) if fast and not keep_hidden else None
 
     def _select(self, rows: list[PlannedRow]) -> None:
         """The next model call's rows, in its batch order, run each with its request's adapter
@@ -165,6 +169,10 @@ class Forward:
 
     def _run(self, tokens: mx.array, caches: list[Any], order: list[str],
              rows: dict[str, PlannedRow], hidden: dict[str, Any]) -> mx.array:
+        fast, a = self.fast, self.adapters
+        if (fast is not None and not (a.adapters or a.slots or a.retired)
+                and fast.fits(tokens, caches)):   # no adapter mounted: the traced modules'
+            return fast(tokens, caches)           # base weights are the whole model
         self._select([rows[rid] for rid in order])
         try:
             if not self.keep_hidden:

@@ -25,7 +25,8 @@ class Prefill:
             check_vision(cfg, keep_hidden=deps.keep_hidden)
             check_backend(deps.loaded.vision.family, on_cuda())
         self.forward = Forward(deps.model, keep_hidden=deps.keep_hidden,
-                               grouped=deps.layout.grouped_prefill and not deps.keep_hidden)
+                               grouped=deps.layout.grouped_prefill and not deps.keep_hidden,
+                               fast=cfg.model.fast_decode)
         self.metrics = deps.metrics
 
     def __call__(self, plan: StepPlan, kv: RowStore) -> Logits:

@@ -1,0 +1,58 @@
+"""model.fast_decode (on by default): one row's decode step as two compiled calls a layer. It
+must be the same computation as mlx-lm's forward: the same greedy tokens as mlx-lm's own loop,
+and the same logprobs, bit for bit, as the engine with it off (SPEC §10)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeserve.model.tiny.text import ensure_model
+from tests.core.test_fidelity import chat_prompt, reference_ids
+
+CASES = [("tiny", "qwen3", "float32"), ("tiny", "qwen3", "bfloat16"),
+         ("llama", "llama", "float32")]
+
+
+def forward(h: Any) -> Any:
+    return h.engine.step.prefill.forward
+
+
+def run(h: Any, prompt: list[int]) -> tuple[list[int], list[tuple[int, float, Any]]]:
+    out = h.generate(prompt, max_tokens=32, logprobs=True, top_logprobs=3)
+    return out["ids"], [(lp.token_id, lp.logprob, lp.top) for lp in out["logprobs"]]
+
+
+@pytest.mark.parametrize("option,arch,dtype", CASES)
+def test_fast_decode_is_the_same_computation(option: str, arch: str, dtype: str,
+                                             engine_factory: Any, model_cache: Path) -> None:
+    # the checkpoint's dtype computes (a bf16 model in bf16, as on a GPU), as mlx-lm loads it
+    model = (f"model={option}", f"model.dtype={dtype}", "model.compute_dtype=checkpoint")
+    fast = engine_factory(*model)
+    plain = engine_factory(*model, "model.fast_decode=false")
+    assert forward(plain).fast is None
+    path = ensure_model(arch, "tiny", dtype, model_cache)
+    for text in ["Hello there, how are you?", "Tell me a story about a café in 日本."]:
+        prompt = chat_prompt(fast, text)
+        before = forward(fast).fast.calls
+        ids, lps = run(fast, prompt)
+        # every step after the first (the prompt's) decoded one row through the compiled path
+        assert forward(fast).fast.calls - before >= len(ids) - 1 > 4
+        assert (ids, lps) == run(plain, prompt)   # tokens, logprobs and top-3, bit for bit
+        ref = reference_ids(path, prompt, 32, 2048)
+        assert ids[:len(ref)] == ref, f"{arch}/{dtype}: {ids} != mlx-lm {ref}"
+
+
+def test_many_rows_and_other_families_run_mlx_lm_forward(engine_factory: Any) -> None:
+    """Only a batch of one row takes it; a family it does not know never does."""
+    h = engine_factory("model=tiny")
+    prompts = [chat_prompt(h, f"Count to {n}.") for n in (3, 4, 5)]
+    requests = [h.request(p, max_tokens=6) for p in prompts]
+    import asyncio
+    before = forward(h).fast.calls
+    asyncio.run(h.generate_many(requests))
+    # three rows decode together: the batch (BatchKVCache) runs mlx-lm's own forward; only a
+    # row left alone after the others ended could take the compiled path
+    assert forward(h).fast.calls - before < 6
+    assert forward(engine_factory("model=gemma")).fast is None   # gemma3: not a known family
