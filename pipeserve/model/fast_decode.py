@@ -16,6 +16,11 @@ The compiled calls keep the modules they were traced with: mounting an adapter l
 Linear layers, so the engine asks `applies()` each step (pipeserve/core/forward.py)."""
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
+import inspect
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +30,15 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import KVCache
 
-# model class → its block, attention and MLP classes (the stock ones only)
-_FAMILIES: dict[type, tuple[type, type, type]] = {
-    qwen3.Model: (qwen3.TransformerBlock, qwen3.Attention, qwen3.MLP),
-    llama.Model: (llama.TransformerBlock, llama.Attention, llama.MLP),
+# model class → its block, attention and MLP classes (the stock ones only), and the digest of
+# the forward code replicated here (the five __call__s): another mlx-lm whose code differs runs
+# its own forward until this file is checked against it (tests/core/test_fast_decode.py fails)
+_FAMILIES: dict[type, tuple[type, type, type, str]] = {
+    qwen3.Model: (qwen3.TransformerBlock, qwen3.Attention, qwen3.MLP, "a32b957bb6899e82"),
+    llama.Model: (llama.TransformerBlock, llama.Attention, llama.MLP, "18241225bf62630d"),
 }
 _PROJECTIONS = (nn.Linear, nn.QuantizedLinear)
+log = logging.getLogger(__name__)
 
 
 class FastDecode:
@@ -45,6 +53,15 @@ class FastDecode:
         # the attention function the stock module calls: mlx-lm's, or the one pipeserve's
         # attention dispatch installed there (pipeserve/kv/attention.py), looked up per call
         self._module = sys.modules[type(self.layers[0].self_attn).__module__]
+
+    def trace(self) -> None:
+        """Each compiled call once, at a decode step's shapes and dtypes."""
+        h = self.model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.uint32))
+        at = mx.array(0, dtype=mx.int32)
+        for pre, post, _ in self._parts:
+            q, _, _ = pre(h, at)
+            h = post(h, q)   # the attention's output has the queries' shape and dtype
+        self._head(h)
 
     def fits(self, tokens: mx.array, caches: list[Any]) -> bool:
         return (tokens.shape == (1, 1) and len(caches) == len(self.layers)
@@ -70,8 +87,12 @@ def fast_decode(model: Any) -> FastDecode | None:
     family = _FAMILIES.get(type(model))
     if family is None:
         return None
-    block, attention, mlp = family
+    block, attention, mlp, digest = family
     inner = model.model
+    if _digest(type(model), type(inner), block, attention, mlp) != digest:
+        log.info("model.fast_decode: mlx-lm %s's %s forward is not the one it replicates; "
+                 "mlx-lm's own runs", _version(), type(model).__module__)
+        return None
     if getattr(inner, "swa_idx", None) is not None:   # llama with sliding-window layers
         return None
     for layer in inner.layers:
@@ -88,7 +109,30 @@ def fast_decode(model: Any) -> FastDecode | None:
             return None
     if type(inner.norm) is not nn.RMSNorm:
         return None
-    return FastDecode(model)
+    fast = FastDecode(model)
+    try:   # trace every compiled call now, on lazy stand-ins (nothing is evaluated): a call
+        fast.trace()   # that cannot compile must fail here, not halfway through a step's KV
+    except Exception:
+        log.exception("model.fast_decode: tracing the compiled decode failed; mlx-lm's "
+                      "forward runs")
+        return None
+    return fast
+
+
+@functools.cache
+def _digest(*classes: type) -> str:
+    try:
+        source = "".join(inspect.getsource(c.__call__) for c in classes)
+    except (OSError, TypeError):   # no source to read (an install without .py files)
+        return ""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mlx-lm")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def _compiled(layer: Any) -> tuple[Callable[..., Any], Callable[..., Any], float]:

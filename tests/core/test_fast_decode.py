@@ -56,3 +56,32 @@ def test_many_rows_and_other_families_run_mlx_lm_forward(engine_factory: Any) ->
     # row left alone after the others ended could take the compiled path
     assert forward(h).fast.calls - before < 6
     assert forward(engine_factory("model=gemma")).fast is None   # gemma3: not a known family
+
+
+def small_qwen3() -> Any:
+    from mlx_lm.models import qwen3
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-6,
+                           vocab_size=100, num_key_value_heads=2, max_position_embeddings=512,
+                           rope_theta=1e6, head_dim=16, tie_word_embeddings=True)
+    return qwen3.Model(args)
+
+
+def test_what_it_does_not_replicate_runs_mlx_lm_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapped projection (LoRA), scaled RoPE, or an mlx-lm whose forward code is not the
+    one replicated: no fast decode."""
+    from mlx_lm.models import qwen3
+    from mlx_lm.tuner.lora import LoRALinear
+
+    import pipeserve.model.fast_decode as fd
+    assert fd.fast_decode(small_qwen3()) is not None
+    wrapped = small_qwen3()
+    wrapped.model.layers[1].self_attn.v_proj = LoRALinear.from_base(
+        wrapped.model.layers[1].self_attn.v_proj, r=4)
+    assert fd.fast_decode(wrapped) is None
+    scaled = small_qwen3()
+    scaled.model.layers[0].self_attn.rope = object()   # Llama 3 / YaRN scaling: another class
+    assert fd.fast_decode(scaled) is None
+    block, attention, mlp, _ = fd._FAMILIES[qwen3.Model]
+    monkeypatch.setitem(fd._FAMILIES, qwen3.Model, (block, attention, mlp, "0" * 16))
+    assert fd.fast_decode(small_qwen3()) is None
