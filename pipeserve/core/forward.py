@@ -29,7 +29,7 @@ class Forward:
         self.hidden: dict[str, tuple[int, Any]] = {}   # prefill chunks' hidden (draft=mtp)
         self.failed: dict[str, BaseException] = {}     # media rows whose own chunk raised
         self.adapters = AdapterSet.of(model)   # per-row adapters (empty: none mounted yet)
-        # model.fast_decode: one row's decode step in compiled calls, where it is the same
+        # model.fast_decode: a decode step in compiled calls, where it is the same
         self.fast = fast_decode(model) if fast and not keep_hidden else None
 
     def _select(self, rows: list[PlannedRow]) -> None:

@@ -1,4 +1,4 @@
-"""One row's decode forward with each layer's Python collapsed into two compiled calls.
+"""A decode step's forward with each layer's Python collapsed into two compiled calls.
 
 Building a step's graph in Python costs about 150 µs a layer on mlx-lm's modules (each
 Linear, norm and reshape a Python call), 4 ms a step for a 28-layer model on a 2-core CPU.
@@ -10,8 +10,11 @@ compiled call. The primitives are mlx-lm's own, in its order: no new fusion (the
 elementwise chain, SwiGLU, is compiled in mlx-lm already), so the logits are the same bits.
 
 Only where that holds by construction: mlx-lm's qwen3 and llama (no sliding window) modules,
-every leaf a stock Linear / QuantizedLinear / RMSNorm / RoPE, a batch of one row with one new
-token over plain KVCaches, and no LoRA adapter mounted. Anything else runs mlx-lm's forward.
+every leaf a stock Linear / QuantizedLinear / RMSNorm / RoPE, one new token a row over plain
+caches (one row's KVCache, or a batch's BatchKVCache: its per-row offsets and left-padding mask
+as mlx-lm's forward passes them), and no LoRA adapter mounted. Anything else runs mlx-lm's
+forward. A batch size is traced (about 15 ms on a 2-core CPU for 28 layers) the first time it
+decodes two steps in a row, so a burst whose batch grows every step does not trace each size.
 The compiled calls keep the modules they were traced with: mounting an adapter later wraps the
 Linear layers, so the engine asks `applies()` each step (pipeserve/core/forward.py)."""
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # model class → its block, attention and MLP classes (the stock ones only), and the digest of
 # the forward code replicated here (the five __call__s): another mlx-lm whose code differs runs
@@ -42,17 +45,20 @@ log = logging.getLogger(__name__)
 
 
 class FastDecode:
-    """Call with (tokens (1, 1), caches) → logits (1, 1, vocab), as `model(tokens, cache=...)`."""
+    """Call with (tokens (B, 1), caches) → logits (B, 1, vocab), as `model(tokens, cache=...)`."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.layers = list(model.model.layers)
         self.calls = 0   # steps that ran here (tests: the path was taken)
+        self.batches: set[int] = set()   # batch sizes (BatchKVCache) compiled so far
+        self._last = 0                    # the previous batch step's size
         self._parts = [_compiled(layer) for layer in self.layers]
         self._head = mx.compile(_head(model))
         # the attention function the stock module calls: mlx-lm's, or the one pipeserve's
         # attention dispatch installed there (pipeserve/kv/attention.py), looked up per call
         self._module = sys.modules[type(self.layers[0].self_attn).__module__]
+        self._mask_layer = getattr(model.model, "fa_idx", 0)   # llama: its full-attention layer's
 
     def trace(self) -> None:
         """Each compiled call once, at a decode step's shapes and dtypes."""
@@ -64,13 +70,33 @@ class FastDecode:
         self._head(h)
 
     def fits(self, tokens: mx.array, caches: list[Any]) -> bool:
-        return (tokens.shape == (1, 1) and len(caches) == len(self.layers)
-                and all(type(c) is KVCache for c in caches))
+        rows, width = tokens.shape
+        if width != 1 or len(caches) != len(self.layers):
+            return False
+        kind = type(caches[0])
+        if kind is KVCache:
+            return rows == 1 and all(type(c) is KVCache for c in caches)
+        if kind is not BatchKVCache or not all(type(c) is BatchKVCache for c in caches):
+            return False
+        if rows not in self.batches:   # a new size: traced once it decodes a second step
+            last, self._last = self._last, rows
+            if rows != last:
+                return False
+            self.batches.add(rows)
+        self._last = rows
+        return True
 
     def __call__(self, tokens: mx.array, caches: list[Any]) -> mx.array:
         self.calls += 1
         attend = self._module.scaled_dot_product_attention
         h = self.model.model.embed_tokens(tokens)
+        if type(caches[0]) is BatchKVCache:   # per-row offsets (arrays) and the padding mask
+            mask = self._module.create_attention_mask(h, caches[self._mask_layer])
+            for (pre, post, scale), c in zip(self._parts, caches):
+                q, k, v = pre(h, c.offset)
+                k, v = c.update_and_fetch(k, v)
+                h = post(h, attend(q, k, v, cache=c, scale=scale, mask=mask))
+            return self._head(h)
         offsets: dict[int, mx.array] = {}
         for (pre, post, scale), c in zip(self._parts, caches):
             at = offsets.get(c.offset)

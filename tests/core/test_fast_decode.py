@@ -44,17 +44,34 @@ def test_fast_decode_is_the_same_computation(option: str, arch: str, dtype: str,
         assert ids[:len(ref)] == ref, f"{arch}/{dtype}: {ids} != mlx-lm {ref}"
 
 
-def test_many_rows_and_other_families_run_mlx_lm_forward(engine_factory: Any) -> None:
-    """Only a batch of one row takes it; a family it does not know never does."""
-    h = engine_factory("model=tiny")
-    prompts = [chat_prompt(h, f"Count to {n}.") for n in (3, 4, 5)]
-    requests = [h.request(p, max_tokens=6) for p in prompts]
+def run_many(h: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[Any]]]:
     import asyncio
-    before = forward(h).fast.calls
-    asyncio.run(h.generate_many(requests))
-    # three rows decode together: the batch (BatchKVCache) runs mlx-lm's own forward; only a
-    # row left alone after the others ended could take the compiled path
-    assert forward(h).fast.calls - before < 6
+    requests = [h.request(p, max_tokens=24, logprobs=True, top_logprobs=3) for p in prompts]
+    outs = asyncio.run(h.generate_many(requests))
+    return [(o["ids"], [(lp.token_id, lp.logprob, lp.top) for lp in o["logprobs"]])
+            for o in outs]
+
+
+@pytest.mark.parametrize("option,arch,dtype", CASES)
+def test_a_batch_of_rows_is_the_same_computation(option: str, arch: str, dtype: str,
+                                                 engine_factory: Any) -> None:
+    """Rows of different prompt lengths decode together (a BatchKVCache, left-padded): the
+    compiled path takes the batch once its size held for two steps, and every row's tokens,
+    logprobs and top-3 equal the engine with it off, bit for bit."""
+    model = (f"model={option}", f"model.dtype={dtype}", "model.compute_dtype=checkpoint")
+    fast = engine_factory(*model)
+    plain = engine_factory(*model, "model.fast_decode=false")
+    prompts = [chat_prompt(fast, t) for t in
+               ("Count to three.", "Name a colour, then explain why the sky looks blue.",
+                "Hi", "Write one sentence about rivers and the sea.")]
+    before = forward(fast).fast.calls
+    got = run_many(fast, prompts)
+    assert forward(fast).fast.calls - before > 10   # the batch's steps took it
+    assert 4 in forward(fast).fast.batches or 3 in forward(fast).fast.batches
+    assert got == run_many(plain, prompts)
+
+
+def test_other_families_run_mlx_lm_forward(engine_factory: Any) -> None:
     assert forward(engine_factory("model=gemma")).fast is None   # gemma3: not a known family
 
 
