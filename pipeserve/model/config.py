@@ -137,9 +137,9 @@ class ModelConfig:
                                       # cuDNN graph builds); no effect elsewhere
     composed_decode: bool = False     # CUDA, with composed_attention: a padded batch's decode
                                       # attention (one query per row, masked) composed too
-    fast_decode: bool = True   # a decode step (one row or a batch) as compiled calls: same logits,
-                               # less host time (two a layer; qwen3 and llama modules, no adapter
-                               # mounted: pipeserve/model/fast_decode.py)
+    fast_decode: bool = True   # decode steps as compiled calls: the same logits, less host time
+                               # (one row or a batch, two calls a layer; qwen3 and llama modules,
+                               # no adapter mounted: pipeserve/model/fast_decode.py)
     vision: bool = True   # false: serve a vision-language checkpoint text only (towers not loaded)
                           # (Qwen3.5's are VLMs), so draft=mtp, server.isolate and distributed
                           # compose with it; image, video and audio parts are then 400s
