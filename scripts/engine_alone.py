@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import importlib.util
 import io
 import os
 import json
@@ -260,8 +261,9 @@ def main() -> None:
     ap.add_argument("--library", choices=["all", "none"], default="all")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="cProfile the N-stream run")
-    ap.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
-                    help="the streams' event loop (the server's, under Sanic, is uvloop: "
+    ap.add_argument("--loop", choices=["asyncio", "uvloop"],
+                    default="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+                    help="the streams' event loop (default: the server's, uvloop under Sanic; "
                          "asyncio's wakes by a socket send that releases the GIL, uvloop's not)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()

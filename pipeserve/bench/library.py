@@ -2,7 +2,6 @@
 the step probe, each run in a child process on the same model directory."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -149,9 +148,8 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
     """The engine with no HTTP around it (one process, pipeserve's own config): random prompt
     ids as long as the server's prompts were, each one (warm-up and timed, from the server
     run's prompt-lengths.json), so both meet the same shapes cold or warm; greedy, logit_bias
-    suppressing EOS. Its streams are read on the event loop the server runs (uvloop where it is
-    installed): asyncio's cross-thread wake-up writes a socket and hands the engine's GIL to
-    the reader on every token, uvloop's does not."""
+    suppressing EOS. Its streams are read on the event loop the server runs (engine_alone.py's
+    default: uvloop where it is installed)."""
     n = round(prompt_tokens) if prompt_tokens == prompt_tokens else b.prompt_words
     lengths = out / "prompt-lengths.json"
     given = []
@@ -163,7 +161,6 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "engine_alone.py"),
                           "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
                           "--prompt-tokens", str(n), *given, "--bias", "on", "--library", "none",
-                          "--loop", "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
                           "--reps", str(b.requests_per_stream),
                           "--", *overrides, f"model.path={model_dir}"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
