@@ -53,6 +53,7 @@ class FastDecode:
         self.calls = 0   # steps that ran here (tests: the path was taken)
         self.batches: set[int] = set()   # batch sizes (BatchKVCache) compiled so far
         self._last = 0                    # the previous batch step's size
+        self._failed: set[int] = set()    # sizes whose tracing raised (never tried again)
         self._parts = [_compiled(layer) for layer in self.layers]
         self._head = mx.compile(_head(model))
         # the attention function the stock module calls: mlx-lm's, or the one pipeserve's
@@ -60,10 +61,11 @@ class FastDecode:
         self._module = sys.modules[type(self.layers[0].self_attn).__module__]
         self._mask_layer = getattr(model.model, "fa_idx", 0)   # llama: its full-attention layer's
 
-    def trace(self) -> None:
-        """Each compiled call once, at a decode step's shapes and dtypes."""
-        h = self.model.model.embed_tokens(mx.zeros((1, 1), dtype=mx.uint32))
-        at = mx.array(0, dtype=mx.int32)
+    def trace(self, rows: int = 1, offsets: mx.array | None = None) -> None:
+        """Each compiled call once, at a decode step's shapes and dtypes (lazy stand-ins: one
+        row's scalar offset, or a batch's per-row offsets)."""
+        h = self.model.model.embed_tokens(mx.zeros((rows, 1), dtype=mx.uint32))
+        at = mx.array(0, dtype=mx.int32) if offsets is None else mx.zeros_like(offsets)
         for pre, post, _ in self._parts:
             q, _, _ = pre(h, at)
             h = post(h, q)   # the attention's output has the queries' shape and dtype
@@ -80,7 +82,14 @@ class FastDecode:
             return False
         if rows not in self.batches:   # a new size: traced once it decodes a second step
             last, self._last = self._last, rows
-            if rows != last:
+            if rows != last or rows in self._failed:
+                return False
+            try:   # before the step touches any KV, as at load
+                self.trace(rows, caches[0].offset)
+            except Exception:
+                log.exception("model.fast_decode: tracing a batch of %d rows failed; mlx-lm's "
+                              "forward runs for it", rows)
+                self._failed.add(rows)
                 return False
             self.batches.add(rows)
         self._last = rows

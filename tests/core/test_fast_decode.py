@@ -105,3 +105,33 @@ def test_what_it_does_not_replicate_runs_mlx_lm_forward(monkeypatch: pytest.Monk
     block, attention, mlp, _ = fd._FAMILIES[qwen3.Model]
     monkeypatch.setitem(fd._FAMILIES, qwen3.Model, (block, attention, mlp, "0" * 16))
     assert fd.fast_decode(small_qwen3()) is None
+
+
+def test_a_batch_size_is_traced_before_its_step_and_a_failure_runs_mlx_lm_forward() -> None:
+    """A new batch size takes the compiled path on its second step in a row, traced before the
+    step touches KV; where tracing raises, that size runs mlx-lm's forward from then on."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    import pipeserve.model.fast_decode as fd
+    model = small_qwen3()
+    f = fd.fast_decode(model)
+    assert f is not None
+    tokens = mx.array([[5], [7]], dtype=mx.uint32)
+    fast, plain = ([BatchKVCache([0, 2]) for _ in f.layers] for _ in range(2))
+    for caches in (fast, plain):   # two rows, the second left-padded by 2
+        model(mx.array([[1, 2, 3, 4], [0, 0, 3, 4]], dtype=mx.uint32), cache=caches)
+    assert not f.fits(tokens, fast) and f.fits(tokens, fast) and 2 in f.batches
+    assert mx.array_equal(f(tokens, fast), model(tokens, cache=plain)).item()
+
+    broken = fd.fast_decode(small_qwen3())
+    pre, post, scale = broken._parts[0]
+
+    def cannot_compile(x: Any, offset: Any) -> Any:
+        raise RuntimeError("cannot compile")
+    broken._parts[0] = (cannot_compile, post, scale)
+    untouched = [BatchKVCache([0, 1]) for _ in broken.layers]
+    assert not broken.fits(tokens, untouched) and not broken.fits(tokens, untouched)
+    assert 2 not in broken.batches and all(c.keys is None for c in untouched)
+    broken._parts[0] = (pre, post, scale)
+    assert not broken.fits(tokens, untouched)   # not tried again
