@@ -16,7 +16,7 @@ as mlx-lm's forward passes them), and no LoRA adapter mounted. Anything else run
 forward. A batch size is traced (about 15 ms on a 2-core CPU for 28 layers) the first time it
 decodes two steps in a row, so a burst whose batch grows every step does not trace each size.
 The compiled calls keep the modules they were traced with: mounting an adapter later wraps the
-Linear layers, so the engine asks `applies()` each step (pipeserve/core/forward.py)."""
+Linear layers, so the engine checks for mounted adapters each step (Forward._run)."""
 from __future__ import annotations
 
 import functools
@@ -99,21 +99,16 @@ class FastDecode:
         self.calls += 1
         attend = self._module.scaled_dot_product_attention
         h = self.model.model.embed_tokens(tokens)
-        if type(caches[0]) is BatchKVCache:   # per-row offsets (arrays) and the padding mask
-            mask = self._module.create_attention_mask(h, caches[self._mask_layer])
-            for (pre, post, scale), c in zip(self._parts, caches):
-                q, k, v = pre(h, c.offset)
-                k, v = c.update_and_fetch(k, v)
-                h = post(h, attend(q, k, v, cache=c, scale=scale, mask=mask))
-            return self._head(h)
+        batch = type(caches[0]) is BatchKVCache   # per-row offsets (arrays), a padding mask
+        mask = self._module.create_attention_mask(h, caches[self._mask_layer]) if batch else None
         offsets: dict[int, mx.array] = {}
         for (pre, post, scale), c in zip(self._parts, caches):
-            at = offsets.get(c.offset)
-            if at is None:   # every layer's, in a plain model: one array a step
+            at = c.offset if batch else offsets.get(c.offset)
+            if at is None:   # one row's: every layer's, in a plain model: one array a step
                 at = offsets[c.offset] = mx.array(c.offset, dtype=mx.int32)
             q, k, v = pre(h, at)
             k, v = c.update_and_fetch(k, v)
-            h = post(h, attend(q, k, v, cache=c, scale=scale, mask=None))
+            h = post(h, attend(q, k, v, cache=c, scale=scale, mask=mask))
         return self._head(h)
 
 
