@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,7 +130,7 @@ def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
                                                              model_cache: Path) -> None:
     """bench.cores=[thread,process]: one row per engine core placement, the same load, every
     request counted at its full length; the process core's row names its launch override."""
-    run_bench(tmp_path, model_cache, "bench.streams=3", "bench.cores=[thread,process]")
+    out = run_bench(tmp_path, model_cache, "bench.streams=3", "bench.cores=[thread,process]")
     table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
     assert list(table) == ["pipeserve", "pipeserve, core process"]
     for row in table.values():
@@ -139,6 +140,16 @@ def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
     assert "server.isolate" not in table["pipeserve"]["overrides"]
     log = (tmp_path / "pipeserve-core-process.log").read_text()
     assert "engine process" in log and "ready: pool of tiny" in log
+    # each says where its CPU went over the timed part: the thread core's engine runs on a
+    # thread of the API process, the process core's in a process of its own
+    cpu = {t: dict(re.findall(r"(api loop|api threads|core process|client loop) ([\d.]+)", line))
+           for t, line in re.findall(r"bench: (pipeserve(?:, core process)?), CPU over the "
+                                     r"timed part, share of its wall: (.*)", out)}
+    assert set(cpu) == {"pipeserve", "pipeserve, core process"}, out[-2000:]
+    assert all(len(shares) == 4 for shares in cpu.values()), cpu
+    thread, process = ({k: float(v) for k, v in cpu[t].items()} for t in table)
+    assert thread["api threads"] > thread["core process"], cpu
+    assert process["core process"] > process["api threads"], cpu
 
 
 def test_bench_cores_names_what_it_takes() -> None:

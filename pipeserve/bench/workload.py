@@ -6,6 +6,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,12 @@ def _full_batch_rate(results: list[dict[str, Any]], b: BenchConfig) -> float:
 
 
 async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, float],
-                adapters: list[str] | None = None) -> dict[str, Any]:
+                adapters: list[str] | None = None,
+                cpu: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
+    """The timed load against one server: its figures. `cpu` (the server's CPU seconds by
+    role, bench/server.py's thread_cpu) is read at the start and end of the timed part: each
+    role's share of that wall, beside this client's own loop's ("client loop"), says whether
+    one event loop was saturated (`m["cpu"]`)."""
     prompts = _prompts(b)
     base_model = model
 
@@ -170,10 +176,14 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
                     print(f"bench: {done}/{total} requests, {time.perf_counter() - t0:.1f} s",
                           flush=True)
             return out
+        cpu0, mine0 = (cpu() if cpu else {}), time.thread_time()
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
                    for r in rs]
         wall = time.perf_counter() - t0
+        cpu1, mine1 = (cpu() if cpu else {}), time.thread_time()
+    shares = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
+    shares["client loop"] = (mine1 - mine0) / wall
     failed = [r["error"] for r in results if r.get("error")]
     if failed:
         print(f"bench: {len(failed)} of {len(results)} requests FAILED, e.g. {failed[0]}",
@@ -198,7 +208,7 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     # the token lengths of the prompts sent, warm-up and timed (the engine-alone row's prompts)
     lengths = {"warm": [r["prompt_tokens"] for r in warmed],
                "timed": [r["prompt_tokens"] for r in results]}
-    return {"lengths": lengths, "per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+    return {"cpu": shares, "lengths": lengths, "per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
             "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
             "prefill": statistics.mean(prefill) if prefill else float("nan"),
