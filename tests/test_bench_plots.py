@@ -147,6 +147,8 @@ def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
                                      r"timed part, share of its wall: (.*)", out)}
     assert set(cpu) == {"pipeserve", "pipeserve, core process"}, out[-2000:]
     assert all(len(shares) == 4 for shares in cpu.values()), cpu
+    spreads = [float(x) for x in re.findall(r"the client sent its requests over ([\d.]+) s", out)]
+    assert len(spreads) == 2 and all(x >= 0 for x in spreads), out[-2000:]
     thread, process = ({k: float(v) for k, v in cpu[t].items()} for t in table)
     assert thread["api threads"] > thread["core process"], cpu
     assert process["core process"] > process["api threads"], cpu
