@@ -37,9 +37,9 @@ from pipeserve.bench.server import (
     _gauge,
     _get,
     _peak_rss_mb,
-    thread_cpu,
     _ranks,
     _with_children,
+    thread_cpu,
 )
 from pipeserve.bench.tables import _new_tables, _row, _write
 from pipeserve.bench.workload import _prompts, _single, _words, drive

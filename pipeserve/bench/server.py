@@ -145,7 +145,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
     loop" (its first thread: Sanic's event loop, single_process), "api threads" (the rest: the
     engine thread of the thread core, executors), "core process" (children: the process core).
     Time spent waiting for the GIL is not CPU time, so a share near 1.0 of the wall is a thread
-    that was never idle."""
+    that was never off the CPU (a wait on the device counts where MLX spins on it)."""
     got = {"api loop": 0.0, "api threads": 0.0, "core process": 0.0}
     for proc in _with_children(pid):
         try:
@@ -167,8 +167,12 @@ def _with_children(pid: int) -> list[int]:
     its threads started them (the pool starts its members from a thread of its own)."""
     kids: list[int] = []
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            kids += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
+        tids = []
+    for tid in tids:
+        try:
+            kids += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except OSError:   # the thread ended between listing and reading
+            continue
     return [pid, *kids]

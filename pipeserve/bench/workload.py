@@ -212,7 +212,9 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     # says how far apart they arrived: scripts/request_log_bursts.py's arrival_spread_s)
     sent = [r["sent"] for r in results if r.get("sent") is not None]
     send_spread = max(sent) - min(sent) if sent else 0.0
-    return {"cpu": shares, "send_spread_s": send_spread, "lengths": lengths, "per_request": per_request, "requests": len(results), "errors": len(failed), "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
+    return {"cpu": shares, "send_spread_s": send_spread, "lengths": lengths,
+            "per_request": per_request, "requests": len(results), "errors": len(failed),
+            "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
             "prompt_tokens": statistics.mean(ptoks) if ptoks else float("nan"),
             "prefill": statistics.mean(prefill) if prefill else float("nan"),
