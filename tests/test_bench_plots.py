@@ -154,6 +154,31 @@ def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
     assert process["core process"] > process["api threads"], cpu
 
 
+@pytest.mark.slow
+def test_the_engine_alone_again_with_the_http_bursts_arrivals(tmp_path: Path,
+                                                               model_cache: Path) -> None:
+    """bench.engine_alone_spread=true: after the engine-alone row, one more whose streams
+    arrive over as long as the server's log says the timed HTTP burst took to arrive."""
+    out = run_bench(tmp_path, model_cache, "bench.streams=8", "bench.engine_alone=true",
+                    "bench.engine_alone_spread=true")
+    table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
+    assert list(table) == ["pipeserve", "pipeserve engine alone",
+                           "pipeserve engine alone, HTTP's arrivals"], out[-2000:]
+    for row in table.values():
+        assert int(row["requests"]) == 8 and int(row["output_tokens"]) == 8 * 6
+    said = re.search(r"the engine alone with HTTP's arrivals: 8 streams over ([\d.]+) s "
+                     r"\(pipeserve.log\)", out)
+    assert said is not None, out[-2000:]
+    res = subprocess.run([sys.executable, "scripts/request_log_bursts.py",
+                          str(tmp_path / "pipeserve.log")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    import json
+    timed = [b for b in map(json.loads, res.stdout.splitlines()) if b["requests"] == 8][-1]
+    assert float(said.group(1)) == pytest.approx(timed["arrival_spread_s"])
+    assert timed["arrival_spread_s"] > 0   # eight handlers start one after another
+    assert (tmp_path / "engine-alone-8-spread.log").is_file()
+
+
 def test_bench_cores_names_what_it_takes() -> None:
     from pipeserve.bench.config import BenchConfig
     from pipeserve.errors import ConfigError

@@ -31,6 +31,10 @@ class BenchConfig:
     #                                 overrides, output and prompt lengths, each warm-up and
     #                                 timed prompt's, EOS suppressed), so a loss is attributed
     #                                 to the engine or to the HTTP side
+    # with engine_alone: the engine alone once more, its streams arriving over as long as the
+    # first pipeserve target's timed burst took to arrive (its request log): what HTTP's
+    # arrivals cost, apart from the rest of the HTTP side's
+    engine_alone_spread: bool = False
     # where pipeserve's engine core runs, one timed target each, in one call: thread (beside
     # the event loop, the default launch) and/or process (its own process: server.isolate=true)
     cores: list[str] = field(default_factory=lambda: ["thread"])

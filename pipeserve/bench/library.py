@@ -144,12 +144,13 @@ def _step_probe(b: BenchConfig, cfg: ServeConfig, model_dir: Path, out: Path) ->
 
 
 def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
-                  prompt_tokens: float, out: Path) -> Row:
+                  prompt_tokens: float, out: Path, spread_s: float | None = None) -> Row:
     """The engine with no HTTP around it (one process, pipeserve's own config): random prompt
     ids as long as the server's prompts were, each one (warm-up and timed, from the server
     run's prompt-lengths.json), so both meet the same shapes cold or warm; greedy, logit_bias
     suppressing EOS. Its streams are read on the event loop the server runs (engine_alone.py's
-    default: uvloop where it is installed)."""
+    default: uvloop where it is installed). `spread_s`: the streams arrive evenly over that
+    long (engine_alone.py --spread), as an HTTP burst's did."""
     n = round(prompt_tokens) if prompt_tokens == prompt_tokens else b.prompt_words
     lengths = out / "prompt-lengths.json"
     given = []
@@ -162,17 +163,20 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
                           "--streams", str(b.streams), "--max-tokens", str(b.max_tokens),
                           "--prompt-tokens", str(n), *given, "--bias", "on", "--library", "none",
                           "--reps", str(b.requests_per_stream),
+                          *(["--spread", str(spread_s)] if spread_s else []),
                           "--", *overrides, f"model.path={model_dir}"],
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
-    (out / f"engine-alone-{b.streams}.log").write_text(res.stderr)   # step lines where traced
+    name = f"engine-alone-{b.streams}" + ("-spread" if spread_s else "")
+    (out / f"{name}.log").write_text(res.stderr)   # step lines where traced
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     reps = [g for g in got if g.get("what") == "engine alone"]
     # bench.requests_per_stream batches in a row, as each stream's requests go through HTTP:
     # the aggregate over all of them, the medians of the per-batch rates and TTFTs
     tokens, wall = sum(r["tokens"] for r in reps), sum(r["wall_s"] for r in reps)
     rates = [r["decode_tok_s_row"] for r in reps if r["decode_tok_s_row"]]
-    row = Row("pipeserve engine alone", b.workload, b.streams, b.streams * len(reps), tokens,
+    target = "pipeserve engine alone" + (", HTTP's arrivals" if spread_s else "")
+    row = Row(target, b.workload, b.streams, b.streams * len(reps), tokens,
               round(wall, 3), round(tokens / wall, 1),
               statistics.median(rates) if rates else float("nan"),
               statistics.median(r["ttft_p50_s"] for r in reps),
@@ -197,3 +201,14 @@ def _batch_generator(b: BenchConfig, cfg: ServeConfig, model_dir: Path) -> Row:
     row.prompt_tokens = round(r["prompt_tokens"], 1)
     row.decode_full_tok_s = round(r["full"], 2)
     return row
+
+
+def arrival_spread(log: Path, streams: int) -> float | None:
+    """How long the last burst of `streams` requests in a server's log took to arrive (the
+    timed one: warm-ups come first), by scripts/request_log_bursts.py; None without one."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "request_log_bursts.py"),
+                          str(log)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bursts = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    timed = [x for x in bursts if x["requests"] == streams]
+    return float(timed[-1]["arrival_spread_s"]) if timed else None
+

@@ -29,6 +29,7 @@ from pipeserve.bench.library import (
     _batch_generator,
     _engine_alone,
     _step_probe,
+    arrival_spread,
 )
 from pipeserve.bench.server import (
     ROOT,
@@ -129,6 +130,17 @@ def run_bench(raw: DictConfig) -> list[Row]:
         prompt_tokens = rows[-1].prompt_tokens if rows else float("nan")
         rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens, out))
         _write(out, rows[-1:])
+        first = "pipeserve" if b.cores[0] == "thread" else f"pipeserve-core-{b.cores[0]}"
+        spread = (arrival_spread(out / f"{first}.log", b.streams)
+                  if b.engine_alone_spread and b.streams > 1 else None)
+        if b.engine_alone_spread:
+            print(f"bench: the engine alone with HTTP's arrivals: {b.streams} streams over "
+                  + (f"{spread:.3f} s ({first}.log)" if spread else
+                     "no time: one stream, a burst that arrived within a millisecond, or no "
+                     "timed burst in the log (the engine alone's row stands for it)"), flush=True)
+        if spread:
+            rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens, out, spread))
+            _write(out, rows[-1:])
 
     if b.mlx_lm:
         port = _free_port()
