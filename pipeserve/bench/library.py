@@ -211,4 +211,3 @@ def arrival_spread(log: Path, streams: int) -> float | None:
     bursts = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     timed = [x for x in bursts if x["requests"] == streams]
     return float(timed[-1]["arrival_spread_s"]) if timed else None
-

@@ -121,7 +121,7 @@ def run_bench(raw: DictConfig) -> list[Row]:
              f"model.name={cfg.model.name}",   # the id the bench asks for, not the dir's name
              f"server.port={port}", "server.host=127.0.0.1", f"hydra.run.dir={out / 'serve-run'}"]
     for core in b.cores:   # one target per engine core placement (bench.cores)
-        target = "pipeserve" if core == "thread" else f"pipeserve, core {core}"
+        target = _core_target(core)
         rows.append(_pipeserve(cfg, [*serve, *CORES[core]], out, port, target, overrides,
                                eos_bias, adapters))
         _write(out, rows[-1:])
@@ -130,12 +130,12 @@ def run_bench(raw: DictConfig) -> list[Row]:
         prompt_tokens = rows[-1].prompt_tokens if rows else float("nan")
         rows.append(_engine_alone(b, overrides, model_dir, prompt_tokens, out))
         _write(out, rows[-1:])
-        first = "pipeserve" if b.cores[0] == "thread" else f"pipeserve-core-{b.cores[0]}"
-        spread = (arrival_spread(out / f"{first}.log", b.streams)
+        first = _log_name(_core_target(b.cores[0]))
+        spread = (arrival_spread(out / first, b.streams)
                   if b.engine_alone_spread and b.streams > 1 else None)
         if b.engine_alone_spread:
             print(f"bench: the engine alone with HTTP's arrivals: {b.streams} streams over "
-                  + (f"{spread:.3f} s ({first}.log)" if spread else
+                  + (f"{spread:.3f} s ({first})" if spread else
                      "no time: one stream, a burst that arrived within a millisecond, or no "
                      "timed burst in the log (the engine alone's row stands for it)"), flush=True)
         if spread:
@@ -176,14 +176,23 @@ def run_bench(raw: DictConfig) -> list[Row]:
     return rows
 
 
+def _core_target(core: str) -> str:
+    """A pipeserve target's row name for an engine core placement (bench.cores)."""
+    return "pipeserve" if core == "thread" else f"pipeserve, core {core}"
+
+
+def _log_name(target: str) -> str:
+    """The server log's file name of a pipeserve target: pipeserve.log, pipeserve-core-process.log."""
+    return f"{target.replace(', ', '-').replace(' ', '-')}.log"
+
+
 def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
                overrides: list[str], eos_bias: dict[str, float],
                adapters: list[str] | None) -> Row:
     """pipeserve launched as `serve`, driven with the bench's load: its row."""
     b = cfg.bench
     launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
-    log = "pipeserve.log" if target == "pipeserve" else f"{target.replace(', ', '-')}.log"
-    ours = Process([*launch, *serve], out / log.replace(" ", "-"), group=bool(launch), env=env)
+    ours = Process([*launch, *serve], out / _log_name(target), group=bool(launch), env=env)
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters,
