@@ -64,9 +64,10 @@ def steps(lines: Iterator[str]) -> Iterator[Step]:
 
 
 def summary(trace: list[Step]) -> dict[str, object]:
-    """Steps in a row: how many, how many carried a prompt, the median wall between one step's
-    start and the next's (a decode step's length as clients feel it), and each part's median ms
-    over the steps that carried no prompt."""
+    """Steps in a row: how many, how many carried a prompt, the median, mean and longest wall
+    between one decode step's start and the next's (a decode step's length as clients feel it;
+    a mean above the median is a few long steps), how many of those gaps were over 1.5x the
+    median, and each part's median ms over the steps that carried no prompt."""
     decode = [t for t in trace if t.prompt_rows == 0]
     gaps = [(b.at - a.at) * 1000 for a, b in zip(trace, trace[1:])
             if a.prompt_rows == 0 and b.prompt_rows == 0]
@@ -74,6 +75,9 @@ def summary(trace: list[Step]) -> dict[str, object]:
     return {"steps": len(trace), "prompt_steps": len(trace) - len(decode),
             "rows_max": max((t.rows for t in trace), default=0),
             "decode_interval_ms_p50": round(statistics.median(gaps), 2) if gaps else None,
+            "decode_interval_ms_mean": round(statistics.fmean(gaps), 2) if gaps else None,
+            "decode_interval_ms_max": round(max(gaps), 2) if gaps else None,
+            "decode_intervals_long": sum(g > 1.5 * statistics.median(gaps) for g in gaps),
             "decode_parts_ms_p50": {k: round(statistics.median(t.parts.get(k, 0.0)
                                                                for t in decode), 2)
                                     for k in parts}}

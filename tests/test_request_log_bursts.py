@@ -70,7 +70,8 @@ def test_steps_listed_with_the_burst_they_served(tmp_path: Path, fmt: str) -> No
     steps_log.addHandler(handler)
     steps_log.setLevel(logging.INFO)
     try:
-        for at, rows, prompt_rows, tokens in ((0.1, 3, 3, 225), (0.31, 3, 0, 0), (0.35, 3, 0, 0)):
+        for at, rows, prompt_rows, tokens in ((0.1, 3, 3, 225), (0.31, 3, 0, 0), (0.35, 3, 0, 0),
+                                               (0.39, 3, 0, 0), (0.49, 3, 0, 0)):
             tr = StepTrace()
             tr.begin()
             tr.mark("inbox")
@@ -89,7 +90,10 @@ def test_steps_listed_with_the_burst_they_served(tmp_path: Path, fmt: str) -> No
     assert row["queue_p50_s"] == pytest.approx(0.06)
     assert [s[:4] for s in row["steps"]] == [[100.0, 3, 3, 225], [310.0, 3, 0, 0]]
     # the burst's steps from its first arrival to its last response: one carried the prompts;
-    # the two decode steps began 40 ms apart
-    assert row["decode"]["steps"] == 3 and row["decode"]["prompt_steps"] == 1
+    # the decode steps began 40, 40 and 100 ms apart: the long one shows in the mean and max
+    assert row["decode"]["steps"] == 5 and row["decode"]["prompt_steps"] == 1
     assert row["decode"]["rows_max"] == 3
     assert row["decode"]["decode_interval_ms_p50"] == pytest.approx(40.0, abs=0.5)
+    assert row["decode"]["decode_interval_ms_mean"] == pytest.approx(60.0, abs=0.5)
+    assert row["decode"]["decode_interval_ms_max"] == pytest.approx(100.0, abs=0.5)
+    assert row["decode"]["decode_intervals_long"] == 1
