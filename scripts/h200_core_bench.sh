@@ -10,7 +10,8 @@ python3 -c "import aiohttp" 2>/dev/null || { echo "bench.py's client needs aioht
 size=${1:-large}; streams=${2:-1,32,128}; shift 2 || true
 python3 -c "import mlx.core as mx; assert mx.default_device().type == mx.DeviceType.gpu" \
   || { echo "MLX with a GPU is not importable here: run .gpu-b/install.sh first"; exit 3; }
-out=${OUT:-bench-out}/core-$size
+# one folder per size and stream list: a second run in the same call keeps the first one's logs
+out=${OUT:-bench-out}/core-$size-${streams//,/-}
 python3 bench.py -m model.size="$size" model.dtype=bfloat16 model.compute_dtype=checkpoint \
   bench.streams="$streams" bench.max_tokens=128 bench.prompt_words=25 \
   bench.mlx_lm=true bench.batch_generator=true bench.out="$out" "$@"
