@@ -72,12 +72,13 @@ def summary(trace: list[Step]) -> dict[str, object]:
     gaps = [(b.at - a.at) * 1000 for a, b in zip(trace, trace[1:])
             if a.prompt_rows == 0 and b.prompt_rows == 0]
     parts = sorted({k for t in decode for k in t.parts})
+    p50 = statistics.median(gaps) if gaps else None
     return {"steps": len(trace), "prompt_steps": len(trace) - len(decode),
             "rows_max": max((t.rows for t in trace), default=0),
-            "decode_interval_ms_p50": round(statistics.median(gaps), 2) if gaps else None,
+            "decode_interval_ms_p50": round(p50, 2) if p50 is not None else None,
             "decode_interval_ms_mean": round(statistics.fmean(gaps), 2) if gaps else None,
             "decode_interval_ms_max": round(max(gaps), 2) if gaps else None,
-            "decode_intervals_long": sum(g > 1.5 * statistics.median(gaps) for g in gaps),
+            "decode_intervals_long": sum(g > 1.5 * p50 for g in gaps) if p50 is not None else 0,
             "decode_parts_ms_p50": {k: round(statistics.median(t.parts.get(k, 0.0)
                                                                for t in decode), 2)
                                     for k in parts}}
