@@ -23,7 +23,8 @@ class DistributedConfig:
                                #   server.exit_on_engine_death stops it sooner, once its
                                #   503s are out, with status 70
     timeout_s: float = 60.0    # a rank that has not synced for this long (seconds: one step
-                               #   plus a heartbeat) means the group is stuck: it stops
+                               #   plus a heartbeat) means the group is stuck: it stops;
+                               #   counted from the first sync (ranks load at their own pace)
 
     @property
     def name(self) -> str:

@@ -63,10 +63,7 @@ class Group:
         Other ranks: receive, apply, schedule, check. None: nothing to run (or stopping)."""
         step_s = time.perf_counter() - self._synced_s if self._synced_s is not None else 0.0
         if self._watchdog is None:
-            self._synced_s = time.perf_counter()
-            self._watchdog = threading.Thread(target=self._watch, args=(engine,), daemon=True,
-                                              name=f"pipeserve-rank{self.rank}-watchdog")
-            self._watchdog.start()
+            self._arm(engine)
         try:
             if self.rank == 0:
                 return self._lead(engine, idle, step_s)
@@ -90,6 +87,19 @@ class Group:
             self._stop_later()
         raise err from cause
 
+    def _arm(self, engine: Engine) -> None:
+        """Start the watchdog. Its clock starts at the group's first sync, not here: the ranks
+        finish loading at different times (a shard on a slower disk), and one that waits in
+        the first collective for another still loading is not stuck. A rank that dies while
+        loading ends the job anyway (the backend, and mlx.launch, see it go)."""
+        self._watchdog = threading.Thread(target=self._watch, args=(engine,), daemon=True,
+                                          name=f"pipeserve-rank{self.rank}-watchdog")
+        self._watchdog.start()
+
+    def stalled(self, now: float) -> bool:
+        """No sync for distributed.timeout_s since the previous one (never before the first)."""
+        return self._synced_s is not None and now - self._synced_s >= self.cfg.timeout_s
+
     def _watch(self, engine: Engine) -> None:
         """A collective the backend never completes (a peer that hangs, or one whose loss the
         backend does not surface) must not hang the server: past distributed.timeout_s
@@ -97,8 +107,7 @@ class Group:
         linger_s; another rank exits."""
         while engine.state in (EngineState.LOADING, EngineState.READY):
             time.sleep(min(0.5, self.cfg.heartbeat_s))
-            synced = self._synced_s
-            if synced is None or time.perf_counter() - synced < self.cfg.timeout_s:
+            if not self.stalled(time.perf_counter()):
                 continue
             err = DistributedError(
                 f"rank {self.rank}: no sync with the other ranks for {self.cfg.timeout_s:.0f} s "

@@ -3,6 +3,8 @@ without a second process: each rank's contribution is packed as it would be, and
 is numpy's sum of them."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -11,6 +13,7 @@ from pipeserve.distributed import wire
 from pipeserve.distributed.group import DistributedError, Group
 from pipeserve.distributed.shard import check_divisible
 from pipeserve.errors import ConfigError
+from pipeserve.core.engine import EngineState
 from pipeserve.core.events import Abort, Submit
 from pipeserve.grammar.constraint import Constraint
 from pipeserve.metrics import Metrics
@@ -144,3 +147,22 @@ def test_distributed_settings_are_checked_at_launch() -> None:
         make_config("distributed=pipeline", "distributed.timeout_s=1", "distributed.heartbeat_s=2")
     with pytest.raises(ConfigError, match="distributed.linger_s must be >= 0"):
         make_config("distributed=tensor", "distributed.linger_s=-1")
+
+
+def test_the_watchdog_clock_starts_at_the_first_sync() -> None:
+    """Ranks finish loading at different times: one waiting in the first collective for a rank
+    still loading is not stuck, however long it waits; once the group has synced, a rank that
+    has not synced again for distributed.timeout_s is."""
+    group = Group(make_config("distributed=tensor", "distributed.timeout_s=2"),
+                  Metrics(CollectorRegistry()))
+
+    class Stopped:   # the watchdog thread sees an engine that is no longer running, and ends
+        state = EngineState.STOPPED
+    group._arm(Stopped())   # type: ignore[arg-type]
+    start = time.perf_counter()
+    assert not group.stalled(start + 3600)
+    group._done(start)   # a sync ends: the clock starts
+    synced = group._synced_s
+    assert synced is not None and synced >= start
+    assert not group.stalled(synced + 1.9)
+    assert group.stalled(synced + 2.0)
