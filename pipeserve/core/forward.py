@@ -1,5 +1,5 @@
 """Forward: one model's forward over planned rows and a RowStore — the prompt chunks of many
-rows (those that finish their prompt share one right-padded forward per length bucket), then
+rows (those that finish their prompt share one padded forward per length bucket), then
 every decoding row in one batched forward, with its drafts when it verifies them. The target's
 (the prefill stage) and a draft model's (draft=model) are two instances. Engine thread."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from pipeserve.adapters.lora import AdapterSet
 from pipeserve.draft.mtp import target_forward
@@ -93,27 +94,38 @@ class Forward:
         mx.eval([c.state for c in cache])
 
     def _prefill_group(self, members: list[PlannedRow], kv: RowStore) -> None:
-        """Every member's chunk (the rest of its prompt) in one right-padded forward over their
-        merged caches (a prompt-cache hit keeps its prefix; the merge left-pads the rows to the
-        longest and leaves room for the chunk, which is written in place); the caches then roll
-        the padding to the left, as mlx-lm's batched prompt processing does."""
+        """Every member's chunk (the rest of its prompt) in one forward over their merged
+        caches. Rows that hold no KV yet are left-padded, as mlx-lm's BatchGenerator does, so
+        the padding is already where decoding wants it. Otherwise (a prompt-cache hit keeps its
+        prefix; the merge left-pads the rows to the longest and leaves room for the chunk,
+        which is written in place) the forward is right-padded and the caches then roll the
+        padding to the left, as mlx-lm's batched prompt processing does: a roll of every
+        layer's KV, and slower decode steps after it."""
         ids = [r.request_id for r in members]
         chunks = [r.token_ids() for r in members]
         width = max(len(c) for c in chunks)
-        caches = [merge_layer(list(layer), room=width) for layer in zip(*kv.take_own(ids))]
-        # the merged buffers first, on their own: their slice updates land in place before the
-        # forward's graph can order any of them next to its own work
-        mx.async_eval([a for c in caches if getattr(c, "keys", None) is not None
-                       for a in (c.keys, c.values)])
+        own = kv.take_own(ids)
+        cold = all(c.empty() for layers in own for c in layers)
+        caches = [merge_layer(list(layer), room=width) for layer in zip(*own)]
         padding = [width - len(c) for c in chunks]
-        if max(padding):
+        left = cold and all(_left_paddable(c) for c in caches)
+        if left:
             for c in caches:
-                c.prepare(lengths=[len(c) for c in chunks], right_padding=padding)
-        tokens = mx.array([c + [0] * (width - len(c)) for c in chunks], dtype=mx.uint32)
+                c.prepare(left_padding=padding)
+        else:
+            # the merged buffers first, on their own: their slice updates land in place before
+            # the forward's graph can order any of them next to its own work
+            mx.async_eval([a for c in caches if getattr(c, "keys", None) is not None
+                           for a in (c.keys, c.values)])
+            if max(padding):
+                for c in caches:
+                    c.prepare(lengths=[len(c) for c in chunks], right_padding=padding)
+        tokens = mx.array([[0] * p + c if left else c + [0] * p
+                           for c, p in zip(chunks, padding)], dtype=mx.uint32)
         self._select(members)
         self.model(tokens, cache=caches)
         self._done()
-        if max(padding):
+        if max(padding) and not left:
             for c in caches:
                 c.finalize()
         mx.eval([c.state for c in caches])
@@ -183,6 +195,12 @@ class Forward:
         for i, rid in enumerate(order):
             hidden[rid] = (rows[rid].start, h[i:i + 1])   # from the row's input position
         return logits
+
+
+def _left_paddable(cache: Any) -> bool:
+    """An empty batched attention cache takes left padding before a forward; a recurrent
+    layer's (ArraysCache) does not: its state would run over the padding."""
+    return type(cache) in (BatchKVCache, BatchRotatingKVCache)
 
 
 def _width(rows: list[PlannedRow]) -> int:

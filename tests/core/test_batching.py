@@ -122,8 +122,10 @@ def test_cancel_mid_prefill_and_mid_decode_leaves_others_intact(engine_factory) 
 
 @pytest.mark.parametrize("model", ["tiny", "gemma", "hybrid"])
 def test_prompts_arriving_together_prefill_as_one_group(engine_factory, model: str) -> None:
-    """Similar-length prompts that arrive together are prefilled in one right-padded forward
-    (padding rolled left afterwards) and decode to exactly what each produces alone."""
+    """Similar-length prompts that arrive together are prefilled in one padded forward
+    (left-padded, their caches being empty; the hybrid's recurrent layers take no left
+    padding, so it is right-padded and the padding rolled left afterwards) and decode to
+    exactly what each produces alone."""
     prompts = [[30 + (7 * i + j) % 200 for j in range(40 + 3 * i)] for i in range(6)]
     serial = engine_factory(f"model={model}", "scheduler=serial")
     expected = [solo(serial, p, max_tokens=12, logit_bias=EOS_OFF) for p in prompts]
