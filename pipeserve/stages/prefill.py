@@ -1,5 +1,5 @@
 """Prefill: the model forward over a step's planned tokens — the prompt chunks of many rows
-(those that finish their prompt share one right-padded forward per length bucket), then every
+(those that finish their prompt share one padded forward per length bucket), then every
 decoding row in one batched forward, with its drafts when it verifies. Returns the logits of
 the rows that sample. Engine thread; prompt chunks' KV is evaluated before the step ends, so a
 long prompt never builds one giant deferred graph."""
