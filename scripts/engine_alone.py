@@ -257,6 +257,10 @@ def main() -> None:
                     "run's, one a stream; default: --prompt-tokens each)")
     ap.add_argument("--warm-lengths", default="", help="the warm-up prompts' lengths (the "
                     "server run's warm-up; default: --prompt-tokens, one a stream)")
+    ap.add_argument("--follow-up", action="store_true",
+                    help="each timed prompt is an untimed first turn (--warm-lengths, sent just "
+                         "before) plus --lengths new tokens: a burst of prompt-cache hits, as "
+                         "agents' next turns")
     ap.add_argument("--bias", choices=["both", "on", "off"], default="both")
     ap.add_argument("--spread", type=float, default=0.0,
                     help="seconds over which a measurement's streams arrive (evenly; an HTTP "
@@ -316,6 +320,10 @@ def main() -> None:
                 # no prompt-cache hit (as a stream's next request through HTTP)
                 prompts = prompts_by_n[n] if rep == 0 else [
                     [rng.randrange(3, vocab) for _ in p] for p in prompts_by_n[n]]
+                if args.follow_up:   # the first turns, cached, then the timed next turns
+                    first = ids(args.warm_lengths, n)
+                    run(run_batch(engine, first, 16, bias))
+                    prompts = [f + p for f, p in zip(first, prompts)]
                 clock.reset()
                 clock.on = True
                 if args.profile == n and rep == 0 and with_bias == biases[0]:
@@ -324,7 +332,7 @@ def main() -> None:
                 clock.on = False
                 clock.profiling = False
                 r |= {"what": "engine alone", "streams": n, "logit_bias": with_bias,
-                      "prompt_tokens": [len(p) for p in prompts_by_n[n]],
+                      "prompt_tokens": [len(p) for p in prompts],
                       "loop": args.loop, "spread_s": args.spread, "rep": rep,
                       "per_step_ms": clock.report()}
                 print(json.dumps(r), flush=True)

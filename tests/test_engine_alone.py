@@ -66,3 +66,23 @@ def test_spread_arrivals_count_ttft_from_each_submit(model_cache: Path) -> None:
     # its first token came after its own submit, within the run: counted from the run's start
     # it would be at least the 0.3 s it waited to be sent, and within 3 tokens of wall_s
     assert 0 < rep["ttft_last_s"] <= rep["wall_s"] - 0.3 + 1e-3, rep
+
+
+def test_follow_up_turns_hit_the_prompt_cache(model_cache: Path) -> None:
+    """--follow-up: each timed prompt is its own untimed first turn plus new tokens, so the
+    timed burst is a group of prompt-cache hits (agents' next turns), not cold prompts."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "engine_alone.py"), "--streams", "2",
+         "--max-tokens", "3", "--lengths", "4,7", "--warm-lengths", "12", "--follow-up",
+         "--bias", "on", "--library", "none", "--reps", "2", "--", "model=tiny",
+         f"model.cache_dir={model_cache}", "server.cuda_graphs=false"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    alone = [json.loads(line) for line in out.stdout.splitlines()
+             if line.startswith("{") and '"engine alone"' in line]
+    assert len(alone) == 2, out.stdout[-3000:]
+    for rep in alone:
+        assert rep["prompt_tokens"] == [16, 19] and rep["tokens"] == 6, rep
+        # each row reused most of its 12-token first turn (the cache keeps whole blocks or
+        # all but the last token); without the first turns nothing would be cached
+        assert rep["cached_tokens"] >= 2 * 8, rep
