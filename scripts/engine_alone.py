@@ -260,7 +260,8 @@ def main() -> None:
     ap.add_argument("--follow-up", action="store_true",
                     help="each timed prompt is an untimed first turn (--warm-lengths, sent just "
                          "before) plus --lengths new tokens: a burst of prompt-cache hits, as "
-                         "agents' next turns")
+                         "agents' next turns (a first turn shorter than "
+                         "cache.min_reuse_tokens, 256 on a GPU, is computed again)")
     ap.add_argument("--bias", choices=["both", "on", "off"], default="both")
     ap.add_argument("--spread", type=float, default=0.0,
                     help="seconds over which a measurement's streams arrive (evenly; an HTTP "
