@@ -13,6 +13,7 @@ from pipeserve.adapters.lora import AdapterSet
 from pipeserve.draft.mtp import target_forward
 from pipeserve.core.rows import RowStore, drop_shared_padding, merge_layer
 from pipeserve.core.plan import Logits, PlannedRow
+from pipeserve.kv.padded import finalize
 from pipeserve.model.fast_decode import fast_decode
 
 BUCKET_SPREAD = 2.0   # prompts within 2x of each other's length share one padded forward
@@ -100,7 +101,8 @@ class Forward:
         prefix; the merge left-pads the rows to the longest and leaves room for the chunk,
         which is written in place) the forward is right-padded and the caches then roll the
         padding to the left, as mlx-lm's batched prompt processing does: a roll of every
-        layer's KV, and slower decode steps after it."""
+        layer's KV (`finalize`: one gather of whole vectors a tensor, not mlx-lm's element
+        gather, which took most of a burst of prompt-cache hits' prefill)."""
         ids = [r.request_id for r in members]
         chunks = [r.token_ids() for r in members]
         width = max(len(c) for c in chunks)
@@ -127,7 +129,7 @@ class Forward:
         self._done()
         if max(padding) and not left:
             for c in caches:
-                c.finalize()
+                finalize(c)
         mx.eval([c.state for c in caches])
         kv.group(ids, caches)
 
@@ -174,7 +176,7 @@ class Forward:
         self._done()
         if max(padding):
             for c in caches:
-                c.finalize()
+                finalize(c)
             drop_shared_padding(caches, len(order))
         last = mx.array([n - 1 for n in lengths], dtype=mx.int32)
         return Logits(order, mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0])

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.plan import PlannedRow
-from pipeserve.kv.padded import LeftPaddedBatch
+from pipeserve.kv.padded import LeftPaddedBatch, finalize
 from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
 from pipeserve.prompt_cache.protocol import Block, SharedKVCache, reserve
 
@@ -723,4 +723,4 @@ def trim_rows(caches: list[Any], drop: list[int]) -> None:
             c.trim(common)
         if any(rest):
             c.prepare(right_padding=rest)
-            c.finalize()
+            finalize(c)

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache, dynamic_roll
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+from pipeserve.kv.padded import roll_rows
 
 
 def is_rotating(cache: Any) -> bool:
@@ -45,8 +47,7 @@ def rewind_rotating_rows(cache: BatchRotatingKVCache, drop: Sequence[int]) -> No
     rest = [d - common for d in drop]
     if any(rest):
         shift = mx.array(rest, dtype=mx.int32)
-        cache.keys = dynamic_roll(cache.keys, shift[:, None], axis=2)
-        cache.values = dynamic_roll(cache.values, shift[:, None], axis=2)
+        cache.keys, cache.values = roll_rows([cache.keys, cache.values], shift)
         cache.left_padding = cache.left_padding + shift
         cache.offset = cache.offset - shift
 
