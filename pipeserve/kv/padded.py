@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, _BaseCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, _BaseCache
 
 
 def roll_rows(xs: Sequence[mx.array], shifts: mx.array) -> list[mx.array]:
@@ -32,16 +32,21 @@ def roll_rows(xs: Sequence[mx.array], shifts: mx.array) -> list[mx.array]:
 
 
 def finalize(cache: Any) -> None:
-    """`cache.finalize()` after a right-padded forward; a plain BatchKVCache's roll of the
-    padding to the left runs as `roll_rows` (mlx-lm's own rolls element by element)."""
-    padding = getattr(cache, "_right_padding", None)
-    if type(cache) is not BatchKVCache or padding is None:
+    """`cache.finalize()` after a right-padded forward; mlx-lm's batched caches (plain and
+    sliding-window) roll the padding to the left by `roll_rows` here, where their own
+    finalize rolls element by element. The same state either way."""
+    if type(cache) is BatchKVCache and cache._right_padding is not None:
+        shift = cache._right_padding
+        cache._right_padding = None
+    elif type(cache) is BatchRotatingKVCache and cache._lengths is not None:
+        shift = mx.maximum(0, cache.offset - cache._lengths)
+        cache._lengths = None
+    else:
         cache.finalize()
         return
-    cache.keys, cache.values = roll_rows([cache.keys, cache.values], padding)
-    cache.offset = cache.offset - padding
-    cache.left_padding = cache.left_padding + padding
-    cache._right_padding = None
+    cache.keys, cache.values = roll_rows([cache.keys, cache.values], shift)
+    cache.offset = cache.offset - shift
+    cache.left_padding = cache.left_padding + shift
 
 
 class LeftPaddedBatch(_BaseCache):

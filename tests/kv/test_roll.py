@@ -4,7 +4,8 @@ element-by-element dynamic_roll and BatchKVCache.finalize. Pure MLX, no model.""
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, dynamic_roll
+import pytest
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, dynamic_roll
 
 from pipeserve.kv.padded import finalize, roll_rows
 
@@ -37,6 +38,28 @@ def test_finalize_of_a_right_padded_batch_matches_mlx_lm() -> None:
     assert ours._right_padding is None and ours.left_padding.tolist() == [2, 0, 4]
     finalize(ours)   # nothing pending: unchanged
     assert mx.array_equal(ours.keys, stock.keys)
+
+
+@pytest.mark.parametrize("width", [6, 20])   # within the window, and past it
+def test_finalize_of_a_right_padded_sliding_window_batch_matches_mlx_lm(width: int) -> None:
+    def batch() -> BatchRotatingKVCache:
+        c = BatchRotatingKVCache(max_size=16, left_padding=[0, 0, 0])
+        mx.random.seed(4)
+        lengths = [width - 2, width, width - 4]
+        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+        c.update_and_fetch(mx.random.normal((3, 2, width, 8)), mx.random.normal((3, 2, width, 8)))
+        return c
+    ours, stock = batch(), batch()
+    finalize(ours)
+    stock.finalize()
+    for name in ("keys", "values", "offset", "left_padding"):
+        assert mx.array_equal(getattr(ours, name), getattr(stock, name)), name
+    assert ours._lengths is None and ours.left_padding.tolist() == [2, 0, 4]
+    # the next token lands and masks alike
+    for c in (ours, stock):
+        c.update_and_fetch(mx.ones((3, 2, 1, 8)), mx.ones((3, 2, 1, 8)))
+    assert mx.array_equal(ours.keys, stock.keys)
+    assert mx.array_equal(ours.make_mask(1), stock.make_mask(1))
 
 
 def test_roll_probe_script_compares_both_rolls() -> None:
