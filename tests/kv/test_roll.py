@@ -3,6 +3,9 @@ to each row's left edge with one gather of whole vectors, the same values as mlx
 element-by-element dynamic_roll and BatchKVCache.finalize. Pure MLX, no model."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, dynamic_roll
@@ -23,6 +26,18 @@ def test_roll_rows_matches_dynamic_roll() -> None:
     assert mx.array_equal(got[0][1, :, 3], keys[1, :, 0])
 
 
+def _finalized_both(batch: Callable[[], Any]) -> tuple[Any, Any]:
+    """Two like batches, one finalized here and one by mlx-lm: the same state, every row's
+    padding (2, 0, 4) now on its left."""
+    ours, stock = batch(), batch()
+    finalize(ours)
+    stock.finalize()
+    for name in ("keys", "values", "offset", "left_padding"):
+        assert mx.array_equal(getattr(ours, name), getattr(stock, name)), name
+    assert ours.left_padding.tolist() == [2, 0, 4]
+    return ours, stock
+
+
 def test_finalize_of_a_right_padded_batch_matches_mlx_lm() -> None:
     def batch() -> BatchKVCache:
         c = BatchKVCache([0, 0, 0])
@@ -30,12 +45,8 @@ def test_finalize_of_a_right_padded_batch_matches_mlx_lm() -> None:
         c.prepare(lengths=[4, 6, 2], right_padding=[2, 0, 4])
         c.update_and_fetch(mx.random.normal((3, 2, 6, 8)), mx.random.normal((3, 2, 6, 4)))
         return c
-    ours, stock = batch(), batch()
-    finalize(ours)
-    stock.finalize()
-    for name in ("keys", "values", "offset", "left_padding"):
-        assert mx.array_equal(getattr(ours, name), getattr(stock, name)), name
-    assert ours._right_padding is None and ours.left_padding.tolist() == [2, 0, 4]
+    ours, stock = _finalized_both(batch)
+    assert ours._right_padding is None
     finalize(ours)   # nothing pending: unchanged
     assert mx.array_equal(ours.keys, stock.keys)
 
@@ -49,12 +60,8 @@ def test_finalize_of_a_right_padded_sliding_window_batch_matches_mlx_lm(width: i
         c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
         c.update_and_fetch(mx.random.normal((3, 2, width, 8)), mx.random.normal((3, 2, width, 8)))
         return c
-    ours, stock = batch(), batch()
-    finalize(ours)
-    stock.finalize()
-    for name in ("keys", "values", "offset", "left_padding"):
-        assert mx.array_equal(getattr(ours, name), getattr(stock, name)), name
-    assert ours._lengths is None and ours.left_padding.tolist() == [2, 0, 4]
+    ours, stock = _finalized_both(batch)
+    assert ours._lengths is None
     # the next token lands and masks alike
     for c in (ours, stock):
         c.update_and_fetch(mx.ones((3, 2, 1, 8)), mx.ones((3, 2, 1, 8)))
