@@ -677,7 +677,9 @@ def _room_merge(layers: list[KVCache], room: int) -> BatchKVCache:
         buf = mx.zeros((len(layers), a.shape[1], size, a.shape[3]), a.dtype)
         for i, (c, pad) in enumerate(zip(layers, padding)):
             if c.keys is not None and c.offset:
-                buf[i:i + 1, :, pad:longest, :] = getattr(c, name)[..., :c.offset, :]
+                kv = getattr(c, name)
+                buf[i:i + 1, :, pad:longest, :] = (kv if kv.shape[2] == c.offset
+                                                   else kv[..., :c.offset, :])
         setattr(cache, name, buf)
     cache.offset += longest
     cache._idx = longest

@@ -27,7 +27,7 @@ from pipeserve.metrics import Metrics
 from pipeserve.prompt_cache.config import RAM_FLOOR_GB
 from pipeserve.prompt_cache.keys import TRIE_KEY, GhostIndex, model_key
 from pipeserve.prompt_cache.protocol import (Block, SharedKVCache, content_state, lend,
-                                             rebuild, shrink)
+                                             lend_prefix, rebuild)
 from pipeserve.prompt_cache.trie import TokenTrie
 
 if TYPE_CHECKING:
@@ -243,11 +243,8 @@ class RamPromptCache:
 
     def take(self, entry: Entry, n: int) -> list[Any]:
         """Lent caches holding the first `n` tokens of `entry`; marks it recently used."""
-        caches = [lend(c) for c in entry.caches]
-        if n < len(entry.tokens):
-            for c in caches:
-                c.trim(len(entry.tokens) - n)
-            caches = [shrink(c) for c in caches]
+        total = len(entry.tokens)
+        caches = [lend_prefix(c, n, total) for c in entry.caches]
         entry.last_used_s = time.monotonic()
         self.entries.move_to_end(entry.key)
         return caches
