@@ -130,7 +130,9 @@ class Forward:
         if max(padding) and not left:
             for c in caches:
                 finalize(c)
-        mx.eval([c.state for c in caches])
+        # queued, not waited for: the device runs this group while the host builds the next
+        # one's merge and forward (with a wait, the device idled through each build)
+        mx.async_eval([c.state for c in caches])
         kv.group(ids, caches)
 
     # -- decoding rows ----------------------------------------------------------------
