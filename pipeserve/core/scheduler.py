@@ -66,6 +66,8 @@ class Scheduler:
         self._outputs_ahead: dict[str, int] = {}   # request id → decode steps in flight
         self._held_prompts = False   # the last plan left prompt chunks for first tokens
         self._hits: list[tuple[str, CacheHit]] = []
+        # within one admission pass: rows a waiting request may wait for, by their head
+        self._donors: dict[tuple[int, ...], list[Request]] | None = None
         self._lockstep = cfg.distributed.name != "none"
         # the priorities whose running rows a more urgent request may take (core/preempt.py);
         # a distributed group's followers hold KV this rank does not evict: none there
@@ -242,6 +244,7 @@ class Scheduler:
         prompt pay for one prefill. With every row taken, or the KV budget spent, a less
         urgent preemptible row gives its row and its KV to the head (core/preempt.py)."""
         deferred: list[Request] = []
+        self._donors = None   # built at the first waiting request this pass asks about
         self._promote_starved()
         room: int | None = None   # memory the gate still lets this pass admit (read once)
         try:
@@ -283,6 +286,8 @@ class Scheduler:
                 self.running.append(req)
                 self._held.discard(req.request_id)
                 self._apply_hit(req)
+                if self._donors is not None:   # a donor to those behind it from now on
+                    self._add_donor(req)
         finally:
             self.waiting.extendleft(reversed(deferred))
 
@@ -351,19 +356,29 @@ class Scheduler:
         n = self.shared_min
         if req.num_prompt_tokens <= n:
             return False
-        ids = req.key_ids   # images by digest: two images never share a prefix
-        head, copying = ids[:n], self.copying
-        for r in self.running:
-            if r.num_prompt_tokens <= n or not (
-                    self._prefilling(r) or (copying is not None and copying(r.request_id))):
-                continue
-            if r.key_ids[:n] != head:
+        if self._donors is None:
+            self._donors = {}
+            for r in self.running:
+                self._add_donor(r)
+        ids = req.key_ids
+        for r in self._donors.get(tuple(ids[:n]), ()):
+            if r.status is not RequestStatus.RUNNING:   # preempted since it was indexed
                 continue
             m = r.num_cached_tokens   # the donor's own hit: no gain in waiting for it
             if m and ids[m:m + n] != r.key_ids[m:m + n]:
                 continue
             return True
         return False
+
+    def _add_donor(self, r: Request) -> None:
+        """Index a running row by its first shared_min tokens if a waiting request may wait
+        for it (one dict probe an arrival, not a pass over every running row: 128 arrivals
+        were 8,128 comparisons)."""
+        n, copying = self.shared_min, self.copying
+        if r.num_prompt_tokens <= n or not (
+                self._prefilling(r) or (copying is not None and copying(r.request_id))):
+            return
+        self._donors.setdefault(tuple(r.key_ids[:n]), []).append(r)
 
     def _prefilling(self, req: Request) -> bool:
         return req.num_computed_tokens + self._ahead.get(req.request_id, 0) \

@@ -558,3 +558,31 @@ def test_memory_high_water_is_a_share() -> None:
     with pytest.raises(ConfigError, match="memory_high_water is 1.5"):
         make_config("admission.memory_high_water=1.5")
     assert make_config("admission.memory_high_water=0").admission.memory_high_water == 0
+
+
+def test_arrivals_wait_only_for_a_prefilling_row_with_their_head() -> None:
+    """With a prompt cache, an arrival whose first shared_min tokens match a row still
+    prefilling waits for it (then reuses its prefix); arrivals with other heads go ahead in the
+    same pass, and one admitted in a pass is the donor of those behind it."""
+    s = sched("scheduler.max_batch=16")
+    s.lookup = lambda r: LookupResult(None, (), None)
+
+    def with_head(rid: str, head: int, n: int = 100) -> Request:
+        r = req(n, 8, rid)
+        r.prompt_ids = [head] * 64 + list(range(1000, 1000 + n - 64))
+        return r
+    for rid, head in (("a1", 1), ("b", 2), ("a2", 1), ("c", 3), ("a3", 1)):
+        s.add(with_head(rid, head))
+    s._admit()
+    assert [r.request_id for r in s.running] == ["a1", "b", "c"]
+    assert [r.request_id for r in s.waiting] == ["a2", "a3"]
+    s._admit()   # a1 still prefills: they still wait
+    assert [r.request_id for r in s.waiting] == ["a2", "a3"]
+    short = with_head("s", 1, n=64)   # no longer than shared_min: never waits
+    s.add(short)
+    s._admit()
+    assert "s" in [r.request_id for r in s.running]
+    run_step(s)   # a1's prompt runs whole (it fits the budget): a donor no longer
+    s._admit()   # a2 goes ahead; a3 now waits for a2, admitted in this very pass
+    assert [r.request_id for r in s.running][-1] == "a2"
+    assert [r.request_id for r in s.waiting] == ["a3"]
