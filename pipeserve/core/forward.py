@@ -11,7 +11,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from pipeserve.adapters.lora import AdapterSet
 from pipeserve.draft.mtp import target_forward
-from pipeserve.core.rows import RowStore, drop_shared_padding, merge_layer
+from pipeserve.core.rows import Made, RowStore, drop_shared_padding, merge_layer, pad_left, pad_right
 from pipeserve.core.plan import Logits, PlannedRow
 from pipeserve.kv.padded import finalize
 from pipeserve.model.fast_decode import fast_decode
@@ -108,20 +108,19 @@ class Forward:
         width = max(len(c) for c in chunks)
         own = kv.take_own(ids)
         cold = all(c.empty() for layers in own for c in layers)
-        caches = [merge_layer(list(layer), room=width) for layer in zip(*own)]
+        made: Made = {}   # the layers' per-row padding arrays, made once
+        caches = [merge_layer(list(layer), room=width, made=made) for layer in zip(*own)]
         padding = [width - len(c) for c in chunks]
         left = cold and all(_left_paddable(c) for c in caches)
         if left:
-            for c in caches:
-                c.prepare(left_padding=padding)
+            pad_left(caches, padding, made)
         else:
             # the merged buffers first, on their own: their slice updates land in place before
             # the forward's graph can order any of them next to its own work
             mx.async_eval([a for c in caches if getattr(c, "keys", None) is not None
                            for a in (c.keys, c.values)])
             if max(padding):
-                for c in caches:
-                    c.prepare(lengths=[len(c) for c in chunks], right_padding=padding)
+                pad_right(caches, [len(c) for c in chunks], padding, made)
         tokens = mx.array([[0] * p + c if left else c + [0] * p
                            for c, p in zip(chunks, padding)], dtype=mx.uint32)
         self._select(members)

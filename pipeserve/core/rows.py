@@ -602,6 +602,7 @@ def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
     if pads is None and any(plain):
         pads = host_padding(caches)
     left: list[list[int] | None] = []
+    made: Made = {}
     for c, is_plain, pad in zip(caches, plain, pads or [None] * len(caches)):
         if not is_plain or pad is None:
             c.filter(idx)
@@ -618,29 +619,82 @@ def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
             if shared:
                 c.keys, c.values = c.keys[..., shared:, :], c.values[..., shared:, :]
         c.offset = c.offset[idx]
-        c.left_padding = mx.array([p - shared for p in kept])
+        c.left_padding = padding_array([p - shared for p in kept], made)
         c._idx -= shared
         left.append([p - shared for p in kept])
     return left
 
 
-def merge_layer(layers: list[Any], room: int = 0) -> Any:
+Made = dict[tuple[int, ...], mx.array]   # per-row int arrays made once for a call's layers
+
+
+def padding_array(values: list[int], made: Made | None = None) -> mx.array:
+    """mx.array(values) as an array object of its own; with `made`, a view of one array made
+    once for every layer of a call: an array made from a Python list cost ~0.1 ms on CUDA
+    (a group of 28 layers made 84), and a batch's layers share their padding. A view, never
+    the shared object: mlx-lm's caches update theirs in place (`offset += n`)."""
+    if made is None:
+        return mx.array(values)
+    key = tuple(values)
+    base = made.get(key)
+    if base is None:
+        base = made[key] = mx.array(values)
+    return base[...]
+
+
+def batch_kv(left_padding: list[int], made: Made | None = None) -> BatchKVCache:
+    """mlx-lm's `BatchKVCache(left_padding)`, its per-row arrays from `padding_array`
+    (tests/core/test_padding_arrays.py holds it to the constructor's attributes)."""
+    cache = BatchKVCache.__new__(BatchKVCache)
+    cache.keys = cache.values = cache._right_padding = None
+    cache.left_padding = padding_array(left_padding, made)
+    cache.offset = padding_array([-p for p in left_padding], made)
+    cache._idx = 0
+    return cache
+
+
+def pad_left(caches: list[Any], padding: list[int], made: Made | None = None) -> None:
+    """Every (empty) layer's `prepare(left_padding=padding)`; plain ones through
+    `padding_array`."""
+    for c in caches:
+        if type(c) is BatchKVCache and c.keys is None:
+            extra = padding_array(padding, made)
+            c.left_padding, c.offset = c.left_padding + extra, c.offset - extra
+        else:
+            c.prepare(left_padding=padding)
+
+
+def pad_right(caches: list[Any], lengths: list[int], padding: list[int],
+              made: Made | None = None) -> None:
+    """Every layer's `prepare(lengths=..., right_padding=padding)` before a right-padded
+    forward; plain ones through `padding_array`."""
+    for c in caches:
+        if type(c) is BatchKVCache:
+            if max(padding) > 0:
+                c._right_padding = padding_array(padding, made)
+        else:
+            c.prepare(lengths=lengths, right_padding=padding)
+
+
+def merge_layer(layers: list[Any], room: int = 0, made: Made | None = None) -> Any:
     """Per-row caches of one layer → one batched cache (mlx-lm's merge classmethods). `room`:
     tokens each row writes next (a prefill group's chunk width); plain caches are merged into
     a buffer that already holds them, so that write lands in place instead of growing the
-    batch by concatenation (a copy of every row)."""
+    batch by concatenation (a copy of every row). `made`: see `padding_array`."""
     plain = all(type(c) is KVCache for c in layers)
     if room and len(layers) > 1 and plain and any(c.keys is not None for c in layers):
-        return _room_merge(layers, room)
+        return _room_merge(layers, room, made)
     if len(layers) > 1 and plain and all(c.keys is not None for c in layers):
-        return _concat_merge(layers)
+        return _concat_merge(layers, made)
+    if plain and all(c.keys is None for c in layers):   # mlx-lm's merge of empty caches
+        return batch_kv([0] * len(layers), made)
     merge = getattr(type(layers[0]), "merge", None)
     if merge is None:
         raise TypeError(f"{type(layers[0]).__name__} cannot join a shared decode batch")
     return merge(layers)
 
 
-def _concat_merge(layers: list[KVCache]) -> BatchKVCache:
+def _concat_merge(layers: list[KVCache], made: Made | None = None) -> BatchKVCache:
     """mlx-lm's BatchKVCache.merge of plain caches, as one concatenation: the same arrays
     (rows left-padded with zeros to the longest), one device operation a tensor instead of
     one slice update a row (128 rows joining at once: 72 kernels a step, not 9,216)."""
@@ -654,14 +708,14 @@ def _concat_merge(layers: list[KVCache]) -> BatchKVCache:
             a = a if a.shape[2] == c.offset else a[..., :c.offset, :]
             parts.append(mx.pad(a, [(0, 0), (0, 0), (pad, 0), (0, 0)]) if pad else a)
         return mx.concatenate(parts, axis=0)
-    cache = BatchKVCache(padding)
+    cache = batch_kv(padding, made)
     cache.keys, cache.values = rows("keys"), rows("values")
     cache.offset += longest
     cache._idx = longest
     return cache
 
 
-def _room_merge(layers: list[KVCache], room: int) -> BatchKVCache:
+def _room_merge(layers: list[KVCache], room: int, made: Made | None = None) -> BatchKVCache:
     """Plain caches (some may be empty) → one BatchKVCache whose buffer holds the longest row
     plus `room` rounded up to BatchKVCache.step, as its own growth would make it: each row's
     KV is copied once, straight from its buffers (a prompt-cache hit's lent views are only
@@ -671,7 +725,7 @@ def _room_merge(layers: list[KVCache], room: int) -> BatchKVCache:
     step = BatchKVCache.step
     size = longest + -(-room // step) * step
     like = next(c for c in layers if c.keys is not None)
-    cache = BatchKVCache(padding)
+    cache = batch_kv(padding, made)
     for name in ("keys", "values"):
         a = getattr(like, name)
         buf = mx.zeros((len(layers), a.shape[1], size, a.shape[3]), a.dtype)
