@@ -40,10 +40,10 @@ class CacheConfig:
     # history with this answer (the next turn's likely prefix) when it costs at most this many
     # new tokens; a real request cancels it at the next step. 0: off
     warmup_budget_tokens: int = 0
-    # a reusable prefix shorter than this is computed again instead: a hit's copies and batch
-    # merge cost the host a few operations per layer, more than a short prefix's share of a
-    # batched prefill (on the H200, 128 arrivals of 76-token prompts: 1.26 s as hits, 0.36 s
-    # computed). 0: any hit; unset: 256 on a GPU, 0 on a CPU (whose prefill is the slow part)
+    # a reusable prefix shorter than this is computed again instead: a hit's merge into its
+    # batch copies it a row, layer and tensor at a time, more than a short prefix's share of a
+    # batched prefill costs (measured: docs/notes/2026-12-07-round26.md). 0: any hit; unset:
+    # 256 on a GPU, 0 on a CPU (whose prefill is the slow part)
     min_reuse_tokens: Optional[int] = None
 
     @property
