@@ -228,22 +228,33 @@ def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_token
             first: dict[int, float] = {}
             count = 0
             done = 0
+            decoding: list[float] = []   # batch times from the last first token on
+            after = 0
             while done < len(uids):
                 res = gen.next_generated()
                 if not res:
                     break
                 now = time.perf_counter()
+                everyone = len(first) == len(uids)
                 for r in res:
                     first.setdefault(r.uid, now)
                     count += 1
                     done += r.finish_reason is not None
+                if everyone:
+                    after += len(res)
+                    decoding.append(now)
+                elif len(first) == len(uids):
+                    decoding.append(now)   # the decode part starts at the last first token
             wall = time.perf_counter() - t0
             gen.close()
             if rep >= warm:
                 ttft = sorted(v - t0 for v in first.values())
+                span = decoding[-1] - decoding[0] if len(decoding) > 1 else 0.0
                 out.append({"what": "library BatchGenerator", "streams": n,
                             "agg_tok_s": round(count / wall, 1), "wall_s": round(wall, 3),
-                            "ttft_p50_s": round(ttft[len(ttft) // 2], 4)})
+                            "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
+                            # its decode alone: tokens after every row's first, over their time
+                            "decode_agg_tok_s": round(after / span, 1) if span else None})
         mx.clear_cache()
     return out
 
