@@ -121,6 +121,9 @@ class _Live:
 
     block: Block
     entries: dict[tuple[str, tuple[int, ...]], Entry] = field(default_factory=dict)
+    # less than half of it is used: its entries are counted by their own bytes and copied out
+    # of it when the `batch()` it happened in ends (by then its other entries may be gone too)
+    leaving: bool = False
 
 
 @dataclass(slots=True)
@@ -330,7 +333,9 @@ class RamPromptCache:
             self.nbytes += entry.nbytes
             return
         live = self._blocks.setdefault(id(block), _Live(block))
-        if not live.entries:
+        if live.leaving:
+            self.nbytes += entry.nbytes
+        elif not live.entries:
             self.nbytes += block.nbytes
         live.entries[entry.key] = entry
 
@@ -346,20 +351,35 @@ class RamPromptCache:
         live = self._blocks.get(id(block))
         if live is None or live.entries.pop(entry.key, None) is None:
             return
+        if live.leaving:   # counted by its entries' own bytes already
+            self.nbytes -= entry.nbytes
+            if not live.entries:
+                del self._blocks[id(block)]
+            return
         if not live.entries:
             del self._blocks[id(block)]
             self.nbytes -= block.nbytes
             return
         if 2 * sum(e.nbytes for e in live.entries.values()) >= block.nbytes:
             return
-        del self._blocks[id(block)]
-        self.nbytes -= block.nbytes
+        # counted from now on as if its entries were copied out; inside `batch()` the copies
+        # wait for its end: rows finishing together each replace their prompt's entry, and
+        # copying a block's survivors out at the half mark copied entries about to go too
+        live.leaving = True
+        self.nbytes += sum(e.nbytes for e in live.entries.values()) - block.nbytes
+        if self._batch is None:
+            self._copy_out(live)
+
+    def _copy_out(self, live: _Live) -> None:
+        """A leaving block's entries, each copied to its own arrays: the block is freed."""
+        del self._blocks[id(live.block)]
         pending: list[mx.array] = []
         for left in live.entries.values():
             owned = [own(c, pending) for c in left.caches]
             left.caches, left.block = [c for c, _ in owned], None
-            left.nbytes = sum(n for _, n in owned)
-            self.nbytes += left.nbytes
+            nbytes = sum(n for _, n in owned)
+            self.nbytes += nbytes - left.nbytes
+            left.nbytes = nbytes
         self._device(pending)
         log.debug("prompt cache: %d entries copied out of a block they alone held",
                   len(live.entries))
@@ -385,6 +405,8 @@ class RamPromptCache:
         try:
             yield
         finally:
+            for live in [b for b in self._blocks.values() if b.leaving]:
+                self._copy_out(live)   # their copies join the batch's device call
             batch, self._batch = self._batch, None
             if batch:
                 mx.async_eval(batch)

@@ -119,3 +119,28 @@ def test_a_row_too_large_for_the_tier_leaves_its_blocks_other_rows_whole() -> No
     assert kept is not None and cache.nbytes == rows[1][0].block.nbytes
     for c, was in zip(kept.caches, rows[1]):
         assert mx.array_equal(c.keys, was.keys).item()
+
+
+def test_a_block_left_inside_a_batch_is_copied_out_at_its_end_and_only_if_still_held() -> None:
+    """Rows finishing together each replace their prompt's entry within one `batch()`: a block
+    whose entries all go in it is freed whole, none of them copied out at the half mark; one
+    whose survivors outlive the batch is counted by their bytes at once and copied at its end."""
+    cache = RamPromptCache(make_config("cache=ram"), Metrics(CollectorRegistry()))
+    entries, rows = put_rows(cache, 4)
+    block = rows[0][0].block
+    with cache.batch():
+        for e in entries:
+            cache.remove(e)
+    assert all(e.block is block for e in entries)   # never copied out
+    assert cache.nbytes == 0 and not cache._blocks
+    entries, rows = put_rows(cache, 4)
+    block = rows[0][0].block
+    with cache.batch():
+        for e in entries[:3]:
+            cache.remove(e)
+        left = entries[3]
+        assert left.block is block and cache.nbytes == left.nbytes   # counted as copied
+    assert left.block is None and not cache._blocks
+    assert cache.nbytes == left.nbytes == sum(c.keys.nbytes + c.values.nbytes for c in left.caches)
+    for c, was in zip(left.caches, rows[3]):
+        assert mx.array_equal(c.keys, was.keys).item() and mx.array_equal(c.values, was.values).item()
