@@ -5,8 +5,9 @@ a checkpoint of each running row that emitted N more tokens.
 
 A prompt's copy costs the host a few operations per layer (~2.4 ms a row on an 8B model on
 the H200: 0.3 s for a burst of 128), so on a model whose KV can be cut back to any prefix it
-waits in `pending` and `drain` makes it between steps, a few rows a pass, once the row's first
-token is out, while the device runs the next step: the first tokens never wait for it. The copy then cuts the row's KV back
+waits in `pending` and `drain` makes it between steps, a few rows a pass (the batched ones
+with one gather a layer), once the row's first token is out, while the device runs the next
+step: the first tokens never wait for it. The copy then cuts the row's KV back
 to the prompt position, so the entry holds what an immediate copy would have. It asks the row store for a
 row's caches; it never looks for them. The scheduler's in-flight ledger and a checkpoint's
 sampler key come in with its deps (`deps.ledger`, `deps.samplers`), never from another
@@ -75,21 +76,30 @@ class Persist:
         first token and the loop reading it: a copy's host work (or an allocation that waits
         for the device) would delay that token."""
         copies: list[tuple[list[int], list[Any], str | None]] = []
+        # (row, position) pairs, a row's positions in order; each round copies the batched
+        # rows together (`copies_of`: one padding read and one gather a layer for the pass's
+        # rows, where one `copy_of` a row read the padding and copied every layer per row)
+        rounds: list[dict[str, tuple[Request, int]]] = []
         for rid in [r for r, (req, _) in self.pending.items() if req.output_ids][:rows]:
             req, positions = self.pending.pop(rid)
             if rid not in kv:   # freed meanwhile (failed, preempted, finished)
                 continue
-            caches = None
-            for done in positions:
-                size = kv.entry_bytes(rid, done)
-                if size is not None and not self.cache.kept([size]):
-                    continue   # larger than the tier: a copy it would drop
-                fresh = kv.copy_of(rid, done)   # a batched row: the prefix alone, copied once
-                if fresh is not None:
-                    copies.append((req.key_ids[:done], fresh, req.adapter))
+            kept = [done for done in positions
+                    if (size := kv.entry_bytes(rid, done)) is None or self.cache.kept([size])]
+            for k, done in enumerate(kept):   # one larger than the tier: a copy it would drop
+                if k == len(rounds):
+                    rounds.append({})
+                rounds[k][rid] = (req, done)
+        own: dict[str, list[Any]] = {}   # caches_of, once a row
+        for wanted in rounds:
+            fresh = kv.copies_of({rid: done for rid, (_, done) in wanted.items()})
+            for rid, (req, done) in wanted.items():
+                if rid in fresh:   # a batched row: the prefix alone, copied once
+                    copies.append((req.key_ids[:done], fresh[rid], req.adapter))
                     continue
-                caches = caches or kv.caches_of(rid)
-                cut = [lend(c) for c in caches]   # new objects: the row's own are untouched
+                if rid not in own:
+                    own[rid] = kv.caches_of(rid)
+                cut = [lend(c) for c in own[rid]]   # new objects: the row's own are untouched
                 if any(getattr(c, "offset", None) != done for c in cut):
                     if not all(type(c) in PREFIX_LAYOUTS and c.offset > done for c in cut):
                         continue   # a layout that cannot be cut back: no entry, no harm

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
@@ -123,3 +124,40 @@ def test_prefixes_shorter_than_any_hit_a_lookup_takes_are_not_stored(engine_fact
     assert sorted(len(e.tokens) for e in cache.entries.values()) == [100 + OUT - 1]
     again = h.generate(long, max_tokens=OUT, logit_bias=EOS_OFF)
     assert again["ids"] == first["ids"] and again["cached"] == 99
+
+
+def test_prompt_copies_of_rows_decoding_together_share_one_gather(engine_factory) -> None:
+    """The prompt copies a pass makes between steps (up to 8 rows whose first token is out)
+    come from one gather a layer for the rows of one batch: the entries are views of a shared
+    block, each exactly its prompt. Read while the rows still decode (their finish would
+    replace them)."""
+    from pipeserve.core.events import Settle, TokenDelta
+    from pipeserve.core.stream import RequestStream
+    prompts = [[5 + (i * 11 + j) % 200 for j in range(PROMPT)] for i in range(ROWS)]
+    h = engine_factory(*ONE_GROUP)
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        reqs = [h.request(p, max_tokens=4000, logit_bias=EOS_OFF) for p in prompts]
+        streams = [RequestStream(loop) for _ in reqs]
+        for r, s in zip(reqs, streams):
+            h.engine.submit(r, s)
+        for s in streams:   # every row has tokens out: the pass after their first copied them
+            seen = 0
+            while seen < 3:
+                event = await s.next()
+                assert isinstance(event, TokenDelta), event
+                seen += len(event.token_ids)
+        await asyncio.wrap_future(h.engine.command(Settle()))
+        cache = h.engine.step._cache
+        held = [e for e in list(cache.entries.values()) if len(e.tokens) == PROMPT - 1]
+        for r in reqs:
+            h.engine.abort(r.request_id)
+        return held
+    held = asyncio.run(run())
+    assert sorted(e.tokens for e in held) == sorted(tuple(p[:PROMPT - 1]) for p in prompts)
+    # one block a batch the rows sat in (the decode batch, a prefill group not merged yet);
+    # copied row by row, no entry would be in a block
+    shared = Counter(id(e.block) for e in held if e.block is not None)
+    assert shared and max(shared.values()) >= ROWS // 2, shared
+    assert all(c.offset == c.keys.shape[2] == PROMPT - 1 for e in held for c in e.caches)
