@@ -586,3 +586,28 @@ def test_arrivals_wait_only_for_a_prefilling_row_with_their_head() -> None:
     s._admit()   # a2 goes ahead; a3 now waits for a2, admitted in this very pass
     assert [r.request_id for r in s.running][-1] == "a2"
     assert [r.request_id for r in s.waiting] == ["a3"]
+
+
+
+def test_a_plan_splits_its_rows_once_as_they_stood_when_it_was_made() -> None:
+    """A plan's prefill and decode rows are fixed when it is made (the stages read them several
+    times a step): a request whose prompt grows while its step is in flight (as a preemption's
+    fold grows it) still counts as the sampling row the scheduler planned, so the step's token
+    is emitted and its in-flight count settled as planned."""
+    s = budget_sched(64)
+    s.add(req(1, 4, "short"))
+    s.add(req(40, 4, "long"))
+    plan = s.schedule()
+    assert plan is not None
+    assert [r.request_id for r in plan.decode] == ["short"]
+    assert [r.request_id for r in plan.prefill] == ["long"]
+    assert [r.samples for r in plan.rows] == [True, False]
+    assert s.outputs_ahead("short") == 1
+    drafted = plan.with_drafts(Drafts({"short": [4]}))
+    assert [(r.request_id, r.drafts) for r in drafted.decode] == [("short", (4,))]
+    short = plan.decode[0].request
+    short.prompt_ids = short.prompt_ids + [7, 8, 9]
+    assert [r.request_id for r in plan.decode] == ["short"]
+    events = list(s.update(plan, output(plan)))
+    assert [(r.request_id, type(e).__name__) for r, e in events] == [("short", "TokenDelta")]
+    assert s.outputs_ahead("short") == 0
