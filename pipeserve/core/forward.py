@@ -4,6 +4,7 @@ every decoding row in one batched forward, with its drafts when it verifies them
 (the prefill stage) and a draft model's (draft=model) are two instances. Engine thread."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -47,7 +48,7 @@ class Forward:
             self.adapters.reset()
 
     # -- prompt chunks ----------------------------------------------------------------
-    def prefill(self, rows: list[PlannedRow], kv: RowStore) -> int:
+    def prefill(self, rows: Sequence[PlannedRow], kv: RowStore) -> int:
         """Run every prefill chunk; returns how many rows shared a grouped forward. A row with
         media whose chunk raises (its tower on its own input) lands in `self.failed`, alone."""
         self.hidden = {}
@@ -135,7 +136,7 @@ class Forward:
         kv.group(ids, caches)
 
     # -- decoding rows ----------------------------------------------------------------
-    def decode(self, rows: list[PlannedRow], kv: RowStore) -> Logits:
+    def decode(self, rows: Sequence[PlannedRow], kv: RowStore) -> Logits:
         """One forward for every decoding row (their order is the batch's): each feeds its
         input token, then its drafts when it verifies them (logits at every position)."""
         hidden = {rid: h for rid, h in self.hidden.items()}
@@ -206,7 +207,7 @@ def _left_paddable(cache: Any) -> bool:
     return type(cache) in (BatchKVCache, BatchRotatingKVCache)
 
 
-def _width(rows: list[PlannedRow]) -> int:
+def _width(rows: Sequence[PlannedRow]) -> int:
     """1 + the longest draft, rounded up to a power of two (at most 1 + the largest room),
     so verify forwards come in a few shapes; 1 without drafts."""
     need = 1 + max(len(r.drafts) for r in rows)
@@ -216,7 +217,7 @@ def _width(rows: list[PlannedRow]) -> int:
     return min(1 << (need - 1).bit_length(), max(cap, need))
 
 
-def _buckets(rows: list[PlannedRow]) -> list[list[PlannedRow]]:
+def _buckets(rows: Sequence[PlannedRow]) -> list[list[PlannedRow]]:
     """Rows whose chunks are within BUCKET_SPREAD x of each other's length, so one padded
     forward wastes at most about half its width on padding."""
     groups: list[list[PlannedRow]] = []
