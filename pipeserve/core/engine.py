@@ -301,6 +301,8 @@ class Engine:
             if launched is not None:
                 self.step.dispatch(launched)   # scheduler.dispatch_late: only now
             self.step.between(launched is not None, plan)
+            if tr is not None:
+                tr.mark("drain")   # waiting prompt copies (Step.between), apart from the rest
             pending = launched
             self.step.passed()
             if trace is not None and plan is not None:

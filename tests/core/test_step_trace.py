@@ -57,3 +57,18 @@ def test_off_by_default(engine_factory, caplog) -> None:
     caplog.set_level(logging.INFO, logger="pipeserve.steps")
     h.generate(PROMPTS[0], max_tokens=3)
     assert steps(caplog) == []
+
+
+def test_the_prompt_copies_after_a_prefill_are_their_own_part(engine_factory, caplog) -> None:
+    """A prompt the cache keeps is copied out of the batch in the passes after its prefill
+    (Step.between, a few rows a pass): the trace names that part `drain`, apart from the
+    loop's other work (`rest`), so a GPU's first decode steps can be read part by part."""
+    h = engine_factory("scheduler.step_trace=true")
+    caplog.set_level(logging.INFO, logger="pipeserve.steps")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(4)]
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=6) for p in prompts]))
+    assert [len(g["ids"]) for g in got] == [6] * 4
+    trace = steps(caplog)
+    drained = [s for s in trace if "drain" in s["parts"]]
+    assert drained, trace
+    assert all(s["parts"]["drain"] > 0 for s in drained), drained
