@@ -41,7 +41,7 @@ class SchedulerConfig:
     arrival_gap_ms: Optional[float] = None
     arrival_window_ms: float = 50.0
     # log one line per engine step (pipeserve.steps, INFO): its wall clock and each part's
-    # milliseconds (inbox, schedule, launch, apply), to line a burst's steps up with its
+    # milliseconds (inbox, schedule, launch, apply, drain), to line a burst's steps up with its
     # request lines (core/step_trace.py); a diagnostic, off by default
     step_trace: bool = False
 
