@@ -12,7 +12,8 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from pipeserve.adapters.lora import AdapterSet
 from pipeserve.draft.mtp import target_forward
-from pipeserve.core.rows import Made, RowStore, drop_shared_padding, merge_layer, pad_left, pad_right
+from pipeserve.core.rows import (Made, RowStore, drop_shared_padding, merge_layer, pad_left,
+                                  pad_right)
 from pipeserve.core.plan import Logits, PlannedRow
 from pipeserve.kv.padded import finalize
 from pipeserve.model.fast_decode import fast_decode
