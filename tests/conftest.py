@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -12,6 +13,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+# every host copy of a batch's padding that the engine uses is checked against the device's,
+# here and in the servers the tests start (pipeserve/kv/padded.py)
+os.environ.setdefault("PIPESERVE_CHECK_PADDING", "1")
 
 import httpx
 import pytest

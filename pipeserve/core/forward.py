@@ -15,7 +15,7 @@ from pipeserve.draft.mtp import target_forward
 from pipeserve.core.rows import (Made, RowStore, drop_shared_padding, merge_layer, pad_left,
                                   pad_right)
 from pipeserve.core.plan import Logits, PlannedRow
-from pipeserve.kv.padded import finalize
+from pipeserve.kv.padded import finalize, note_right_padding
 from pipeserve.model.fast_decode import fast_decode
 
 BUCKET_SPREAD = 2.0   # prompts within 2x of each other's length share one padded forward
@@ -173,6 +173,7 @@ class Forward:
         if max(padding):
             for c in caches:
                 c.prepare(lengths=lengths, right_padding=padding)
+                note_right_padding(c, padding)
         tokens = mx.array([t + [0] * p for t, p in zip(chunks, padding)], dtype=mx.uint32)
         self._select([by_id[rid] for rid in order])
         logits = self.model(tokens, cache=caches)

@@ -15,7 +15,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from pipeserve.core.plan import PlannedRow
-from pipeserve.kv.padded import LeftPaddedBatch, finalize
+from pipeserve.kv import padded
+from pipeserve.kv.padded import (LeftPaddedBatch, finalize, note_padding, note_right_padding,
+                                  noted_padding)
 from pipeserve.kv.rotating import is_rotating, rewind_rotating, rewind_rotating_rows
 from pipeserve.prompt_cache.protocol import Block, SharedKVCache, reserve
 
@@ -333,7 +335,7 @@ class RowStore:
                 self._caches = caches
             else:
                 for mine, theirs in zip(self._caches, caches):
-                    mine.extend(theirs)
+                    extend_layer(mine, theirs)
             self._rows.extend(ids)
         new = mx.array([known[r] for ids, _ in parts for r in ids], dtype=mx.uint32)
         self._next = new if self._next is None else mx.concatenate([self._next, new])
@@ -507,18 +509,32 @@ def _arrays(layer: Any) -> list[mx.array]:
 
 
 def host_padding(caches: list[Any]) -> list[list[int] | None]:
-    """Each layer's left padding per row (None: a layer without one), read from the device
-    once for every layer. mlx-lm's extract and filter read it layer by layer: a wait for the
-    device each time, and each wait gives up the GIL, which an event loop busy streaming
-    beside the engine thread may then keep for a whole switch interval."""
-    arrays = [c.left_padding for c in caches
-              if isinstance(getattr(c, "left_padding", None), mx.array)]
-    if not arrays:
-        return [getattr(c, "left_padding", None) or None for c in caches]
-    mx.eval(arrays)   # the one wait; reading a ready array back keeps the GIL in practice
-    rows = iter([a.tolist() for a in arrays])
-    return [next(rows) if isinstance(getattr(c, "left_padding", None), mx.array)
-            else (getattr(c, "left_padding", None) or None) for c in caches]
+    """Each layer's left padding per row (None: a layer without one): the host copy noted for
+    a plain layer's array (`noted_padding`), else read from the device once for every layer
+    left. A read waits for every step queued on the device (the drain copies while one is in
+    flight), and each wait gives up the GIL, which an event loop busy streaming beside the
+    engine thread may then keep for a whole switch interval; mlx-lm's extract and filter read
+    it layer by layer."""
+    out: list[list[int] | None] = []
+    read: list[tuple[int, Any, list[int] | None]] = []
+    for c in caches:
+        pad = getattr(c, "left_padding", None)
+        if not isinstance(pad, mx.array):
+            out.append(pad or None)
+            continue
+        known = noted_padding(c)
+        if known is None or padded.CHECK_PADDING:
+            read.append((len(out), c, known))
+        out.append(known)
+    if read:
+        mx.eval([c.left_padding for _, c, _ in read])   # the one wait
+        for j, c, known in read:
+            values = c.left_padding.tolist()   # a ready array's read keeps the GIL in practice
+            if known is not None and known != values:
+                raise AssertionError(f"noted left padding {known} is not the layer's {values}")
+            out[j] = values
+            note_padding(c, values)
+    return out
 
 
 def extract_rows(caches: list[Any], rows: list[int], upto: int | list[int] | None = None,
@@ -619,9 +635,10 @@ def filter_layers(caches: list[Any], keep: list[int], idx: mx.array,
             if shared:
                 c.keys, c.values = c.keys[..., shared:, :], c.values[..., shared:, :]
         c.offset = c.offset[idx]
-        c.left_padding = padding_array([p - shared for p in kept], made)
-        c._idx -= shared
         left.append([p - shared for p in kept])
+        c.left_padding = padding_array(left[-1], made)
+        c._idx -= shared
+        note_padding(c, left[-1])
     return left
 
 
@@ -650,6 +667,7 @@ def batch_kv(left_padding: list[int], made: Made | None = None) -> BatchKVCache:
     cache.left_padding = padding_array(left_padding, made)
     cache.offset = padding_array([-p for p in left_padding], made)
     cache._idx = 0
+    note_padding(cache, list(left_padding))
     return cache
 
 
@@ -658,8 +676,10 @@ def pad_left(caches: list[Any], padding: list[int], made: Made | None = None) ->
     `padding_array`."""
     for c in caches:
         if type(c) is BatchKVCache and c.keys is None:
-            extra = padding_array(padding, made)
+            extra, known = padding_array(padding, made), noted_padding(c)
             c.left_padding, c.offset = c.left_padding + extra, c.offset - extra
+            if known is not None:
+                note_padding(c, [a + b for a, b in zip(known, padding)])
         else:
             c.prepare(left_padding=padding)
 
@@ -672,6 +692,7 @@ def pad_right(caches: list[Any], lengths: list[int], padding: list[int],
         if type(c) is BatchKVCache:
             if max(padding) > 0:
                 c._right_padding = padding_array(padding, made)
+                note_right_padding(c, list(padding))
         else:
             c.prepare(lengths=lengths, right_padding=padding)
 
@@ -691,7 +712,11 @@ def merge_layer(layers: list[Any], room: int = 0, made: Made | None = None) -> A
     merge = getattr(type(layers[0]), "merge", None)
     if merge is None:
         raise TypeError(f"{type(layers[0]).__name__} cannot join a shared decode batch")
-    return merge(layers)
+    merged = merge(layers)
+    if plain:   # mlx-lm's merge pads each row to the longest on the left
+        longest = max(c.size() for c in layers)
+        note_padding(merged, [longest - c.size() for c in layers])
+    return merged
 
 
 def _concat_merge(layers: list[KVCache], made: Made | None = None) -> BatchKVCache:
@@ -740,6 +765,21 @@ def _room_merge(layers: list[KVCache], room: int, made: Made | None = None) -> B
     return cache
 
 
+def extend_layer(mine: Any, theirs: Any) -> None:
+    """`mine.extend(theirs)`; a plain layer's padding noted after it where both sides' were
+    (mlx-lm's extend right-justifies both sides at the longer write position)."""
+    a, b = noted_padding(mine), noted_padding(theirs)
+    known = None
+    if type(mine) is BatchKVCache and type(theirs) is BatchKVCache and None not in (a, b):
+        if mine.keys is None and theirs.keys is None:
+            known = a + b
+        else:
+            at = max(mine._idx, theirs._idx)
+            known = [p + at - mine._idx for p in a] + [p + at - theirs._idx for p in b]
+    mine.extend(theirs)
+    note_padding(mine, known)
+
+
 SHARED_PADDING_MAX = 16   # tokens of padding every row has before it is cut away
 
 
@@ -779,4 +819,5 @@ def trim_rows(caches: list[Any], drop: list[int]) -> None:
             c.trim(common)
         if any(rest):
             c.prepare(right_padding=rest)
+            note_right_padding(c, rest)
             finalize(c)

@@ -3,6 +3,9 @@ to one write position, as in mlx-lm's BatchKVCache, with keys and values stored 
 arrays (data, scales, ...) whose token axis is -2. Engine thread."""
 from __future__ import annotations
 
+import hashlib
+import inspect
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,13 +34,54 @@ def roll_rows(xs: Sequence[mx.array], shifts: mx.array) -> list[mx.array]:
     return out
 
 
+def _digest(cls: type) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16]
+    except (OSError, TypeError):   # no source to read (an install without .py files)
+        return ""
+
+
+# A plain batched layer's left padding, as host ints beside the array they were noted for.
+# Reading the array back waits for every step queued on the device (the drain's copies read it
+# while a step is in flight). Every change pipeserve makes to a plain layer's padding binds a
+# new array, so a copy noted for the array the layer holds is current. mlx-lm's BatchKVCache
+# changes one in place only in prepare(left_padding) and finalize, which pipeserve never calls
+# on a plain layer (pad_left, finalize below), and in filter, on an array it just made: as read
+# in this class's source; another mlx-lm's keeps no notes (tests/kv/test_noted_padding.py
+# fails). PIPESERVE_CHECK_PADDING=1 (the test suite) checks each noted copy against the device.
+NOTES = _digest(BatchKVCache) == "474e6fe46261a118"
+CHECK_PADDING = os.environ.get("PIPESERVE_CHECK_PADDING") == "1"
+
+
+def noted_padding(cache: Any) -> list[int] | None:
+    """The host copy of a plain batched layer's left padding noted for the array it holds now;
+    None: none was, or the layer has since bound another (read it from the device)."""
+    held = getattr(cache, "_host_padding", None)
+    return held[1] if held is not None and held[0] is cache.left_padding else None
+
+
+def note_padding(cache: Any, values: list[int] | None) -> None:
+    """Note `values` as a plain batched layer's left padding, for the array it holds now."""
+    if NOTES and values is not None and type(cache) is BatchKVCache:
+        cache._host_padding = (cache.left_padding, values)
+
+
+def note_right_padding(cache: Any, values: list[int]) -> None:
+    """The host copy of a plain layer's right padding, for `finalize` to note the left padding
+    it makes (set with `_right_padding`, cleared by finalize)."""
+    if NOTES and type(cache) is BatchKVCache:
+        cache._host_right = values
+
+
 def finalize(cache: Any) -> None:
     """`cache.finalize()` after a right-padded forward; mlx-lm's batched caches (plain and
     sliding-window) roll the padding to the left by `roll_rows` here, where their own
     finalize rolls element by element. The same state either way."""
+    left = right = None
     if type(cache) is BatchKVCache and cache._right_padding is not None:
         shift = cache._right_padding
         cache._right_padding = None
+        left, right = noted_padding(cache), cache.__dict__.pop("_host_right", None)
     elif type(cache) is BatchRotatingKVCache and cache._lengths is not None:
         shift = mx.maximum(0, cache.offset - cache._lengths)
         cache._lengths = None
@@ -47,6 +91,8 @@ def finalize(cache: Any) -> None:
     cache.keys, cache.values = roll_rows([cache.keys, cache.values], shift)
     cache.offset = cache.offset - shift
     cache.left_padding = cache.left_padding + shift
+    if left is not None and right is not None:
+        note_padding(cache, [a + b for a, b in zip(left, right)])
 
 
 class LeftPaddedBatch(_BaseCache):
