@@ -514,7 +514,7 @@ def host_padding(caches: list[Any]) -> list[list[int] | None]:
     left. A read waits for every step queued on the device (the drain copies while one is in
     flight), and each wait gives up the GIL, which an event loop busy streaming beside the
     engine thread may then keep for a whole switch interval; mlx-lm's extract and filter read
-    it layer by layer."""
+    it layer by layer. The lists are the notes themselves: read them, never change them."""
     out: list[list[int] | None] = []
     read: list[tuple[int, Any, list[int] | None]] = []
     for c in caches:

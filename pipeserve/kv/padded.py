@@ -67,10 +67,10 @@ def note_padding(cache: Any, values: list[int] | None) -> None:
 
 
 def note_right_padding(cache: Any, values: list[int]) -> None:
-    """The host copy of a plain layer's right padding, for `finalize` to note the left padding
-    it makes (set with `_right_padding`, cleared by finalize)."""
-    if NOTES and type(cache) is BatchKVCache:
-        cache._host_right = values
+    """The host copy of a plain layer's right padding (just set, `_right_padding`), for
+    `finalize` to note the left padding it makes."""
+    if NOTES and type(cache) is BatchKVCache and cache._right_padding is not None:
+        cache._host_right = (cache._right_padding, values)
 
 
 def finalize(cache: Any) -> None:
@@ -81,7 +81,9 @@ def finalize(cache: Any) -> None:
     if type(cache) is BatchKVCache and cache._right_padding is not None:
         shift = cache._right_padding
         cache._right_padding = None
-        left, right = noted_padding(cache), cache.__dict__.pop("_host_right", None)
+        held = cache.__dict__.pop("_host_right", None)
+        left = noted_padding(cache)
+        right = held[1] if held is not None and held[0] is shift else None
     elif type(cache) is BatchRotatingKVCache and cache._lengths is not None:
         shift = mx.maximum(0, cache.offset - cache._lengths)
         cache._lengths = None

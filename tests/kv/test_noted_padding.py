@@ -75,3 +75,14 @@ def test_a_noted_padding_is_read_without_the_device_and_checked_when_asked(
     monkeypatch.setattr(padded, "CHECK_PADDING", True)
     with pytest.raises(AssertionError, match="noted left padding"):
         host_padding([c])
+
+
+def test_a_right_padding_set_without_its_note_leaves_the_roll_unnoted() -> None:
+    c = batch_kv([0, 0], {})
+    pad_right([c], [3, 1], [0, 2], {})   # noted, then replaced by mlx-lm's own (no note)
+    c.prepare(right_padding=[1, 0])
+    c.update_and_fetch(*kv(2, 3, 5))
+    finalize(c)
+    assert noted_padding(c) is None   # read from the device next time, never guessed
+    assert host_padding([c]) == [[1, 0]]
+
