@@ -220,12 +220,26 @@ def _width(rows: Sequence[PlannedRow]) -> int:
 
 
 def _buckets(rows: Sequence[PlannedRow]) -> list[list[PlannedRow]]:
-    """Rows whose chunks are within BUCKET_SPREAD x of each other's length, so one padded
-    forward wastes at most about half its width on padding."""
+    """Rows that share one padded forward: chunks within BUCKET_SPREAD x of each other's
+    length, so one forward wastes at most about half its width on padding, and no wider than
+    the group's longest row by more than an eighth of it. A group writes every chunk after its
+    longest prefix (a prompt-cache hit's, an earlier chunk's), so it is max(start) + max(chunk)
+    wide, and the excess over its longest row is padding that every row of the decode batch it
+    joins attends over until they leave (one row's earlier chunk of 264 tokens beside 25 new
+    620-token prompts made a 128-row batch 884 positions wide, 43% more than its rows)."""
     groups: list[list[PlannedRow]] = []
     for row in sorted(rows, key=lambda r: r.num_tokens):
-        if groups and row.num_tokens <= BUCKET_SPREAD * groups[-1][0].num_tokens:
-            groups[-1].append(row)
+        for g in groups:
+            if row.num_tokens <= BUCKET_SPREAD * g[0].num_tokens and _excess(g + [row]) <= 0:
+                g.append(row)
+                break
         else:
             groups.append([row])
     return groups
+
+
+def _excess(rows: list[PlannedRow]) -> int:
+    """How much wider than an eighth past its longest row a group's forward would be."""
+    longest = max(r.start + r.num_tokens for r in rows)
+    width = max(r.start for r in rows) + max(r.num_tokens for r in rows)
+    return width - longest - longest // 8

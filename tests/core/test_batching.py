@@ -135,3 +135,35 @@ def test_prompts_arriving_together_prefill_as_one_group(engine_factory, model: s
     assert [g["ids"] for g in got] == expected
     assert h.metrics.grouped_prefills._value.get() >= 2
     wait_idle(h)
+
+
+def test_a_prompt_split_across_steps_does_not_widen_the_batch(engine_factory) -> None:
+    """Equal prompts over a token budget that splits one prompt each step: the split row's
+    rest does not share a forward with new prompts (that forward would write every chunk after
+    its earlier chunk, padding the new rows by it), so the decode batch is as wide as its rows
+    plus the steps between their arrivals, and each row decodes what it decodes alone."""
+    prompts = [[30 + (7 * i + j) % 200 for j in range(60)] for i in range(8)]
+    serial = engine_factory("scheduler=serial")
+    expected = [solo(serial, p, max_tokens=10, logit_bias=EOS_OFF) for p in prompts]
+    h = engine_factory("scheduler=continuous", "scheduler.max_batch=8",
+                       "scheduler.max_num_batched_tokens=142")   # 2 prompts and 24 tokens a step
+    forward = h.engine.step.prefill.forward
+    widths: list[tuple[int, int]] = []   # (the batch's positions, its longest row's)
+    inner = forward.decode
+
+    def decode(rows, kv):
+        out = inner(rows, kv)
+        c = kv._caches[0] if len(rows) > 1 else None
+        if c is not None and c.keys is not None:
+            widths.append((c._idx, max(r.start + 1 for r in rows)))
+        return out
+
+    forward.decode = decode
+    got = asyncio.run(h.generate_many([h.request(p, max_tokens=10, logit_bias=EOS_OFF)
+                                       for p in prompts]))
+    assert [g["ids"] for g in got] == expected
+    assert h.metrics.grouped_prefills._value.get() >= 2   # new prompts still shared forwards
+    assert len(widths) > 5
+    steps = len(prompts)   # at most one step between two rows' arrivals
+    assert all(width <= longest + steps for width, longest in widths), widths
+    wait_idle(h)
