@@ -221,25 +221,20 @@ def _width(rows: Sequence[PlannedRow]) -> int:
 
 def _buckets(rows: Sequence[PlannedRow]) -> list[list[PlannedRow]]:
     """Rows that share one padded forward: chunks within BUCKET_SPREAD x of each other's
-    length, so one forward wastes at most about half its width on padding, and no wider than
-    the group's longest row by more than an eighth of it. A group writes every chunk after its
-    longest prefix (a prompt-cache hit's, an earlier chunk's), so it is max(start) + max(chunk)
-    wide, and the excess over its longest row is padding that every row of the decode batch it
-    joins attends over until they leave (one row's earlier chunk of 264 tokens beside 25 new
-    620-token prompts made a 128-row batch 884 positions wide, 43% more than its rows)."""
-    groups: list[list[PlannedRow]] = []
+    length, and a group at most an eighth wider than its longest row. A group writes every
+    chunk after its longest prefix (a cache hit's, an earlier chunk's): the excess is padding
+    that every row of the decode batch it joins attends over until they leave."""
+    groups: list[tuple[list[PlannedRow], list[int]]] = []   # (rows, [longest prefix, end])
+    # in ascending chunk order: a row's chunk is the longest of the group it joins
     for row in sorted(rows, key=lambda r: r.num_tokens):
-        for g in groups:
-            if row.num_tokens <= BUCKET_SPREAD * g[0].num_tokens and _excess(g + [row]) <= 0:
-                g.append(row)
+        end = row.start + row.num_tokens
+        for members, widest in groups:
+            start, longest = max(widest[0], row.start), max(widest[1], end)
+            if (row.num_tokens <= BUCKET_SPREAD * members[0].num_tokens
+                    and start + row.num_tokens <= longest + longest // 8):
+                members.append(row)
+                widest[:] = start, longest
                 break
         else:
-            groups.append([row])
-    return groups
-
-
-def _excess(rows: list[PlannedRow]) -> int:
-    """How much wider than an eighth past its longest row a group's forward would be."""
-    longest = max(r.start + r.num_tokens for r in rows)
-    width = max(r.start for r in rows) + max(r.num_tokens for r in rows)
-    return width - longest - longest // 8
+            groups.append(([row], [row.start, end]))
+    return [members for members, _ in groups]
