@@ -20,11 +20,11 @@ class SchedulerConfig:
     prefill_chunk: int = 2048   # most prompt tokens one request computes in a step
     # hand a step to the device after the previous step's tokens are applied and posted to the
     # streams, not before: the event loop then writes them while this thread waits in
-    # mx.async_eval (which releases the GIL) instead of competing with its Python. On MLX's CUDA
-    # backend async_eval returns about when the device is done, so host work outside it is
-    # device idle time either way (docs/notes, the engine-alone run on CUDA); off until an A/B
-    # on CUDA says otherwise (a CPU's device idles while it waits: keep it off there)
-    dispatch_late: bool = False
+    # mx.async_eval (which releases the GIL) instead of competing with its Python for it. On
+    # MLX's CUDA backend async_eval returns about when the device is done, so this thread's
+    # Python outside it is device idle time, and the event loop's would add to it. Unset: on a
+    # GPU (measured there, docs/notes round 30); off on a CPU, whose device idles while it waits
+    dispatch_late: Optional[bool] = None
     # seconds a waiting request may be overtaken by more urgent `priority` ones; past it, it
     # goes first (bounded starvation); None: strict priority
     max_wait_s: Optional[float] = 30.0
@@ -44,6 +44,11 @@ class SchedulerConfig:
     # milliseconds (inbox, schedule, launch, apply, drain), to line a burst's steps up with its
     # request lines (core/step_trace.py); a diagnostic, off by default
     step_trace: bool = False
+
+    def late_dispatch(self, on_gpu: bool) -> bool:
+        """Whether the engine hands a step to the device only after posting the previous one's
+        tokens (scheduler.dispatch_late; unset: on a GPU)."""
+        return on_gpu if self.dispatch_late is None else self.dispatch_late
 
     def arrival_gap_s(self, device: str) -> float:
         """The gap an idle engine on `device` (its name, e.g. "Device(gpu, 0)") waits for."""

@@ -87,7 +87,9 @@ class Step:
         self.prefill_chunk = cfg.scheduler.prefill_chunk
         self.bind_metrics()
         self.caching = prompt_cache is not None   # off: persist puts nothing (kernel warm-up)
-        self.dispatch_late = cfg.scheduler.dispatch_late   # the engine loop calls dispatch
+        # the engine loop calls dispatch (unset: on a GPU)
+        self.dispatch_late = cfg.scheduler.late_dispatch(
+            on_gpu=mx.default_device().type == mx.DeviceType.gpu)
 
     def _room(self, plan: StepPlan, rid: str, hit: int) -> int:
         """Tokens a hit row's KV makes room for: up to its next prompt-chunk boundary (the

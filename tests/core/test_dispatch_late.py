@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
+
+from pipeserve.core.config import SchedulerConfig
+
 from pipeserve.grammar.constraint import Constraint, GrammarCompiler
 from pipeserve.core.stream import RequestStream
 from tests.core.test_batching import EOS_OFF, LENGTHS, PROMPTS, wait_idle
@@ -40,7 +44,9 @@ def _run(h) -> list[object]:
 
 
 def test_late_dispatch_gives_the_default_orders_tokens(engine_factory) -> None:
-    expected = _run(engine_factory("scheduler.max_batch=8"))
+    early = engine_factory("scheduler.max_batch=8", "scheduler.dispatch_late=false")
+    assert not early.engine.step.dispatch_late
+    expected = _run(early)
     late = engine_factory("scheduler.max_batch=8", "scheduler.dispatch_late=true")
     assert late.engine.step.dispatch_late
     got = _run(late)
@@ -50,3 +56,15 @@ def test_late_dispatch_gives_the_default_orders_tokens(engine_factory) -> None:
     assert all(abs(a - b) < 1e-3 for a, b in zip(got[-1], expected[-1]))
     assert 0 < len(got[-2]) < 12   # the constrained row followed its choice to the end
     wait_idle(late)
+
+
+def test_unset_it_is_on_for_a_gpu_and_off_for_a_cpu(engine_factory) -> None:
+    """The default follows the device: on MLX's CUDA backend the event loop's writes then run
+    inside async_eval; a CPU's device would idle while it waits."""
+    unset = SchedulerConfig()
+    assert unset.dispatch_late is None
+    assert unset.late_dispatch(on_gpu=True) and not unset.late_dispatch(on_gpu=False)
+    assert not SchedulerConfig(dispatch_late=False).late_dispatch(on_gpu=True)
+    assert SchedulerConfig(dispatch_late=True).late_dispatch(on_gpu=False)
+    h = engine_factory("scheduler.max_batch=8")   # this suite's MLX runs on the CPU
+    assert h.engine.step.dispatch_late is (mx.default_device().type == mx.DeviceType.gpu)
