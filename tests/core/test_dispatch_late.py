@@ -1,7 +1,7 @@
 """scheduler.dispatch_late: a step goes to the device only after the previous step's tokens
-are applied and posted. Same tokens as the default order for rows that join, finish at
-different steps, sample with seeds and logprobs, follow a grammar (a sync step) and are
-cancelled; the engine drains to nothing held."""
+are applied and posted (a GPU's default). Same tokens as the early order (a CPU's) for rows
+that join, finish at different steps, sample with seeds and logprobs, follow a grammar (a sync
+step) and are cancelled; the engine drains to nothing held."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,8 @@ import asyncio
 import mlx.core as mx
 
 from pipeserve.core.config import SchedulerConfig
-
-from pipeserve.grammar.constraint import Constraint, GrammarCompiler
 from pipeserve.core.stream import RequestStream
+from pipeserve.grammar.constraint import Constraint, GrammarCompiler
 from tests.core.test_batching import EOS_OFF, LENGTHS, PROMPTS, wait_idle
 
 
