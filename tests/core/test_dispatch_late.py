@@ -42,7 +42,7 @@ def _run(h) -> list[object]:
     return asyncio.run(go())
 
 
-def test_late_dispatch_gives_the_default_orders_tokens(engine_factory) -> None:
+def test_late_dispatch_gives_the_early_orders_tokens(engine_factory) -> None:
     early = engine_factory("scheduler.max_batch=8", "scheduler.dispatch_late=false")
     assert not early.engine.step.dispatch_late
     expected = _run(early)
