@@ -85,6 +85,11 @@ def test_sweep_writes_a_plot_of_its_own_numbers(tmp_path: Path, model_cache: Pat
     assert all(v > 0 and not math.isnan(v) for v in drawn)
     # the sweep's rows are also in the cumulative table
     assert {r["agg_tok_s"] for r in table} <= {r["agg_tok_s"] for r in rows(tmp_path / "results.csv")}
+    # each job's server appends to one log, so every job's burst is on record (a later job's
+    # server once replaced the earlier ones' lines)
+    log = (tmp_path / "pipeserve.log").read_text()
+    assert log.count("- request ") == sum(int(r["streams"]) for r in table), \
+        "a job's request lines are missing"   # bench.warmup=false: the timed requests alone
 
 
 @pytest.mark.slow

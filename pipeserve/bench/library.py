@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeserve.bench.config import BenchConfig, Row
 from pipeserve.bench.server import ROOT
-from pipeserve.bench.tables import _write
+from pipeserve.bench.tables import _write, sweep_continues
 from pipeserve.bench.workload import _prompts
 from pipeserve.config import ServeConfig
 
@@ -168,7 +168,8 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
                          capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=b.timeout_s)
     name = f"engine-alone-{b.streams}" + ("-spread" if spread_s else "")
-    (out / f"{name}.log").write_text(res.stderr)   # step lines where traced
+    with open(out / f"{name}.log", "a" if sweep_continues() else "w") as log:
+        log.write(res.stderr)   # step lines where traced; a sweep's jobs one after another
     got = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     reps = [g for g in got if g.get("what") == "engine alone"]
     # bench.requests_per_stream batches in a row, as each stream's requests go through HTTP:

@@ -42,7 +42,7 @@ from pipeserve.bench.server import (
     _with_children,
     thread_cpu,
 )
-from pipeserve.bench.tables import _new_tables, _row, _write
+from pipeserve.bench.tables import _new_tables, _row, _write, sweep_continues
 from pipeserve.bench.workload import _prompts, _single, _words, drive
 from pipeserve.config import load_config, register_configs
 from pipeserve.model.cache import release_mlx_buffers
@@ -146,7 +146,8 @@ def run_bench(raw: DictConfig) -> list[Row]:
         port = _free_port()
         peer = Process([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
                         "--host", "127.0.0.1", "--port", str(port), "--temp", "0",
-                        "--max-tokens", str(b.max_tokens)], out / "mlx_lm_server.log")
+                        "--max-tokens", str(b.max_tokens)], out / "mlx_lm_server.log",
+                       append=sweep_continues())
         try:
             peer.wait_http(f"http://127.0.0.1:{port}/health")
             m = asyncio.run(drive(f"http://127.0.0.1:{port}", str(model_dir), b, eos_bias))
@@ -192,7 +193,8 @@ def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
     """pipeserve launched as `serve`, driven with the bench's load: its row."""
     b = cfg.bench
     launch, env, others = _ranks(cfg, b, serve, out)   # distributed≠none: b.ranks on 127.0.0.1
-    ours = Process([*launch, *serve], out / _log_name(target), group=bool(launch), env=env)
+    ours = Process([*launch, *serve], out / _log_name(target), group=bool(launch), env=env,
+                   append=sweep_continues())   # a sweep's jobs, one after another in one log
     try:
         ours.wait_http(f"http://127.0.0.1:{port}/health")
         m = asyncio.run(drive(f"http://127.0.0.1:{port}", cfg.model.name, b, eos_bias, adapters,

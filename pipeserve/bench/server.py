@@ -89,8 +89,8 @@ class Process:
     """A server we start and stop by its own PID."""
 
     def __init__(self, args: list[str], log_path: Path, group: bool = False,
-                 env: dict[str, str] | None = None) -> None:
-        self.log = open(log_path, "wb")
+                 env: dict[str, str] | None = None, append: bool = False) -> None:
+        self.log = open(log_path, "ab" if append else "wb")
         self.group = group   # mlx.launch and its ranks: a process group of their own
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=group, env=env)

@@ -33,12 +33,18 @@ SUMMARY = ["target", "workload", "streams", "requests", "output_tokens", "agg_to
            "stream_tok_s_p50", "ttft_p50_s", "ttft_p95_s", "itl_p50_ms", "errors"]
 
 
+def sweep_continues() -> bool:
+    """Whether this job is a -m sweep's second or later: it adds to the files the sweep's first
+    job started (the tables, and the server and engine-alone logs) instead of replacing them."""
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN and hc.job.num > 0
+
+
 def _new_tables(out: Path) -> None:
     """A run starts its own results.csv / results.md; the jobs of one -m sweep share them
     (the first job starts them)."""
-    from hydra.types import RunMode
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN or hc.job.num == 0:
+    if not sweep_continues():
         for name in ("results.csv", "results.md"):
             (out / name).unlink(missing_ok=True)
 
