@@ -72,3 +72,16 @@ def test_the_prompt_copies_after_a_prefill_are_their_own_part(engine_factory, ca
     drained = [s for s in trace if "drain" in s["parts"]]
     assert drained, trace
     assert all(s["parts"]["drain"] > 0 for s in drained), drained
+
+
+def test_a_part_that_ran_is_named_however_short(caplog) -> None:
+    """A step in flight applied in a few microseconds still shows `apply`: its line once left
+    it out under 0.05 ms, as if nothing had been applied (a full-suite run read it so)."""
+    from pipeserve.core.step_trace import StepTrace
+    caplog.set_level(logging.INFO, logger="pipeserve.steps")
+    tr = StepTrace()
+    tr.begin()
+    tr.mark("apply")
+    tr.end(rows=1, prompt_rows=0, tokens=0, taken=0)
+    (line,) = steps(caplog)
+    assert "apply" in line["parts"] and line["parts"]["apply"] >= 0
