@@ -45,8 +45,8 @@ def test_one_request_is_a_point_on_a_readable_axis() -> None:
     assert bench_plots.latency_xlim([0.0, 12.0])[1] >= 12.0
 
 
-def run_bench(out: Path, model_cache: Path, *args: str) -> str:
-    res = subprocess.run([sys.executable, "bench.py", *args, *QUICK, f"bench.out={out}",
+def run_bench(out: Path, model_cache: Path, *args: str, quick: list[str] = QUICK) -> str:
+    res = subprocess.run([sys.executable, "bench.py", *args, *quick, f"bench.out={out}",
                           f"model.cache_dir={model_cache}", f"hydra.sweep.dir={out}/sweep",
                           f"hydra.run.dir={out}/run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -209,3 +209,24 @@ def test_quantize_bits_serves_every_target_the_4_bit_copy(tmp_path: Path,
                           f"hydra.run.dir={tmp_path}/bad"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode != 0 and "bench.quantize_bits must be one of" in res.stderr + res.stdout
+
+
+
+@pytest.mark.slow
+def test_the_batch_generator_takes_prompts_longer_than_one_argument_holds(
+        tmp_path: Path, model_cache: Path) -> None:
+    """48 prompts of 500 control characters are 144 KB of JSON, more than Linux lets one
+    argument hold (128 KiB); a 128-stream burst of 620-token prompts is 144 KB. The
+    BatchGenerator reads its prompts from stdin, so such a burst gets its library row (the
+    bench failed with E2BIG before). Each character is one token of the tiny model's
+    tokenizer and six bytes of JSON, so the model reads few tokens."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("\x01" * 500)
+    run_bench(tmp_path, model_cache, "bench.streams=48", f"bench.prompt_file={prompt}",
+              "bench.max_tokens=2", "bench.batch_generator=true", "scheduler.max_batch=48",
+              "admission.max_queue=64", quick=["model=tiny", "bench.warmup=false",
+                                               "bench.bare_loop=false"])
+    table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
+    library = table["mlx-lm BatchGenerator"]
+    assert int(library["requests"]) == 48 and int(library["output_tokens"]) == 48 * 2
+    assert float(library["prompt_tokens"]) == float(table["pipeserve"]["prompt_tokens"]) == 500

@@ -38,7 +38,8 @@ print(json.dumps({"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
 
 BATCH_GEN = r"""
 import sys, time, json
-path, prompts, n, mode = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+# the prompts on stdin: 128 streams of 620-token prompts overflow one argument (128 KiB)
+path, prompts, n, mode = sys.argv[1], json.load(sys.stdin), int(sys.argv[2]), sys.argv[3]
 if mode == "served":
     from pipeserve.model.config import ModelConfig, ComputeDType
     from pipeserve.model.loader import _cast_weights
@@ -47,7 +48,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 model, tok = load(path)
 if mode == "served":
-    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[5])))
+    _cast_weights(model, ModelConfig(compute_dtype=ComputeDType(sys.argv[4])))
 ids = [tok.encode(p) for p in prompts]
 def run(batch, max_tokens):
     # no stop tokens: every row runs to max_tokens, as bench.py's clients do (EOS suppressed)
@@ -191,9 +192,10 @@ def _batch_generator(b: BenchConfig, cfg: ServeConfig, model_dir: Path) -> Row:
     library's batched rate with no server, HTTP or detokenizing around it, computing in the
     dtype pipeserve serves (model.compute_dtype; on a GPU that is the checkpoint's)."""
     prompts = _prompts(b)
-    res = subprocess.run([sys.executable, "-c", BATCH_GEN, str(model_dir), json.dumps(prompts),
+    res = subprocess.run([sys.executable, "-c", BATCH_GEN, str(model_dir),
                           str(b.max_tokens), "served", cfg.model.compute_dtype.value],
-                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=b.timeout_s)
+                         input=json.dumps(prompts), capture_output=True, text=True, check=True,
+                         cwd=ROOT, timeout=b.timeout_s)
     r = json.loads(res.stdout.strip().splitlines()[-1])
     row = Row("mlx-lm BatchGenerator", b.workload, b.streams, len(prompts), r["tokens"],
               round(r["wall"], 2), round(r["tokens"] / r["wall"], 2), float("nan"),
