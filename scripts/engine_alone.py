@@ -157,7 +157,9 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
     from pipeserve.core.events import Failed, Finished, TokenDelta
     from pipeserve.request import PromptInput, Request, SamplingParams
     from pipeserve.core.stream import RequestStream
+    from pipeserve.bench import host
     loop = asyncio.get_running_loop()
+    probe, steal0 = host.probe_ms(), host.steal_s()
     t0 = time.perf_counter()
 
     async def one(i: int, ids: list[int]) -> tuple[float, float, int, int, float]:
@@ -195,7 +197,9 @@ async def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int,
             if single[1] > single[0] else None,
             "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
             "ttft_p95_s": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 4),
-            "ttft_last_s": round(got[-1][0] - got[-1][4], 4)}   # the last one submitted
+            "ttft_last_s": round(got[-1][0] - got[-1][4], 4),   # the last one submitted
+            "host_steal": round((host.steal_s() - steal0) / (end - t0), 3),
+            "host_probe_ms": probe}
 
 
 def library(model_dir: Path, prompts_by_n: dict[int, list[list[int]]], max_tokens: int,

@@ -163,7 +163,8 @@ def test_one_call_times_the_thread_core_and_the_process_core(tmp_path: Path,
 def test_the_engine_alone_again_with_the_http_bursts_arrivals(tmp_path: Path,
                                                                model_cache: Path) -> None:
     """bench.engine_alone_spread=true: after the engine-alone row, one more whose streams
-    arrive over as long as the server's log says the timed HTTP burst took to arrive."""
+    arrive over as long as the server's log says the timed HTTP burst took to arrive. Every
+    row says what the host was doing while it was timed."""
     out = run_bench(tmp_path, model_cache, "bench.streams=8", "bench.engine_alone=true",
                     "bench.engine_alone_spread=true")
     table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
@@ -171,6 +172,9 @@ def test_the_engine_alone_again_with_the_http_bursts_arrivals(tmp_path: Path,
                            "pipeserve engine alone, HTTP's arrivals"], out[-2000:]
     for row in table.values():
         assert int(row["requests"]) == 8 and int(row["output_tokens"]) == 8 * 6
+        # the host each was timed on: CPUs the hypervisor took meanwhile, one core's speed
+        assert 0 <= float(row["host_steal"]) < 64 and float(row["host_probe_ms"]) > 0, row
+    assert re.search(r"the host: [\d.]+ CPUs stolen, probe [\d.]+ ms", out), out[-2000:]
     said = re.search(r"the engine alone with HTTP's arrivals: 8 streams over ([\d.]+) s "
                      r"\(pipeserve.log\)", out)
     assert said is not None, out[-2000:]

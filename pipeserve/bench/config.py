@@ -102,6 +102,8 @@ class Row:
     kv_bytes_per_token: float = float("nan")  # the server's pipeserve_kv_bytes_per_token gauge
     errors: int = 0                         # requests the server failed (error event)
     decode_full_tok_s: float = float("nan")  # all streams' tokens while every stream decodes
+    host_steal: float = float("nan")        # CPUs' worth the hypervisor took over the timed part
+    host_probe_ms: float = float("nan")     # bench/host.py's fixed loop just before it: 1-core speed
 
 
 @dataclass

@@ -184,6 +184,8 @@ def _engine_alone(b: BenchConfig, overrides: list[str], model_dir: Path,
               statistics.median(r["ttft_p50_s"] for r in reps),
               max(r["ttft_p95_s"] for r in reps), float("nan"), float("nan"), float("nan"))
     row.prompt_tokens = statistics.mean(reps[0]["prompt_tokens"])
+    row.host_steal = statistics.median(r["host_steal"] for r in reps)
+    row.host_probe_ms = statistics.median(r["host_probe_ms"] for r in reps)
     return row
 
 

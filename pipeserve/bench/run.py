@@ -201,7 +201,9 @@ def _pipeserve(cfg: Any, serve: list[str], out: Path, port: int, target: str,
                               cpu=lambda: thread_cpu(ours.proc.pid)))
         print(f"bench: {target}, CPU over the timed part, share of its wall: "
               + ", ".join(f"{k} {v:.3f}" for k, v in m["cpu"].items())
-              + f"; the client sent its requests over {m['send_spread_s']:.3f} s", flush=True)
+              + f"; the client sent its requests over {m['send_spread_s']:.3f} s; the host: "
+              + f"{m['host_steal']:.3f} CPUs stolen, probe {m['host_probe_ms']:.1f} ms",
+              flush=True)
         kv = _gauge(f"http://127.0.0.1:{port}", "pipeserve_kv_bytes_per_token")
         added = [o for o in serve if o == "server.isolate=true" and o not in overrides]
         pids = _with_children(ours.proc.pid) if added else [ours.proc.pid]

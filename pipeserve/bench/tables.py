@@ -26,7 +26,8 @@ def _row(target: str, b: BenchConfig, m: dict[str, Any], rss: float, overrides: 
                round(m.get("prefill", float("nan")), 1),
                round(m.get("decode_agg", float("nan")), 2), proposed, accepted,
                round(accepted / proposed, 3) if proposed else float("nan"), kv_bytes,
-               m.get("errors", 0), round(m.get("decode_full", float("nan")), 2))
+               m.get("errors", 0), round(m.get("decode_full", float("nan")), 2),
+               round(m.get("host_steal", float("nan")), 3), m.get("host_probe_ms", float("nan")))
 
 
 SUMMARY = ["target", "workload", "streams", "requests", "output_tokens", "agg_tok_s",

@@ -17,6 +17,7 @@ except ImportError:   # the base install has no bench client
              "pip install -e '.[bench]'")
 import orjson
 
+from pipeserve.bench import host
 from pipeserve.bench.config import BenchConfig
 from pipeserve.model.tiny.text import CORPUS
 
@@ -176,12 +177,13 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
                     print(f"bench: {done}/{total} requests, {time.perf_counter() - t0:.1f} s",
                           flush=True)
             return out
-        cpu0, mine0 = (cpu() if cpu else {}), time.thread_time()
+        probe = host.probe_ms()   # before the load: the client's loop is idle
+        cpu0, mine0, steal0 = (cpu() if cpu else {}), time.thread_time(), host.steal_s()
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(stream(k) for k in range(b.streams)))
                    for r in rs]
         wall = time.perf_counter() - t0
-        cpu1, mine1 = (cpu() if cpu else {}), time.thread_time()
+        cpu1, mine1, steal1 = (cpu() if cpu else {}), time.thread_time(), host.steal_s()
     shares = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
     shares["client loop"] = (mine1 - mine0) / wall
     failed = [r["error"] for r in results if r.get("error")]
@@ -213,6 +215,7 @@ async def drive(base_url: str, model: str, b: BenchConfig, eos_bias: dict[str, f
     sent = [r["sent"] for r in results if r.get("sent") is not None]
     send_spread = max(sent) - min(sent) if sent else 0.0
     return {"cpu": shares, "send_spread_s": send_spread, "lengths": lengths,
+            "host_steal": (steal1 - steal0) / wall, "host_probe_ms": probe,
             "per_request": per_request, "requests": len(results), "errors": len(failed),
             "tokens": tokens, "wall": wall, "ttft": ttft, "itl": itl,
             "per_stream": per_stream, "decode_agg": decode_agg, "decode_full": decode_full,
