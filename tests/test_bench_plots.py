@@ -222,13 +222,14 @@ def test_the_batch_generator_takes_prompts_longer_than_one_argument_holds(
     """48 prompts of 500 control characters are 144 KB of JSON, more than Linux lets one
     argument hold (128 KiB); a 128-stream burst of 620-token prompts is 144 KB. The
     BatchGenerator reads its prompts from stdin, so such a burst gets its library row (the
-    bench failed with E2BIG before). Each character is one token of the tiny model's
+    bench failed with E2BIG before). Each character is one token of the generated models'
     tokenizer and six bytes of JSON, so the model reads few tokens."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("\x01" * 500)
     run_bench(tmp_path, model_cache, "bench.streams=48", f"bench.prompt_file={prompt}",
               "bench.max_tokens=2", "bench.batch_generator=true", "scheduler.max_batch=48",
-              "admission.max_queue=64", quick=["model=tiny", "bench.warmup=false",
+              "admission.max_queue=64", quick=["model=tiny", "model.size=tiny",
+                                               "model.dtype=float32", "bench.warmup=false",
                                                "bench.bare_loop=false"])
     table = {r["target"]: r for r in rows(tmp_path / "results.csv")}
     library = table["mlx-lm BatchGenerator"]
