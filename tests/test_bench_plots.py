@@ -235,3 +235,23 @@ def test_the_batch_generator_takes_prompts_longer_than_one_argument_holds(
     library = table["mlx-lm BatchGenerator"]
     assert int(library["requests"]) == 48 and int(library["output_tokens"]) == 48 * 2
     assert float(library["prompt_tokens"]) == float(table["pipeserve"]["prompt_tokens"]) == 500
+
+
+def test_a_burst_of_128_long_prompts_are_128_prompts_sharing_no_prefix() -> None:
+    """bench's prompts are each request's own: a 128-stream burst of 620-token prompts had
+    26 distinct ones, so on a server with a prompt cache 102 of them were cache hits (round
+    32's H100 burst read 610-618 cached tokens of 619), against an engine alone computing
+    every one. Now no two share more than their first word, each as many words as asked."""
+    from pipeserve.bench.config import BenchConfig
+    from pipeserve.bench.workload import _prompts
+
+    for workload in ("single", "concurrent", "distinct"):
+        prompts = _prompts(BenchConfig(streams=128, prompt_words=205, workload=workload))
+        assert len(set(prompts)) == 128, workload
+        seen: dict[tuple[str, str], int] = {}
+        for i, p in enumerate(prompts):   # the first two words of no two prompts agree
+            key = tuple(p.split()[:2])
+            assert key not in seen, (workload, i, seen.get(key), key)
+            seen[key] = i
+    lengths = {len(p.split()) for p in _prompts(BenchConfig(streams=128, prompt_words=205))}
+    assert lengths == {205}

@@ -3,6 +3,7 @@ connection per stream), and what each request measured."""
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import sys
 import time
@@ -32,8 +33,17 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+# steps through WORDS that visit every word (coprime with its 26): 12 orders of it
+STRIDES = [k for k in range(1, len(WORDS)) if math.gcd(k, len(WORDS)) == 1]
+
+
 def _words(n: int, offset: int) -> str:
-    return " ".join(WORDS[(offset + j) % len(WORDS)] for j in range(n))
+    """n words of WORDS from `offset`, in order for offsets below 26; each next 26 offsets step
+    through it by another stride. So up to 312 prompts are distinct and no two share more than
+    their first word: a burst's later requests cannot hit the prompt cache on an earlier one's
+    prompt (with one order, request 26 repeated request 0 and 128 streams had 26 prompts)."""
+    stride = STRIDES[(offset // len(WORDS)) % len(STRIDES)]
+    return " ".join(WORDS[(offset + j * stride) % len(WORDS)] for j in range(n))
 
 
 REPEATED = "The cat sat on the mat and looked at the door. "
