@@ -240,7 +240,7 @@ def test_the_batch_generator_takes_prompts_longer_than_one_argument_holds(
 def test_a_burst_of_128_long_prompts_are_128_prompts_sharing_no_prefix() -> None:
     """bench's prompts are each request's own: a 128-stream burst of 620-token prompts had
     26 distinct ones, so on a server with a prompt cache 102 of them were cache hits (round
-    32's H100 burst read 610-618 cached tokens of 619), against an engine alone computing
+    32's H100 burst read 609-618 cached tokens of 610-621), against an engine alone computing
     every one. Now no two share more than their first word, each as many words as asked."""
     from pipeserve.bench.config import BenchConfig
     from pipeserve.bench.workload import _prompts
